@@ -1,0 +1,1 @@
+"""Inference engines the session server fronts: the emulated SGLang engine and a real-SGLang launcher."""

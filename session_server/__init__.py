@@ -1,0 +1,1 @@
+"""The session server: a Starlette app that proxies OpenAI chat to SGLang with token-in-token-out trajectories."""

@@ -1,0 +1,57 @@
+"""The offline tokenizer directories load like real checkpoints, round-trip text and render chat templates."""
+
+from __future__ import annotations
+
+import pytest
+
+SPECIALS = {
+    "qwen3": ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
+    "deepseek": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                 "<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>"],
+}
+TEXTS = ["hello world", "naïve café – 東京 🚀", "def f(x):\n    return {\"a\": [1, 2.5, None]}\n", "  spaced  \t\n"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek"])
+def test_round_trip(hf_tokenizers, family):
+    tok = hf_tokenizers[family]
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids and tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek"])
+def test_special_tokens_are_single_ids(hf_tokenizers, family):
+    tok = hf_tokenizers[family]
+    for special in SPECIALS[family]:
+        ids = tok.encode(special, add_special_tokens=False)
+        assert len(ids) == 1, (special, ids)
+        assert tok.decode(ids) == special
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek"])
+def test_chat_template_renders_tools_and_roles(hf_tokenizers, family):
+    tok = hf_tokenizers[family]
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": "{\"e\": \"2+2\"}"}}]},
+        {"role": "tool", "content": "4"},
+    ]
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert "Be brief." in text and "2+2?" in text and "calc" in text and "4" in text
+    assert text.endswith("<|im_start|>assistant\n" if family == "qwen3" else "<｜Assistant｜>")
+
+
+def test_qwen3_template_drops_earlier_reasoning(hf_tokenizers):
+    """The hard case TITO exists for: re-rendering history loses the reasoning the model generated."""
+    tok = hf_tokenizers["qwen3"]
+    messages = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1", "reasoning_content": "secret plan"},
+        {"role": "user", "content": "q2"},
+    ]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "secret plan" not in text
