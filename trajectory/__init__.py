@@ -2,3 +2,49 @@
 
 No I/O and no asyncio here: everything is a function of its inputs, so it is tested with hypothesis directly.
 """
+
+from . import errors
+from .engine_output import GenerateResult, decode_generate_response
+from .errors import error_body
+from .families import ModelFamily, ParsedCompletion, ToolCall, family_names, get_family, register_family
+from .linear import Checkpoint, LinearTrajectory, TurnPlan, TurnRecord
+from .messages import MATCHER_NAMES, MessageMatcher, normalize_messages, normalize_tools
+from .samples import (
+    Sample,
+    build_merged_sample,
+    build_turn_samples,
+    samples_from_json,
+    samples_from_safetensors,
+    samples_to_json,
+    samples_to_safetensors,
+    truncate_sample,
+)
+
+__all__ = [
+    "MATCHER_NAMES",
+    "Checkpoint",
+    "GenerateResult",
+    "LinearTrajectory",
+    "MessageMatcher",
+    "ModelFamily",
+    "ParsedCompletion",
+    "Sample",
+    "ToolCall",
+    "TurnPlan",
+    "TurnRecord",
+    "build_merged_sample",
+    "build_turn_samples",
+    "decode_generate_response",
+    "error_body",
+    "errors",
+    "family_names",
+    "get_family",
+    "normalize_messages",
+    "normalize_tools",
+    "register_family",
+    "samples_from_json",
+    "samples_from_safetensors",
+    "samples_to_json",
+    "samples_to_safetensors",
+    "truncate_sample",
+]

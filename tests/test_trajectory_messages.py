@@ -1,0 +1,109 @@
+"""Message normalisation, the matcher policies, and the error hierarchy's HTTP mapping."""
+
+from __future__ import annotations
+
+import pytest
+
+from trajectory import MessageMatcher, errors, normalize_messages, normalize_tools
+from trajectory.errors import RequestValidationError, error_body
+
+
+def test_normalisation_canonicalises_equivalent_shapes():
+    messages = normalize_messages([
+        {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        {"role": "user", "content": "hi", "name": "bob", "extra": 1},
+        {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+            {"index": 0, "id": "c0", "type": "function", "function": {"name": "f", "arguments": {"ü": [1]}}}]},
+        {"role": "tool", "content": "ok", "tool_call_id": "c0"},
+        {"role": "assistant", "content": "done", "reasoning_content": "why", "tool_calls": []},
+    ])
+    assert messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi", "name": "bob"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "f", "arguments": '{"ü": [1]}'}}]},
+        {"role": "tool", "content": "ok", "tool_call_id": "c0"},
+        {"role": "assistant", "content": "done", "reasoning_content": "why"},
+    ]
+
+
+@pytest.mark.parametrize(("messages", "match"), [
+    ([], "non-empty list"),
+    ("hi", "non-empty list"),
+    (["hi"], r"messages\[0\] must be an object"),
+    ([{"content": "x"}], r"messages\[0\] has no role"),
+    ([{"role": "user", "content": "a"}, {"role": "robot", "content": "x"}], r"messages\[1\] has unknown role 'robot'"),
+    ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be a string"),
+    ([{"role": "user"}], r"messages\[0\] \(user\) has no content"),
+    ([{"role": "tool", "tool_call_id": "c"}], r"messages\[0\] \(tool\) has no content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"content\[0\]: only text parts"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": ""}}]}], r"name must be a non-empty"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}],
+     "arguments must be a JSON string"),
+    ([{"role": "assistant", "content": "", "tool_calls": "f"}], "tool_calls must be a list"),
+    ([{"role": "assistant", "content": "", "reasoning_content": 1}], "reasoning_content must be a string"),
+    ([{"role": "tool", "content": "x", "tool_call_id": 5}], "tool_call_id must be a string"),
+])
+def test_bad_messages_are_400_naming_the_message(messages, match):
+    with pytest.raises(RequestValidationError, match=match) as info:
+        normalize_messages(messages)
+    assert info.value.status == 400
+
+
+def test_tools_normalisation():
+    assert normalize_tools(None) is None and normalize_tools([]) is None
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert normalize_tools(tools) == tools
+    for bad in ("f", [{"type": "function"}], [{"function": {"name": 1}}]):
+        with pytest.raises(RequestValidationError):
+            normalize_tools(bad)
+
+
+def _assistant(**fields):
+    return normalize_messages([{"role": "assistant", **fields}])[0]
+
+
+def test_strict_matcher():
+    m = MessageMatcher("strict")
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    stored = _assistant(content="x", reasoning_content="r", tool_calls=[call])
+    assert m.equal(stored, _assistant(content="x", tool_calls=[{**call, "index": 0}]))  # reasoning not echoed
+    assert m.equal(stored, _assistant(content="x", reasoning_content="r", tool_calls=[call]))
+    assert not m.equal(stored, _assistant(content="x", reasoning_content="other", tool_calls=[call]))
+    assert not m.equal(stored, _assistant(content="y", tool_calls=[call]))
+    assert not m.equal(stored, _assistant(content="x", tool_calls=[{**call, "id": "d"}]))
+    assert not m.equal(stored, _assistant(content="x", tool_calls=[]))
+    assert not m.equal(stored, _assistant(content="x", tool_calls=[
+        {**call, "function": {"name": "f", "arguments": '{"a":1}'}}]))
+    assert m.equal(_assistant(content=None), _assistant(content=""))
+    assert m.common_prefix([stored, stored], [stored, _assistant(content="z")]) == 1
+
+
+def test_loose_matcher_compares_arguments_as_json():
+    m = MessageMatcher("loose_tool_call")
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1, "b": [2]}'}}
+    stored = _assistant(content="", tool_calls=[call])
+    assert m.equal(stored, _assistant(tool_calls=[{**call, "function": {"name": "f", "arguments": '{"b":[2],"a":1}'}}]))
+    assert not m.equal(stored, _assistant(tool_calls=[{**call, "function": {"name": "f", "arguments": '{"a": 2}'}}]))
+    assert not m.equal(stored, _assistant(tool_calls=[{**call, "function": {"name": "f", "arguments": "{bad"}}]))
+
+
+@pytest.mark.parametrize(("cls", "status"), [
+    (errors.RequestValidationError, 400), (errors.RollbackLimitError, 400), (errors.TemplateError, 400),
+    (errors.SessionNotFoundError, 404), (errors.SessionBusyError, 409), (errors.InvariantError, 500),
+    (errors.TokenizationError, 500), (errors.UpstreamError, 502), (errors.EngineUnavailableError, 502),
+    (errors.SessionPausedError, 503),
+])
+def test_error_statuses_and_body(cls, status):
+    err = cls("what went wrong")
+    assert err.status == status and isinstance(err, errors.SessionError)
+    body = error_body(err)["error"]
+    assert (body["message"], body["type"], body["code"]) == ("what went wrong", cls.code, status)
+
+
+def test_error_details():
+    assert error_body(errors.UpstreamError("bad", rule="token_range"))["error"]["rule"] == "token_range"
+    assert errors.SessionPausedError("paused", retry_after=5).retry_after == 5
+    assert issubclass(errors.RollbackLimitError, errors.RequestValidationError)
+    assert error_body(KeyError("secret internals")) == {
+        "error": {"message": "internal server error", "type": "internal_error", "code": 500}}

@@ -1,0 +1,137 @@
+"""TITO properties over random multi-turn agent episodes, for every family, with real tokenizers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tito_support import Reply, Turn, conversations, generate
+
+from trajectory import LinearTrajectory, ModelFamily, build_merged_sample, build_turn_samples, get_family
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def families(hf_tokenizers) -> dict[str, ModelFamily]:
+    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
+
+
+def play(family: ModelFamily, tools: Any, turns: list[Turn], traj: LinearTrajectory | None = None) -> dict[str, Any]:
+    """Run the episode; return what the engine saw and sampled per turn, for checking against the trajectory."""
+    traj = traj or LinearTrajectory(family)
+    seen = {"traj": traj, "plans": [], "prompts": [], "completions": [], "logprobs": [], "requests": []}
+    for k, turn in enumerate(turns):
+        request = [*traj.messages, *turn.appended]
+        plan = traj.prepare(request, tools)
+        result, reply = generate(family, plan, turn.reply, rid=f"r{k}")
+        traj.commit(plan, result, reply)
+        for key, value in (("plans", plan), ("prompts", plan.prompt_ids.copy()), ("requests", request),
+                           ("completions", result.output_ids.copy()), ("logprobs", result.logprobs.copy())):
+            seen[key].append(value)
+    return seen
+
+
+def canonical_prompt(family: ModelFamily, messages: list[dict], tools: Any) -> list[int]:
+    return family.encode(family.render(messages, tools, add_generation_prompt=True))
+
+
+def _check_episode(family: ModelFamily, seen: dict[str, Any], append_stable: bool) -> None:
+    traj = seen["traj"]
+    for k in range(1, len(seen["plans"])):
+        plan, previous = seen["plans"][k], np.concatenate([seen["prompts"][k - 1], seen["completions"][k - 1]])
+        # The next prompt starts with everything the engine saw and sampled, minus at most the trimmed stop.
+        keep = len(previous) - plan.trimmed
+        assert plan.trimmed <= family.max_trim_tokens
+        assert plan.trimmed == 0 or previous[-1] in family.stop_token_ids[1:]
+        assert plan.new_token_start == keep and plan.rolled_back == 0
+        assert np.array_equal(plan.prompt_ids[:keep], previous[:keep])
+        if append_stable:  # the incremental prompt is exactly the canonical full render
+            assert plan.prompt_ids.tolist() == canonical_prompt(family, seen["requests"][k], plan.tools)
+    first = seen["plans"][0]
+    assert first.new_token_start == 0
+    assert first.prompt_ids.tolist() == canonical_prompt(family, seen["requests"][0], first.tools)
+
+    # Per-turn samples are exactly what each turn saw and sampled, even after later trims.
+    for k, sample in enumerate(build_turn_samples(traj)):
+        prompt, completion = seen["prompts"][k], seen["completions"][k]
+        assert sample.tokens.tolist() == [*prompt.tolist(), *completion.tolist()]
+        assert sample.loss_mask.tolist() == [0] * len(prompt) + [1] * len(completion)
+        assert np.array_equal(sample.rollout_log_probs[len(prompt):], seen["logprobs"][k])
+        assert not sample.rollout_log_probs[: len(prompt)].any()
+
+    # Merged sample: the last turn's tokens, mask 1 exactly on tokens sampled and still present.
+    merged = build_merged_sample(traj)
+    assert np.array_equal(merged.tokens, np.concatenate([seen["prompts"][-1], seen["completions"][-1]]))
+    expected_mask = np.zeros(len(merged.tokens), dtype=np.uint8)
+    expected_lp = np.zeros(len(merged.tokens), dtype=np.float32)
+    for k, plan in enumerate(seen["plans"]):
+        start, n = len(plan.prompt_ids), len(seen["completions"][k])
+        end = start + n - (seen["plans"][k + 1].trimmed if k + 1 < len(seen["plans"]) else 0)
+        expected_mask[start:end] = 1
+        expected_lp[start:end] = seen["logprobs"][k][: end - start]
+        if k + 1 < len(seen["plans"]):
+            assert np.array_equal(merged.tokens[start:end], seen["completions"][k][: end - start])
+    assert np.array_equal(merged.loss_mask, expected_mask)
+    assert np.array_equal(merged.rollout_log_probs, expected_lp)
+    assert merged.response_length == len(merged.tokens) - len(seen["prompts"][0])
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@SETTINGS
+@given(data=st.data())
+def test_incremental_prompts_extend_what_the_engine_saw(families, name, data):
+    family = families[name]
+    tools, turns = data.draw(conversations(family, reasoning=True))
+    _check_episode(family, play(family, tools, turns), append_stable=False)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@SETTINGS
+@given(data=st.data())
+def test_incremental_prompt_equals_canonical_render_when_append_stable(families, name, data):
+    """Without reasoning both templates are append-stable: TITO's anchor/boundary cut must be exact."""
+    family = families[name]
+    tools, turns = data.draw(conversations(family, reasoning=False))
+    _check_episode(family, play(family, tools, turns), append_stable=True)
+
+
+def _state(traj: LinearTrajectory) -> dict[str, Any]:
+    out = traj.to_dict()
+    out.update(logprobs=traj.logprobs.tolist(), loss_mask=traj.loss_mask.tolist())
+    for key in ("version", "nbytes"):
+        out.pop(key)
+    for record in out["records"]:
+        record.pop("rolled_back")  # the only intended difference
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@SETTINGS
+@given(data=st.data())
+def test_rollback_restores_the_earlier_state_exactly(families, name, data):
+    """Rolling back the last turn then committing == never having generated it, then committing."""
+    family = families[name]
+    tools, turns = data.draw(conversations(family, reasoning=True, max_turns=3))
+    rolled = play(family, tools, turns)["traj"]
+    replayed = play(family, tools, turns[:-1])["traj"]
+    retry = Turn(appended=[*turns[-1].appended], reply=data.draw(st.sampled_from([
+        Reply("Retried answer"), Reply("", "Think again", (("f", '{"a": [1, "ü"]}'),), stop="length"),
+    ])))
+    base_messages = rolled.messages[: rolled.checkpoints[-2].num_messages] if len(turns) > 1 else []
+    if data.draw(st.booleans()):  # the agent edits its last message instead of re-sending it
+        retry.appended[-1] = {**retry.appended[-1], "content": retry.appended[-1]["content"] + " (edited)"}
+    request = [*base_messages, *retry.appended]
+    plan_rolled, plan_replayed = rolled.prepare(request, tools), replayed.prepare(request, tools)
+    assert plan_rolled.rolled_back == 1 and plan_replayed.rolled_back == 0
+    assert np.array_equal(plan_rolled.prompt_ids, plan_replayed.prompt_ids)
+    assert plan_rolled.new_token_start == plan_replayed.new_token_start
+    for traj, plan in ((rolled, plan_rolled), (replayed, plan_replayed)):
+        result, reply = generate(family, plan, retry.reply, rid="retry")
+        traj.commit(plan, result, reply)
+    assert _state(rolled) == _state(replayed)
+    for a, b in zip(build_turn_samples(rolled), build_turn_samples(replayed), strict=True):
+        assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.rollout_log_probs, b.rollout_log_probs)

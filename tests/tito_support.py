@@ -1,0 +1,129 @@
+"""Test support for the trajectory tests: an in-process stand-in for the engine and hypothesis strategies.
+
+The "engine" generates exactly what the real emulated engine does: the family's formatted completion,
+tokenized, plus a stop token, wrapped in a native `/generate` body that goes through the real strict
+decoder. Strategies keep generated text free of template markers, since a model that writes
+`<tool_call>` inside its prose is a different test (see the malformed-call examples).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import strategies as st
+
+from trajectory import GenerateResult, ModelFamily, TurnPlan, decode_generate_response
+
+STOPS = ("eos", "alt", "length")
+
+
+def engine_body(ids: list[int], logprobs: list[float] | None = None, *, finish: dict[str, Any] | None = None,
+                prompt_tokens: int = 0, text: str = "", rid: str = "rid-0", **meta: Any) -> dict[str, Any]:
+    """A well-formed native /generate response body (a dict, to be corrupted or serialised by the test)."""
+    logprobs = [-0.25] * len(ids) if logprobs is None else logprobs
+    return {
+        "text": text,
+        "output_ids": list(ids),
+        "meta_info": {
+            "id": rid,
+            "finish_reason": finish or {"type": "stop", "matched": ids[-1] if ids else None},
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids, strict=True)],
+            "weight_version": "w0",
+            "e2e_latency": 0.01,
+            **meta,
+        },
+    }
+
+
+@dataclass(frozen=True)
+class Reply:
+    content: str
+    reasoning: str | None = None
+    tool_calls: tuple[tuple[str, str], ...] = ()
+    stop: str = "eos"  # "eos": template stop token, "alt": another stop token, "length": no stop token
+
+
+def generate(family: ModelFamily, plan: TurnPlan, reply: Reply, rid: str) -> tuple[GenerateResult, dict[str, Any]]:
+    """Simulate one engine call for `plan` and return the validated result and the reply message."""
+    text = family.format_completion(reply.content, reply.reasoning, list(reply.tool_calls))
+    ids = family.encode(text)
+    if reply.stop == "eos":
+        ids.append(family.eos_token_id)
+        finish: dict[str, Any] = {"type": "stop", "matched": family.eos_token_id}
+    elif reply.stop == "alt":
+        ids.append(family.stop_token_ids[-1])
+        finish = {"type": "stop", "matched": family.stop_token_ids[-1]}
+    else:
+        finish = {"type": "length", "length": len(ids)}
+    logprobs = [-(i % 7) / 8 - 0.01 for i in range(len(ids))]
+    body = engine_body(ids, logprobs, finish=finish, prompt_tokens=len(plan.prompt_ids), text=text, rid=rid)
+    result = decode_generate_response(json.dumps(body).encode(), family.vocab_size)
+    return result, family.parse_completion(text).to_message(f"call_{rid}")
+
+
+# -- strategies ---------------------------------------------------------------------------------------------
+_ALPHABET = st.characters(codec="utf-8", exclude_categories=("Cs", "Cc"), exclude_characters="<>|｜`\\")
+# Starts with a letter: the generated text follows the assistant header's "\n", and leading whitespace
+# would let the canonical tokenization merge across that boundary (a tokenizer property, not TITO's).
+TEXT = st.builds(lambda head, tail: head + tail, st.sampled_from("AbcXyzé東"), st.text(_ALPHABET, max_size=24))
+MESSAGE_TEXT = st.text(_ALPHABET, min_size=1, max_size=30).filter(lambda s: s.strip() == s)
+JSON_VALUE = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False, width=32)
+    | st.text(_ALPHABET, max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(_ALPHABET, max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+ARGUMENTS = st.dictionaries(st.text(_ALPHABET, max_size=8), JSON_VALUE, max_size=3).map(
+    lambda obj: json.dumps(obj, ensure_ascii=False)
+)
+TOOL_NAME = st.from_regex(r"[a-z][a-z0-9_]{0,11}", fullmatch=True)
+
+
+def replies(family: ModelFamily, reasoning: bool) -> st.SearchStrategy[Reply]:
+    stops = STOPS if family.max_trim_tokens else ("eos", "length")
+    return st.builds(
+        Reply,
+        content=TEXT | st.just(""),
+        reasoning=(st.none() | TEXT) if reasoning else st.none(),
+        tool_calls=st.lists(st.tuples(TOOL_NAME, ARGUMENTS), max_size=3).map(tuple),
+        stop=st.sampled_from(stops),
+    )
+
+
+@dataclass
+class Turn:
+    """Messages the agent appends before a generation, then the model's reply."""
+
+    appended: list[dict[str, Any]]
+    reply: Reply
+
+
+@st.composite
+def conversations(draw: st.DrawFn, family: ModelFamily, reasoning: bool, max_turns: int = 4) -> tuple[Any, list[Turn]]:
+    """(tools, turns): a random multi-turn agent episode valid for `family`."""
+    tools = draw(st.none() | st.lists(TOOL_NAME, min_size=1, max_size=2, unique=True).map(
+        lambda names: [{"type": "function", "function": {"name": n, "description": "d",
+                                                          "parameters": {"type": "object"}}} for n in names]
+    ))
+    turns: list[Turn] = []
+    n_turns = draw(st.integers(1, max_turns))
+    previous: Reply | None = None
+    for k in range(n_turns):
+        appended: list[dict[str, Any]] = []
+        if k == 0 and draw(st.booleans()):
+            appended.append({"role": "system", "content": draw(MESSAGE_TEXT)})
+        if previous is not None and previous.tool_calls:
+            for i, _ in enumerate(previous.tool_calls):
+                appended.append({"role": "tool", "content": draw(MESSAGE_TEXT), "tool_call_id": f"call_r{k - 1}_{i}"})
+        if previous is not None and "system" in family.appendable_roles and draw(st.integers(0, 4)) == 0:
+            appended.append({"role": "system", "content": draw(MESSAGE_TEXT)})
+        if not appended or appended[-1]["role"] != "tool" or draw(st.booleans()):
+            appended.append({"role": "user", "content": draw(MESSAGE_TEXT)})
+        previous = draw(replies(family, reasoning))
+        turns.append(Turn(appended=appended, reply=previous))
+    return tools, turns

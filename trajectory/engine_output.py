@@ -1,0 +1,161 @@
+"""Strict, fast decoding of SGLang's native `/generate` response (DESIGN.md 5.3).
+
+Nothing the engine says is recorded before it passes these rules, because a bad token id or a NaN
+logprob silently poisons a training batch. The schema is a set of typed msgspec Structs, so type
+rules (int-not-bool, finite numbers, 2-or-3-item entries, the finish-reason shapes) are enforced in C
+while decoding, and the routed-experts payload (often megabytes) is kept as raw bytes, never parsed.
+Per-token Python work is limited to the completion tokens; cross-field rules run on numpy arrays.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+
+from .errors import UpstreamError
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Stop(msgspec.Struct, tag_field="type", tag="stop"):
+    matched: int | str | None = None
+
+
+class _Length(msgspec.Struct, tag_field="type", tag="length"):
+    length: int
+
+
+class _Abort(msgspec.Struct, tag_field="type", tag="abort"):
+    message: str | None
+
+
+class _LogprobEntry(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """`[logprob, token_id]` or `[logprob, token_id, token_text_or_null]`."""
+
+    logprob: float
+    token_id: int
+    text: str | None = None
+
+
+class _MetaInfo(msgspec.Struct):
+    finish_reason: _Stop | _Length | _Abort
+    prompt_tokens: NonNegative
+    completion_tokens: NonNegative
+    output_token_logprobs: list[_LogprobEntry]
+    cached_tokens: NonNegative = 0
+    id: str | None = None
+    weight_version: str | int | None = None
+    e2e_latency: float | None = None
+    routed_experts: msgspec.Raw = msgspec.Raw(b"")
+
+
+class _GenerateResponse(msgspec.Struct):
+    text: str
+    output_ids: list[int]
+    meta_info: _MetaInfo
+
+
+_DECODER = msgspec.json.Decoder(_GenerateResponse)
+_PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
+# Which DESIGN 5.3 rule a schema failure breaks, by the JSON path msgspec reports (first match wins).
+_RULES_BY_PATH: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^\.meta_info\.output_token_logprobs\[\d+\]\[0\]"), "logprob_value"),
+    (re.compile(r"^\.meta_info\.output_token_logprobs\[\d+\]\[1\]"), "token_id_type"),
+    (re.compile(r"^\.meta_info\.output_token_logprobs\[\d+\]"), "logprob_entry"),
+    (re.compile(r"^\.meta_info\.output_token_logprobs"), "output_token_logprobs"),
+    (re.compile(r"^\.meta_info\.finish_reason"), "finish_reason"),
+    (re.compile(r"^\.meta_info\.completion_tokens"), "completion_tokens"),
+    (re.compile(r"^\.meta_info$"), "meta_info"),
+    (re.compile(r"^\.output_ids"), "output_ids"),
+)
+
+
+def _schema_rule(message: str) -> str:
+    match = _PATH.search(message)
+    path = match.group(1) if match else ""
+    if not match and "length" in message:  # msgspec omits the path for "array of at most length N"
+        return "logprob_entry"
+    for pattern, rule in _RULES_BY_PATH:
+        if pattern.search(path):
+            return rule
+    return "schema"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """A validated engine result: everything needed to commit a turn and answer the client."""
+
+    text: str
+    output_ids: np.ndarray       # int32, includes the stop token when there is one
+    logprobs: np.ndarray         # float32, aligned with output_ids
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    weight_version: str | int | None = None
+    e2e_latency: float | None = None
+    rid: str | None = None
+    routed_experts: bytes | None = None  # raw JSON text of the replay payload, never parsed here
+
+
+def _finish_reason(reason: _Stop | _Length | _Abort) -> dict[str, Any]:
+    if isinstance(reason, _Stop):
+        return {"type": "stop", "matched": reason.matched}
+    if isinstance(reason, _Length):
+        return {"type": "length", "length": reason.length}
+    return {"type": "abort", "message": reason.message}
+
+
+def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
+    """Decode and validate one `/generate` body; raise UpstreamError(rule=...) on the first broken rule."""
+    try:
+        response = _DECODER.decode(body)
+    except msgspec.ValidationError as exc:
+        raise UpstreamError(f"engine response breaks the schema: {exc}", rule=_schema_rule(str(exc))) from None
+    except msgspec.DecodeError as exc:  # includes NaN/Infinity literals, which are not JSON
+        raise UpstreamError(f"engine response is not valid JSON: {exc}", rule="json") from None
+    meta = response.meta_info
+    entries = meta.output_token_logprobs
+    n = meta.completion_tokens
+    if len(entries) != n or len(response.output_ids) != n:
+        raise UpstreamError(
+            f"engine response lengths disagree: completion_tokens={n}, output_ids={len(response.output_ids)}, "
+            f"output_token_logprobs={len(entries)}",
+            rule="length_mismatch",
+        )
+    token_ids = [e.token_id for e in entries]
+    with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf, caught just below
+        logprobs = np.array([e.logprob for e in entries], dtype=np.float32)
+    finite = np.isfinite(logprobs)
+    if not finite.all():  # also catches float64 values that overflow float32
+        i = int(np.flatnonzero(~finite)[0])
+        raise UpstreamError(f"output_token_logprobs[{i}] has a non-finite logprob", rule="logprob_value")
+    if n and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        i = next(i for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+        raise UpstreamError(
+            f"output_token_logprobs[{i}] token id {token_ids[i]} is outside [0, {vocab_size})", rule="token_range"
+        )
+    if token_ids != response.output_ids:
+        i = next(i for i, (a, b) in enumerate(zip(token_ids, response.output_ids, strict=True)) if a != b)
+        raise UpstreamError(
+            f"output_token_logprobs[{i}] token id {token_ids[i]} != output_ids[{i}] {response.output_ids[i]}",
+            rule="token_mismatch",
+        )
+    raw_experts = bytes(meta.routed_experts)
+    return GenerateResult(
+        text=response.text,
+        output_ids=np.array(token_ids, dtype=np.int32),
+        logprobs=logprobs,
+        finish_reason=_finish_reason(meta.finish_reason),
+        prompt_tokens=meta.prompt_tokens,
+        completion_tokens=n,
+        cached_tokens=meta.cached_tokens,
+        weight_version=None if meta.weight_version is None else str(meta.weight_version),
+        e2e_latency=meta.e2e_latency,
+        rid=meta.id,
+        routed_experts=raw_experts if raw_experts and raw_experts != b"null" else None,
+    )

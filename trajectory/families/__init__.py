@@ -1,0 +1,17 @@
+"""Model families: chat template, stop-token rules, appendable roles and completion parsers."""
+
+from .base import ModelFamily, ParsedCompletion, ToolCall
+from .deepseek import DeepSeekFamily
+from .qwen3 import Qwen3Family
+from .registry import family_names, get_family, register_family
+
+__all__ = [
+    "DeepSeekFamily",
+    "ModelFamily",
+    "ParsedCompletion",
+    "Qwen3Family",
+    "ToolCall",
+    "family_names",
+    "get_family",
+    "register_family",
+]

@@ -1,0 +1,93 @@
+"""DeepSeek-style family: `<｜User｜>`/`<｜Assistant｜>` turns, `<think>` reasoning, special-token tool calls.
+
+The model stops on `<｜end▁of▁sentence｜>`, which is also what the template writes after an assistant
+message, with nothing after it: a stored completion never needs trimming (max_trim 0). The template
+allows a system message only first, so only user and tool messages can be appended.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+
+from .base import ModelFamily, ParsedCompletion, ToolCall, tool_call_from_json
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+CALLS_END = "<｜tool▁calls▁end｜>"
+CALL_BEGIN = "<｜tool▁call▁begin｜>"
+CALL_END = "<｜tool▁call▁end｜>"
+TOOL_SEP = "<｜tool▁sep｜>"
+_SECTION = re.compile(re.escape(CALLS_BEGIN) + r"(.*?)" + re.escape(CALLS_END), re.DOTALL)
+_CALL = re.compile(
+    re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(TOOL_SEP) + r"(.*?)\n```json\n(.*?)\n```" + re.escape(CALL_END),
+    re.DOTALL,
+)
+
+
+def _parse_call(kind: str, name: str, arguments: str) -> ToolCall | None:
+    if kind != "function":
+        return None
+    try:
+        obj = json.loads(arguments)
+    except ValueError:
+        return None
+    return tool_call_from_json(name, obj)
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """`<think>R</think>C` -> (R, C); an unterminated block (cut by length) is all reasoning."""
+    if not text.startswith(THINK_OPEN):
+        return None, text
+    end = text.find(THINK_CLOSE)
+    if end < 0:
+        return text[len(THINK_OPEN):], ""
+    return text[len(THINK_OPEN):end], text[end + len(THINK_CLOSE):]
+
+
+class DeepSeekFamily(ModelFamily):
+    name = "deepseek"
+    eos_token = "<｜end▁of▁sentence｜>"
+    message_trailer = ""
+    assistant_header = "<｜Assistant｜>"
+    appendable_roles = frozenset({"user", "tool"})
+
+    def parse_completion(self, text: str) -> ParsedCompletion:
+        reasoning, rest = split_reasoning(text)
+        pieces: list[str] = []
+        calls: list[ToolCall] = []
+        pos = 0
+        for section in _SECTION.finditer(rest):
+            inner = section.group(1)
+            found: list[ToolCall] = []
+            leftovers: list[str] = []  # malformed calls and stray text stay in the content verbatim
+            inner_pos = 0
+            for match in _CALL.finditer(inner):
+                call = _parse_call(*match.groups())
+                if call is None:
+                    continue
+                leftovers.append(inner[inner_pos:match.start()])
+                found.append(call)
+                inner_pos = match.end()
+            if not found:
+                continue
+            leftovers.append(inner[inner_pos:])
+            pieces.append(rest[pos:section.start()])
+            pieces.extend(leftovers)
+            calls.extend(found)
+            pos = section.end()
+        pieces.append(rest[pos:])
+        return ParsedCompletion(content="".join(pieces), reasoning_content=reasoning, tool_calls=calls)
+
+    def format_completion(self, content: str, reasoning_content: str | None,
+                          tool_calls: Sequence[tuple[str, str]]) -> str:
+        parts = [] if reasoning_content is None else [f"{THINK_OPEN}{reasoning_content}{THINK_CLOSE}"]
+        parts.append(content)
+        if tool_calls:
+            parts.append(CALLS_BEGIN)
+            for name, arguments in tool_calls:
+                parts.append(f"{CALL_BEGIN}function{TOOL_SEP}{name}\n```json\n{arguments}\n```{CALL_END}")
+            parts.append(CALLS_END)
+        return "".join(parts)

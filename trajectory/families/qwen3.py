@@ -1,0 +1,76 @@
+"""Qwen3: ChatML with Qwen's own template, `<think>` reasoning and `<tool_call>` JSON tool calls.
+
+The template drops earlier turns' reasoning once a newer user query exists, which is exactly why TITO
+keeps the generated tokens instead of re-rendering history. The model may stop on `<|endoftext|>` while
+the template closes messages with `<|im_end|>`, so one stored stop token may be replaced (max_trim 1).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+
+from .base import ModelFamily, ParsedCompletion, ToolCall, tool_call_from_json
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+_TOOL_CALL = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.DOTALL)
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    return tool_call_from_json(obj.get("name"), obj.get("arguments"))
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """`<think>\\nR\\n</think>\\n\\nC` -> (R, C); an unterminated block (cut by length) is all reasoning."""
+    if not text.startswith(THINK_OPEN):
+        return None, text
+    end = text.find(THINK_CLOSE)
+    if end < 0:
+        return text[len(THINK_OPEN):].removeprefix("\n"), ""
+    reasoning = text[len(THINK_OPEN):end].removeprefix("\n").removesuffix("\n")
+    rest = text[end + len(THINK_CLOSE):]
+    rest = rest[2:] if rest.startswith("\n\n") else rest.removeprefix("\n")
+    return reasoning, rest
+
+
+class Qwen3Family(ModelFamily):
+    name = "qwen3"
+    eos_token = "<|im_end|>"
+    extra_stop_tokens = ("<|endoftext|>",)
+    message_trailer = "\n"
+    assistant_header = "<|im_start|>assistant\n"
+    appendable_roles = frozenset({"user", "tool", "system"})
+
+    def parse_completion(self, text: str) -> ParsedCompletion:
+        reasoning, rest = split_reasoning(text)
+        pieces: list[str] = []
+        calls: list[ToolCall] = []
+        pos = 0
+        for match in _TOOL_CALL.finditer(rest):
+            call = _parse_call(match.group(1))
+            if call is None:  # malformed: stays in the content verbatim
+                continue
+            pieces.append(rest[pos:match.start()].removesuffix("\n"))  # the separator the template writes
+            calls.append(call)
+            pos = match.end()
+        pieces.append(rest[pos:])
+        return ParsedCompletion(content="".join(pieces), reasoning_content=reasoning, tool_calls=calls)
+
+    def format_completion(self, content: str, reasoning_content: str | None,
+                          tool_calls: Sequence[tuple[str, str]]) -> str:
+        # Mirrors the template's assistant rendering byte for byte, so a generated turn is append-stable.
+        parts = [] if reasoning_content is None else [f"{THINK_OPEN}\n{reasoning_content}\n{THINK_CLOSE}\n\n"]
+        parts.append(content)
+        for i, (name, arguments) in enumerate(tool_calls):
+            if i or content:
+                parts.append("\n")
+            parts.append(f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>')
+        return "".join(parts)

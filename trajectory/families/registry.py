@@ -1,0 +1,30 @@
+"""Family registry: a new family is one module plus one entry here (or a `register_family` call)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import ModelFamily
+from .deepseek import DeepSeekFamily
+from .qwen3 import Qwen3Family
+
+_FAMILIES: dict[str, type[ModelFamily]] = {cls.name: cls for cls in (Qwen3Family, DeepSeekFamily)}
+
+
+def register_family(cls: type[ModelFamily]) -> type[ModelFamily]:
+    """Make `cls` available under `cls.name`; usable as a class decorator by out-of-tree families."""
+    _FAMILIES[cls.name] = cls
+    return cls
+
+
+def family_names() -> tuple[str, ...]:
+    return tuple(sorted(_FAMILIES))
+
+
+def get_family(name: str, tokenizer: Any) -> ModelFamily:
+    """Bind family `name` to an already-loaded tokenizer (loading it is the caller's I/O)."""
+    try:
+        cls = _FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown model family {name!r}; known: {', '.join(family_names())}") from None
+    return cls(tokenizer)

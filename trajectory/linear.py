@@ -1,0 +1,269 @@
+"""A session's linear trajectory: messages, generated checkpoints, stored tokens and per-turn records.
+
+The server works in two steps because the engine call happens in between, without the session state
+being locked for its duration: `prepare` is pure (it decides rollback and builds the prompt, mutating
+nothing, so a failed or aborted engine call leaves no trace) and `commit` applies rollback and append
+atomically, after validating everything, once a validated engine result is in hand. `version` ties the
+two: a plan built against an older state can never be committed.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from .buffer import TokenBuffer
+from .engine_output import GenerateResult
+from .errors import InvariantError, RequestValidationError, RollbackLimitError, SessionError
+from .families.base import ModelFamily
+from .messages import Message, MessageMatcher, normalize_message, normalize_messages, normalize_tools
+from .tito import continuation_ids, first_turn_ids
+
+_REPORT_MAX_SEGMENTS = 32
+_REPORT_MAX_TEXT = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """State after a generated turn: how many messages (reply included) and tokens it covers."""
+
+    num_messages: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnPlan:
+    """Everything `commit` needs, computed without touching the trajectory."""
+
+    prompt_ids: np.ndarray          # int32, read-only: the engine's input_ids
+    messages: list[Message]         # the normalised request messages
+    tools: list[dict[str, Any]] | None
+    base_checkpoints: int           # checkpoints kept
+    rolled_back: int                # checkpoints dropped
+    new_token_start: int            # stored ids reused as the prompt's head (0 on a full render)
+    trimmed: int                    # stored tail tokens replaced (a non-template stop token)
+    version: int                    # trajectory version the plan was built against
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.prompt_ids) - self.new_token_start
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord:
+    """What one generated turn produced; kept for samples, replay and GET /sessions/{id}."""
+
+    rid: str | None
+    prompt_len: int
+    completion_len: int
+    finish_reason: dict[str, Any]
+    cached_tokens: int
+    prompt_tokens: int
+    weight_version: str | None
+    message: Message                 # the assistant reply as stored
+    trimmed: int = 0                 # tokens of the previous turn this prompt replaced
+    rolled_back: int = 0
+    e2e_latency: float | None = None
+    # The completion's last tokens, so the turn stays reconstructible after a later turn trims them.
+    tail_ids: tuple[int, ...] = ()
+    tail_logprobs: tuple[float, ...] = ()
+    routed_experts: bytes | None = field(default=None, repr=False)
+
+    @property
+    def last_completion_token(self) -> int | None:
+        return self.tail_ids[-1] if self.tail_ids else None
+
+    def to_dict(self, include_routed_experts: bool = False) -> dict[str, Any]:
+        out = {
+            "rid": self.rid, "prompt_len": self.prompt_len, "completion_len": self.completion_len,
+            "finish_reason": self.finish_reason, "cached_tokens": self.cached_tokens,
+            "prompt_tokens": self.prompt_tokens, "weight_version": self.weight_version, "message": self.message,
+            "trimmed": self.trimmed, "rolled_back": self.rolled_back, "e2e_latency": self.e2e_latency,
+            "routed_experts_bytes": len(self.routed_experts or b""),
+        }
+        if include_routed_experts:
+            out["routed_experts"] = msgspec.json.decode(self.routed_experts) if self.routed_experts else None
+        return out
+
+
+class LinearTrajectory:
+    """One episode's append-only history with bounded rollback; see the module docstring for the protocol."""
+
+    def __init__(self, family: ModelFamily, max_rollback: int = 1, matcher: str = "strict") -> None:
+        if max_rollback < 0:
+            raise ValueError("max_rollback must be >= 0")
+        self.family = family
+        self.max_rollback = max_rollback
+        self.matcher = MessageMatcher(matcher)
+        self.version = 0
+        self.messages: list[Message] = []
+        self.tools: list[dict[str, Any]] | None = None
+        self.checkpoints: list[Checkpoint] = []
+        self.records: list[TurnRecord] = []
+        self._buffer = TokenBuffer()
+
+    # -- stored tokens ---------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return self._buffer.size
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self._buffer.ids
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return self._buffer.logprobs
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        return self._buffer.mask
+
+    @property
+    def nbytes(self) -> int:
+        return self._buffer.nbytes
+
+    def turn_tokens(self, turn: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, logprobs) of turn `turn`'s prompt + completion exactly as the engine saw and sampled them.
+
+        Logprobs are 0.0 over the prompt. A later turn may have replaced this turn's final stop token; the
+        record keeps it, so the sample is restored here.
+        """
+        record = self.records[turn]
+        end = record.prompt_len + record.completion_len
+        ids = self._buffer.ids[:end].copy()
+        logprobs = self._buffer.logprobs[:end].copy()
+        logprobs[: record.prompt_len] = 0.0
+        if turn + 1 < len(self.records) and (trimmed := self.records[turn + 1].trimmed):
+            ids[end - trimmed:] = record.tail_ids[-trimmed:]
+            logprobs[end - trimmed:] = record.tail_logprobs[-trimmed:]
+        return ids, logprobs
+
+    # -- prepare / commit ------------------------------------------------------------------------------
+    def prepare(self, messages: Any, tools: Any = None) -> TurnPlan:
+        """Match the request against the history, decide rollback and build the prompt. Mutates nothing."""
+        msgs = normalize_messages(messages)
+        tools = normalize_tools(tools)
+        matched = self.matcher.common_prefix(self.messages, msgs) if tools == self.tools else 0
+        keep = sum(1 for c in self.checkpoints if c.num_messages <= matched)
+        dropped = len(self.checkpoints) - keep
+        if dropped > self.max_rollback:
+            raise RollbackLimitError(
+                f"history diverges at message {matched}; rolling back {dropped} turns exceeds "
+                f"max_rollback={self.max_rollback}"
+            )
+        if keep == 0:
+            prompt = first_turn_ids(self.family, msgs, tools)
+            trim = reused = 0
+        else:
+            base = self.checkpoints[keep - 1]
+            trim, new_ids = continuation_ids(
+                self.family, self.records[keep - 1].last_completion_token, msgs[base.num_messages:], tools
+            )
+            reused = base.num_tokens - trim
+            prompt = np.concatenate([self._buffer.ids[:reused], new_ids])
+        prompt.flags.writeable = False
+        return TurnPlan(prompt_ids=prompt, messages=msgs, tools=tools, base_checkpoints=keep, rolled_back=dropped,
+                        new_token_start=reused, trimmed=trim, version=self.version)
+
+    def _check_plan(self, plan: TurnPlan, result: GenerateResult) -> int:
+        """Validate everything before mutating; returns how many stored tokens the commit keeps."""
+        if plan.version != self.version:
+            raise InvariantError(f"stale plan: built against version {plan.version}, trajectory is at {self.version}")
+        if plan.base_checkpoints + plan.rolled_back != len(self.checkpoints):
+            raise InvariantError("plan checkpoints do not match the trajectory")
+        if not 0 <= plan.trimmed <= self.family.max_trim_tokens:
+            raise InvariantError(f"plan trims {plan.trimmed} tokens; family {self.family.name} allows "
+                                 f"{self.family.max_trim_tokens}")
+        base_tokens = self.checkpoints[plan.base_checkpoints - 1].num_tokens if plan.base_checkpoints else 0
+        keep = base_tokens - plan.trimmed
+        prompt = plan.prompt_ids
+        if len(prompt) < keep or not np.array_equal(prompt[:keep], self._buffer.ids[:keep]):
+            raise InvariantError(f"stored ids[:{keep}] are not a prefix of the prompt ({len(prompt)} tokens)")
+        if len(result.output_ids) != len(result.logprobs):
+            raise InvariantError("engine result has misaligned output ids and logprobs")
+        return keep
+
+    def commit(self, plan: TurnPlan, result: GenerateResult, reply_message: dict[str, Any]) -> TurnRecord:
+        """Apply the plan's rollback and append prompt tail + completion as a new checkpoint, atomically."""
+        keep = self._check_plan(plan, result)
+        try:
+            reply = normalize_message(len(plan.messages), reply_message)
+        except RequestValidationError as exc:
+            raise InvariantError(f"invalid reply message: {exc.message}") from exc
+        if reply["role"] != "assistant":
+            raise InvariantError(f"reply message has role {reply['role']!r}, expected 'assistant'")
+        n_out = len(result.output_ids)
+        tail = max(1, self.family.max_trim_tokens)
+        record = TurnRecord(
+            rid=result.rid, prompt_len=len(plan.prompt_ids), completion_len=n_out,
+            finish_reason=result.finish_reason, cached_tokens=result.cached_tokens,
+            prompt_tokens=result.prompt_tokens, weight_version=result.weight_version, message=reply,
+            trimmed=plan.trimmed, rolled_back=plan.rolled_back, e2e_latency=result.e2e_latency,
+            tail_ids=tuple(int(t) for t in result.output_ids[-tail:]) if n_out else (),
+            tail_logprobs=tuple(float(x) for x in result.logprobs[-tail:]) if n_out else (),
+            routed_experts=result.routed_experts,
+        )
+        # Everything is validated; from here on nothing can fail halfway.
+        self._buffer.truncate(keep)
+        self._buffer.append(plan.prompt_ids[keep:], None, sampled=False)
+        self._buffer.append(result.output_ids, result.logprobs, sampled=True)
+        del self.checkpoints[plan.base_checkpoints:]
+        del self.records[plan.base_checkpoints:]
+        self.messages = [*plan.messages, reply]
+        self.tools = plan.tools
+        self.checkpoints.append(Checkpoint(num_messages=len(self.messages), num_tokens=self._buffer.size))
+        self.records.append(record)
+        self.version += 1
+        return record
+
+    # -- inspection ------------------------------------------------------------------------------------
+    def mismatch_report(self) -> dict[str, Any]:
+        """Stored ids vs. a canonical re-render of the stored messages: where they differ and who wrote it.
+
+        Differences inside generated (loss-masked) tokens are expected (e.g. Qwen3 dropping earlier
+        reasoning, re-serialised tool arguments); differences in template glue point to a family bug.
+        """
+        stored = self._buffer.ids.tolist()
+        if not self.messages:
+            return {"equal": True, "stored_tokens": 0, "canonical_tokens": 0, "segments": [], "assistant_only": True}
+        try:
+            text = self.family.render(self.messages, self.tools, add_generation_prompt=False)
+        except SessionError as exc:
+            return {"error": exc.message}
+        text = text.removesuffix(self.family.message_trailer) if self.family.message_trailer else text
+        canonical = self.family.encode(text)
+        mask = self._buffer.mask
+        segments = []
+        matcher = difflib.SequenceMatcher(None, stored, canonical, autojunk=False)
+        for op, a0, a1, b0, b1 in matcher.get_opcodes():
+            if op == "equal":
+                continue
+            segments.append({
+                "op": op, "stored": [a0, a1], "canonical": [b0, b1],
+                "stored_text": self.family.decode(stored[a0:a1])[:_REPORT_MAX_TEXT],
+                "canonical_text": self.family.decode(canonical[b0:b1])[:_REPORT_MAX_TEXT],
+                # An insertion sits in generated text if a token next to it was generated.
+                "in_assistant": bool(mask[max(a0 - 1, 0):a1 + 1].any()) if a1 == a0 else bool(mask[a0:a1].any()),
+            })
+        return {
+            "equal": not segments, "stored_tokens": len(stored), "canonical_tokens": len(canonical),
+            "assistant_only": all(s["in_assistant"] for s in segments),
+            "num_segments": len(segments), "segments": segments[:_REPORT_MAX_SEGMENTS],
+        }
+
+    def to_dict(self, include_routed_experts: bool = False) -> dict[str, Any]:
+        """JSON-ready view for GET /sessions/{id} (no heavy payloads unless asked)."""
+        return {
+            "family": self.family.name, "version": self.version, "num_tokens": self.num_tokens,
+            "nbytes": self.nbytes, "max_rollback": self.max_rollback, "matcher": self.matcher.mode,
+            "messages": self.messages, "tools": self.tools,
+            "checkpoints": [{"num_messages": c.num_messages, "num_tokens": c.num_tokens} for c in self.checkpoints],
+            "records": [r.to_dict(include_routed_experts) for r in self.records],
+            "token_ids": self._buffer.ids.tolist(),
+        }
+

@@ -1,0 +1,176 @@
+"""Normalising OpenAI chat messages and deciding whether a request repeats the stored history.
+
+Agents echo history back in many equivalent shapes (content as parts, `None` vs `""`, tool-call `index`
+fields, dict arguments); normalising once at the boundary keeps every later comparison and template
+render simple. Matching decides append-only vs. rollback, so its notion of "equal" is a policy: see
+`MessageMatcher`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from .errors import RequestValidationError
+
+Message = dict[str, Any]
+MatcherName = Literal["strict", "loose_tool_call"]
+MATCHER_NAMES: tuple[str, ...] = ("strict", "loose_tool_call")
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+# OpenAI's newer name for the system role; chat templates only know "system".
+_ROLE_ALIASES = {"developer": "system"}
+
+
+def _content_text(index: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestValidationError(
+                    f"messages[{index}].content[{j}]: only text parts are supported, got {kind!r}"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise RequestValidationError(
+        f"messages[{index}].content must be a string or a list of text parts, got {type(content).__name__}"
+    )
+
+
+def _tool_call(index: int, j: int, call: Any) -> dict[str, Any]:
+    where = f"messages[{index}].tool_calls[{j}]"
+    if not isinstance(call, dict):
+        raise RequestValidationError(f"{where} must be an object")
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise RequestValidationError(f"{where}.function must be an object")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestValidationError(f"{where}.function.name must be a non-empty string")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, dict):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    elif not isinstance(arguments, str):
+        raise RequestValidationError(f"{where}.function.arguments must be a JSON string")
+    call_id = call.get("id") or ""
+    if not isinstance(call_id, str):
+        raise RequestValidationError(f"{where}.id must be a string")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def normalize_message(index: int, message: Any) -> Message:
+    """One canonical shape per message: str content, full tool-call dicts, no transport-only fields."""
+    if not isinstance(message, dict):
+        raise RequestValidationError(f"messages[{index}] must be an object, got {type(message).__name__}")
+    role = message.get("role")
+    if role is None:
+        raise RequestValidationError(f"messages[{index}] has no role")
+    role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+    if role not in ROLES:
+        raise RequestValidationError(f"messages[{index}] has unknown role {role!r}; expected one of {sorted(ROLES)}")
+    content = message.get("content")
+    out: Message = {"role": role}
+    if role == "assistant":
+        out["content"] = "" if content is None else _content_text(index, content)
+        reasoning = message.get("reasoning_content")
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise RequestValidationError(f"messages[{index}].reasoning_content must be a string")
+            out["reasoning_content"] = reasoning
+        calls = message.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise RequestValidationError(f"messages[{index}].tool_calls must be a list")
+            out["tool_calls"] = [_tool_call(index, j, call) for j, call in enumerate(calls)]
+        return out
+    if content is None:
+        raise RequestValidationError(f"messages[{index}] ({role}) has no content")
+    out["content"] = _content_text(index, content)
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if call_id is not None:
+            if not isinstance(call_id, str):
+                raise RequestValidationError(f"messages[{index}].tool_call_id must be a string")
+            out["tool_call_id"] = call_id
+    name = message.get("name")
+    if isinstance(name, str) and name:
+        out["name"] = name
+    return out
+
+
+def normalize_messages(messages: Any) -> list[Message]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestValidationError("messages must be a non-empty list")
+    return [normalize_message(i, m) for i, m in enumerate(messages)]
+
+
+def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """`None` and `[]` both mean "no tools" (templates render them identically)."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise RequestValidationError("tools must be a list")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+            raise RequestValidationError(f"tools[{i}] must be an object with a 'function' object")
+        name = tool["function"].get("name")
+        if not isinstance(name, str) or not name:
+            raise RequestValidationError(f"tools[{i}].function.name must be a non-empty string")
+    return tools
+
+
+def _same_arguments(a: str, b: str, loose: bool) -> bool:
+    if a == b:
+        return True
+    if not loose:
+        return False
+    try:
+        return json.loads(a) == json.loads(b)
+    except ValueError:
+        return False
+
+
+class MessageMatcher:
+    """Decides whether a request message repeats a stored one.
+
+    `strict`: role, content, tool calls (ids, names, argument text) equal; `None`/`""`/`[]` are equal and
+    tool-call `index` is ignored (normalisation takes care of both). `reasoning_content` is compared only
+    when the request carries it: OpenAI-SDK agents usually drop reasoning when they echo history, and a
+    missing field says nothing about what the model generated. `loose_tool_call` additionally accepts
+    tool-call arguments that are equal as parsed JSON (agents that re-serialise arguments).
+    """
+
+    def __init__(self, mode: str = "strict") -> None:
+        if mode not in MATCHER_NAMES:
+            raise ValueError(f"unknown message matcher {mode!r}; expected one of {MATCHER_NAMES}")
+        self.mode = mode
+        self._loose = mode == "loose_tool_call"
+
+    def equal(self, stored: Message, request: Message) -> bool:
+        if stored["role"] != request["role"] or stored.get("content", "") != request.get("content", ""):
+            return False
+        reasoning = request.get("reasoning_content")
+        if reasoning is not None and reasoning != (stored.get("reasoning_content") or ""):
+            return False
+        stored_calls = stored.get("tool_calls") or []
+        request_calls = request.get("tool_calls") or []
+        if len(stored_calls) != len(request_calls):
+            return False
+        for s, r in zip(stored_calls, request_calls, strict=True):
+            if s["id"] != r["id"] or s["function"]["name"] != r["function"]["name"]:
+                return False
+            if not _same_arguments(s["function"]["arguments"], r["function"]["arguments"], self._loose):
+                return False
+        return True
+
+    def common_prefix(self, stored: Sequence[Message], request: Sequence[Message]) -> int:
+        """Number of leading request messages that repeat the stored history."""
+        n = 0
+        for s, r in zip(stored, request, strict=False):
+            if not self.equal(s, r):
+                break
+            n += 1
+        return n

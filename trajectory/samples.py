@@ -1,0 +1,186 @@
+"""Training samples from a trajectory (DESIGN.md section 6), truncation, and their two wire encodings.
+
+All arrays of a sample have the same length as `tokens` (the loss mask and logprobs are not cut to the
+response), so a consumer never has to guess an offset; `response_length` counts the tokens after the
+first turn's prompt, so `x[-response_length:]` is the response part in slime/miles' convention.
+Decoders validate dtypes and shapes: a sample that reaches a trainer is well-formed or rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from .linear import LinearTrajectory
+
+STATUSES = ("completed", "truncated", "aborted")
+_FORMAT = "trajectory-samples/v1"
+_ARRAYS = (("tokens", np.int32), ("loss_mask", np.uint8), ("rollout_log_probs", np.float32))
+
+
+@dataclass(eq=False, slots=True)
+class Sample:
+    tokens: np.ndarray             # int32
+    loss_mask: np.ndarray          # uint8, 1 exactly on sampled tokens
+    rollout_log_probs: np.ndarray  # float32, 0.0 where loss_mask is 0
+    response_length: int
+    status: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = None
+        for name, dtype in _ARRAYS:
+            array = getattr(self, name)
+            if not isinstance(array, np.ndarray) or array.dtype != dtype or array.ndim != 1:
+                got = f"{array.dtype}{list(array.shape)}" if isinstance(array, np.ndarray) else type(array).__name__
+                raise ValueError(f"sample.{name} must be a 1-D {np.dtype(dtype).name} array, got {got}")
+            if n is not None and len(array) != n:
+                raise ValueError(f"sample.{name} has {len(array)} items, tokens has {n}")
+            n = len(array)
+        if self.loss_mask.size and self.loss_mask.max() > 1:
+            raise ValueError("sample.loss_mask must contain only 0 and 1")
+        if isinstance(self.response_length, bool) or not isinstance(self.response_length, int) \
+                or not 0 <= self.response_length <= len(self.tokens):
+            raise ValueError(f"sample.response_length {self.response_length!r} is not in [0, {len(self.tokens)}]")
+        if self.status not in STATUSES:
+            raise ValueError(f"sample.status {self.status!r} is not one of {STATUSES}")
+        if not isinstance(self.metadata, dict):
+            raise ValueError("sample.metadata must be a dict")
+
+
+def _status(finish_reason: dict[str, Any]) -> str:
+    return {"length": "truncated", "abort": "aborted"}.get(finish_reason.get("type"), "completed")
+
+
+def build_turn_samples(traj: LinearTrajectory, max_seq_len: int | None = None) -> list[Sample]:
+    """One sample per generated turn: that turn's prompt + completion, mask 1 only on its completion."""
+    samples = []
+    for k, record in enumerate(traj.records):
+        ids, logprobs = traj.turn_tokens(k)
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        mask[record.prompt_len:] = 1
+        sample = Sample(
+            tokens=ids, loss_mask=mask, rollout_log_probs=logprobs, response_length=record.completion_len,
+            status=_status(record.finish_reason),
+            metadata={"turn": k, "rid": record.rid, "finish_reason": record.finish_reason,
+                      "weight_version": record.weight_version, "prompt_len": record.prompt_len,
+                      "cached_tokens": record.cached_tokens},
+        )
+        samples.append(truncate_sample(sample, max_seq_len) if max_seq_len is not None else sample)
+    return samples
+
+
+def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) -> Sample:
+    """The last turn's tokens with every sampled token masked in; tool results and glue masked out."""
+    if not traj.records:
+        raise ValueError("the trajectory has no generated turn")
+    records = traj.records
+    sample = Sample(
+        tokens=traj.token_ids.copy(), loss_mask=traj.loss_mask.copy(), rollout_log_probs=traj.logprobs.copy(),
+        response_length=traj.num_tokens - records[0].prompt_len, status=_status(records[-1].finish_reason),
+        metadata={"num_turns": len(records), "turns": [[r.prompt_len, r.completion_len] for r in records],
+                  "rids": [r.rid for r in records], "weight_versions": [r.weight_version for r in records]},
+    )
+    return truncate_sample(sample, max_seq_len) if max_seq_len is not None else sample
+
+
+def truncate_sample(sample: Sample, max_seq_len: int) -> Sample:
+    """Cut to `max_seq_len` keeping whole turns: the first overflowing turn's response is cut, and if
+    nothing of it survives, its prompt goes too. The result is marked truncated."""
+    if max_seq_len <= 0:
+        raise ValueError("max_seq_len must be positive")
+    n = len(sample.tokens)
+    if n <= max_seq_len:
+        return sample
+    cut = max_seq_len
+    if not sample.loss_mask[cut - 1]:  # the cut lands in a prompt: end at the last whole response instead
+        sampled = np.flatnonzero(sample.loss_mask[:cut])
+        if sampled.size:
+            cut = int(sampled[-1]) + 1
+    prompt_len = n - sample.response_length
+    return Sample(
+        tokens=sample.tokens[:cut].copy(), loss_mask=sample.loss_mask[:cut].copy(),
+        rollout_log_probs=sample.rollout_log_probs[:cut].copy(), response_length=max(0, cut - prompt_len),
+        status="truncated", metadata={**sample.metadata, "truncated_from": n},
+    )
+
+
+# -- JSON -------------------------------------------------------------------------------------------------
+def samples_to_json(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    return [
+        {"tokens": s.tokens.tolist(), "loss_mask": s.loss_mask.tolist(),
+         "rollout_log_probs": s.rollout_log_probs.tolist(), "response_length": s.response_length,
+         "status": s.status, "metadata": s.metadata}
+        for s in samples
+    ]
+
+
+def _json_array(i: int, name: str, values: Any, dtype: type) -> np.ndarray:
+    kinds = (int,) if dtype is not np.float32 else (int, float)
+    if not isinstance(values, list) or not all(type(v) in kinds for v in values):
+        raise ValueError(f"samples[{i}].{name} must be a list of {'numbers' if len(kinds) > 1 else 'integers'}")
+    array = np.asarray(values, dtype=np.float64 if dtype is np.float32 else np.int64)
+    if dtype is not np.float32:
+        info = np.iinfo(dtype)
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise ValueError(f"samples[{i}].{name} has values outside the {np.dtype(dtype).name} range")
+    return array.astype(dtype)
+
+
+def samples_from_json(data: Any) -> list[Sample]:
+    if not isinstance(data, list):
+        raise ValueError("samples must be a list")
+    out = []
+    for i, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise ValueError(f"samples[{i}] must be an object")
+        missing = {"tokens", "loss_mask", "rollout_log_probs", "response_length", "status"} - item.keys()
+        if missing:
+            raise ValueError(f"samples[{i}] is missing {sorted(missing)}")
+        arrays = {name: _json_array(i, name, item[name], dtype) for name, dtype in _ARRAYS}
+        out.append(Sample(**arrays, response_length=item["response_length"], status=item["status"],
+                          metadata=item.get("metadata") or {}))
+    return out
+
+
+# -- safetensors ------------------------------------------------------------------------------------------
+def samples_to_safetensors(samples: Sequence[Sample]) -> bytes:
+    """One payload: `{i}.tokens` int32, `{i}.loss_mask` uint8, `{i}.rollout_log_probs` float32 + JSON metadata."""
+    tensors = {f"{i}.{name}": getattr(s, name) for i, s in enumerate(samples) for name, _ in _ARRAYS}
+    meta = [{"response_length": s.response_length, "status": s.status, "metadata": s.metadata} for s in samples]
+    return st_save(tensors, metadata={"format": _FORMAT, "samples": json.dumps(meta, ensure_ascii=False)})
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    # safetensors.numpy.load drops the header metadata; the header is 8-byte little-endian length + JSON.
+    if len(data) < 8:
+        raise ValueError("safetensors payload is too short")
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + size])
+    return header.get("__metadata__") or {}
+
+
+def samples_from_safetensors(data: bytes) -> list[Sample]:
+    try:
+        tensors = st_load(data)
+        meta = _safetensors_metadata(data)
+    except Exception as exc:  # safetensors raises its own error types for corrupt payloads
+        raise ValueError(f"invalid safetensors payload: {exc}") from exc
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"safetensors payload format is {meta.get('format')!r}, expected {_FORMAT!r}")
+    entries = json.loads(meta.get("samples", "[]"))
+    expected = {f"{i}.{name}" for i in range(len(entries)) for name, _ in _ARRAYS}
+    if set(tensors) != expected:
+        raise ValueError(f"safetensors tensors {sorted(set(tensors) ^ expected)[:4]} do not match the metadata")
+    return [
+        Sample(**{name: tensors[f"{i}.{name}"] for name, _ in _ARRAYS}, response_length=entry["response_length"],
+               status=entry["status"], metadata=entry.get("metadata") or {})
+        for i, entry in enumerate(entries)
+    ]
