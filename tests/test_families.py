@@ -190,6 +190,16 @@ def test_formatted_completion_is_what_the_template_renders(families, name):
         assert family.assistant_header + family.format_completion(content, None, calls) + family.eos_token in rendered
 
 
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+def test_parse_output_reads_the_generated_ids(families, name):
+    family = families[name]
+    text = family.format_completion("Hi there", "why not", [("f", '{"k": "v"}')])
+    for stop in (*family.stop_token_ids, None):
+        ids = family.encode(text) + ([stop] if stop is not None else [])
+        assert family.completion_text(ids) == text
+        assert family.parse_output(ids) == family.parse_completion(text)
+
+
 # -- parsers: the inverse property ------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["qwen3", "deepseek"])
 @settings(max_examples=150, deadline=None)

@@ -11,6 +11,7 @@ import pytest
 from tito_support import Reply, engine_body, generate
 
 from trajectory import LinearTrajectory, ModelFamily, decode_generate_response, get_family
+from trajectory.buffer import TokenBuffer
 from trajectory.errors import InvariantError, RequestValidationError, RollbackLimitError
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
@@ -136,6 +137,7 @@ def test_openai_sdk_echo_matches_stored_history(qwen):
                {"role": "tool", "tool_call_id": "call_r0_0", "content": "4"}]
     plan = traj.prepare(request, TOOLS)
     assert plan.rolled_back == 0 and plan.new_token_start == traj.num_tokens
+    assert plan.messages[1]["reasoning_content"] == "use calc"  # the stored reply is kept, not the lossy echo
     # Echoing reasoning that differs from what was generated is a divergence.
     plan = traj.prepare([request[0], {**echoed, "reasoning_content": "something else"}, request[2]], TOOLS)
     assert plan.rolled_back == 1
@@ -228,3 +230,18 @@ def test_to_dict_is_json_and_keeps_heavy_payloads_out(qwen):
     assert "routed_experts" not in record and record["routed_experts_bytes"] > 0
     assert record["weight_version"] == "step-7" and record["finish_reason"]["type"] == "stop"
     assert traj.to_dict(include_routed_experts=True)["records"][0]["routed_experts"] == [[1, 2], [3, 4]]
+
+
+def test_token_buffer_growth_and_truncation():
+    buffer = TokenBuffer(capacity=4)
+    chunks = [np.arange(k, k + 3, dtype=np.int32) for k in range(0, 30, 3)]
+    for i, chunk in enumerate(chunks):
+        buffer.append(chunk, np.full(3, -0.5, np.float32) if i % 2 else None, sampled=bool(i % 2))
+    assert buffer.ids.tolist() == list(range(30)) and buffer.capacity < 30 * 1.25 + 2
+    assert buffer.mask.tolist() == [i // 3 % 2 for i in range(30)]
+    assert buffer.logprobs.tolist() == [-0.5 * (i // 3 % 2) for i in range(30)]
+    buffer.truncate(5)
+    buffer.append(np.array([99], np.int32), None, sampled=False)
+    assert buffer.ids.tolist() == [0, 1, 2, 3, 4, 99]
+    with pytest.raises(ValueError):
+        buffer.truncate(7)

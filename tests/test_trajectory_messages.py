@@ -27,6 +27,23 @@ def test_normalisation_canonicalises_equivalent_shapes():
     ]
 
 
+def test_normalisation_is_idempotent_and_match_reuses_stored_messages():
+    raw = [{"role": "system", "content": [{"type": "text", "text": "s"}]}, {"role": "user", "content": "q"},
+           {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [
+               {"index": 0, "id": "c", "function": {"name": "f", "arguments": {"a": 1}}}]},
+           {"role": "tool", "content": "4", "tool_call_id": "c"}]
+    stored = normalize_messages(raw)
+    assert normalize_messages(stored) == stored
+    request = [*stored[:2], {**raw[2], "reasoning_content": None}, {"role": "user", "content": "new"}]
+    messages, matched = MessageMatcher("strict").match(stored, request)
+    assert matched == 3 and all(a is b for a, b in zip(messages[:3], stored, strict=False))
+    assert messages[3] == {"role": "user", "content": "new"}
+    messages, matched = MessageMatcher("strict").match(stored, [stored[0], {"role": "user", "content": "other"}])
+    assert matched == 1 and messages[1]["content"] == "other"
+    with pytest.raises(RequestValidationError, match=r"messages\[2\] has no role"):
+        MessageMatcher("strict").match(stored, [*stored[:2], {"content": "x"}])
+
+
 @pytest.mark.parametrize(("messages", "match"), [
     ([], "non-empty list"),
     ("hi", "non-empty list"),
@@ -76,7 +93,7 @@ def test_strict_matcher():
     assert not m.equal(stored, _assistant(content="x", tool_calls=[
         {**call, "function": {"name": "f", "arguments": '{"a":1}'}}]))
     assert m.equal(_assistant(content=None), _assistant(content=""))
-    assert m.common_prefix([stored, stored], [stored, _assistant(content="z")]) == 1
+    assert m.match([stored, stored], [stored, _assistant(content="z")])[1] == 1
 
 
 def test_loose_matcher_compares_arguments_as_json():

@@ -46,12 +46,16 @@ class Reply:
     reasoning: str | None = None
     tool_calls: tuple[tuple[str, str], ...] = ()
     stop: str = "eos"  # "eos": template stop token, "alt": another stop token, "length": no stop token
+    cut: int | None = None  # with stop == "length": keep only this many tokens (mid-word, mid-character)
 
 
 def generate(family: ModelFamily, plan: TurnPlan, reply: Reply, rid: str) -> tuple[GenerateResult, dict[str, Any]]:
     """Simulate one engine call for `plan` and return the validated result and the reply message."""
     text = family.format_completion(reply.content, reply.reasoning, list(reply.tool_calls))
     ids = family.encode(text)
+    if reply.stop == "length" and reply.cut is not None:
+        ids = ids[: reply.cut]
+        text = family.completion_text(ids)
     if reply.stop == "eos":
         ids.append(family.eos_token_id)
         finish: dict[str, Any] = {"type": "stop", "matched": family.eos_token_id}
@@ -85,6 +89,8 @@ TOOL_NAME = st.from_regex(r"[a-z][a-z0-9_]{0,11}", fullmatch=True)
 
 
 def replies(family: ModelFamily, reasoning: bool) -> st.SearchStrategy[Reply]:
+    """Replies the model may generate; `reasoning` also enables reasoning and cuts at arbitrary tokens,
+    which are not append-stable under the template (so the canonical-render property excludes them)."""
     stops = STOPS if family.max_trim_tokens else ("eos", "length")
     return st.builds(
         Reply,
@@ -92,6 +98,7 @@ def replies(family: ModelFamily, reasoning: bool) -> st.SearchStrategy[Reply]:
         reasoning=(st.none() | TEXT) if reasoning else st.none(),
         tool_calls=st.lists(st.tuples(TOOL_NAME, ARGUMENTS), max_size=3).map(tuple),
         stop=st.sampled_from(stops),
+        cut=(st.none() | st.integers(0, 40)) if reasoning else st.none(),
     )
 
 

@@ -1,8 +1,8 @@
 """Compact, growable token storage: int32 ids, float32 logprobs, uint8 loss mask (9 bytes per token).
 
 Python lists of ints cost ~36 bytes per token per list; a long-lived session server holding thousands of
-trajectories cannot afford that. Buffers grow geometrically by 1.25x (amortised O(1) appends) and keep
-at most 25% slack, so memory stays under 12 bytes per stored token.
+trajectories cannot afford that. Buffers grow geometrically by 1.25x (amortised O(1) appends), so
+beyond the small initial capacity the slack is at most 25%: under 12 bytes per stored token.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import numpy as np
 
 _GROWTH = 1.25
 _MIN_CAPACITY = 256
-BYTES_PER_TOKEN = 4 + 4 + 1
 
 
 class TokenBuffer:
+    """Three parallel arrays with one logical length; views handed out are read-only."""
+
     def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
         self._ids = np.zeros(capacity, dtype=np.int32)
         self._logprobs = np.zeros(capacity, dtype=np.float32)

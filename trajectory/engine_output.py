@@ -61,6 +61,7 @@ class _GenerateResponse(msgspec.Struct):
 
 _DECODER = msgspec.json.Decoder(_GenerateResponse)
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
+_MISSING = re.compile(r"missing required field `(\w+)`")
 # Which DESIGN 5.3 rule a schema failure breaks, by the JSON path msgspec reports (first match wins).
 _RULES_BY_PATH: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^\.meta_info\.output_token_logprobs\[\d+\]\[0\]"), "logprob_value"),
@@ -69,7 +70,7 @@ _RULES_BY_PATH: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^\.meta_info\.output_token_logprobs"), "output_token_logprobs"),
     (re.compile(r"^\.meta_info\.finish_reason"), "finish_reason"),
     (re.compile(r"^\.meta_info\.completion_tokens"), "completion_tokens"),
-    (re.compile(r"^\.meta_info$"), "meta_info"),
+    (re.compile(r"^\.meta_info"), "meta_info"),
     (re.compile(r"^\.output_ids"), "output_ids"),
 )
 
@@ -77,15 +78,17 @@ _RULES_BY_PATH: tuple[tuple[re.Pattern[str], str], ...] = (
 def _schema_rule(message: str) -> str:
     match = _PATH.search(message)
     path = match.group(1) if match else ""
-    if not match and "length" in message:  # msgspec omits the path for "array of at most length N"
-        return "logprob_entry"
+    if missing := _MISSING.search(message):  # a missing field breaks the rule of that field
+        path += "." + missing.group(1)
+    if not match and message.startswith("Expected `array` of at most length"):
+        return "logprob_entry"  # msgspec omits the path for too-long array-like structs (only our entries)
     for pattern, rule in _RULES_BY_PATH:
         if pattern.search(path):
             return rule
     return "schema"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class GenerateResult:
     """A validated engine result: everything needed to commit a turn and answer the client."""
 

@@ -9,7 +9,8 @@ two: a plan built against an older state can never be committed.
 
 from __future__ import annotations
 
-import difflib
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,8 @@ from .buffer import TokenBuffer
 from .engine_output import GenerateResult
 from .errors import InvariantError, RequestValidationError, RollbackLimitError, SessionError
 from .families.base import ModelFamily
-from .messages import Message, MessageMatcher, normalize_message, normalize_messages, normalize_tools
+from .messages import Message, MessageMatcher, normalize_message, normalize_tools
+from .mismatch import diff_tokens
 from .tito import continuation_ids, first_turn_ids
 
 _REPORT_MAX_SEGMENTS = 32
@@ -146,10 +148,9 @@ class LinearTrajectory:
     # -- prepare / commit ------------------------------------------------------------------------------
     def prepare(self, messages: Any, tools: Any = None) -> TurnPlan:
         """Match the request against the history, decide rollback and build the prompt. Mutates nothing."""
-        msgs = normalize_messages(messages)
         tools = normalize_tools(tools)
-        matched = self.matcher.common_prefix(self.messages, msgs) if tools == self.tools else 0
-        keep = sum(1 for c in self.checkpoints if c.num_messages <= matched)
+        msgs, matched = self.matcher.match(self.messages if tools == self.tools else [], messages)
+        keep = bisect.bisect_right(self.checkpoints, matched, key=lambda c: c.num_messages)
         dropped = len(self.checkpoints) - keep
         if dropped > self.max_rollback:
             raise RollbackLimitError(
@@ -228,32 +229,31 @@ class LinearTrajectory:
         Differences inside generated (loss-masked) tokens are expected (e.g. Qwen3 dropping earlier
         reasoning, re-serialised tool arguments); differences in template glue point to a family bug.
         """
-        stored = self._buffer.ids.tolist()
-        if not self.messages:
-            return {"equal": True, "stored_tokens": 0, "canonical_tokens": 0, "segments": [], "assistant_only": True}
-        try:
-            text = self.family.render(self.messages, self.tools, add_generation_prompt=False)
-        except SessionError as exc:
-            return {"error": exc.message}
-        text = text.removesuffix(self.family.message_trailer) if self.family.message_trailer else text
-        canonical = self.family.encode(text)
-        mask = self._buffer.mask
-        segments = []
-        matcher = difflib.SequenceMatcher(None, stored, canonical, autojunk=False)
-        for op, a0, a1, b0, b1 in matcher.get_opcodes():
-            if op == "equal":
-                continue
-            segments.append({
-                "op": op, "stored": [a0, a1], "canonical": [b0, b1],
-                "stored_text": self.family.decode(stored[a0:a1])[:_REPORT_MAX_TEXT],
-                "canonical_text": self.family.decode(canonical[b0:b1])[:_REPORT_MAX_TEXT],
-                # An insertion sits in generated text if a token next to it was generated.
-                "in_assistant": bool(mask[max(a0 - 1, 0):a1 + 1].any()) if a1 == a0 else bool(mask[a0:a1].any()),
-            })
+        stored, mask = self._buffer.ids, self._buffer.mask
+        canonical: list[int] = []
+        if self.messages:
+            try:
+                text = self.family.render(self.messages, self.tools, add_generation_prompt=False)
+            except SessionError as exc:
+                return {"error": exc.message}
+            # The stored ids end at the last generated token; the template's trailer after it is not ours yet.
+            canonical = self.family.encode(text.removesuffix(self.family.message_trailer))
+        opcodes = diff_tokens(stored, canonical, self.family.special_token_ids)
+        # An insertion sits in generated text if a token next to it was generated.
+        in_assistant = [bool(mask[max(a0 - 1, 0):a1 + 1].any()) if a0 == a1 else bool(mask[a0:a1].any())
+                        for _, a0, a1, _, _ in opcodes]
+
+        def text_of(ids: Sequence[int]) -> str:
+            return self.family.decode(ids[:_REPORT_MAX_TEXT])[:_REPORT_MAX_TEXT]
+
+        segments = [
+            {"op": op, "stored": [a0, a1], "canonical": [b0, b1], "in_assistant": inside,
+             "stored_text": text_of(stored[a0:a1].tolist()), "canonical_text": text_of(canonical[b0:b1])}
+            for (op, a0, a1, b0, b1), inside in zip(opcodes[:_REPORT_MAX_SEGMENTS], in_assistant, strict=False)
+        ]
         return {
-            "equal": not segments, "stored_tokens": len(stored), "canonical_tokens": len(canonical),
-            "assistant_only": all(s["in_assistant"] for s in segments),
-            "num_segments": len(segments), "segments": segments[:_REPORT_MAX_SEGMENTS],
+            "equal": not opcodes, "stored_tokens": len(stored), "canonical_tokens": len(canonical),
+            "assistant_only": all(in_assistant), "num_segments": len(opcodes), "segments": segments,
         }
 
     def to_dict(self, include_routed_experts: bool = False) -> dict[str, Any]:

@@ -166,11 +166,30 @@ class MessageMatcher:
                 return False
         return True
 
-    def common_prefix(self, stored: Sequence[Message], request: Sequence[Message]) -> int:
-        """Number of leading request messages that repeat the stored history."""
-        n = 0
-        for s, r in zip(stored, request, strict=False):
-            if not self.equal(s, r):
-                break
-            n += 1
-        return n
+    def match(self, stored: Sequence[Message], request: Any) -> tuple[list[Message], int]:
+        """Normalise the raw request messages and count how many leading ones repeat the stored history.
+
+        Matched messages are returned as the stored objects: they keep what was generated (reasoning,
+        argument text) even when the agent echoes a lossy copy. Every request carries the whole history,
+        so the common case, an exact echo of a stored message, is a single C-level dict comparison
+        instead of normalise + compare: per-turn cost stays flat as the history grows.
+        """
+        if not isinstance(request, list) or not request:
+            raise RequestValidationError("messages must be a non-empty list")
+        out: list[Message] = []
+        matched = 0
+        for i, raw in enumerate(request):
+            if matched == i < len(stored):
+                if raw == stored[i]:
+                    out.append(stored[i])
+                    matched += 1
+                    continue
+                message = normalize_message(i, raw)
+                if self.equal(stored[i], message):
+                    out.append(stored[i])
+                    matched += 1
+                    continue
+                out.append(message)
+            else:
+                out.append(normalize_message(i, raw))
+        return out, matched

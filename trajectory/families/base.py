@@ -91,6 +91,10 @@ class ModelFamily(ABC):
         self.stop_token_ids: tuple[int, ...] = (
             self.eos_token_id, *(self._single_id(t) for t in self.extra_stop_tokens)
         )
+        # Template punctuation: where token-level diffs can resynchronise (see mismatch.py).
+        self.special_token_ids: frozenset[int] = frozenset(
+            {*getattr(tokenizer, "added_tokens_decoder", {}), *self.stop_token_ids}
+        )
         # A completion that ended on a non-template stop token has that token replaced by `eos_token`.
         self.max_trim_tokens: int = 1 if self.extra_stop_tokens else 0
         self._anchor_lock = threading.Lock()
@@ -124,9 +128,10 @@ class ModelFamily(ABC):
 
     def _anchor_end(self, text: str) -> int:
         """End of the anchor's assistant message (its stop token and trailer included)."""
-        header = text.find(self.assistant_header)
+        # Search from the anchor's answer, not from the first header: a system/tools preamble may quote one.
+        answer = text.find(self.assistant_header + _ANCHOR[1]["content"])
         end_marker = self.eos_token + self.message_trailer
-        end = text.find(end_marker, header + len(self.assistant_header)) if header >= 0 else -1
+        end = text.find(end_marker, answer) if answer >= 0 else -1
         if end < 0:
             raise TemplateError(f"chat template of family {self.name} does not close the assistant message "
                                 f"with {end_marker!r}")
@@ -173,6 +178,20 @@ class ModelFamily(ABC):
         return lead + full[len(prefix):]
 
     # -- completion text <-> message -------------------------------------------------------------------
+    def completion_text(self, output_ids: Sequence[int] | Any) -> str:
+        """The generated text from the generated ids (one trailing stop token dropped).
+
+        Parsing this rather than the engine's `text` makes the stored message a function of the stored
+        tokens, whatever the engine's skip_special_tokens / no_stop_trim settings were.
+        """
+        ids = list(map(int, output_ids))
+        if ids and ids[-1] in self.stop_token_ids:
+            ids.pop()
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def parse_output(self, output_ids: Sequence[int] | Any) -> ParsedCompletion:
+        return self.parse_completion(self.completion_text(output_ids))
+
     @abstractmethod
     def parse_completion(self, text: str) -> ParsedCompletion:
         """Generated text (without the stop token) -> content, reasoning and tool calls."""
