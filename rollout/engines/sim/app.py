@@ -1,0 +1,298 @@
+"""HTTP routes of sglang-sim (Starlette): SGLang's native API plus `/sim/*` test hooks.
+
+Why the disconnect watcher: SGLang aborts a request whose HTTP client went away, and the session server relies on
+that to free engine KV when an agent disconnects. After the body is read, the ASGI `receive` channel yields
+`http.disconnect` when the client closes, so the handler watches it while the request runs and aborts on it.
+Streaming responses get the same from Starlette, which cancels the body iterator on disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from rollout.engines.sim import wire
+from rollout.engines.sim.engine import Engine
+from rollout.engines.sim.faults import BODY_FAULTS, Fault, FaultInjector, corrupt
+from rollout.engines.sim.requests import BadRequest, GenerateInput, SimRequest, parse_generate
+from rollout.engines.sim.routed_experts import payload as routed_payload
+
+JSON = "application/json"
+FLUSH_MESSAGE = ("Cache flushed.\nPlease check backend logs for more details. "
+                 "(When there are running or waiting requests, the operation will not be performed.)\n")
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(wire.encode(obj), status_code=status, media_type=JSON)
+
+
+def error_response(message: str, status: int = 400) -> Response:
+    return json_response(wire.native_error(message), status)
+
+
+class _DroppedResponse(Response):
+    """Announces the full length, sends half the body, then hangs up: a connection dropped mid-body."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body[: len(self.body) // 2], "more_body": True})
+        # Returning without the final body message makes the server close the connection.
+
+
+class _DropStream(Exception):
+    """Raised inside a stream to cut the connection mid-body."""
+
+
+async def _watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"Invalid JSON body: {exc}") from exc
+
+
+@dataclass
+class SimServer:
+    """Route handlers over one engine."""
+
+    engine: Engine
+    faults: FaultInjector
+    model_path: str
+    tokenizer_path: str
+    routed_experts_bytes: int = 0
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    # -- /generate ------------------------------------------------------------------------------------------------
+
+    async def generate(self, request: Request) -> Response:
+        try:
+            inp = parse_generate(await _json_body(request), self.engine.family.vocab_size,
+                                 request.headers.get("x-smg-routing-key"))
+            fault = self.faults.pick(request.headers.get("x-sim-fault"))
+        except BadRequest as exc:
+            return error_response(str(exc))
+        if fault is not None and fault.name == "http_500":
+            return error_response("sglang-sim injected fault: http_500", status=500)
+        if inp.stream:
+            return StreamingResponse(self._stream(inp, fault), media_type="text/event-stream")
+        holder: list[SimRequest] = []
+        gone = asyncio.Event()
+
+        def on_disconnect() -> None:
+            gone.set()
+            for req in holder:
+                self.engine.abort_request(req)
+
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(request.receive, on_disconnect))
+        try:
+            if fault is not None and fault.delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(gone.wait(), fault.delay)
+            if gone.is_set():
+                return Response(status_code=499)
+            try:
+                req = self.engine.submit(inp)
+            except BadRequest as exc:
+                return error_response(str(exc))
+            holder.append(req)
+            await req.done.wait()
+        finally:
+            watcher.cancel()
+        body = wire.generate_body(self.engine, req, final=True, routed=self._routed(inp))
+        return self._encode_final(body, fault)
+
+    def _routed(self, inp: GenerateInput) -> bytes | None:
+        if self.routed_experts_bytes > 0 and inp.return_routed_experts:
+            return routed_payload(self.routed_experts_bytes)
+        return None
+
+    def _encode_final(self, body: dict[str, Any], fault: Fault | None) -> Response:
+        if fault is not None and fault.name in BODY_FAULTS:
+            return Response(corrupt(body, fault, self.engine.family.vocab_size), media_type=JSON)
+        raw = wire.encode(body)
+        if fault is not None and fault.name == "drop_connection":
+            return _DroppedResponse(raw, media_type=JSON)
+        return Response(raw, media_type=JSON)
+
+    async def _stream(self, inp: GenerateInput, fault: Fault | None) -> AsyncIterator[bytes]:
+        """SSE with cumulative chunks, SGLang style; on disconnect Starlette cancels us and we abort."""
+        req: SimRequest | None = None
+        try:
+            if fault is not None and fault.delay > 0:
+                await asyncio.sleep(fault.delay)
+            try:
+                req = self.engine.submit(inp)
+            except BadRequest as exc:
+                yield b"data: " + wire.encode(wire.native_error(str(exc))) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+            sent = 0
+            while True:
+                req.progress.clear()
+                if req.state == "finished":
+                    break
+                if req.generated != sent:
+                    sent = req.generated
+                    yield b"data: " + wire.encode(wire.generate_body(self.engine, req, False, None)) + b"\n\n"
+                    continue
+                await req.progress.wait()
+            body = wire.generate_body(self.engine, req, final=True, routed=self._routed(inp))
+            if fault is not None and fault.name in BODY_FAULTS:
+                yield b"data: " + corrupt(body, fault, self.engine.family.vocab_size) + b"\n\n"
+            elif fault is not None and fault.name == "drop_connection":
+                chunk = wire.encode(body)
+                yield b"data: " + chunk[: len(chunk) // 2]
+                raise _DropStream("sglang-sim injected fault: drop_connection")
+            else:
+                yield b"data: " + wire.encode(body) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            if req is not None and req.state != "finished":
+                self.engine.abort_request(req)
+
+    # -- control endpoints ----------------------------------------------------------------------------------------
+
+    async def abort_request(self, request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+        except BadRequest as exc:
+            return error_response(str(exc))
+        rid = body.get("rid") if isinstance(body, dict) else None
+        abort_all = bool(body.get("abort_all", False)) if isinstance(body, dict) else False
+        self.engine.abort(rid if isinstance(rid, str) else None, abort_all=abort_all)
+        return Response(status_code=200)
+
+    async def open_session(self, request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            if not isinstance(body, dict):
+                raise BadRequest("open_session body must be a JSON object")
+            sid = body.get("session_id")
+            timeout = body.get("timeout")
+            if sid is not None and not isinstance(sid, str):
+                raise BadRequest("session_id must be a string")
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
+                raise BadRequest("timeout must be a number")
+            capacity = body.get("capacity_of_str_len") or 0
+            if isinstance(capacity, bool) or not isinstance(capacity, int):
+                raise BadRequest("capacity_of_str_len must be an integer")
+            session_id = self.engine.open_session(sid, capacity, bool(body.get("streaming", False)),
+                                                  float(timeout) if timeout is not None else None)
+        except BadRequest as exc:
+            return error_response(str(exc))
+        return json_response(session_id)
+
+    async def close_session(self, request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+        except BadRequest as exc:
+            return error_response(str(exc))
+        sid = body.get("session_id") if isinstance(body, dict) else None
+        if isinstance(sid, str):
+            self.engine.close_session(sid)
+        return Response(status_code=200)
+
+    async def pause_generation(self, request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
+            await self.engine.pause(str(mode))
+        except BadRequest as exc:
+            return error_response(str(exc))
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: Request) -> Response:
+        self.engine.resume()
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: Request) -> Response:
+        ok = self.engine.flush_cache()
+        return Response(FLUSH_MESSAGE, status_code=200 if ok else 400, media_type="text/plain")
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def model_info(self, request: Request) -> Response:
+        return json_response(wire.model_info(self.engine, self.model_path, self.tokenizer_path))
+
+    async def server_info(self, request: Request) -> Response:
+        return json_response(wire.server_info(self.engine, self.model_path, self.tokenizer_path, self.host,
+                                              self.port))
+
+    async def models(self, request: Request) -> Response:
+        return json_response(wire.models_list(self.engine, self.model_path))
+
+    # -- /sim test hooks ------------------------------------------------------------------------------------------
+
+    async def sim_faults(self, request: Request) -> Response:
+        if request.method == "GET":
+            return json_response(self.faults.state())
+        try:
+            return json_response(self.faults.configure(await _json_body(request)))
+        except BadRequest as exc:
+            return error_response(str(exc))
+
+    async def sim_books(self, request: Request) -> Response:
+        return json_response(self.engine.check_books())
+
+    # -- wiring ---------------------------------------------------------------------------------------------------
+
+    def routes(self) -> list[Route]:
+        get_post = ["GET", "POST"]
+        return [
+            Route("/generate", self.generate, methods=["POST", "PUT"]),
+            Route("/abort_request", self.abort_request, methods=["POST"]),
+            Route("/open_session", self.open_session, methods=get_post),
+            Route("/close_session", self.close_session, methods=get_post),
+            Route("/pause_generation", self.pause_generation, methods=["POST"]),
+            Route("/continue_generation", self.continue_generation, methods=["POST"]),
+            Route("/flush_cache", self.flush_cache, methods=get_post),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/health_generate", self.health, methods=["GET"]),
+            Route("/model_info", self.model_info, methods=["GET"]),
+            Route("/get_model_info", self.model_info, methods=["GET"]),
+            Route("/server_info", self.server_info, methods=["GET"]),
+            Route("/get_server_info", self.server_info, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/sim/faults", self.sim_faults, methods=get_post),
+            Route("/sim/books", self.sim_books, methods=["GET"]),
+        ]
+
+    def app(self) -> Starlette:
+        @asynccontextmanager
+        async def lifespan(_: Starlette) -> AsyncIterator[None]:
+            reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+            try:
+                yield
+            finally:
+                reaper.cancel()
+                await self.engine.shutdown()
+
+        return Starlette(routes=self.routes(), lifespan=lifespan)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            self.engine.reap_sessions()

@@ -1,0 +1,117 @@
+"""`sglang-sim` command line: load the tokenizer, build the engine, serve it with uvicorn.
+
+The socket is bound before uvicorn starts so `--port 0` works, and the ready line names the real port:
+launchers (tests/procs.py) wait for `sglang-sim ready on http://HOST:PORT` instead of polling and guessing ports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from rollout.engines.sim.app import SimServer
+from rollout.engines.sim.engine import Engine, EngineConfig
+from rollout.engines.sim.faults import FaultInjector
+
+READY_PREFIX = "sglang-sim ready on "
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sglang-sim", description="Emulated SGLang engine (native HTTP API).")
+    p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory (AutoTokenizer).")
+    p.add_argument("--model-family", required=True, help="Model family name: qwen3 or deepseek.")
+    p.add_argument("--model-path", default=None, help="Model name reported by model_info (default: sim-<family>).")
+    p.add_argument("--host", default="127.0.0.1", help="Interface to bind.")
+    p.add_argument("--port", type=int, default=30000, help="Port to bind; 0 picks a free one (see the ready line).")
+    p.add_argument("--kv-capacity-tokens", type=int, default=65536,
+                   help="KV pool size in token slots (server_info max_total_num_tokens).")
+    p.add_argument("--context-length", type=int, default=32768, help="Longest prompt + max_new_tokens accepted.")
+    p.add_argument("--token-latency-ms", type=float, default=0.0, help="Emulated decode time per generated token.")
+    p.add_argument("--prefill-latency-ms", type=float, default=0.0,
+                   help="Emulated prefill time per 1000 uncached prompt tokens (cached prefixes are free).")
+    p.add_argument("--seed", type=int, default=0, help="Engine seed; replies are a function of seed and prompt.")
+    p.add_argument("--enable-streaming-session", action="store_true",
+                   help="Allow open_session with streaming=true (session-aware KV slots).")
+    p.add_argument("--routed-experts-bytes", type=int, default=0,
+                   help="Size of the routed-experts payload returned with return_routed_experts (0 = none).")
+    p.add_argument("--weight-version", default="default", help="weight_version reported in meta_info.")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level.")
+    return p
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """Prints the ready line once accepting; on shutdown aborts in-flight requests first.
+
+    Aborting before uvicorn drains connections lets every running request answer (finish_reason abort) instead
+    of being cancelled mid-handler when the graceful-shutdown timeout runs out.
+    """
+
+    ready_line = ""
+    engine: Engine | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if not self.should_exit:
+            print(self.ready_line, flush=True)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.engine is not None:
+            self.engine.abort(None, abort_all=True)
+        await super().shutdown(sockets=sockets)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    # The fast-tokenizer class loads the same tokenizer.json/config as AutoTokenizer but without importing the
+    # model stack (torch), which halves start-up; tests start several engines.
+    from transformers import PreTrainedTokenizerFast
+
+    from rollout.engines.sim.family import EngineFamily
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
+    family = EngineFamily.create(args.model_family, tokenizer)
+    config = EngineConfig(kv_capacity_tokens=args.kv_capacity_tokens, context_length=args.context_length,
+                          token_latency_ms=args.token_latency_ms, prefill_latency_ms=args.prefill_latency_ms,
+                          seed=args.seed,
+                          enable_streaming_session=args.enable_streaming_session,
+                          weight_version=args.weight_version)
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    engine = Engine(config, family)
+    server = SimServer(engine=engine, faults=FaultInjector(args.seed),
+                       model_path=args.model_path or f"sim-{family.name}",
+                       tokenizer_path=str(Path(args.tokenizer)), routed_experts_bytes=args.routed_experts_bytes,
+                       host=host, port=port)
+    if args.routed_experts_bytes > 0:
+        from rollout.engines.sim.routed_experts import payload
+
+        payload(args.routed_experts_bytes)  # build once before serving
+    uv_config = uvicorn.Config(server.app(), loop="uvloop", http="httptools", log_level=args.log_level,
+                               access_log=False, timeout_graceful_shutdown=2)
+    uv = _Server(uv_config)
+    uv.engine = engine
+    shown = f"[{host}]" if ":" in host else host
+    uv.ready_line = f"{READY_PREFIX}http://{shown}:{port}"
+    uv.run(sockets=[sock])
+    if not uv.started:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    main()

@@ -1,0 +1,427 @@
+"""The scheduler: admits requests against the KV pool, emits their tokens over time, and ends every request once.
+
+Why one task per request instead of a batched step loop: the sim has no GPU batch to fill, and a task per request
+keeps each lifecycle readable as straight-line code (wait for KV -> decode -> release) with a single `finally`
+that returns the KV. Every way a request can end (finish, abort by rid, abort_all, client disconnect, pause-abort,
+replace in a session, session close) goes through `_end`, so the books cannot depend on which path was taken.
+KV is reserved at admission for the whole planned reply, like a real engine reserving decode space, so a running
+request never stalls on memory; when the pool is short the request waits (unlocked radix leaves are evicted LRU
+first), and one that could never fit is refused up front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rollout.engines.sim.family import EngineFamily
+from rollout.engines.sim.generation import plan_reply
+from rollout.engines.sim.kv_pool import KVPool
+from rollout.engines.sim.radix_cache import Node, RadixCache
+from rollout.engines.sim.requests import BadRequest, GenerateInput, SimRequest
+from rollout.engines.sim.sessions import EngineSession, KVHold, SessionRefusal
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+ABORT_MESSAGE = "Aborted"
+WAITING_ABORT_MESSAGE = "Abort before prefill"
+_MIN_SLEEP_S = 0.01  # emit at least this much latency per wake-up, so per-token latency stays cheap to emulate
+_EMPTY = np.zeros(0, dtype=np.int32)
+_MAX_ROUTING_KEYS = 4096
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_capacity_tokens: int = 65536
+    context_length: int = 32768
+    token_latency_ms: float = 0.0
+    prefill_latency_ms: float = 0.0  # per 1000 prompt tokens that are not cached
+    seed: int = 0
+    enable_streaming_session: bool = False
+    weight_version: str = "default"
+
+
+class Engine:
+    """All mutable engine state; touched only from the event loop."""
+
+    def __init__(self, config: EngineConfig, family: EngineFamily) -> None:
+        self.config = config
+        self.family = family
+        self.pool = KVPool(config.kv_capacity_tokens)
+        self.cache = RadixCache(self.pool)
+        self.requests: dict[str, SimRequest] = {}
+        self.sessions: dict[str, EngineSession] = {}
+        self.paused = False
+        self.pause_mode: str | None = None
+        self.last_routing_key: str | None = None
+        self.routing_keys: dict[str, int] = {}  # X-SMG-Routing-Key -> requests seen (bounded, oldest dropped)
+        self.finished_total = 0
+        self.aborted_total = 0
+        self.generated_tokens_total = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- submission -----------------------------------------------------------------------------------------------
+
+    def submit(self, inp: GenerateInput) -> SimRequest:
+        """Validate, plan and start a request; raises BadRequest for anything SGLang answers with a 400."""
+        if inp.rid in self.requests:
+            raise BadRequest(f"Duplicate request ID detected: {inp.rid}")
+        if inp.input_ids is not None:
+            ids = inp.input_ids
+        else:
+            ids = np.asarray(self.family.tokenizer.encode(inp.text or ""), dtype=np.int32)
+        session = None
+        prompt = ids
+        if inp.session_params is not None:
+            session = self.sessions.get(inp.session_params.id)
+            if session is None:
+                raise BadRequest(f"Invalid request: session id {inp.session_params.id} does not exist")
+            try:
+                prompt = session.build_prompt(inp.session_params, ids, self.family.bos_token_id)
+            except SessionRefusal as exc:
+                raise BadRequest(str(exc)) from exc
+        if len(prompt) == 0:
+            raise BadRequest("The input is empty.")
+        self._check_context(len(prompt), inp.sampling.max_new_tokens)
+        plan = plan_reply(self.family, prompt, inp.sampling, self.config.seed)
+        req = SimRequest(inp=inp, prompt=prompt, plan=plan, session=session)
+        if len(req.kv_tokens) > self.pool.capacity:
+            raise BadRequest(f"Input length ({len(prompt)} tokens) plus the reply exceeds the maximum number of "
+                             f"KV tokens ({self.pool.capacity}).")
+        if inp.routing_key is not None:
+            self.last_routing_key = inp.routing_key
+            self.routing_keys[inp.routing_key] = self.routing_keys.pop(inp.routing_key, 0) + 1
+            if len(self.routing_keys) > _MAX_ROUTING_KEYS:
+                del self.routing_keys[next(iter(self.routing_keys))]
+        self.requests[req.rid] = req
+        if session is not None and inp.session_params is not None:
+            for orphan in session.attach(req, inp.session_params):
+                self._abort(orphan, ABORT_MESSAGE)
+        task = asyncio.get_running_loop().create_task(self._run(req), name=f"sim-request-{req.rid}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return req
+
+    def _check_context(self, n_prompt: int, max_new_tokens: int) -> None:
+        ctx = self.config.context_length
+        if n_prompt >= ctx:
+            raise BadRequest(f"The input ({n_prompt} tokens) is longer than the model's context length ({ctx} tokens).")
+        if n_prompt + max_new_tokens > ctx:
+            raise BadRequest(
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                f"You requested a total of {n_prompt + max_new_tokens} tokens: {n_prompt} tokens from the input "
+                f"messages and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
+                "the input messages or the completion to fit within the limit.")
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    async def _run(self, req: SimRequest) -> None:
+        completed = False
+        try:
+            while True:
+                if not await self._admit(req):
+                    break
+                outcome = await self._decode(req)
+                if outcome == "retract":
+                    self._release(req, keep=False)
+                    req.retractions += 1
+                    continue
+                completed = outcome == "done"
+                break
+        finally:
+            self._end(req, completed)
+
+    async def _admit(self, req: SimRequest) -> bool:
+        """Wait (while paused or short of KV) until the request holds its KV; False if aborted meanwhile."""
+        req.state = "waiting"
+        while True:
+            if req.abort_message is not None:
+                return False
+            if not self.paused and self._reserve(req):
+                req.state = "running"
+                return True
+            req.wakeup.clear()
+            await req.wakeup.wait()
+
+    def _reserve(self, req: SimRequest) -> bool:
+        kv = req.kv_tokens
+        session = req.session
+        hold = session.hold if session is not None and session.streaming else None
+        if hold is not None:
+            slots = self._alloc(len(kv) - hold.length)
+            if slots is None:
+                return False
+            assert session is not None
+            session.hold = None
+            req.node, req.prefix_len = hold.node, hold.prefix_len
+            req.private = np.concatenate([hold.private, slots])
+            req.admitted_cached = hold.length
+            if req.retractions == 0:
+                req.cached_tokens = hold.length
+            return True
+        match = self.cache.match_prefix(req.prompt[: len(req.prompt) - 1])
+        self.cache.lock(match.node)  # pin the prefix before eviction can run
+        slots = self._alloc(len(kv) - match.length)
+        if slots is None:
+            self.cache.unlock(match.node)
+            return False
+        req.node, req.prefix_len, req.private = match.node, match.length, slots
+        req.admitted_cached = match.length
+        if req.retractions == 0:
+            req.cached_tokens = match.length
+        return True
+
+    def _alloc(self, n: int) -> np.ndarray | None:
+        slots = self.pool.alloc(n)
+        if slots is None:
+            self.cache.evict(n - self.pool.free)
+            slots = self.pool.alloc(n)
+        return slots
+
+    async def _decode(self, req: SimRequest) -> str:
+        """Prefill what is not cached, then emit the planned tokens; returns done | abort | retract."""
+        n = len(req.plan.output_ids)
+        latency = self.config.token_latency_ms / 1000.0
+        chunk = max(1, math.ceil(_MIN_SLEEP_S / latency)) if latency > 0 else max(n, 1)
+        uncached = len(req.prompt) + req.generated - req.admitted_cached  # after a retraction, recompute output too
+        prefill = self.config.prefill_latency_ms / 1000.0 * max(0, uncached) / 1000.0
+        if latency == 0 and prefill == 0:
+            await asyncio.sleep(0)
+        while True:
+            if req.abort_message is not None:
+                return "abort"
+            if self.paused:
+                if self.pause_mode == "retract":
+                    return "retract"
+                req.wakeup.clear()
+                await req.wakeup.wait()  # in_place: keep the KV, resume on continue
+                continue
+            if prefill > 0:
+                started = time.perf_counter()
+                await self._sleep(req, prefill)
+                prefill = max(0.0, prefill - (time.perf_counter() - started))
+                continue
+            if req.generated >= n:
+                return "done"
+            step = min(chunk, n - req.generated)
+            if latency > 0:
+                started = time.perf_counter()
+                await self._sleep(req, step * latency)
+                step = min(step, int((time.perf_counter() - started) / latency + 1e-9))
+            req.generated += step
+            if step:
+                req.progress.set()
+
+    @staticmethod
+    async def _sleep(req: SimRequest, seconds: float) -> None:
+        """Sleep that an abort or pause cuts short (the request's wakeup event)."""
+        req.wakeup.clear()
+        handle = asyncio.get_running_loop().call_later(seconds, req.wakeup.set)
+        try:
+            await req.wakeup.wait()
+        finally:
+            handle.cancel()
+
+    def _end(self, req: SimRequest, completed: bool) -> None:
+        """The single exit: KV back (kept in the tree or the session slot on success), session books, wake-ups."""
+        req.state = "finished"
+        if completed:
+            req.finish_reason = req.plan.finish_reason
+        else:
+            req.finish_reason = {"type": "abort", "message": req.abort_message or ABORT_MESSAGE,
+                                 "status_code": None, "err_type": None}
+        session = req.session
+        keep_in_session = completed and session is not None and session.streaming
+        self._release(req, keep=completed, into_session=keep_in_session)
+        if session is not None:
+            session.on_request_end(req, req.output_ids, succeeded=completed)
+            if session.close_on_finish and not session.busy():
+                self._close_now(session)
+        if self.requests.get(req.rid) is req:
+            del self.requests[req.rid]
+        self.finished_total += 1
+        self.aborted_total += 0 if completed else 1
+        self.generated_tokens_total += req.generated
+        req.finished_at = time.perf_counter()
+        req.progress.set()
+        req.done.set()
+        self._kv_changed()
+
+    def _release(self, req: SimRequest, keep: bool, into_session: bool = False) -> None:
+        """Return a request's KV: into the radix tree or its session's slot when kept, to the pool otherwise."""
+        node = req.node
+        if node is None:
+            return
+        if keep and into_session:
+            assert req.session is not None
+            req.session.hold = KVHold(node=node, prefix_len=req.prefix_len, private=req.private)
+        elif keep:
+            kv = req.kv_tokens
+            slots = np.concatenate([self.cache.match_prefix(kv[: req.prefix_len]).slots, req.private])
+            already = self.cache.insert(kv, slots)
+            # Slots past our prefix that someone else cached meanwhile are duplicates: give them back.
+            self.pool.release(req.private[: max(0, already - req.prefix_len)])
+            self.cache.unlock(node)
+        else:
+            self.pool.release(req.private)
+            self.cache.unlock(node)
+        req.node, req.prefix_len, req.private = None, 0, _EMPTY
+
+    def _kv_changed(self) -> None:
+        for other in self.requests.values():
+            if other.state == "waiting":
+                other.interrupt()
+
+    # -- aborts and pauses ----------------------------------------------------------------------------------------
+
+    def _abort(self, req: SimRequest, message: str) -> None:
+        if req.state == "finished" or req.abort_message is not None:
+            return
+        req.abort_message = WAITING_ABORT_MESSAGE if req.state == "waiting" else message
+        req.interrupt()
+
+    def abort(self, rid: str | None, abort_all: bool = False) -> int:
+        """Abort by rid prefix (SGLang's matching) or everything; unknown rids are a no-op."""
+        hits = [r for r in self.requests.values() if abort_all or (rid and r.rid.startswith(rid))]
+        for req in hits:
+            self._abort(req, ABORT_MESSAGE)
+        return len(hits)
+
+    def abort_request(self, req: SimRequest) -> None:
+        """Abort one specific request (client disconnect)."""
+        self._abort(req, ABORT_MESSAGE)
+
+    async def pause(self, mode: str) -> None:
+        """Stop generation; returns once running requests have reacted (aborted, retracted or parked)."""
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"Invalid pause mode {mode!r}; expected one of {list(PAUSE_MODES)}")
+        self.paused, self.pause_mode = True, mode
+        targets = list(self.requests.values())
+        for req in targets:
+            if mode == "abort":
+                self._abort(req, ABORT_MESSAGE)
+            else:
+                req.interrupt()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            if mode == "abort" and all(r.state == "finished" for r in targets):
+                break
+            if mode == "retract" and all(r.node is None for r in targets):
+                break
+            if mode == "in_place":
+                break
+            await asyncio.sleep(0.001)
+
+    def resume(self) -> None:
+        self.paused, self.pause_mode = False, None
+        for req in list(self.requests.values()):
+            req.interrupt()
+
+    # -- sessions -------------------------------------------------------------------------------------------------
+
+    def open_session(self, session_id: str | None, capacity_of_str_len: int, streaming: bool,
+                     timeout: float | None) -> str:
+        if streaming and not self.config.enable_streaming_session:
+            raise BadRequest("Streaming sessions are disabled; start the engine with --enable-streaming-session.")
+        if session_id is not None and session_id in self.sessions:
+            raise BadRequest("Failed to open the session. Check if a session with the same id is still open.")
+        session = EngineSession.open(session_id, capacity_of_str_len, streaming, timeout)
+        self.sessions[session.session_id] = session
+        return session.session_id
+
+    def close_session(self, session_id: str) -> None:
+        """Close now, or once the in-flight request ends (SGLang defers; freeing under a running request is wrong)."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            return
+        if session.streaming and session.inflight is not None:
+            session.close_on_finish = True
+            return
+        self._close_now(session)
+
+    def _close_now(self, session: EngineSession) -> None:
+        hold, session.hold = session.hold, None
+        if hold is not None:
+            self.pool.release(hold.private)
+            self.cache.unlock(hold.node)
+        self.sessions.pop(session.session_id, None)
+        self._kv_changed()
+
+    def reap_sessions(self) -> None:
+        now = time.monotonic()
+        for session in list(self.sessions.values()):
+            if session.timed_out(now):
+                self.close_session(session.session_id)
+
+    # -- cache ----------------------------------------------------------------------------------------------------
+
+    def flush_cache(self) -> bool:
+        """Drop every unlocked radix node; refused (False) while any request runs or waits, as in SGLang."""
+        if self.requests:
+            return False
+        self.cache.evict_all()
+        return True
+
+    # -- observability --------------------------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        running = sum(1 for r in self.requests.values() if r.state == "running")
+        held = sum(s.hold.length for s in self.sessions.values() if s.hold is not None)
+        return {
+            "kv_capacity_tokens": self.pool.capacity,
+            "kv_used_tokens": self.pool.used,
+            "kv_cached_tokens": self.cache.evictable_size,
+            "kv_locked_tokens": self.cache.protected_size,
+            "kv_session_tokens": held,
+            "open_sessions": len(self.sessions),
+            "running_requests": running,
+            "waiting_requests": len(self.requests) - running,
+        }
+
+    def check_books(self) -> dict[str, Any]:
+        """Recount everything from first principles; `ok` is False with reasons when any invariant is broken."""
+        errors = self.cache.check()
+        owners: list[tuple[Node, np.ndarray]] = [(r.node, r.private) for r in self.requests.values() if r.node]
+        owners += [(s.hold.node, s.hold.private) for s in self.sessions.values() if s.hold is not None]
+        private_total = sum(len(p) for _, p in owners)
+        tree_total = self.cache.total_size
+        if self.pool.used != tree_total + private_total:
+            errors.append(f"used slots {self.pool.used} != tree {tree_total} + private {private_total}")
+        expected: dict[int, int] = {}
+        nodes: dict[int, Node] = {}
+        for node, _ in owners:
+            cur: Node | None = node
+            while cur is not None and cur is not self.cache.root:
+                expected[id(cur)] = expected.get(id(cur), 0) + 1
+                nodes[id(cur)] = cur
+                cur = cur.parent
+        stack = list(self.cache.root.children.values())
+        while stack:
+            cur = stack.pop()
+            if cur.lock_ref != expected.get(id(cur), 0):
+                errors.append(f"node lock_ref {cur.lock_ref} != owners {expected.get(id(cur), 0)}")
+            nodes.pop(id(cur), None)
+            stack.extend(cur.children.values())
+        if nodes:
+            errors.append("an owner locks a node that is no longer in the tree")
+        every = np.concatenate([self.cache.all_slots(), *[p for _, p in owners]]) if owners else self.cache.all_slots()
+        mask = np.zeros(self.pool.capacity, dtype=bool)
+        mask[every] = True
+        if len(np.unique(every)) != len(every) or not np.array_equal(mask, self.pool.in_use_mask()):
+            errors.append("slots in use differ from the slots the tree and owners hold")
+        for session in self.sessions.values():
+            if session.inflight is not None and session.inflight.state == "finished":
+                errors.append(f"session {session.session_id} points at a finished request")
+        return {"ok": not errors, "errors": errors, "used": self.pool.used, "tree": tree_total,
+                "private": private_total, **self.counts()}
+
+    async def shutdown(self) -> None:
+        self.abort(None, abort_all=True)
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,217 @@
+"""Deterministic reply planning: what the sim "samples" for a prompt, with the logprobs it sampled them at.
+
+Why plan the whole reply up front: the output of a real model is a function of (weights, prompt, seed); here it is a
+function of (engine seed, prompt ids, sampling_seed) and the prompt's `[[sim: ...]]` directives, so tests can
+predict it and agents can script tool loops. Planning once also gives the exact KV reservation a request needs and
+lets stop conditions (stop tokens, stop strings, max_new_tokens) be resolved before any latency is spent. The
+per-token emission (latency, abort, pause) is the scheduler's business.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rollout.engines.sim.family import EngineFamily
+
+_WORD_TEXT = (
+    "the of and to in is was for on are with as at be by this from or have an they which one you were all we her "
+    "she there would their will when who him been has more if no out so said what up its about into than them can "
+    "only other new some could time these two may then do first any my now such like our over man me even most "
+    "made after also did many before must through back years where much your way well down should because each "
+    "just those people how too little state good very make world still own see men work long get here between "
+    "both life being under never day same another know while last might us great old year off come since against "
+    "go came right used take three river stone cloud garden signal vector kernel lattice harbor meadow copper"
+)
+WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
+
+_DIRECTIVE = re.compile(r"\[\[sim:\s*(tool_call|think|reply|tokens)\b")
+
+
+@dataclass(frozen=True)
+class Script:
+    """What the prompt asked for; empty fields fall back to seeded words."""
+
+    think: bool = False
+    reply: str | None = None
+    tokens: int | None = None
+    tool_calls: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The subset of SGLang's sampling parameters that changes what the sim emits."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+
+@dataclass
+class ReplyPlan:
+    """Every token the request will emit, its logprob, and how it finishes if it runs to the end."""
+
+    output_ids: np.ndarray  # int32
+    logprobs: np.ndarray  # float32, log of the probability each token was sampled with
+    finish_reason: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_script(text: str) -> Script:
+    """Read every directive of one message; `tool_call` repeats into parallel calls."""
+    think = False
+    reply: str | None = None
+    tokens: int | None = None
+    calls: list[tuple[str, str]] = []
+    decoder = json.JSONDecoder()
+    for m in _DIRECTIVE.finditer(text):
+        kind, rest = m.group(1), text[m.end():]
+        if kind == "think":
+            think = True
+        elif kind == "tokens":
+            num = re.match(r"\s*(\d+)\s*\]\]", rest)
+            if num:
+                tokens = int(num.group(1))
+        elif kind == "reply":
+            end = rest.find("]]")
+            if end >= 0:
+                reply = rest[:end].strip()
+        else:
+            call = re.match(r"\s*name=([A-Za-z0-9_.\-]+)\s+args=", rest)
+            if not call:
+                continue
+            try:
+                args, _ = decoder.raw_decode(rest[call.end():])
+            except json.JSONDecodeError:
+                continue
+            calls.append((call.group(1), json.dumps(args, ensure_ascii=False)))
+    return Script(think=think, reply=reply, tokens=tokens, tool_calls=tuple(calls))
+
+
+def find_script(family: EngineFamily, prompt: np.ndarray) -> Script | None:
+    """Directives of the LAST message that carries any; None when the prompt has none."""
+    if "[[sim:" not in family.decode_text(prompt, skip_special_tokens=False):
+        return None  # one decode settles the common, unscripted case
+    for seg in reversed(family.message_segments(prompt)):
+        text = family.segment_text(seg)
+        if "[[sim:" in text and _DIRECTIVE.search(text):
+            return parse_script(text)
+    return None
+
+
+def derive_seed(engine_seed: int, prompt: np.ndarray, sampling_seed: int | None) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(engine_seed.to_bytes(8, "little", signed=True))
+    h.update(np.ascontiguousarray(prompt, dtype=np.int32).tobytes())
+    h.update(b"-" if sampling_seed is None else int(sampling_seed).to_bytes(8, "little", signed=True))
+    return int.from_bytes(h.digest(), "little")
+
+
+def _words(rng: np.random.Generator, n: int) -> str:
+    idx = rng.integers(0, len(WORDS), size=n)
+    return " ".join(WORDS[i] for i in idx)
+
+
+def _word_tokens(family: EngineFamily, rng: np.random.Generator, n_tokens: int) -> list[int]:
+    """Exactly n_tokens tokens of seeded words (ASCII, so any prefix decodes cleanly).
+
+    Words are encoded one by one from a cache: byte-level BPE pre-splits at spaces, so the concatenation equals
+    the encoding of the joined text, without paying the tokenizer per reply.
+    """
+    out: list[int] = []
+    while len(out) < n_tokens:
+        for i in rng.integers(0, len(WORDS), size=max(4, n_tokens - len(out))):
+            out.extend(family.encode_cached((" " if out else "") + WORDS[i]))
+    return out[:n_tokens]
+
+
+def plan_reply(family: EngineFamily, prompt: np.ndarray, params: SamplingParams, engine_seed: int) -> ReplyPlan:
+    """The deterministic reply for this prompt; stop conditions already applied."""
+    seed = derive_seed(engine_seed, prompt, params.sampling_seed)
+    # Independent streams, so a reply cut by max_new_tokens is a prefix (tokens and logprobs) of the uncut one.
+    rng, think_rng, prob_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
+    script = find_script(family, prompt) or Script()
+    reasoning = _words(think_rng, int(think_rng.integers(6, 18))) if script.think else None
+    content_ids: list[int] | None = None
+    if script.reply is not None:
+        content = script.reply
+    elif script.tool_calls and script.tokens is None:
+        content = ""
+    else:
+        n = script.tokens if script.tokens is not None else int(rng.integers(10, 40))
+        content_ids = _word_tokens(family, rng, min(n, params.max_new_tokens + 1))  # the rest is never emitted
+        content = family.decode_text(content_ids, skip_special_tokens=False)
+    text = family.family.format_completion(content, reasoning, list(script.tool_calls))
+    body = content_ids if content_ids is not None and text == content else family.encode(text)
+    eos = int(family.family.eos_token_id)
+    if params.ignore_eos:
+        # Keep "sampling" past the stop token, as a model told to ignore EOS does, until the length limit.
+        filler = _word_tokens(family, rng, max(0, params.max_new_tokens - len(body) - 1))
+        ids = [*body, eos, *filler]
+    else:
+        ids = [*body, eos]
+    stop_ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stop_ids.update(int(t) for t in family.family.stop_token_ids)
+    finish: dict[str, Any] | None = None
+    cut = len(ids)
+    for i, tok in enumerate(ids):
+        if tok in stop_ids:
+            cut, finish = i + 1, {"type": "stop", "matched": tok}
+            break
+    if params.stop:
+        hit = _first_stop_string(family, ids[:cut], params.stop)
+        if hit is not None:
+            cut, finish = hit[0], {"type": "stop", "matched": hit[1]}
+    if cut > params.max_new_tokens:
+        cut, finish = params.max_new_tokens, {"type": "length", "length": params.max_new_tokens}
+    if finish is None:
+        finish = {"type": "length", "length": params.max_new_tokens}
+    output = np.asarray(ids[:cut], dtype=np.int32)
+    probs = prob_rng.uniform(0.3, 0.99, size=cut)
+    if params.temperature <= 0:
+        logprobs = np.zeros(cut, dtype=np.float32)  # greedy: the argmax is taken with probability 1
+    else:
+        logprobs = (np.log(probs) / params.temperature).astype(np.float32)
+        np.maximum(logprobs, np.float32(-30.0), out=logprobs)
+    return ReplyPlan(output_ids=output, logprobs=logprobs, finish_reason=finish)
+
+
+def _first_stop_string(family: EngineFamily, ids: list[int], stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Smallest token count whose decoded text contains a stop string, and that string (binary search on prefixes)."""
+    full = family.decode_text(ids, skip_special_tokens=False)
+    if not any(s and s in full for s in stops):
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s and s in family.decode_text(ids[:mid], skip_special_tokens=False) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    text = family.decode_text(ids[:lo], skip_special_tokens=False)
+    matched = min((s for s in stops if s and s in text), key=text.find)
+    return lo, matched
+
+
+def output_text(family: EngineFamily, ids: np.ndarray, finish: dict[str, Any] | None, params: SamplingParams) -> str:
+    """The `text` SGLang returns: the matched stop token or stop string is trimmed unless `no_stop_trim`."""
+    matched = finish.get("matched") if finish and finish.get("type") == "stop" else None
+    if isinstance(matched, int) and not params.no_stop_trim and len(ids):
+        ids = ids[:-1]
+    text = family.decode_text(ids, skip_special_tokens=params.skip_special_tokens)
+    if isinstance(matched, str) and not params.no_stop_trim:
+        pos = text.find(matched)
+        if pos >= 0:
+            text = text[:pos]
+    return text

@@ -1,0 +1,194 @@
+"""A `/generate` request: its validated input and its life inside the engine.
+
+Why validation lives here and not in the HTTP handler: SGLang rejects a bad request before it is scheduled, with a
+400 and a message; doing the same in one place keeps the scheduler free of type checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from rollout.engines.sim.generation import ReplyPlan, SamplingParams
+from rollout.engines.sim.radix_cache import Node
+
+if TYPE_CHECKING:
+    from rollout.engines.sim.sessions import EngineSession
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+class BadRequest(Exception):
+    """A request SGLang would refuse with HTTP 400 and `{"error": {"message": ...}}`."""
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    id: str
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool = False
+    drop_previous_output: bool = False
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    rid: str
+    input_ids: np.ndarray | None
+    text: str | None
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    session_params: SessionParams | None = None
+    return_routed_experts: bool = False
+    routing_key: str | None = None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _opt(d: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    v = d.get(key)
+    if v is None:
+        return default
+    if kind is int and not _is_int(v):
+        raise BadRequest(f"{key} must be an integer")
+    if kind is float and (isinstance(v, bool) or not isinstance(v, int | float)):
+        raise BadRequest(f"{key} must be a number")
+    if kind not in (int, float) and not isinstance(v, kind):
+        raise BadRequest(f"{key} has the wrong type")
+    return v
+
+
+def parse_sampling(raw: Any) -> SamplingParams:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest("sampling_params must be an object")
+    stop = raw.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise BadRequest("stop must be a string or a list of strings")
+    stop_ids = raw.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+        raise BadRequest("stop_token_ids must be a list of integers")
+    max_new = _opt(raw, "max_new_tokens", int, 128)
+    if max_new < 0:
+        raise BadRequest("max_new_tokens must be at least 0")
+    temperature = float(_opt(raw, "temperature", float, 1.0))
+    if temperature < 0:
+        raise BadRequest("temperature must be non-negative")
+    seed = _opt(raw, "sampling_seed", int, None)
+    return SamplingParams(
+        max_new_tokens=max_new, temperature=temperature, stop=stops, stop_token_ids=tuple(stop_ids),
+        ignore_eos=bool(raw.get("ignore_eos", False)), no_stop_trim=bool(raw.get("no_stop_trim", False)),
+        skip_special_tokens=bool(raw.get("skip_special_tokens", True)), sampling_seed=seed)
+
+
+def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> GenerateInput:
+    """Validate a `/generate` JSON body (single request; batches are not emulated)."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    ids = body.get("input_ids")
+    text = body.get("text")
+    if (ids is None) == (text is None):
+        raise BadRequest("Either text or input_ids should be provided.")
+    input_ids = None
+    if ids is not None:
+        try:
+            checked = msgspec.convert(ids, list[int])  # strict: rejects bools, floats and nested lists
+        except msgspec.ValidationError as exc:
+            raise BadRequest(f"input_ids must be a list of integers (batched requests are not supported): {exc}"
+                             ) from None
+        try:
+            arr = np.asarray(checked, dtype=np.int64)
+        except OverflowError:
+            arr = np.asarray([-1], dtype=np.int64)
+        if len(arr) and (arr.min() < 0 or arr.max() >= vocab_size):
+            raise BadRequest(f"input_ids contain a token id outside [0, {vocab_size})")
+        input_ids = arr.astype(np.int32)
+    elif not isinstance(text, str):
+        raise BadRequest("text must be a string (batched requests are not supported)")
+    rid = body.get("rid")
+    if rid is None:
+        rid = uuid.uuid4().hex
+    elif not isinstance(rid, str):
+        raise BadRequest("rid must be a string")
+    sp = body.get("session_params")
+    session = None
+    if sp is not None:
+        if not isinstance(sp, dict) or not isinstance(sp.get("id"), str):
+            raise BadRequest("session_params must be an object with a string id")
+        session = SessionParams(id=sp["id"], rid=sp.get("rid"), offset=_opt(sp, "offset", int, None),
+                                replace=bool(sp.get("replace") or False),
+                                drop_previous_output=bool(sp.get("drop_previous_output") or False))
+    return GenerateInput(
+        rid=rid, input_ids=input_ids, text=text, sampling=parse_sampling(body.get("sampling_params")),
+        return_logprob=bool(body.get("return_logprob", False)),
+        logprob_start_len=_opt(body, "logprob_start_len", int, -1),
+        top_logprobs_num=_opt(body, "top_logprobs_num", int, 0),
+        return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+        stream=bool(body.get("stream", False)), session_params=session,
+        return_routed_experts=bool(body.get("return_routed_experts", False)), routing_key=routing_key)
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """A request from submission to its last response; owns its KV between admission and release."""
+
+    inp: GenerateInput
+    prompt: np.ndarray
+    plan: ReplyPlan
+    session: EngineSession | None
+    created: float = field(default_factory=time.perf_counter)
+    state: str = "waiting"  # waiting | running | finished
+    generated: int = 0
+    cached_tokens: int = 0
+    retractions: int = 0
+    abort_message: str | None = None
+    finish_reason: dict[str, Any] | None = None
+    finished_at: float | None = None
+    # KV owned while admitted: a locked radix prefix plus private slots for everything after it.
+    node: Node | None = None
+    prefix_len: int = 0
+    admitted_cached: int = 0  # tokens whose KV was reused at the latest admission (prefill skips them)
+    private: np.ndarray = field(default_factory=lambda: _EMPTY)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def rid(self) -> str:
+        return self.inp.rid
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.inp.sampling
+
+    @property
+    def kv_tokens(self) -> np.ndarray:
+        """Tokens whose KV the request computes: prompt + output, minus the last token (never fed back)."""
+        full = np.concatenate([self.prompt, self.plan.output_ids])
+        return full[:-1] if len(full) else full
+
+    @property
+    def output_ids(self) -> np.ndarray:
+        return self.plan.output_ids[: self.generated]
+
+    def interrupt(self) -> None:
+        self.wakeup.set()

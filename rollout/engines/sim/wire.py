@@ -1,0 +1,125 @@
+"""SGLang's response shapes: `/generate` bodies, error bodies, model and server info.
+
+Why one module: the wire format is the contract the session server is tested against; keeping every shape here
+makes it reviewable against SGLang's `http_server.py`/`io_struct.py` in one read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from rollout.engines.sim.engine import Engine
+from rollout.engines.sim.generation import output_text
+from rollout.engines.sim.requests import SimRequest
+
+SIM_VERSION = "0.5.0-sim"
+_encoder = msgspec.json.Encoder()
+
+
+def encode(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def native_error(message: str) -> dict[str, Any]:
+    """SGLang's native-endpoint error body (status 400)."""
+    return {"error": {"message": message}}
+
+
+def _input_logprobs(req: SimRequest, start: int) -> list[list[Any]]:
+    """Input-token logprobs from `logprob_start_len` on (the first prompt token has none, as in SGLang)."""
+    if start < 0:
+        return []
+    ids = req.prompt[start:].tolist()
+    rng = np.random.default_rng(len(req.prompt))
+    values = np.log(rng.uniform(0.05, 0.95, size=len(ids))).tolist()
+    out: list[list[Any]] = [[v, t, None] for v, t in zip(values, ids, strict=True)]
+    if start == 0 and out:
+        out[0][0] = None
+    return out
+
+
+def generate_body(engine: Engine, req: SimRequest, final: bool, routed: bytes | None) -> dict[str, Any]:
+    """The `/generate` response (or one cumulative stream chunk) for a request's current progress."""
+    inp = req.inp
+    out_ids = req.output_ids
+    finish = req.finish_reason if final else None
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": finish,
+        "prompt_tokens": len(req.prompt),
+        "weight_version": engine.config.weight_version,
+        "total_retractions": req.retractions,
+        "completion_tokens": len(out_ids),
+        "cached_tokens": req.cached_tokens,
+        "e2e_latency": ((req.finished_at or 0.0) - req.created) if final else None,
+    }
+    if inp.return_logprob:
+        texts: list[str | None] = (engine.family.token_texts(out_ids) if inp.return_text_in_logprobs
+                                   else [None] * len(out_ids))
+        lps = req.plan.logprobs[: len(out_ids)].tolist()
+        ids = out_ids.tolist()
+        meta["input_token_logprobs"] = _input_logprobs(req, inp.logprob_start_len)
+        meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(lps, ids, texts, strict=True)]
+        if inp.top_logprobs_num > 0:
+            k = inp.top_logprobs_num
+            vocab = engine.family.vocab_size
+            meta["input_top_logprobs"] = [None for _ in meta["input_token_logprobs"]]
+            meta["output_top_logprobs"] = [
+                [[lp, t, s]] + [[lp - 1.0 - j, (t + 1 + j) % vocab, None] for j in range(k - 1)]
+                for lp, t, s in zip(lps, ids, texts, strict=True)]
+    if final and routed is not None:
+        meta["routed_experts"] = msgspec.Raw(routed)
+    text = output_text(engine.family, out_ids, finish, inp.sampling)
+    return {"text": text, "output_ids": out_ids.tolist(), "meta_info": meta}
+
+
+def model_info(engine: Engine, model_path: str, tokenizer_path: str) -> dict[str, Any]:
+    return {"model_path": model_path, "tokenizer_path": tokenizer_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": engine.config.weight_version,
+            "has_image_understanding": False, "has_audio_understanding": False, "model_type": engine.family.name,
+            "architectures": None}
+
+
+def server_info(engine: Engine, model_path: str, tokenizer_path: str, host: str, port: int) -> dict[str, Any]:
+    """Server args and scheduler info like SGLang's `/server_info`, plus live KV and request figures."""
+    cfg = engine.config
+    counts = engine.counts()
+    return {
+        "model_path": model_path,
+        "tokenizer_path": tokenizer_path,
+        "served_model_name": model_path,
+        "host": host,
+        "port": port,
+        "context_length": cfg.context_length,
+        "page_size": 1,
+        "random_seed": cfg.seed,
+        "enable_streaming_session": cfg.enable_streaming_session,
+        "skip_tokenizer_init": False,
+        "weight_version": cfg.weight_version,
+        "max_total_num_tokens": engine.pool.capacity,
+        "max_req_input_len": min(cfg.context_length - 1, engine.pool.capacity - 1),
+        "internal_states": [{
+            "last_gen_throughput": 0.0,
+            "memory_usage": {"token_capacity": engine.pool.capacity, "kv_used_tokens": counts["kv_used_tokens"]},
+            "paused": engine.paused,
+        }],
+        "version": SIM_VERSION,
+        "sim_model_family": engine.family.name,
+        "token_latency_ms": cfg.token_latency_ms,
+        "prefill_latency_ms": cfg.prefill_latency_ms,
+        "paused": engine.paused,
+        "pause_mode": engine.pause_mode,
+        "finished_requests": engine.finished_total,
+        "aborted_requests": engine.aborted_total,
+        "routing_keys": len(engine.routing_keys),
+        "last_routing_key": engine.last_routing_key,
+        **counts,
+    }
+
+
+def models_list(engine: Engine, model_path: str) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model_path, "object": "model", "created": 0, "owned_by": "sglang",
+                                        "root": model_path, "max_model_len": engine.config.context_length}]}

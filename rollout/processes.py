@@ -1,0 +1,251 @@
+"""Launch `sglang-sim` and `session-server` as child processes on loopback (the demo, the tests, the benchmarks).
+
+Both programs accept `--port 0` and print `<prog> ready on http://HOST:PORT` once they accept connections, so a
+child is started on a port the OS picks (no free-port race), its URL is read from that line, and it is ready when
+`GET /health` answers 200 as well. Each child runs with this interpreter (the venv's packages, whether or not its
+console scripts are on PATH), in its own process group (a Ctrl-C in the terminal reaches the parent, which stops
+the children in order), and its output is drained on a thread (a pipe nobody reads would block a chatty child),
+kept for error messages and optionally written to a log file. `stop()` sends SIGTERM, waits for the graceful
+shutdown and kills only if it hangs; `close()` also fails loudly if the child had crashed while serving.
+
+This generalizes the test helper H2 wrote in tests/procs.py (same class and function signatures), so that the
+demo, the tests and the benchmarks share one launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+LOOPBACK = "127.0.0.1"
+SIM_READY = re.compile(r"sglang-sim ready on (http://\S+)")
+SERVER_READY = re.compile(r"session-server ready on (http://\S+)")
+
+
+class ProcessCrashed(RuntimeError):
+    """The child exited when it should have been serving (the message carries its output tail)."""
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port that was free a moment ago (prefer `--port 0` plus a ready line when the program supports it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class RunningProcess:
+    """A started child process serving HTTP at `url` (ready on return unless `wait=False`: then `wait_ready()`)."""
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        *,
+        ready_pattern: re.Pattern[str] | None = None,
+        url: str | None = None,
+        health_path: str | None = "/health",
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 60.0,
+        name: str | None = None,
+        log_path: Path | None = None,
+        log_dir: Path | None = None,
+        wait: bool = True,
+    ) -> None:
+        if ready_pattern is None and url is None:
+            raise ValueError("need a ready_pattern that captures the URL, or a known url to poll")
+        self.cmd = [str(c) for c in cmd]
+        self.name = name or Path(self.cmd[0]).name
+        self.url = url or ""
+        self.output: list[str] = []
+        if log_path is None and log_dir is not None:
+            log_path = Path(log_dir) / (re.sub(r"[^\w.-]+", "-", self.name).strip("-") + ".log")
+        self.log_path = log_path
+        self.killed = False  # True when stop() had to SIGKILL it
+        self._ready_pattern = ready_pattern
+        self._health_path = health_path
+        self._startup_timeout = startup_timeout
+        self._ready = threading.Event()
+        self._closed = False
+        self._log: IO[str] | None = None
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(log_path, "w")  # noqa: SIM115 - closed by the drain thread at EOF
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=full_env,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._drain, name=f"{self.name}-output", daemon=True)
+        self._reader.start()
+        if wait:
+            self.wait_ready()
+
+    @property
+    def port(self) -> int:
+        return int(httpx.URL(self.url).port or 80)
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        try:
+            for line in self.proc.stdout:
+                line = line.rstrip("\n")
+                self.output.append(line)
+                if self._log is not None:
+                    self._log.write(line + "\n")
+                    self._log.flush()
+                if self._ready_pattern is not None and not self._ready.is_set():
+                    m = self._ready_pattern.search(line)
+                    if m:
+                        self.url = m.group(1)
+                        self._ready.set()
+        finally:
+            if self._log is not None:
+                self._log.close()
+
+    def tail(self, n: int = 40) -> str:
+        """The last `n` lines the child printed."""
+        return "\n".join(self.output[-n:])
+
+    log_tail = tail
+
+    def wait_ready(self) -> RunningProcess:
+        """Block until the ready line (if any) and `GET {url}{health_path}` -> 200; a failed child is stopped."""
+        try:
+            self._wait_ready(self._startup_timeout, self._health_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float, health_path: str | None) -> None:
+        deadline = time.monotonic() + timeout
+        if self._ready_pattern is not None:
+            while not self._ready.wait(0.05):
+                if self.proc.poll() is not None:
+                    self._reader.join(2)
+                    raise ProcessCrashed(
+                        f"{self.name} exited with {self.proc.returncode} before it was ready:\n{self.tail()}"
+                    )
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.tail()}")
+        if health_path is None:
+            return
+        while True:
+            if self.proc.poll() is not None:
+                self._reader.join(2)
+                raise ProcessCrashed(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + health_path, timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} health check never passed:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, wait up to `timeout` s for the graceful shutdown, else SIGKILL; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+                self.killed = True
+        self._reader.join(5)
+        return int(self.proc.returncode)
+
+    def close(self) -> None:
+        """Stop the child; raises ProcessCrashed if it had died on its own or exited uncleanly."""
+        if self._closed:
+            return
+        self._closed = True
+        crashed_before = self.proc.poll() is not None
+        code = self.stop()
+        if crashed_before:
+            raise ProcessCrashed(f"{self.name} died while serving (exit {code}):\n{self.tail()}")
+        if self.killed or code not in (0, -signal.SIGTERM):
+            raise ProcessCrashed(f"{self.name} exited with {code} on SIGTERM:\n{self.tail()}")
+
+    def __enter__(self) -> RunningProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _with_loopback_port(extra_args: Sequence[str]) -> list[str]:
+    args = [str(a) for a in extra_args]
+    if "--port" not in args:
+        args += ["--port", "0"]
+    if "--host" not in args:
+        args += ["--host", LOOPBACK]
+    return args
+
+
+def start_sim(
+    tokenizer_dir: str | Path,
+    family: str,
+    *extra_args: str,
+    env: dict[str, str] | None = None,
+    startup_timeout: float = 60.0,
+    log_path: Path | None = None,
+    log_dir: Path | None = None,
+    wait: bool = True,
+) -> RunningProcess:
+    """`sglang-sim` on a loopback port the OS picks (its `--port 0` ready line names the port)."""
+    cmd = [sys.executable, "-m", "rollout.engines.sim.cli", "--tokenizer", str(tokenizer_dir)]
+    cmd += ["--model-family", family, *_with_loopback_port(extra_args)]
+    return RunningProcess(
+        cmd,
+        ready_pattern=SIM_READY,
+        env=env,
+        startup_timeout=startup_timeout,
+        name=f"sglang-sim[{family}]",
+        log_path=log_path,
+        log_dir=log_dir,
+        wait=wait,
+    )
+
+
+def start_session_server(
+    engine_url: str,
+    tokenizer_dir: str | Path,
+    family: str,
+    *extra_args: str,
+    env: dict[str, str] | None = None,
+    startup_timeout: float = 60.0,
+    name: str = "session-server",
+    log_path: Path | None = None,
+    log_dir: Path | None = None,
+    wait: bool = True,
+) -> RunningProcess:
+    """`session-server` in front of `engine_url`, on a loopback port the OS picks."""
+    cmd = [sys.executable, "-m", "session_server.cli", "--engine-url", engine_url, "--tokenizer", str(tokenizer_dir)]
+    cmd += ["--model-family", family, *_with_loopback_port(extra_args)]
+    return RunningProcess(
+        cmd,
+        ready_pattern=SERVER_READY,
+        env=env,
+        startup_timeout=startup_timeout,
+        name=name,
+        log_path=log_path,
+        log_dir=log_dir,
+        wait=wait,
+    )

@@ -1,0 +1,129 @@
+"""The engine's KV books survive any interleaving of submits, aborts, pauses and session operations.
+
+In-process (no HTTP) so hypothesis can explore many schedules quickly; the HTTP tests cover the same paths end to
+end. After every step `check_books()` recounts the pool, the radix tree, request and session slots from scratch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from rollout.engines.sim.engine import Engine, EngineConfig
+from rollout.engines.sim.family import EngineFamily
+from rollout.engines.sim.generation import SamplingParams
+from rollout.engines.sim.requests import BadRequest, GenerateInput, SessionParams
+
+
+@pytest.fixture(scope="module")
+def family(hf_tokenizers):
+    return EngineFamily.create("qwen3", hf_tokenizers["qwen3"])
+
+
+steps = st.lists(st.one_of(
+    st.tuples(st.just("submit"), st.integers(0, 3), st.integers(1, 40), st.integers(0, 3)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+    st.tuples(st.just("abort_all")),
+    st.tuples(st.just("pause"), st.sampled_from(["abort", "retract", "in_place"])),
+    st.tuples(st.just("resume")),
+    st.tuples(st.just("close"), st.integers(0, 2)),
+    st.tuples(st.just("sleep"), st.integers(0, 20)),
+    st.tuples(st.just("flush")),
+), min_size=1, max_size=40)
+
+
+async def _scenario(family: EngineFamily, ops: list[tuple]) -> None:
+    engine = Engine(EngineConfig(kv_capacity_tokens=400, context_length=4096, token_latency_ms=0.5,
+                                 enable_streaming_session=True), family)
+    sessions = [engine.open_session(None, 0, streaming=i < 2, timeout=None) for i in range(3)]
+    prefixes = [np.arange(10 + 7 * k, 30 + 7 * k, dtype=np.int32) for k in range(4)]
+    requests = []
+    for n, op in enumerate(ops):
+        kind = op[0]
+        if kind == "submit":
+            _, prefix, n_new, sess = op
+            ids = np.concatenate([prefixes[prefix], np.full(n_new % 7 + 1, 100 + n, dtype=np.int32)])
+            sp = None
+            if sess < len(sessions) and sessions[sess] in engine.sessions:
+                sp = SessionParams(id=sessions[sess])
+            inp = GenerateInput(rid=f"r{n}", input_ids=ids, text=None, session_params=sp,
+                                sampling=SamplingParams(max_new_tokens=n_new))
+            try:
+                requests.append(engine.submit(inp))
+            except BadRequest:
+                pass
+        elif kind == "abort":
+            engine.abort(f"r{op[1]}")
+        elif kind == "abort_all":
+            engine.abort(None, abort_all=True)
+        elif kind == "pause":
+            await engine.pause(op[1])
+        elif kind == "resume":
+            engine.resume()
+        elif kind == "close":
+            engine.close_session(sessions[op[1]])
+        elif kind == "sleep":
+            await asyncio.sleep(op[1] / 1000)
+        elif kind == "flush":
+            engine.flush_cache()
+        books = engine.check_books()
+        assert books["ok"], (op, books["errors"])
+        if books["waiting_requests"]:
+            event("a request waited")
+        if books["kv_session_tokens"]:
+            event("a session held KV")
+    engine.resume()
+    await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in requests)), timeout=10)
+    if engine.check_books()["kv_session_tokens"]:
+        event("a session held KV")
+    for sid in sessions:
+        engine.close_session(sid)
+    books = engine.check_books()
+    assert books["ok"], books["errors"]
+    assert not engine.requests and not engine.sessions
+    assert books["private"] == 0 and books["kv_locked_tokens"] == 0
+    assert engine.flush_cache() and engine.pool.used == 0
+    for req in requests:
+        event(f"finish {req.finish_reason['type']}" + (" after retraction" if req.retractions else ""))
+        assert req.finish_reason is not None
+        assert len(req.output_ids) <= len(req.plan.output_ids)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps)
+def test_random_schedules_keep_the_books(family, ops):
+    asyncio.run(_scenario(family, ops))
+
+
+def test_prefill_latency_is_paid_only_for_uncached_tokens(family):
+    async def scenario() -> tuple[float, float, int]:
+        engine = Engine(EngineConfig(kv_capacity_tokens=10000, prefill_latency_ms=200.0), family)
+        prompt = np.arange(1000, 2000, dtype=np.int32)
+
+        async def timed(ids: np.ndarray, rid: str) -> tuple[float, int]:
+            started = asyncio.get_running_loop().time()
+            req = engine.submit(GenerateInput(rid=rid, input_ids=ids, text=None,
+                                              sampling=SamplingParams(max_new_tokens=4)))
+            await req.done.wait()
+            return asyncio.get_running_loop().time() - started, req.cached_tokens
+
+        cold, _ = await timed(prompt, "cold")
+        warm, cached = await timed(np.concatenate([prompt, [7, 8]]).astype(np.int32), "warm")
+        return cold, warm, cached
+
+    cold, warm, cached = asyncio.run(scenario())
+    assert cached == 1000 and cold >= 0.19 and warm < 0.1
+
+
+def test_appended_turn_drops_a_leading_bos(hf_tokenizers):
+    from rollout.engines.sim.sessions import EngineSession
+
+    bos = hf_tokenizers["deepseek"].bos_token_id
+    session = EngineSession.open(None, 0, streaming=True, timeout=None)
+    session.history = np.array([bos, 5, 6], dtype=np.int32)
+    prompt = session.build_prompt(SessionParams(id=session.session_id), np.array([bos, 9], dtype=np.int32), bos)
+    assert prompt.tolist() == [bos, 5, 6, 9]
