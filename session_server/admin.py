@@ -1,0 +1,91 @@
+"""Operational routes: liveness, readiness, metrics, and pause/continue for weight updates.
+
+/health must stay cheap and never touch the engine: it is what a load balancer (and the responsiveness benchmark)
+polls while chats are in flight. Pause has two modes: `drain` refuses new chats (503 + Retry-After) and waits for the
+in-flight ones to finish; `abort` also aborts them at the engine, so they return 503 and commit nothing, and the
+agents retry the same turn after `continue`.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from trajectory.errors import RequestValidationError, SessionError
+
+from .errors import error_response, json_response
+from .gate import AbortReason
+from .state import ServerState
+
+
+class AdminAuthError(SessionError):
+    status = 401
+    code = "unauthorized"
+
+
+def _server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def health(request: Request) -> Response:
+    return json_response({"status": "ok", "instance_id": _server(request).instance_id})
+
+
+async def ready(request: Request) -> Response:
+    server = _server(request)
+    if await server.engine.health():
+        return json_response({"status": "ready", "instance_id": server.instance_id})
+    return json_response({"status": "engine_unavailable", "instance_id": server.instance_id}, status=503)
+
+
+async def metrics(request: Request) -> Response:
+    server = _server(request)
+    text = server.metrics.render(
+        in_flight=server.gate.in_flight, sessions=len(server.registry), paused=server.gate.paused
+    )
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def _authorize(request: Request) -> None:
+    token = _server(request).config.admin_token
+    if token is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        raise AdminAuthError("admin endpoints need 'Authorization: Bearer <admin token>'")
+
+
+async def pause(request: Request) -> Response:
+    server = _server(request)
+    try:
+        _authorize(request)
+        body = await request.body()
+        mode = "drain"
+        if body.strip():
+            try:
+                obj = msgspec.json.decode(body)
+            except msgspec.DecodeError as exc:
+                raise RequestValidationError(f"request body is not valid JSON: {exc}") from None
+            mode = obj.get("mode", "drain") if isinstance(obj, dict) else None
+        if mode not in ("drain", "abort"):
+            raise RequestValidationError("'mode' must be 'drain' or 'abort'")
+    except SessionError as err:
+        return error_response(err)
+    server.gate.paused = True
+    if mode == "abort":
+        server.gate.abort_all(AbortReason.PAUSED)
+    await server.gate.wait_idle()
+    return json_response({"status": "paused", "mode": mode})
+
+
+async def resume(request: Request) -> Response:
+    server = _server(request)
+    try:
+        _authorize(request)
+    except SessionError as err:
+        return error_response(err)
+    server.gate.paused = False
+    return json_response({"status": "running"})

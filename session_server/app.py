@@ -1,0 +1,97 @@
+"""build_app(config, family): the route table of DESIGN.md 3 and the lifespan that owns the shared objects.
+
+Only these paths exist; everything else -- in particular any engine path under a session URL -- is a JSON 404, so a
+session URL handed to an agent grants chat, samples and the model list, and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from trajectory import ModelFamily
+from trajectory.errors import InvariantError
+
+from . import admin, chat, samples, sessions
+from .config import ServerConfig
+from .cpu_pool import CpuPool
+from .engine_client import EngineClient
+from .engine_sessions import EngineSessions
+from .errors import error_response, method_not_allowed, not_found
+from .gate import AbortReason, Gate
+from .registry import Registry
+from .state import ServerState
+
+logger = logging.getLogger("session_server")
+
+
+def build_state(config: ServerConfig, family: ModelFamily) -> ServerState:
+    registry = Registry(config.tombstones)
+    engine = EngineClient(config.engine_base, timeout=config.request_timeout, connections=config.engine_connections)
+    return ServerState(
+        config=config,
+        family=family,
+        registry=registry,
+        gate=Gate(registry, config.retry_after),
+        engine=engine,
+        pool=CpuPool(config.cpu_workers, inline_decode=config.inline_decode),
+        engine_sessions=EngineSessions(engine) if config.engine_sessions else None,
+    )
+
+
+async def abort_in_flight(server: ServerState) -> None:
+    """First step of a graceful shutdown: refuse new chats, abort running ones at the engine, wait for them."""
+    server.gate.shutting_down = True
+    server.gate.abort_all(AbortReason.SHUTDOWN)
+    await server.gate.wait_idle()
+
+
+async def shutdown(server: ServerState) -> None:
+    await abort_in_flight(server)
+    if server.engine_sessions is not None:
+        await asyncio.gather(*(server.engine_sessions.close(s) for s in server.registry.sessions()))
+    await server.engine.aclose()
+    server.pool.shutdown()
+
+
+async def _unhandled(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(InvariantError("internal server error"))
+
+
+def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server = build_state(config, family)
+        app.state.server = server
+        try:
+            yield
+        finally:
+            await shutdown(server)
+
+    session = "/sessions/{session_id}"
+    routes = [
+        Route("/health", admin.health, methods=["GET"]),
+        Route("/ready", admin.ready, methods=["GET"]),
+        Route("/metrics", admin.metrics, methods=["GET"]),
+        Route("/admin/pause", admin.pause, methods=["POST"]),
+        Route("/admin/continue", admin.resume, methods=["POST"]),
+        Route("/sessions", sessions.create_session, methods=["POST"]),
+        Route(session, sessions.get_session, methods=["GET"]),
+        Route(session, sessions.delete_session, methods=["DELETE"]),
+        Route(session + "/v1/chat/completions", chat.chat_completions, methods=["POST"]),
+        Route(session + "/samples", samples.collect_samples, methods=["POST"]),
+        Route(session + "/v1/models", sessions.list_models, methods=["GET"]),
+    ]
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={404: not_found, 405: method_not_allowed, Exception: _unhandled},
+    )

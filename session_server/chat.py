@@ -1,0 +1,206 @@
+"""POST /sessions/{id}/v1/chat/completions: one TITO turn.
+
+    claim the slot (before the body is read)  ->  read + decode the body (pool)  ->  prepare under the lock (pure)
+    ->  engine call + decode WITHOUT the lock, raced against client disconnect, abort requests and the timeout
+    ->  commit under the lock  ->  reply
+
+Why no lock across the engine call: the gate already guarantees a single chat per session, and the lock only has to
+make each read-modify of the trajectory atomic with respect to GET/samples/DELETE on the same loop. Holding it across a
+multi-second engine call would make those readers wait for the engine, and a cancelled holder could leave it taken.
+Prepare is pure and commit checks `version`, so nothing can slip in between unnoticed.
+
+Why race the receive channel: uvicorn reports a vanished client only to whoever awaits `receive()`; without watching
+it the engine would keep generating (and holding KV) for nobody. Every way out of the race that is not a finished
+engine call aborts the engine request by our rid and commits nothing; the slot is released by the `finally` of the
+handler that owns it, exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from trajectory.errors import InvariantError, SessionError, SessionNotFoundError, SessionPausedError
+
+from .engine_client import EngineReply
+from .errors import (
+    ClientDisconnectedError,
+    EngineTimeoutError,
+    RequestTooLargeError,
+    error_response,
+)
+from .gate import AbortReason, Claim
+from .openai_format import ChatRequest, TurnOutput, decode_turn, encode_generate, parse_chat_request
+from .state import ServerState
+
+logger = logging.getLogger("session_server.chat")
+
+SSE_HEADERS = {"Cache-Control": "no-cache"}
+
+
+async def chat_completions(request: Request) -> Response:
+    server: ServerState = request.app.state.server
+    try:
+        claim = server.gate.claim(request.path_params["session_id"])
+    except SessionError as err:
+        server.metrics.chat(err.status)
+        return error_response(err)
+    try:
+        response = await _turn(server, claim, request)
+    except SessionError as err:
+        response = error_response(err)
+    finally:
+        claim.release()
+    server.metrics.chat(response.status_code)
+    return response
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLargeError(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientDisconnectedError("client disconnected while sending the request") from None
+    return b"".join(chunks)
+
+
+async def _read_body_or_abort(claim: Claim, request: Request, limit: int) -> bytes:
+    """Read the body, but let DELETE/pause/shutdown interrupt a client that sends it slowly (or never)."""
+    reading = asyncio.ensure_future(read_body(request, limit))
+    aborted = asyncio.ensure_future(claim.aborted.wait())
+    try:
+        await asyncio.wait((reading, aborted), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        aborted.cancel()
+        if not reading.done():
+            reading.cancel()
+    if claim.reason is not None:
+        if reading.done() and not reading.cancelled():
+            reading.exception()  # retrieved: the abort reason is what the client hears
+        _raise_if_aborted(claim)
+    return reading.result()
+
+
+def _raise_if_aborted(claim: Claim) -> None:
+    reason = claim.reason
+    if reason is None:
+        return
+    if reason is AbortReason.DELETED:
+        raise SessionNotFoundError(f"session {claim.session.id} was deleted during the chat")
+    retry_after = claim.retry_after
+    if reason is AbortReason.PAUSED:
+        raise SessionPausedError("chat aborted: the server was paused; retry the same turn", retry_after)
+    raise SessionPausedError("chat aborted: the server is shutting down", retry_after)
+
+
+async def _turn(server: ServerState, claim: Claim, request: Request) -> Response:
+    session = claim.session
+    body = await _read_body_or_abort(claim, request, server.config.max_request_bytes)
+    chat: ChatRequest = await server.pool.run(parse_chat_request, body, server.family.stop_token_ids)
+    _raise_if_aborted(claim)
+    async with session.lock:
+        plan = session.trajectory.prepare(chat.messages, chat.tools)
+
+    rid = uuid.uuid4().hex  # fixed length: no rid is a prefix of another (abort matches by prefix)
+    start, session_params = 0, None
+    engine_sessions = server.engine_sessions
+    if engine_sessions is not None:
+        start, session_params = await engine_sessions.begin_turn(session, plan.new_token_start)
+        _raise_if_aborted(claim)
+    payload = await server.pool.run(encode_generate, plan.prompt_ids, start, chat.sampling_params, rid, session_params)
+
+    committed = False
+    try:
+        outcome = await _run_engine(server, claim, request, rid, payload, chat)
+        if isinstance(outcome, EngineReply):  # the engine's own error: pass it through, unrecorded
+            return Response(outcome.body, status_code=outcome.status, media_type=outcome.content_type)
+        if outcome.message is None:
+            raise SessionPausedError("the engine aborted the request (paused or preempted); retry the same turn", 1)
+        _raise_if_aborted(claim)
+        async with session.lock:
+            try:
+                session.trajectory.commit(plan, outcome.result, outcome.message)
+            except InvariantError as err:
+                logger.error("session %s: invariant broken at commit: %s", session.id, err)
+                raise
+            committed = True
+        if engine_sessions is not None:
+            engine_sessions.committed(session, len(plan.prompt_ids) + len(outcome.result.output_ids))
+    finally:
+        if engine_sessions is not None and not committed:
+            engine_sessions.mark_dirty(session)
+    if chat.stream:
+        return Response(outcome.reply, media_type="text/event-stream", headers=SSE_HEADERS)
+    return Response(outcome.reply, media_type="application/json")
+
+
+async def _generate(server: ServerState, session_id: str, payload: bytes, rid: str, chat: ChatRequest) -> Any:
+    reply = await server.engine.generate(payload, session_id)
+    if not reply.ok:
+        return reply
+    model = chat.model or server.family.name
+    return await server.pool.run_decode(decode_turn, reply.body, server.family, rid, model, chat.stream)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _run_engine(
+    server: ServerState, claim: Claim, request: Request, rid: str, payload: bytes, chat: ChatRequest
+) -> TurnOutput | EngineReply:
+    engine_task = asyncio.ensure_future(_generate(server, claim.session.id, payload, rid, chat))
+    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    aborted = asyncio.ensure_future(claim.aborted.wait())
+    try:
+        done, _ = await asyncio.wait(
+            (engine_task, disconnect, aborted),
+            timeout=server.config.request_timeout,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+    except asyncio.CancelledError:
+        # The handler itself is being cancelled: still abort the engine request before giving up the slot.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(asyncio.ensure_future(_abort_engine(server, rid, engine_task)))
+        raise
+    finally:
+        disconnect.cancel()
+        aborted.cancel()
+    if engine_task in done:
+        return engine_task.result()
+    await _abort_engine(server, rid, engine_task)
+    if disconnect in done:
+        raise ClientDisconnectedError("client disconnected during the chat; engine request aborted")
+    if aborted in done:
+        _raise_if_aborted(claim)
+    raise EngineTimeoutError(f"engine did not answer within {server.config.request_timeout:g}s; request aborted")
+
+
+async def _abort_engine(server: ServerState, rid: str, engine_task: asyncio.Future[Any]) -> None:
+    """Abort by rid and wait for the engine to acknowledge by finishing the request (bounded), else drop it."""
+    server.metrics.engine_aborts += 1
+    if not engine_task.done():
+        await server.engine.abort(rid)
+        await asyncio.wait((engine_task,), timeout=server.config.abort_grace)
+    if not engine_task.done():
+        engine_task.cancel()  # closes the connection; the engine aborts on disconnect as well
+        await asyncio.wait((engine_task,))
+    if not engine_task.cancelled():
+        engine_task.exception()  # retrieved: an error of an abandoned request is not worth a warning

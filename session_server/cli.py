@@ -1,0 +1,177 @@
+"""`session-server`: parse flags, load the tokenizer, serve the app with one uvicorn worker (uvloop + httptools).
+
+One worker on purpose: sessions live in this process's memory and the in-flight gate relies on a single event loop.
+Scale out with several processes on different ports (the session URL pins an episode to its server).
+Graceful SIGTERM: the first signal refuses new chats and aborts in-flight engine requests (their chats answer 503),
+uvicorn then stops accepting and drains connections, and the lifespan closes engine sessions; the exit code is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn
+
+import uvicorn
+
+from .config import MATCHERS, ServerConfig, default_cpu_workers
+
+PROG = "session-server"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, exit 2 (argparse's default also prints the usage block)."""
+        self.exit(2, f"{PROG}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Token-in-token-out session server between OpenAI-chat agents and SGLang.")
+    p.add_argument("--engine-url", required=True, help="SGLang engine base URL (native API), e.g. http://127.0.0.1:30000")
+    p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory (loaded with AutoTokenizer)")
+    p.add_argument("--model-family", required=True, help="model family, e.g. qwen3 or deepseek")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    p.add_argument(
+        "--cpu-workers", type=int, default=default_cpu_workers(),
+        help="threads for stateless CPU work (decode/encode/serialize); default min(16, cores)",
+    )
+    p.add_argument("--max-rollback", type=int, default=1, help="checkpoints a diverging request may drop (default 1)")
+    p.add_argument(
+        "--engine-sessions", action="store_true",
+        help="one SGLang streaming session per trajectory; turns send only new tokens (engine: streaming sessions on)",
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0,
+        help="seconds an engine call may take before it is aborted and the chat gets 504 (default 600)",
+    )
+    p.add_argument(
+        "--max-request-bytes", type=int, default=16 * 1024 * 1024,
+        help="largest accepted request body; larger ones get 413 (default 16 MiB)",
+    )
+    p.add_argument(
+        "--message-matcher", choices=MATCHERS, default="strict",
+        help="how history is matched: strict, or loose_tool_call (JSON-equivalent tool arguments)",
+    )
+    p.add_argument("--admin-token", default=None, help="if set, /admin/* requires 'Authorization: Bearer TOKEN'")
+    p.add_argument(
+        "--inline-decode", action="store_true",
+        help="decode engine responses on the event loop instead of the CPU pool (for benchmarks)",
+    )
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="log level")
+    return p
+
+
+def _fail(message: str) -> NoReturn:
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    raise SystemExit(2)
+
+
+def load_family(tokenizer_dir: str, family_name: str):  # -> trajectory.ModelFamily
+    from trajectory import family_names, get_family
+
+    if family_name not in family_names():
+        _fail(f"unknown --model-family {family_name!r} (known: {', '.join(family_names())})")
+    if not any(Path(tokenizer_dir, name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
+        _fail(f"--tokenizer {tokenizer_dir!r} is not a local tokenizer directory (nothing is downloaded)")
+    from transformers import AutoTokenizer  # slow to import: only once the cheap checks passed
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except Exception as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        _fail(f"cannot load tokenizer from {tokenizer_dir!r}: {type(exc).__name__}: {first_line}")
+    try:
+        return get_family(family_name, tokenizer)
+    except Exception as exc:
+        _fail(f"tokenizer {tokenizer_dir!r} does not fit family {family_name!r}: {exc}")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that announces readiness and turns SIGTERM into an abort-first graceful shutdown."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._shutdown_started = False
+
+    async def startup(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            port = self.servers[0].sockets[0].getsockname()[1]
+            print(f"{PROG} ready on http://{self.config.host}:{port}", flush=True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not calling super(): it records the signal and re-raises it after shutdown, which would kill the
+        # process with the signal instead of exiting 0.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+        if not self._shutdown_started and self._loop is not None:
+            self._shutdown_started = True
+            self._loop.call_soon_threadsafe(self._begin_shutdown)
+
+    def _begin_shutdown(self) -> None:
+        from .app import abort_in_flight
+
+        app = self.config.app
+        server = getattr(getattr(app, "state", None), "server", None)
+        if server is not None:
+            task = asyncio.ensure_future(abort_in_flight(server))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = ServerConfig(
+            engine_url=args.engine_url,
+            tokenizer=args.tokenizer,
+            model_family=args.model_family,
+            host=args.host,
+            port=args.port,
+            cpu_workers=args.cpu_workers,
+            max_rollback=args.max_rollback,
+            engine_sessions=args.engine_sessions,
+            request_timeout=args.request_timeout,
+            max_request_bytes=args.max_request_bytes,
+            message_matcher=args.message_matcher,
+            admin_token=args.admin_token,
+            inline_decode=args.inline_decode,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    family = load_family(config.tokenizer, config.model_family)
+
+    from .app import build_app
+
+    app = build_app(config, family)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        workers=1,
+        access_log=False,
+        log_level=args.log_level,
+        server_header=False,  # replies carry exactly one date header and no server header
+        date_header=True,
+        backlog=4096,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=30,
+    )
+    _Server(uv_config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""Server configuration: one frozen dataclass built from the CLI flags.
+
+Every behaviour switch is read from here at the place it matters, so a flag never changes behaviour far from where it
+is documented (DESIGN.md 8).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+MATCHERS = ("strict", "loose_tool_call")
+
+
+def default_cpu_workers() -> int:
+    """min(16, cores): enough threads to keep decode off the loop without oversubscribing small machines."""
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    engine_url: str
+    tokenizer: str
+    model_family: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    cpu_workers: int | None = None  # None -> default_cpu_workers()
+    max_rollback: int = 1
+    engine_sessions: bool = False
+    request_timeout: float = 600.0
+    max_request_bytes: int = 16 * 1024 * 1024
+    message_matcher: str = "strict"
+    admin_token: str | None = None
+    inline_decode: bool = False
+    engine_connections: int = 512
+    retry_after: int = 1
+    abort_grace: float = 5.0
+    tombstones: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if self.cpu_workers is None:
+            object.__setattr__(self, "cpu_workers", default_cpu_workers())
+        problems = []
+        if not self.engine_url.startswith(("http://", "https://")):
+            problems.append(f"--engine-url must be an http(s) URL, got {self.engine_url!r}")
+        if self.cpu_workers < 1:
+            problems.append("--cpu-workers must be >= 1")
+        if self.max_rollback < 0:
+            problems.append("--max-rollback must be >= 0")
+        if self.request_timeout <= 0:
+            problems.append("--request-timeout must be > 0")
+        if self.max_request_bytes < 1:
+            problems.append("--max-request-bytes must be >= 1")
+        if self.message_matcher not in MATCHERS:
+            problems.append(f"--message-matcher must be one of {', '.join(MATCHERS)}")
+        if not 0 <= self.port <= 65535:
+            problems.append("--port must be in [0, 65535]")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def engine_base(self) -> str:
+        return self.engine_url.rstrip("/")

@@ -1,0 +1,163 @@
+"""A minimal keep-alive HTTP/1.1 client for the one hot call, POST /generate.
+
+Why not httpx here: profiling the server at zero engine latency showed about half of its CPU per turn inside
+httpx/httpcore -- request/URL/header model objects, and a connection pool that polls every idle socket for
+readability on every request, so the cost grows with the number of concurrent sessions. The engine is one known
+origin speaking plain HTTP/1.1 with Content-Length or chunked bodies, so a pool of asyncio protocols with the
+httptools parser (the same parser uvicorn uses) does the job in a few microseconds per request. Control calls
+(abort, sessions, health, models) stay on httpx, where robustness matters more than microseconds.
+
+Semantics the chat handler relies on: a cancelled request closes its connection (the engine sees the client go
+away and aborts), transport failures raise EngineUnavailableError (502), and a connection is reused only after a
+complete response that allows keep-alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from urllib.parse import urlsplit
+
+import httptools
+
+from trajectory.errors import EngineUnavailableError
+
+
+class _Connection(asyncio.Protocol):
+    __slots__ = (
+        "_body", "_content_type", "_parser", "_waiter", "closed", "keep_alive", "received", "status", "transport",
+    )
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._body: list[bytes] = []
+        self._content_type = b"application/json"
+        self.status = 0
+        self.keep_alive = False
+        self.received = False
+
+    # -- asyncio.Protocol -------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(EngineUnavailableError(f"engine sent malformed HTTP: {exc}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail(EngineUnavailableError("engine closed the connection before the response was complete"))
+
+    # -- httptools callbacks ----------------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"content-type":
+            self._content_type = value
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self.keep_alive = self._parser.should_keep_alive()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # -- client side ------------------------------------------------------------------------------------
+    def _fail(self, exc: Exception) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(exc)
+
+    async def roundtrip(self, request: bytes) -> tuple[int, bytes, str]:
+        assert self.transport is not None
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._body = []
+        self._content_type = b"application/json"
+        self.keep_alive = False
+        self.transport.write(request)
+        await self._waiter
+        self._waiter = None
+        return self.status, b"".join(self._body), self._content_type.decode("latin-1")
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class EngineHTTP:
+    """POST-only HTTP/1.1 client for one origin with a bounded keep-alive pool."""
+
+    def __init__(self, base_url: str, *, connections: int, connect_timeout: float = 10.0) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http":
+            raise ValueError("the engine hot path speaks plain http:// only")
+        self._host = parts.hostname or "127.0.0.1"
+        self._port = parts.port or 80
+        self._prefix = parts.path.rstrip("/")
+        self._host_header = parts.netloc.encode("latin-1")
+        self._idle: deque[_Connection] = deque()
+        self._slots = asyncio.Semaphore(connections)
+        self._connect_timeout = connect_timeout
+        self._closed = False
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await loop.create_connection(_Connection, self._host, self._port)
+        except (OSError, TimeoutError) as exc:
+            raise EngineUnavailableError(f"cannot connect to the engine: {type(exc).__name__}: {exc}") from exc
+        return conn
+
+    def _head(self, path: str, length: int, headers: dict[str, str]) -> bytes:
+        lines = [
+            f"POST {self._prefix}{path} HTTP/1.1\r\n".encode("latin-1"),
+            b"Host: " + self._host_header + b"\r\n",
+            b"Content-Type: application/json\r\n",
+            b"Content-Length: " + str(length).encode() + b"\r\n",
+        ]
+        lines += [f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items()]
+        lines.append(b"\r\n")
+        return b"".join(lines)
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, str]:
+        if self._closed:
+            raise EngineUnavailableError("engine client is closed")
+        request = self._head(path, len(body), headers) + body
+        async with self._slots:
+            while self._idle:
+                conn = self._idle.pop()  # most recently used: least likely to have been closed by the server
+                if conn.closed:
+                    continue
+                try:
+                    return await self._roundtrip(conn, request)
+                except EngineUnavailableError:
+                    if conn.received:  # the engine answered something: a real failure, do not resend
+                        raise
+                    # A stale keep-alive connection the engine closed while idle: retry on a fresh one.
+            return await self._roundtrip(await self._connect(), request)
+
+    async def _roundtrip(self, conn: _Connection, request: bytes) -> tuple[int, bytes, str]:
+        conn.received = False
+        try:
+            result = await conn.roundtrip(request)
+        except BaseException:
+            conn.close()  # cancelled or failed mid-request: the engine must see the client go away
+            raise
+        if conn.keep_alive and not conn.closed and not self._closed:
+            self._idle.append(conn)
+        else:
+            conn.close()
+        return result
+
+    def close(self) -> None:
+        self._closed = True
+        while self._idle:
+            self._idle.pop().close()

@@ -1,0 +1,52 @@
+"""SGLang streaming sessions (--engine-sessions): one per trajectory, so each turn prefills only its new tokens.
+
+A streaming engine session is append-only (DESIGN.md 5.2): it can only be reused when it holds exactly the prefix the
+next prompt keeps (`plan.new_token_start`). Anything else -- a rollback, a trimmed stop token, or an uncommitted turn
+that ran in it (502, abort, disconnect) -- replaces it with a fresh one that receives the full prompt. The trajectory's
+tokens are therefore identical with and without the flag; only the engine's prefill work differs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .engine_client import EngineClient
+from .registry import Session
+
+logger = logging.getLogger("session_server.engine_sessions")
+
+CAPACITY_OF_STR_LEN = 1 << 20
+
+
+class EngineSessions:
+    def __init__(self, engine: EngineClient) -> None:
+        self._engine = engine
+
+    async def begin_turn(self, session: Session, new_token_start: int) -> tuple[int, dict[str, Any]]:
+        """Return (first prompt index to send, session_params), opening or replacing the engine session as needed."""
+        st = session.engine
+        if st.sid is not None and not st.dirty and st.tokens > 0 and st.tokens == new_token_start:
+            return new_token_start, {"id": st.sid}
+        if st.sid is not None:
+            await self.close(session)
+        st.sid = await self._engine.open_session(CAPACITY_OF_STR_LEN, session.id)
+        st.tokens = 0
+        st.dirty = False
+        return 0, {"id": st.sid}
+
+    @staticmethod
+    def committed(session: Session, total_tokens: int) -> None:
+        session.engine.tokens = total_tokens
+        session.engine.dirty = False
+
+    @staticmethod
+    def mark_dirty(session: Session) -> None:
+        session.engine.dirty = True
+
+    async def close(self, session: Session) -> None:
+        """Close the engine session, if any. Called by DELETE/shutdown only after the in-flight chat has finished."""
+        st = session.engine
+        sid, st.sid, st.tokens, st.dirty = st.sid, None, 0, False
+        if sid is not None and not await self._engine.close_session(sid, session.id):
+            logger.warning("session %s: engine session %s may not be closed", session.id, sid)

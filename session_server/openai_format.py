@@ -1,0 +1,202 @@
+"""OpenAI chat-completion wire format <-> engine sampling params and family-parsed replies.
+
+Everything here is a pure function of its arguments, so it runs on the CPU pool. The request is decoded once (msgspec,
+straight to builtins); fields the engine cannot use are ignored rather than refused, except `n` other than 1, which
+would silently change the meaning of the reply. The reply is encoded once, from the already parsed completion, and
+never carries the heavy replay payloads (routed experts stay in the trajectory's records).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from trajectory import GenerateResult, ModelFamily, decode_generate_response
+from trajectory.errors import RequestValidationError
+
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    sampling_params: dict[str, Any]
+    stream: bool
+    model: str | None
+
+
+def _bad(msg: str) -> RequestValidationError:
+    return RequestValidationError(msg)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def parse_chat_request(body: bytes, stop_token_ids: tuple[int, ...]) -> ChatRequest:
+    """Validate the shape the server relies on and map the sampling fields to SGLang's `sampling_params`."""
+    try:
+        obj = _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise _bad(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise _bad("request body must be a JSON object")
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list of message objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}] must be an object")
+        if not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}].role must be a string")
+    tools = obj.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise _bad("'tools' must be a list of tool objects")
+    n = obj.get("n")
+    if n is not None and n != 1:
+        raise _bad("only n=1 is supported: a session holds one linear trajectory")
+    stream = obj.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean")
+    model = obj.get("model")
+    return ChatRequest(
+        messages=messages,
+        tools=tools or None,
+        sampling_params=sampling_params(obj, stop_token_ids),
+        stream=stream,
+        model=model if isinstance(model, str) else None,
+    )
+
+
+def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dict[str, Any]:
+    sp: dict[str, Any] = {
+        "stop_token_ids": list(stop_token_ids),
+        "skip_special_tokens": False,  # tool-call markup of some families is made of special tokens
+        "no_stop_trim": False,
+    }
+    max_tokens = obj.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = obj.get("max_tokens")
+    if max_tokens is not None:
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise _bad("'max_tokens' / 'max_completion_tokens' must be a positive integer")
+        sp["max_new_tokens"] = max_tokens
+    temperature = obj.get("temperature")
+    if temperature is not None:
+        if not _is_number(temperature) or temperature < 0:
+            raise _bad("'temperature' must be a number >= 0")
+        sp["temperature"] = float(temperature)
+    top_p = obj.get("top_p")
+    if top_p is not None:
+        if not _is_number(top_p) or not 0 < top_p <= 1:
+            raise _bad("'top_p' must be a number in (0, 1]")
+        sp["top_p"] = float(top_p)
+    top_k = obj.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k) or (top_k < 1 and top_k != -1):
+            raise _bad("'top_k' must be a positive integer or -1")
+        sp["top_k"] = top_k
+    stop = obj.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise _bad("'stop' must be a non-empty string or a list of them")
+        if stop:
+            sp["stop"] = stop
+    seed = obj.get("seed")
+    if seed is not None:
+        if not _is_int(seed):
+            raise _bad("'seed' must be an integer")
+        sp["sampling_seed"] = seed
+    return sp
+
+
+def encode_generate(
+    prompt_ids: Any, start: int, sp: dict[str, Any], rid: str, session_params: dict[str, Any] | None
+) -> bytes:
+    """The /generate body of DESIGN.md 5.1. `start` > 0 sends only the tokens an engine session does not hold."""
+    payload: dict[str, Any] = {
+        "input_ids": prompt_ids[start:].tolist(),
+        "sampling_params": sp,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "rid": rid,
+        "stream": False,
+    }
+    if session_params is not None:
+        payload["session_params"] = session_params
+    return _encoder.encode(payload)
+
+
+@dataclass(slots=True)
+class TurnOutput:
+    result: GenerateResult
+    message: dict[str, Any] | None  # the assistant message to commit (None for an engine-side abort)
+    reply: bytes  # the encoded client reply (JSON or one SSE chunk + [DONE])
+
+
+def _finish_reason(result: GenerateResult, has_tool_calls: bool) -> str:
+    kind = result.finish_reason.get("type")
+    if kind == "length":
+        return "length"
+    return "tool_calls" if has_tool_calls else "stop"
+
+
+def decode_turn(
+    body: bytes, family: ModelFamily, rid: str, model: str, stream: bool, created: int | None = None
+) -> TurnOutput:
+    """Strictly validate the engine reply (502 on any rule), parse it with the family, encode the client reply."""
+    result = decode_generate_response(body, family.vocab_size)
+    if result.finish_reason.get("type") == "abort":
+        return TurnOutput(result, None, b"")
+    parsed = family.parse_completion(result.text)
+    message = parsed.to_message(f"call_{rid[:24]}")
+    tool_calls: list[dict[str, Any]] = message.get("tool_calls") or []
+    usage = {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+    }
+    finish = _finish_reason(result, bool(tool_calls))
+    created = int(time.time()) if created is None else created
+    if not stream:
+        reply = _encoder.encode(
+            {
+                "id": f"chatcmpl-{rid}",
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                "usage": usage,
+            }
+        )
+    else:
+        delta = dict(message)
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(tool_calls)]
+        chunk = _encoder.encode(
+            {
+                "id": f"chatcmpl-{rid}",
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+                "usage": usage,
+            }
+        )
+        reply = b"data: " + chunk + b"\n\ndata: [DONE]\n\n"
+    return TurnOutput(result, message, reply)

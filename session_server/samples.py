@@ -1,0 +1,60 @@
+"""POST /sessions/{id}/samples: the trajectory as training samples (DESIGN.md 6).
+
+The merged sample is snapshotted under the session lock (cheap array copies, no await inside), then truncated and
+serialized on the CPU pool, so a large trajectory never stalls the loop. JSON by default; one safetensors payload
+with `Accept: application/octet-stream`. The body is a list with the session's merged sample (empty before the
+first turn), decoded by trajectory.samples_from_json / samples_from_safetensors.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from trajectory import build_merged_sample, samples_to_json, samples_to_safetensors, truncate_sample
+from trajectory.errors import RequestValidationError, SessionError
+
+from .errors import error_response
+from .sessions import lookup
+from .state import ServerState
+
+OCTET_STREAM = "application/octet-stream"
+_encoder = msgspec.json.Encoder()
+
+
+def _max_seq_len(body: bytes) -> int | None:
+    if not body.strip():
+        return None
+    try:
+        obj = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise RequestValidationError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise RequestValidationError("request body must be a JSON object")
+    value = obj.get("max_seq_len")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise RequestValidationError("'max_seq_len' must be a positive integer")
+    return value
+
+
+def _encode(samples: list, max_seq_len: int | None, binary: bool) -> bytes:
+    if max_seq_len is not None:
+        samples = [truncate_sample(s, max_seq_len) for s in samples]
+    return samples_to_safetensors(samples) if binary else _encoder.encode(samples_to_json(samples))
+
+
+async def collect_samples(request: Request) -> Response:
+    server: ServerState = request.app.state.server
+    try:
+        session = lookup(server, request.path_params["session_id"])
+        max_seq_len = _max_seq_len(await request.body())
+    except SessionError as err:
+        return error_response(err)
+    async with session.lock:
+        samples = [build_merged_sample(session.trajectory)] if session.trajectory.records else []
+    binary = OCTET_STREAM in request.headers.get("accept", "")
+    body = await server.pool.run(_encode, samples, max_seq_len, binary)
+    return Response(body, media_type=OCTET_STREAM if binary else "application/json")

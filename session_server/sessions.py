@@ -1,0 +1,107 @@
+"""Session lifecycle routes: create, inspect, delete, and the read-only model list under a session URL.
+
+DELETE is the one place that stops someone else's chat: it marks the session closing (new chats get 404 at once),
+asks the in-flight chat to abort and waits until its handler has released the slot -- by then the engine has
+acknowledged the abort -- and only then closes the engine session and forgets the session behind a tombstone.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from trajectory.errors import RequestValidationError, SessionError, SessionNotFoundError
+
+from .errors import error_response, json_response
+from .gate import AbortReason
+from .registry import Session
+from .state import ServerState
+
+_encoder = msgspec.json.Encoder()
+
+
+def _server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def lookup(server: ServerState, session_id: str) -> Session:
+    session = server.registry.get(session_id)
+    if session is None:
+        if server.registry.is_tombstoned(session_id):
+            raise SessionNotFoundError(f"session {session_id} was deleted")
+        raise SessionNotFoundError(f"session {session_id} not found")
+    if session.closing:
+        raise SessionNotFoundError(f"session {session_id} is being deleted")
+    return session
+
+
+async def create_session(request: Request) -> Response:
+    server = _server(request)
+    body = await request.body()
+    metadata: dict = {}
+    if body.strip():
+        try:
+            obj = msgspec.json.decode(body)
+        except msgspec.DecodeError as exc:
+            return error_response(RequestValidationError(f"request body is not valid JSON: {exc}"))
+        if not isinstance(obj, dict):
+            return error_response(RequestValidationError("request body must be a JSON object"))
+        metadata = obj.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            return error_response(RequestValidationError("'metadata' must be an object"))
+    session = server.registry.create(server.new_trajectory(), metadata)
+    server.metrics.sessions_created += 1
+    return json_response({"session_id": session.id})
+
+
+async def get_session(request: Request) -> Response:
+    server = _server(request)
+    try:
+        session = lookup(server, request.path_params["session_id"])
+    except SessionError as err:
+        return error_response(err)
+    async with session.lock:  # a consistent snapshot; no await inside
+        info = session.trajectory.to_dict()
+        info["mismatch_report"] = session.trajectory.mismatch_report()
+    info["session_id"] = session.id
+    info["metadata"] = session.metadata
+    info["created_at"] = session.created_at
+    info["busy"] = session.claim is not None
+    body = await server.pool.run(_encoder.encode, info)
+    return Response(body, media_type="application/json")
+
+
+async def delete_session(request: Request) -> Response:
+    server = _server(request)
+    try:
+        session = lookup(server, request.path_params["session_id"])
+    except SessionError as err:
+        return error_response(err)
+    await close_session(server, session, AbortReason.DELETED)
+    return Response(status_code=204)
+
+
+async def close_session(server: ServerState, session: Session, reason: AbortReason) -> None:
+    """Abort the in-flight chat, wait for its handler, close the engine session, forget. Safe to call twice."""
+    session.closing = True
+    claim = session.claim
+    if claim is not None:
+        claim.abort(reason)
+        await claim.done.wait()
+    if server.engine_sessions is not None:
+        await server.engine_sessions.close(session)
+    if server.registry.get(session.id) is session:
+        server.registry.forget(session.id)
+        server.metrics.sessions_deleted += 1
+
+
+async def list_models(request: Request) -> Response:
+    """GET /sessions/{id}/v1/models: the engine's OpenAI model list, passed through as is (read-only)."""
+    server = _server(request)
+    try:
+        lookup(server, request.path_params["session_id"])
+        reply = await server.engine.models()
+    except SessionError as err:
+        return error_response(err)
+    return Response(reply.body, status_code=reply.status, media_type=reply.content_type)

@@ -1,0 +1,34 @@
+"""The process-wide objects a handler needs, created once by the app's lifespan and shared by every route."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from trajectory import LinearTrajectory, ModelFamily
+
+from .config import ServerConfig
+from .cpu_pool import CpuPool
+from .engine_client import EngineClient
+from .engine_sessions import EngineSessions
+from .gate import Gate
+from .metrics import Metrics
+from .registry import Registry
+
+
+@dataclass(eq=False)
+class ServerState:
+    config: ServerConfig
+    family: ModelFamily
+    registry: Registry
+    gate: Gate
+    engine: EngineClient
+    pool: CpuPool
+    engine_sessions: EngineSessions | None
+    metrics: Metrics = field(default_factory=Metrics)
+    instance_id: str = field(default_factory=lambda: secrets.token_hex(8))
+
+    def new_trajectory(self) -> LinearTrajectory:
+        return LinearTrajectory(
+            self.family, max_rollback=self.config.max_rollback, matcher=self.config.message_matcher
+        )

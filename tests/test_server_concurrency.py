@@ -1,0 +1,300 @@
+"""The in-flight gate and every way a chat can end early, against real processes with a slow engine.
+
+The engine emits one token every TOKEN_MS, so a scripted long reply parks its chat at the engine for seconds while
+the test races contenders, DELETEs, disconnects, pauses and faults against it. Every scenario ends with the engine
+at its baseline: nothing running, no session held, no KV slot in use after a cache flush, books balanced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from server_helpers import (
+    assert_engine_baseline,
+    chat_url,
+    engine_info,
+    new_session,
+    wait_engine_idle,
+    wait_running,
+)
+
+from rollout.processes import RunningProcess, start_session_server, start_sim
+
+FAMILY = "qwen3"
+TOKEN_MS = 10
+LONG = 300  # tokens: 3 s at the engine
+LONG_CHAT = {"messages": [{"role": "user", "content": f"take your time [[sim: tokens {LONG}]]"}]}
+SHORT_CHAT = {"messages": [{"role": "user", "content": "quick [[sim: tokens 2]]"}]}
+ADMIN = {"Authorization": "Bearer s3cret"}
+BODY_FAULTS = ("malformed_json", "nan_logprob", "str_logprob", "bool_token", "str_token", "oob_token",
+               "length_mismatch", "drop_connection")
+
+
+@pytest.fixture(scope="module")
+def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    logs = tmp_path_factory.mktemp("server-concurrency")
+    procs: list[RunningProcess] = []
+    tok = tokenizer_dirs[FAMILY]
+    try:
+        procs.append(start_sim(tok, FAMILY, "--token-latency-ms", str(TOKEN_MS), log_dir=logs))
+        engine = procs[0].url
+        procs.append(start_session_server(engine, tok, FAMILY, "--admin-token", "s3cret", log_dir=logs))
+        procs.append(start_session_server(engine, tok, FAMILY, "--request-timeout", "0.5", log_dir=logs, name="t"))
+        yield {"engine": engine, "server": procs[1].url, "timeout_server": procs[2].url}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+@pytest.fixture
+def faults(stack: dict[str, str]) -> Iterator[None]:
+    yield
+    httpx.post(f"{stack['engine']}/sim/faults", json={})
+
+
+def test_race_contract_contenders_get_409_at_once(stack: dict[str, str]) -> None:
+    server, engine = stack["server"], stack["engine"]
+    sid = new_session(server)
+    before = engine_info(engine)["finished_requests"]
+
+    async def main() -> tuple[httpx.Response, list[tuple[int, float]]]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            owner = asyncio.ensure_future(http.post(chat_url(server, sid), json=LONG_CHAT))
+            await wait_running(engine, 1)
+
+            async def contend() -> tuple[int, float]:
+                started = time.monotonic()
+                resp = await http.post(chat_url(server, sid), json=SHORT_CHAT)
+                return resp.status_code, time.monotonic() - started
+
+            contenders = await asyncio.gather(*(contend() for _ in range(3)))
+            assert not owner.done()
+            return await owner, contenders
+
+    owner, contenders = asyncio.run(main())
+    assert owner.status_code == 200
+    for status, elapsed in contenders:
+        assert status == 409
+        assert elapsed < LONG * TOKEN_MS / 1000 / 3  # well under the owner's engine latency
+    assert engine_info(engine)["finished_requests"] - before == 1  # contenders never reached the engine
+    follow = [*LONG_CHAT["messages"], owner.json()["choices"][0]["message"], SHORT_CHAT["messages"][0]]
+    assert httpx.post(chat_url(server, sid), json={"messages": follow}).status_code == 200
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(engine)
+
+
+def test_busy_409_never_reads_the_body(stack: dict[str, str]) -> None:
+    server, engine = stack["server"], stack["engine"]
+    sid = new_session(server)
+    host, port = urlsplit(server).hostname, urlsplit(server).port
+
+    async def main() -> tuple[int, bytes]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            owner = asyncio.ensure_future(http.post(chat_url(server, sid), json=LONG_CHAT))
+            await wait_running(engine, 1)
+            # Headers promise a 1 MB body and none of it is sent: the 409 must come anyway.
+            with socket.create_connection((host, port), timeout=5) as sock:
+                head = (
+                    f"POST /sessions/{sid}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    "Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+                )
+                sock.sendall(head.encode())
+                reply = await asyncio.to_thread(sock.recv, 65536)
+            resp = await owner
+            return resp.status_code, reply
+
+    owner_status, reply = asyncio.run(main())
+    assert reply.startswith(b"HTTP/1.1 409"), reply[:200]
+    assert owner_status == 200
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(engine)
+
+
+def test_delete_does_not_wait_for_a_slow_request_body(stack: dict[str, str]) -> None:
+    server, engine = stack["server"], stack["engine"]
+    sid = new_session(server)
+    host, port = urlsplit(server).hostname, urlsplit(server).port
+    with socket.create_connection((host, port), timeout=10) as sock:
+        head = (
+            f"POST /sessions/{sid}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"messages\": ["
+        )
+        sock.sendall(head.encode())  # the chat holds the slot, its body never completes
+        deadline = time.monotonic() + 5
+        while _metric(server, "session_server_in_flight") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert httpx.delete(f"{server}/sessions/{sid}", timeout=5).status_code == 204
+        assert sock.recv(65536).startswith(b"HTTP/1.1 404")
+    assert engine_info(engine)["running_requests"] == 0
+
+
+def test_sessions_run_in_parallel(stack: dict[str, str]) -> None:
+    server, engine = stack["server"], stack["engine"]
+    sids = [new_session(server) for _ in range(4)]
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            chats = [asyncio.ensure_future(http.post(chat_url(server, s), json=LONG_CHAT)) for s in sids]
+            await wait_running(engine, 4)  # all four are at the engine at the same time
+            return [r.status_code for r in await asyncio.gather(*chats)]
+
+    assert asyncio.run(main()) == [200] * 4
+    for sid in sids:
+        assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(engine)
+
+
+def test_delete_during_chat_aborts_it(stack: dict[str, str]) -> None:
+    server, engine = stack["server"], stack["engine"]
+    sid = new_session(server)
+
+    async def main() -> tuple[int, int, int, int]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json=LONG_CHAT))
+            await wait_running(engine, 1)
+            started = time.monotonic()
+            deleted = await http.delete(f"{server}/sessions/{sid}")
+            assert time.monotonic() - started < LONG * TOKEN_MS / 1000 / 2  # the engine call was aborted
+            late = await http.post(chat_url(server, sid), json=SHORT_CHAT)
+            again = await http.delete(f"{server}/sessions/{sid}")
+            return deleted.status_code, (await chat).status_code, late.status_code, again.status_code
+
+    assert asyncio.run(main()) == (204, 404, 404, 404)
+    assert httpx.get(f"{server}/sessions/{sid}").status_code == 404
+    assert_engine_baseline(engine)
+
+
+def test_client_disconnect_aborts_the_engine_request(stack: dict[str, str]) -> None:
+    server, engine = stack["server"], stack["engine"]
+    sid = new_session(server)
+    aborts = _metric(server, "session_server_engine_aborts_total")
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json=LONG_CHAT))
+            await wait_running(engine, 1)
+            chat.cancel()  # closes the connection mid-request
+            with pytest.raises(asyncio.CancelledError):
+                await chat
+
+    asyncio.run(main())
+    wait_engine_idle(engine, timeout=LONG * TOKEN_MS / 1000 / 2)  # aborted, not finished
+    deadline = time.monotonic() + 5
+    while _metric(server, "session_server_in_flight") != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert _metric(server, "session_server_engine_aborts_total") == aborts + 1
+    assert httpx.get(f"{server}/sessions/{sid}").json()["records"] == []  # nothing committed
+    # The agent may retry the same turn at once.
+    assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 200
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(engine)
+
+
+def test_pause_abort_then_continue(stack: dict[str, str]) -> None:
+    server, engine = stack["server"], stack["engine"]
+    sid, other = new_session(server), new_session(server)
+    assert httpx.post(f"{server}/admin/pause", json={"mode": "abort"}).status_code == 401  # token required
+
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json=LONG_CHAT))
+            await wait_running(engine, 1)
+            paused = await http.post(f"{server}/admin/pause", json={"mode": "abort"}, headers=ADMIN)
+            assert paused.status_code == 200
+            refused = await http.post(chat_url(server, other), json=SHORT_CHAT)
+            return await chat, refused
+
+    aborted, refused = asyncio.run(main())
+    for resp in (aborted, refused):
+        assert resp.status_code == 503
+        assert int(resp.headers["retry-after"]) >= 1
+    wait_engine_idle(engine, timeout=1.0)
+    assert httpx.get(f"{server}/sessions/{sid}").json()["records"] == []
+    assert httpx.post(f"{server}/admin/continue", headers=ADMIN).status_code == 200
+    assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 200
+    for s in (sid, other):
+        assert httpx.delete(f"{server}/sessions/{s}").status_code == 204
+    assert_engine_baseline(engine)
+
+
+def test_pause_drain_waits_for_in_flight_chats(stack: dict[str, str]) -> None:
+    server, engine = stack["server"], stack["engine"]
+    sid = new_session(server)
+    medium = {"messages": [{"role": "user", "content": "medium [[sim: tokens 50]]"}]}
+
+    async def main() -> tuple[int, bool]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json=medium))
+            await wait_running(engine, 1)
+            paused = await http.post(f"{server}/admin/pause", json={"mode": "drain"}, headers=ADMIN)
+            assert paused.status_code == 200
+            return (await chat).status_code, chat.done()
+
+    assert asyncio.run(main()) == (200, True)
+    assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 503
+    assert httpx.post(f"{server}/admin/continue", headers=ADMIN).status_code == 200
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(engine)
+
+
+def test_request_timeout_aborts_and_answers_504(stack: dict[str, str]) -> None:
+    server, engine = stack["timeout_server"], stack["engine"]
+    sid = new_session(server)
+    resp = httpx.post(chat_url(server, sid), json=LONG_CHAT, timeout=30)
+    assert resp.status_code == 504
+    wait_engine_idle(engine, timeout=2.0)
+    assert httpx.get(f"{server}/sessions/{sid}").json()["records"] == []
+    assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 200
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(engine)
+
+
+@pytest.mark.parametrize("fault", BODY_FAULTS)
+def test_malformed_engine_output_is_502_and_commits_nothing(
+    stack: dict[str, str], faults: None, fault: str
+) -> None:
+    server, engine = stack["server"], stack["engine"]
+    sid = new_session(server)
+    history = [{"role": "user", "content": "first [[sim: tokens 3]]"}]
+    first = httpx.post(chat_url(server, sid), json={"messages": history})
+    assert first.status_code == 200
+    history += [first.json()["choices"][0]["message"], {"role": "user", "content": "second [[sim: tokens 3]]"}]
+    before = httpx.get(f"{server}/sessions/{sid}").json()
+    assert httpx.post(f"{engine}/sim/faults", json={fault: 1.0}).status_code == 200
+    resp = httpx.post(chat_url(server, sid), json={"messages": history})
+    assert resp.status_code == 502, resp.text
+    assert resp.json()["error"]["code"] == 502
+    httpx.post(f"{engine}/sim/faults", json={})
+    assert httpx.get(f"{server}/sessions/{sid}").json() == before
+    assert httpx.post(chat_url(server, sid), json={"messages": history}).status_code == 200
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(engine)
+
+
+def test_engine_500_passes_through(stack: dict[str, str], faults: None) -> None:
+    server, engine = stack["server"], stack["engine"]
+    sid = new_session(server)
+    httpx.post(f"{engine}/sim/faults", json={"http_500": 1.0})
+    resp = httpx.post(chat_url(server, sid), json=SHORT_CHAT)
+    assert resp.status_code == 500
+    httpx.post(f"{engine}/sim/faults", json={})
+    assert httpx.get(f"{server}/sessions/{sid}").json()["records"] == []
+    assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 200
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(engine)
+
+
+def _metric(server: str, name: str) -> float:
+    for line in httpx.get(f"{server}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} missing from /metrics")

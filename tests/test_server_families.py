@@ -1,0 +1,126 @@
+"""Multi-turn tool loops for every model family, checked token by token against what the engine really saw.
+
+A recording proxy sits between the session server and `sglang-sim`, so the merged training sample is compared with
+the `input_ids` the engine received and the `output_ids`/logprobs it generated -- not with the server's own records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from server_helpers import TOOLS, RecordingProxy, as_history, assert_engine_baseline, new_session, session_client
+
+from rollout.processes import RunningProcess, start_session_server, start_sim
+from trajectory import samples_from_json
+
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a key up.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+    },
+}
+
+
+@pytest.fixture(scope="module", params=["qwen3", "deepseek"])
+def stack(
+    request: pytest.FixtureRequest, tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict]:
+    family = request.param
+    logs = tmp_path_factory.mktemp(f"server-{family}")
+    procs: list[RunningProcess] = []
+    proxy = None
+    try:
+        procs.append(start_sim(tokenizer_dirs[family], family, log_dir=logs))
+        proxy = RecordingProxy(procs[0].url)
+        procs.append(start_session_server(proxy.url, tokenizer_dirs[family], family, log_dir=logs))
+        yield {"family": family, "engine": procs[0].url, "server": procs[1].url, "proxy": proxy}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        if proxy is not None:
+            proxy.close()
+
+
+def test_tool_loop_matches_what_the_engine_saw(stack: dict) -> None:
+    server, proxy = stack["server"], stack["proxy"]
+    sid = new_session(server)
+    proxy.clear()
+    tools = [*TOOLS, LOOKUP_TOOL]
+
+    async def episode() -> list:
+        client = session_client(server, sid)
+        messages: list[dict] = [
+            {"role": "system", "content": "Use the tools. Ünïcödé is fine."},
+            {
+                "role": "user",
+                "content": 'Do two things. [[sim: think]] [[sim: tool_call name=add args={"a": 2, "b": 40}]] '
+                '[[sim: tool_call name=lookup args={"key": "naïve \\"quoted\\" {nested: [1, 2]}"}]]',
+            },
+        ]
+        replies = []
+        first = await client.chat.completions.create(model="m", messages=messages, tools=tools)
+        replies.append(first)
+        calls = first.choices[0].message.tool_calls
+        assert [c.function.name for c in calls] == ["add", "lookup"]  # parallel calls parsed
+        assert json.loads(calls[1].function.arguments) == {"key": 'naïve "quoted" {nested: [1, 2]}'}
+        messages.append(as_history(first.choices[0].message))
+        messages.append({"role": "tool", "tool_call_id": calls[0].id, "content": "42"})
+        messages.append({
+            "role": "tool", "tool_call_id": calls[1].id,
+            "content": 'found [[sim: think]] [[sim: tool_call name=add args={"a": 1, "b": 1}]]',
+        })
+        second = await client.chat.completions.create(model="m", messages=messages, tools=tools)
+        replies.append(second)
+        assert second.choices[0].finish_reason == "tool_calls"
+        messages.append(as_history(second.choices[0].message))
+        messages.append({
+            "role": "tool", "tool_call_id": second.choices[0].message.tool_calls[0].id,
+            "content": "2 [[sim: reply All done: 42 and 2.]]",
+        })
+        third = await client.chat.completions.create(model="m", messages=messages, tools=tools)
+        replies.append(third)
+        assert third.choices[0].message.content == "All done: 42 and 2."
+        assert third.choices[0].finish_reason == "stop"
+        messages.append(as_history(third.choices[0].message))
+        messages.append({"role": "user", "content": "And? [[sim: tokens 7]]"})
+        replies.append(await client.chat.completions.create(model="m", messages=messages, tools=tools))
+        return replies
+
+    replies = asyncio.run(episode())
+    sent = proxy.generates()
+    assert len(sent) == len(replies) == 4
+    sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples").json())[0]
+    tokens, mask, logprobs = sample.tokens, sample.loss_mask, sample.rollout_log_probs
+    expected_mask = np.zeros(len(tokens), dtype=np.uint8)
+    prev_end = 0
+    for call, reply in zip(sent, replies, strict=True):
+        req, resp = call["request"], call["response"]
+        assert "session_params" not in req and req["return_logprob"] is True
+        assert len(req["rid"]) == 32 and reply.id == f"chatcmpl-{req['rid']}"
+        input_ids = np.asarray(req["input_ids"], dtype=np.int32)
+        output_ids = np.asarray(resp["output_ids"], dtype=np.int32)
+        engine_logprobs = np.asarray([e[0] for e in resp["meta_info"]["output_token_logprobs"]], dtype=np.float32)
+        start, end = len(input_ids), len(input_ids) + len(output_ids)
+        # TITO: every prompt starts with the whole previous prompt + completion (no re-tokenization of history).
+        assert start >= prev_end
+        np.testing.assert_array_equal(tokens[:start], input_ids)
+        np.testing.assert_array_equal(tokens[start:end], output_ids)
+        np.testing.assert_array_equal(logprobs[start:end], engine_logprobs)
+        expected_mask[start:end] = 1
+        assert reply.usage.prompt_tokens == start and reply.usage.completion_tokens == len(output_ids)
+        prev_end = end
+    assert prev_end == len(tokens)
+    np.testing.assert_array_equal(mask, expected_mask)
+    assert np.all(logprobs[mask == 0] == 0.0)
+    report = httpx.get(f"{server}/sessions/{sid}").json()["mismatch_report"]
+    assert "equal" in report or "error" in report
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(stack["engine"])

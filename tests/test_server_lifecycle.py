@@ -1,0 +1,213 @@
+"""Engine sessions (--engine-sessions), DELETE ordering, graceful SIGTERM and the CLI contract.
+
+The engine runs with streaming sessions enabled; a recording proxy in front of it shows which calls the session
+server made and in which order (open, generate with only the new tokens, abort before close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import (
+    TOOLS,
+    RecordingProxy,
+    as_history,
+    assert_engine_baseline,
+    chat_url,
+    engine_info,
+    new_session,
+    session_client,
+    wait_engine_idle,
+    wait_running,
+)
+
+from rollout.processes import RunningProcess, start_session_server, start_sim
+
+FAMILY = "qwen3"
+TOKEN_MS = 5
+LONG_CHAT = {"messages": [{"role": "user", "content": "slow [[sim: tokens 400]]"}]}
+
+
+@pytest.fixture(scope="module")
+def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    logs = tmp_path_factory.mktemp("server-lifecycle")
+    tok = tokenizer_dirs[FAMILY]
+    procs: list[RunningProcess] = []
+    proxy = None
+    try:
+        procs.append(
+            start_sim(tok, FAMILY, "--enable-streaming-session", "--token-latency-ms", str(TOKEN_MS), log_dir=logs)
+        )
+        engine = procs[0].url
+        proxy = RecordingProxy(engine)
+        procs.append(start_session_server(engine, tok, FAMILY, log_dir=logs, name="plain"))
+        procs.append(start_session_server(proxy.url, tok, FAMILY, "--engine-sessions", log_dir=logs, name="es"))
+        yield {"engine": engine, "plain": procs[1].url, "es": procs[2].url, "proxy": proxy, "tok": tok, "logs": logs}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        if proxy is not None:
+            proxy.close()
+
+
+async def _conversation(server: str, sid: str) -> None:
+    """Four turns with a tool loop and a retried last turn (one rollback), identical on any server."""
+    client = session_client(server, sid)
+    messages: list[dict] = [{"role": "user", "content": 'add [[sim: tool_call name=add args={"a": 3, "b": 4}]]'}]
+    r1 = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, seed=1)
+    messages.append(as_history(r1.choices[0].message))
+    call_id = r1.choices[0].message.tool_calls[0].id
+    messages.append({"role": "tool", "tool_call_id": call_id, "content": "7"})
+    r2 = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, seed=2)
+    messages.append(as_history(r2.choices[0].message))
+    messages.append({"role": "user", "content": "more please [[sim: tokens 9]]"})
+    await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, seed=3)
+    # The agent retries that last turn with a different message: roll back one checkpoint.
+    messages[-1] = {"role": "user", "content": "something else [[sim: tokens 6]]"}
+    r3b = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, seed=3)
+    messages.append(as_history(r3b.choices[0].message))
+    messages.append({"role": "user", "content": "last [[sim: tokens 5]]"})
+    await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, seed=4)
+
+
+def test_engine_sessions_give_identical_tokens(stack: dict) -> None:
+    proxy: RecordingProxy = stack["proxy"]
+    plain_sid, es_sid = new_session(stack["plain"]), new_session(stack["es"])
+    proxy.clear()
+    asyncio.run(_conversation(stack["plain"], plain_sid))
+    asyncio.run(_conversation(stack["es"], es_sid))
+    plain = httpx.get(f"{stack['plain']}/sessions/{plain_sid}").json()
+    es = httpx.get(f"{stack['es']}/sessions/{es_sid}").json()
+    assert es["token_ids"] == plain["token_ids"]
+    assert [r["completion_len"] for r in es["records"]] == [r["completion_len"] for r in plain["records"]]
+    for server, sid in ((stack["plain"], plain_sid), (stack["es"], es_sid)):
+        raw = httpx.post(f"{server}/sessions/{sid}/samples").json()
+        assert raw[0]["tokens"] == plain["token_ids"]
+
+    # What the engine-sessions server actually sent: open, then only new tokens while the session is reusable;
+    # the rollback closes the engine session and opens a fresh one that gets the full prompt.
+    paths = proxy.paths()
+    assert paths == ["/open_session", "/generate", "/generate", "/generate", "/close_session", "/open_session",
+                     "/generate", "/generate"], paths
+    gens = proxy.generates()
+    sids = [g["request"]["session_params"]["id"] for g in gens]
+    assert sids[0] == sids[1] == sids[2] != sids[3] == sids[4]
+    full_prompt_lens = [len(g["request"]["input_ids"]) for g in gens]
+    turn_prompts = [r["prompt_len"] for r in es["records"]]
+    assert full_prompt_lens[0] == plain["records"][0]["prompt_len"]
+    assert full_prompt_lens[1] < turn_prompts[1]  # only the appended tokens
+    assert full_prompt_lens[3] == turn_prompts[2]  # fresh engine session after the rollback: full prompt
+    assert full_prompt_lens[4] == turn_prompts[3] - es["checkpoints"][2]["num_tokens"]
+    assert engine_info(stack["engine"])["open_sessions"] == 1
+    assert httpx.delete(f"{stack['es']}/sessions/{es_sid}").status_code == 204
+    assert httpx.delete(f"{stack['plain']}/sessions/{plain_sid}").status_code == 204
+    assert_engine_baseline(stack["engine"])
+
+
+def test_delete_aborts_before_closing_the_engine_session(stack: dict) -> None:
+    proxy: RecordingProxy = stack["proxy"]
+    server, engine = stack["es"], stack["engine"]
+    sid = new_session(server)
+    proxy.clear()
+
+    async def main() -> tuple[int, int]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json=LONG_CHAT))
+            await wait_running(engine)
+            deleted = await http.delete(f"{server}/sessions/{sid}")
+            return deleted.status_code, (await chat).status_code
+
+    assert asyncio.run(main()) == (204, 404)
+    calls = {c["path"]: c for c in proxy.calls}
+    assert proxy.paths() == ["/open_session", "/generate", "/abort_request", "/close_session"]
+    assert calls["/close_session"]["started"] >= calls["/abort_request"]["finished"]
+    assert calls["/close_session"]["started"] >= calls["/generate"]["finished"]  # the abort was acknowledged
+    assert calls["/generate"]["response"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 404
+    assert_engine_baseline(engine)
+
+
+def test_sigterm_aborts_in_flight_closes_sessions_and_exits_0(stack: dict) -> None:
+    engine = stack["engine"]
+    proc = start_session_server(engine, stack["tok"], FAMILY, "--engine-sessions", log_dir=stack["logs"], name="t")
+    server = proc.url
+    try:
+        idle = new_session(server)
+        short = {"messages": [{"role": "user", "content": "hi [[sim: tokens 2]]"}]}
+        assert httpx.post(chat_url(server, idle), json=short).status_code == 200
+        busy = new_session(server)
+
+        async def main() -> int:
+            async with httpx.AsyncClient(timeout=60) as http:
+                chat = asyncio.ensure_future(http.post(chat_url(server, busy), json=LONG_CHAT))
+                await wait_running(engine)
+                proc.proc.send_signal(signal.SIGTERM)
+                return (await chat).status_code
+
+        assert asyncio.run(main()) == 503
+        assert proc.proc.wait(20) == 0
+    finally:
+        proc.stop()
+    wait_engine_idle(engine)
+    assert_engine_baseline(engine)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    code = "import sys; from session_server.cli import main; sys.exit(main())"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_help_documents_every_flag() -> None:
+    out = _cli("--help")
+    assert out.returncode == 0
+    for flag in ("--engine-url", "--tokenizer", "--model-family", "--host", "--port", "--cpu-workers",
+                 "--max-rollback", "--engine-sessions", "--request-timeout", "--max-request-bytes",
+                 "--message-matcher", "--admin-token", "--inline-decode"):
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--tokenizer", "T", "--model-family", "qwen3"),  # missing --engine-url
+        ("--engine-url", "http://x", "--tokenizer", "T", "--model-family", "qwen3", "--port", "nope"),
+        ("--engine-url", "http://x", "--tokenizer", "T", "--model-family", "qwen3", "--message-matcher", "fuzzy"),
+        ("--engine-url", "ftp://x", "--tokenizer", "T", "--model-family", "qwen3"),
+        ("--engine-url", "http://x", "--tokenizer", "T", "--model-family", "qwen3", "--cpu-workers", "0"),
+        ("--engine-url", "http://x", "--tokenizer", "/nonexistent/tokenizer", "--model-family", "qwen3"),
+        ("--engine-url", "http://x", "--tokenizer", "TOK", "--model-family", "llama-nope"),
+    ],
+)
+def test_cli_bad_invocations_exit_2_with_one_line(tokenizer_dirs: dict[str, Path], args: tuple[str, ...]) -> None:
+    args = tuple(str(tokenizer_dirs[FAMILY]) if a == "TOK" else a for a in args)
+    started = time.monotonic()
+    out = _cli(*args)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("session-server: error:"), out.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_unreachable_engine_is_502_and_not_ready(stack: dict) -> None:
+    from rollout.processes import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with start_session_server(dead, stack["tok"], FAMILY, log_dir=stack["logs"], name="dead") as proc:
+        server = proc.url
+        assert httpx.get(f"{server}/health").status_code == 200  # never touches the engine
+        assert httpx.get(f"{server}/ready").status_code == 503
+        sid = new_session(server)
+        short = {"messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(2):  # the slot is released after the failure
+            resp = httpx.post(chat_url(server, sid), json=short)
+            assert resp.status_code == 502 and resp.json()["error"]["type"] == "engine_unavailable"
+        assert httpx.get(f"{server}/sessions/{sid}").json()["records"] == []
+        assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
