@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test lint bench bench-overhead tokenizers clean
+.PHONY: demo test lint bench bench-overhead bench-compare tokenizers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,11 +29,22 @@ test: $(STAMP) $(TOKENIZERS)/.built
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
+# Benchmarks (timing goals live here, never in tests). Extra flags: make bench BENCH_ARGS="--duration 20".
+BENCH_OUT := out/bench
+BENCH_ARGS ?=
+
 bench: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) bench_session_responsiveness.py --tokenizer $(TOKENIZERS)/qwen3
+	$(PY) bench_session_responsiveness.py --tokenizer $(TOKENIZERS)/qwen3 \
+		--json-out $(BENCH_OUT)/pooled.json --plot $(BENCH_OUT)/pooled.png $(BENCH_ARGS)
 
 bench-overhead: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) scripts/bench_turn_overhead.py --tokenizer $(TOKENIZERS)/qwen3
+	$(PY) scripts/bench_turn_overhead.py --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/overhead.json $(BENCH_ARGS)
+
+# What the CPU pool buys: the same run with the engine-response decode on the event loop, then the diff table.
+bench-compare: bench
+	$(PY) bench_session_responsiveness.py --tokenizer $(TOKENIZERS)/qwen3 --inline-decode \
+		--json-out $(BENCH_OUT)/inline.json --plot $(BENCH_OUT)/inline.png $(BENCH_ARGS)
+	$(PY) bench_session_responsiveness.py --compare $(BENCH_OUT)/inline.json $(BENCH_OUT)/pooled.json
 
 clean:
 	rm -rf $(VENV) .cache out

@@ -1,1 +1,83 @@
-"""The trainer's side: session client, agent-episode driver, torch batches, and the engines."""
+"""The trainer's side: session client, agent-episode driver, torch batches, and the engines.
+
+Exports are resolved lazily: `import rollout` (and `rollout.engines.sim`, which lives in this package) imports
+neither `openai` nor torch; `rollout.to_torch_batch` imports torch on first use.
+
+```python
+from rollout import AgentConfig, SessionClient, Task, run_episodes, to_torch_batch
+```
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "SessionClient": "rollout.client",
+    "RolloutError": "rollout.errors",
+    "ServerConnectionError": "rollout.errors",
+    "SessionServerError": "rollout.errors",
+    "SessionNotFoundError": "rollout.errors",
+    "ServerBusyError": "rollout.errors",
+    "UnknownSessionError": "rollout.errors",
+    "AgentConfig": "rollout.episodes",
+    "EpisodeResult": "rollout.episodes",
+    "Task": "rollout.episodes",
+    "iter_episodes": "rollout.episodes",
+    "run_episode": "rollout.episodes",
+    "run_episodes": "rollout.episodes",
+    "Tool": "rollout.tools",
+    "ToolCall": "rollout.tools",
+    "Toolbox": "rollout.tools",
+    "default_toolbox": "rollout.tools",
+    "to_torch_batch": "rollout.torch_batch",
+}
+
+__all__ = [
+    "AgentConfig",
+    "EpisodeResult",
+    "RolloutError",
+    "ServerBusyError",
+    "ServerConnectionError",
+    "SessionClient",
+    "SessionNotFoundError",
+    "SessionServerError",
+    "Task",
+    "Tool",
+    "ToolCall",
+    "Toolbox",
+    "UnknownSessionError",
+    "default_toolbox",
+    "iter_episodes",
+    "run_episode",
+    "run_episodes",
+    "to_torch_batch",
+]
+
+if TYPE_CHECKING:
+    from rollout.client import SessionClient
+    from rollout.episodes import AgentConfig, EpisodeResult, Task, iter_episodes, run_episode, run_episodes
+    from rollout.errors import (
+        RolloutError,
+        ServerBusyError,
+        ServerConnectionError,
+        SessionNotFoundError,
+        SessionServerError,
+        UnknownSessionError,
+    )
+    from rollout.tools import Tool, Toolbox, ToolCall, default_toolbox
+    from rollout.torch_batch import to_torch_batch
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rollout' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

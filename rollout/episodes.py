@@ -1,0 +1,234 @@
+"""The agent-episode driver: N concurrent tool-using episodes, each on its own session, spoken to via `openai`.
+
+An episode is what an RL environment produces for one prompt: a session is created, the official
+`openai.AsyncOpenAI` client is pointed at the session's base URL, and a plain multi-turn tool loop runs against it
+(the assistant message is appended exactly as returned, every tool call is executed locally by the task's
+`Toolbox`, one `tool` message per call) until the model answers without tool calls, the reply is cut by the
+token limit, or the turn limit is reached. Then the samples are collected and the session deleted.
+
+Nothing here knows about the emulated engine: the loop executes whatever tool calls come back, so the same code
+drives a real model. Failures are part of the result, never dropped: every episode yields an `EpisodeResult`,
+with `error` set when it failed (the session is deleted either way). A turn answered 503 (server paused for a
+weight update) is retried after the server's `Retry-After`, a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import openai
+
+from rollout.client import SampleFormat, SessionClient, parse_retry_after
+from rollout.tools import Toolbox, ToolCall
+from trajectory import Sample
+
+StopReason = Literal["final_answer", "length", "turn_limit", "error"]
+
+
+@dataclass
+class Task:
+    """One episode's prompt: the opening messages, the tools the agent may call, and a turn limit."""
+
+    messages: list[dict[str, Any]]
+    toolbox: Toolbox
+    max_turns: int = 8
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """How episodes talk to their sessions."""
+
+    model: str = "default"
+    api_key: str = "EMPTY"
+    temperature: float | None = None
+    max_tokens: int | None = None
+    extra_body: dict[str, Any] | None = None
+    request_timeout: float = 300.0
+    busy_retries: int = 5  # 503 retries per turn
+    max_retry_after: float = 30.0  # cap on one wait, whatever the server asks
+    default_retry_after: float = 1.0  # when a 503 carries no Retry-After
+    max_seq_len: int | None = None
+    sample_format: SampleFormat = "safetensors"
+
+
+@dataclass
+class EpisodeResult:
+    """What one episode produced; `error` is set (and `stop_reason` is "error") when it failed."""
+
+    index: int
+    session_id: str | None = None
+    server: str | None = None
+    samples: list[Sample] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    busy_retries: int = 0
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    final_answer: str | None = None
+    stop_reason: StopReason = "error"
+    error: str | None = None
+    exception: BaseException | None = field(default=None, repr=False)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+async def run_episode(
+    client: SessionClient,
+    task: Task,
+    *,
+    index: int = 0,
+    config: AgentConfig | None = None,
+    http_client: openai.DefaultAsyncHttpxClient | None = None,
+) -> EpisodeResult:
+    """Run one episode to its end. Never raises except on cancellation (which still deletes the session)."""
+    config = config or AgentConfig()
+    result = EpisodeResult(index=index, messages=[dict(m) for m in task.messages])
+    started = time.perf_counter()
+    try:
+        async with client.session(metadata={**task.metadata, "episode": index}) as session_id:
+            result.session_id = session_id
+            result.server = client.server_of(session_id)
+            agent = openai.AsyncOpenAI(
+                base_url=client.base_url(session_id),
+                api_key=config.api_key,
+                max_retries=0,
+                timeout=config.request_timeout,
+                http_client=http_client,
+            )
+            try:
+                await _tool_loop(agent, task, config, result)
+                result.samples = await client.collect(session_id, config.max_seq_len, config.sample_format)
+            finally:
+                if http_client is None:  # the agent owns its connections only when none were shared
+                    await agent.close()
+    except Exception as exc:
+        result.stop_reason = "error"
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.exception = exc
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+async def _tool_loop(agent: openai.AsyncOpenAI, task: Task, config: AgentConfig, result: EpisodeResult) -> None:
+    messages = result.messages
+    tools = task.toolbox.specs
+    while True:
+        if result.turns >= task.max_turns:
+            result.stop_reason = "turn_limit"
+            return
+        completion = await _complete(agent, messages, tools, config, result)
+        result.turns += 1
+        choice = completion.choices[0]
+        reply = choice.message
+        messages.append(reply.model_dump(exclude_none=True))
+        if choice.finish_reason == "length":
+            result.stop_reason = "length"
+            return
+        if not reply.tool_calls:
+            result.final_answer = reply.content
+            result.stop_reason = "final_answer"
+            return
+        calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in reply.tool_calls]
+        outputs = await task.toolbox.run(calls)
+        result.tool_calls += len(calls)
+        messages.extend(
+            {"role": "tool", "tool_call_id": call.id, "content": output}
+            for call, output in zip(calls, outputs, strict=True)
+        )
+
+
+async def _complete(
+    agent: openai.AsyncOpenAI,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    config: AgentConfig,
+    result: EpisodeResult,
+) -> Any:
+    """One chat completion; a 503 is retried after its Retry-After (capped), at most `busy_retries` times."""
+    kwargs: dict[str, Any] = {"model": config.model, "messages": messages}
+    if tools:
+        kwargs["tools"] = tools
+    if config.temperature is not None:
+        kwargs["temperature"] = config.temperature
+    if config.max_tokens is not None:
+        kwargs["max_tokens"] = config.max_tokens
+    if config.extra_body:
+        kwargs["extra_body"] = config.extra_body
+    for attempt in range(config.busy_retries + 1):
+        try:
+            return await agent.chat.completions.create(**kwargs)
+        except openai.APIStatusError as exc:
+            if exc.status_code != 503 or attempt == config.busy_retries:
+                raise
+            delay = parse_retry_after(exc.response.headers.get("retry-after"))
+            result.busy_retries += 1
+            await asyncio.sleep(min(config.default_retry_after if delay is None else delay, config.max_retry_after))
+    raise AssertionError("unreachable")
+
+
+async def iter_episodes(
+    client: SessionClient,
+    tasks: Iterable[Task],
+    *,
+    concurrency: int = 16,
+    config: AgentConfig | None = None,
+) -> AsyncIterator[EpisodeResult]:
+    """Run the tasks with at most `concurrency` episodes in flight; yield each result as it finishes.
+
+    Tasks are pulled lazily, so `tasks` may be an endless generator. Closing the iterator early cancels the
+    running episodes (each still deletes its session).
+    """
+    if concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+    config = config or AgentConfig()
+    pending = iter(enumerate(tasks))
+    done: asyncio.Queue[EpisodeResult | None] = asyncio.Queue()
+    http_client = openai.DefaultAsyncHttpxClient(timeout=config.request_timeout)
+
+    async def worker() -> None:
+        try:
+            for index, task in pending:  # one shared iterator: each task goes to exactly one worker
+                done.put_nowait(await run_episode(client, task, index=index, config=config, http_client=http_client))
+        finally:
+            done.put_nowait(None)
+
+    workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    try:
+        running = len(workers)
+        while running:
+            item = await done.get()
+            if item is None:
+                running -= 1
+            else:
+                yield item
+        for w in workers:
+            w.result()  # surface a worker's unexpected failure (e.g. the task iterable raised)
+    finally:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        await http_client.aclose()
+
+
+async def run_episodes(
+    client: SessionClient,
+    tasks: Iterable[Task],
+    *,
+    concurrency: int = 16,
+    config: AgentConfig | None = None,
+    on_result: Callable[[EpisodeResult], None] | None = None,
+) -> list[EpisodeResult]:
+    """Run every task and return the results in task order; `on_result` sees each one as it finishes."""
+    results: list[EpisodeResult] = []
+    async for result in iter_episodes(client, tasks, concurrency=concurrency, config=config):
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return sorted(results, key=lambda r: r.index)

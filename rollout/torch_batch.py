@@ -1,0 +1,63 @@
+"""`to_torch_batch`: training samples -> right-padded tensors for a policy-gradient step.
+
+The only module of the package that imports torch, so a rollout worker that never builds batches does not pay
+for it. Every per-token array of a `Sample` (tokens, loss mask, rollout logprobs) has the sample's full length,
+with mask 0 and logprob 0.0 on prompt and inter-turn tokens; padding keeps those conventions (mask 0, logprob
+0.0, attention 0), so `(loss * loss_mask).sum() / loss_mask.sum()` is correct on the padded batch as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from trajectory import Sample
+
+
+def to_torch_batch(
+    samples: Sequence[Sample],
+    pad_id: int,
+    *,
+    pad_to_multiple_of: int | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Pad `samples` on the right to one length.
+
+    Returns `input_ids` int64 [B, L], `loss_mask` float32 [B, L] (1.0 on sampled tokens), `rollout_log_probs`
+    float32 [B, L], `attention_mask` int64 [B, L] (1 on real tokens) and `response_lengths` int64 [B].
+    """
+    if not samples:
+        raise ValueError("cannot build a batch from zero samples")
+    lengths = [len(s.tokens) for s in samples]
+    for i, s in enumerate(samples):
+        if not (len(s.loss_mask) == len(s.rollout_log_probs) == lengths[i]):
+            raise ValueError(
+                f"sample {i}: tokens, loss_mask and rollout_log_probs differ in length "
+                f"({lengths[i]}, {len(s.loss_mask)}, {len(s.rollout_log_probs)})"
+            )
+    width = max(lengths)
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+
+    input_ids = np.full((len(samples), width), pad_id, dtype=np.int64)
+    loss_mask = np.zeros((len(samples), width), dtype=np.float32)
+    log_probs = np.zeros((len(samples), width), dtype=np.float32)
+    attention = np.zeros((len(samples), width), dtype=np.int64)
+    for row, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+        input_ids[row, :n] = s.tokens
+        loss_mask[row, :n] = s.loss_mask
+        log_probs[row, :n] = s.rollout_log_probs
+        attention[row, :n] = 1
+
+    batch = {
+        "input_ids": torch.from_numpy(input_ids),
+        "loss_mask": torch.from_numpy(loss_mask),
+        "rollout_log_probs": torch.from_numpy(log_probs),
+        "attention_mask": torch.from_numpy(attention),
+        "response_lengths": torch.tensor([s.response_length for s in samples], dtype=torch.int64),
+    }
+    if device is not None:
+        batch = {name: tensor.to(device) for name, tensor in batch.items()}
+    return batch

@@ -1,0 +1,199 @@
+"""The README's main command: agent episodes through the session server, written out as training data.
+
+Starts `sglang-sim` (the emulated SGLang engine) and `session-server` on free loopback ports, runs tool-using
+episodes with the official `openai` client (one session each; tools run locally), prints a summary, writes the
+trajectories under `--out` (JSONL of samples, a padded safetensors batch, the episode transcripts), and stops both
+processes.
+
+    python scripts/demo.py --tokenizers .cache/tokenizers
+    python scripts/demo.py --engine-url http://gpu-host:30000 --tokenizer /models/Qwen3-8B   # a real SGLang
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from rollout.client import SessionClient
+from rollout.episodes import AgentConfig, EpisodeResult, run_episodes
+from rollout.processes import LOOPBACK, ProcessCrashed, RunningProcess, free_port, start_session_server, start_sim
+from rollout.scripted import shopping_tasks
+from trajectory import samples_to_json
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--episodes", type=int, default=64, help="number of agent episodes (default 64)")
+    p.add_argument("--concurrency", type=int, default=16, help="episodes in flight at once (default 16)")
+    p.add_argument("--model-family", default="qwen3", help="model family: qwen3 or deepseek (default qwen3)")
+    p.add_argument("--tokenizers", type=Path, default=ROOT / ".cache" / "tokenizers",
+                   help="directory with one tokenizer directory per family (`make tokenizers` builds it)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer directory of the served model (default: TOKENIZERS/MODEL_FAMILY)")
+    p.add_argument("--engine-url", default=None,
+                   help="use this real SGLang server instead of starting the emulated engine\n"
+                        "(see scripts/launch_sglang.py); the tasks then carry no sim directives")
+    p.add_argument("--model", default="default", help="model name sent in chat requests (default 'default')")
+    p.add_argument("--max-tokens", type=int, default=256, help="max tokens per reply (default 256)")
+    p.add_argument("--max-turns", type=int, default=10, help="turn limit per episode (default 10)")
+    p.add_argument("--token-latency-ms", type=float, default=0.0,
+                   help="per-token latency of the emulated engine (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
+    p.add_argument("--out", type=Path, default=ROOT / "out", help="output folder, git-ignored (default out/)")
+    return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def services(args: argparse.Namespace, tokenizer: Path, log_dir: Path) -> Iterator[tuple[str, list[RunningProcess]]]:
+    """Start the engine (unless --engine-url) and the session server; stop them in reverse order on exit."""
+    started: list[RunningProcess] = []
+    try:
+        engine_url = args.engine_url
+        if engine_url is None:  # a port picked here, so that both processes start at once
+            port = free_port()
+            extra = ["--port", str(port), "--token-latency-ms", str(args.token_latency_ms)]
+            started.append(start_sim(tokenizer, args.model_family, *extra, log_dir=log_dir, wait=False))
+            engine_url = f"http://{LOOPBACK}:{port}"
+        started.append(start_session_server(engine_url, tokenizer, args.model_family, log_dir=log_dir, wait=False))
+        for proc in started:
+            proc.wait_ready()
+            print(f"{proc.name:<20} {proc.url}")
+        print(f"process logs in {log_dir}")
+        yield started[-1].url, started
+    finally:
+        for proc in reversed(started):
+            code = proc.stop()
+            how = "killed after the SIGTERM grace period" if proc.killed else "stopped on SIGTERM"
+            print(f"{how}: {proc.name} (exit code {code})")
+
+
+async def run(args: argparse.Namespace, server_url: str) -> tuple[list[EpisodeResult], list[str], float]:
+    pairs = shopping_tasks(args.episodes, seed=args.seed, max_turns=args.max_turns, scripted=args.engine_url is None)
+    tasks, expected = [t for t, _ in pairs], [a for _, a in pairs]
+    config = AgentConfig(model=args.model, max_tokens=args.max_tokens)
+    async with SessionClient(server_url) as client:
+        await client.health()
+        with tqdm(total=len(tasks), desc="episodes", unit="ep", dynamic_ncols=True) as bar:
+            errors = 0
+
+            def progress(result: EpisodeResult) -> None:
+                nonlocal errors
+                errors += not result.ok
+                bar.set_postfix(turns=result.turns, errors=errors, refresh=False)
+                bar.update()
+
+            started = time.perf_counter()
+            results = await run_episodes(client, tasks, concurrency=args.concurrency, config=config,
+                                         on_result=progress)
+            elapsed = time.perf_counter() - started
+    return results, expected, elapsed
+
+
+def summarize(results: list[EpisodeResult], expected: list[str], elapsed: float, scripted: bool) -> dict[str, Any]:
+    samples = [s for r in results for s in r.samples]
+    turns = sum(r.turns for r in results)
+    summary: dict[str, Any] = {
+        "episodes": len(results),
+        "completed": sum(r.ok for r in results),
+        "errors": sum(not r.ok for r in results),
+        "turns": turns,
+        "tool calls": sum(r.tool_calls for r in results),
+        "samples": len(samples),
+        "tokens": sum(len(s.tokens) for s in samples),
+        "sampled tokens": int(sum(int(s.loss_mask.sum()) for s in samples)),
+        "mean turns / episode": round(turns / max(1, len(results)), 2),
+        "seconds": round(elapsed, 2),
+        "chats/s": round(turns / elapsed, 1) if elapsed else 0.0,
+        "episodes/s": round(len(results) / elapsed, 1) if elapsed else 0.0,
+        "503 retries": sum(r.busy_retries for r in results),
+    }
+    if scripted:
+        summary["correct answers"] = sum(r.final_answer == e for r, e in zip(results, expected, strict=True))
+    return summary
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    width = max(map(len, summary))
+    rule = "-" * (width + 14)
+    print(rule)
+    for key, value in summary.items():
+        print(f"{key:<{width}}  {value:>11}")
+    print(rule)
+
+
+def write_outputs(out: Path, results: list[EpisodeResult], pad_id: int) -> list[Path]:
+    """samples.jsonl (one sample per line), batch.safetensors (padded tensors), episodes.jsonl (transcripts)."""
+    from safetensors.torch import save_file
+
+    from rollout.torch_batch import to_torch_batch
+
+    out.mkdir(parents=True, exist_ok=True)
+    samples_path, batch_path, episodes_path = out / "samples.jsonl", out / "batch.safetensors", out / "episodes.jsonl"
+    with samples_path.open("w") as f:
+        for r in results:
+            for line in samples_to_json(r.samples):
+                f.write(json.dumps({"episode": r.index, "session_id": r.session_id, **line}) + "\n")
+    with episodes_path.open("w") as f:
+        for r in results:
+            f.write(json.dumps({
+                "episode": r.index, "session_id": r.session_id, "server": r.server, "turns": r.turns,
+                "tool_calls": r.tool_calls, "stop_reason": r.stop_reason, "final_answer": r.final_answer,
+                "error": r.error, "seconds": round(r.seconds, 3), "messages": r.messages,
+            }, default=str) + "\n")
+    written = [samples_path, episodes_path]
+    samples = [s for r in results for s in r.samples]
+    if samples:
+        batch = to_torch_batch(samples, pad_id)
+        episodes = [r.index for r in results for _ in r.samples]
+        save_file(batch, str(batch_path), metadata={"episodes": json.dumps(episodes), "pad_id": str(pad_id)})
+        written.insert(1, batch_path)
+    return written
+
+
+def pad_id_of(tokenizer_dir: Path) -> int:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return int(pad if pad is not None else 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tokenizer = args.tokenizer or args.tokenizers / args.model_family
+    if not (tokenizer / "tokenizer_config.json").exists():
+        print(f"error: no tokenizer in {tokenizer} (run `make tokenizers`, or pass --tokenizer DIR)", file=sys.stderr)
+        return 2
+    if args.episodes < 1 or args.concurrency < 1:
+        print("error: --episodes and --concurrency must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        with services(args, tokenizer, args.out / "logs") as (server_url, _):
+            results, expected, elapsed = asyncio.run(run(args, server_url))
+    except (ProcessCrashed, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    summary = summarize(results, expected, elapsed, scripted=args.engine_url is None)
+    print_table(summary)
+    failed = [r for r in results if not r.ok]
+    for r in failed[:5]:
+        print(f"episode {r.index} failed: {r.error}", file=sys.stderr)
+    written = write_outputs(args.out, results, pad_id_of(tokenizer))
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print("wrote " + ", ".join(str(p.relative_to(Path.cwd()) if p.is_relative_to(Path.cwd()) else p) for p in written))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
