@@ -81,7 +81,7 @@ def bench_family(family: ModelFamily, repeat: int) -> None:
 
 
 def bench_decode(vocab_size: int, repeat: int) -> None:
-    experts = [[[(i * j + k) % 128 for k in range(8)] for j in range(48)] for i in range(1000)]
+    experts = [[[(i * j + k) % 128 for k in range(8)] for j in range(48)] for i in range(1220)]
     for n in (1, 100, 1000):
         payload = body(list(range(1, n + 1)), "x" * n, experts)
         took = per_call(lambda payload=payload: decode_generate_response(payload, vocab_size), repeat)

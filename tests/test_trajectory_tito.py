@@ -79,6 +79,10 @@ def _check_episode(family: ModelFamily, seen: dict[str, Any], append_stable: boo
     assert np.array_equal(merged.rollout_log_probs, expected_lp)
     assert merged.response_length == len(merged.tokens) - len(seen["prompts"][0])
 
+    # Whatever a re-render disagrees with lies in generated text, never in the template glue TITO wrote.
+    report = traj.mismatch_report()
+    assert report["assistant_only"], report["segments"]
+
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek"])
 @SETTINGS

@@ -229,7 +229,7 @@ class LinearTrajectory:
         Differences inside generated (loss-masked) tokens are expected (e.g. Qwen3 dropping earlier
         reasoning, re-serialised tool arguments); differences in template glue point to a family bug.
         """
-        stored, mask = self._buffer.ids, self._buffer.mask
+        stored = self._buffer.ids
         canonical: list[int] = []
         if self.messages:
             try:
@@ -239,9 +239,7 @@ class LinearTrajectory:
             # The stored ids end at the last generated token; the template's trailer after it is not ours yet.
             canonical = self.family.encode(text.removesuffix(self.family.message_trailer))
         opcodes = diff_tokens(stored, canonical, self.family.special_token_ids)
-        # An insertion sits in generated text if a token next to it was generated.
-        in_assistant = [bool(mask[max(a0 - 1, 0):a1 + 1].any()) if a0 == a1 else bool(mask[a0:a1].any())
-                        for _, a0, a1, _, _ in opcodes]
+        in_assistant = [self._in_completion(a0, a1) for _, a0, a1, _, _ in opcodes]
 
         def text_of(ids: Sequence[int]) -> str:
             return self.family.decode(ids[:_REPORT_MAX_TEXT])[:_REPORT_MAX_TEXT]
@@ -255,6 +253,16 @@ class LinearTrajectory:
             "equal": not opcodes, "stored_tokens": len(stored), "canonical_tokens": len(canonical),
             "assistant_only": all(in_assistant), "num_segments": len(opcodes), "segments": segments,
         }
+
+    def _in_completion(self, start: int, end: int) -> bool:
+        """Does stored span [start, end) overlap a generated completion? An empty span (an insertion)
+        counts when it touches one, e.g. a stop token the model never generated."""
+        starts = [r.prompt_len for r in self.records]
+        k = bisect.bisect_right(starts, start if start == end else end - 1) - 1
+        if k < 0:
+            return False
+        completion_end = starts[k] + self.records[k].completion_len
+        return start <= completion_end if start == end else start < completion_end
 
     def to_dict(self, include_routed_experts: bool = False) -> dict[str, Any]:
         """JSON-ready view for GET /sessions/{id} (no heavy payloads unless asked)."""
