@@ -11,6 +11,8 @@ import pytest
 from procs import start_sim
 from sim_helpers import assert_baseline, books, chat_ids, info
 
+from trajectory import get_family
+
 FAMILIES = ("qwen3", "deepseek")
 META_KEYS = {"id", "finish_reason", "prompt_tokens", "weight_version", "completion_tokens", "cached_tokens",
              "e2e_latency", "output_token_logprobs", "input_token_logprobs", "total_retractions"}
@@ -146,25 +148,9 @@ def test_scripted_tool_calls_follow_family_format(client, sim):
 
 
 def _parse_calls(family: str, tok, text: str) -> list[tuple[str, object]]:
-    try:
-        from trajectory import get_family  # type: ignore[attr-defined]
-    except ImportError:
-        get_family = None
-    if get_family is not None:
-        fam = get_family(family, tok)
-        parsed = fam.parse_completion(text)
-        return [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
-    if family == "qwen3":
-        import re
-
-        blobs = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S)
-        return [(json.loads(b)["name"], json.loads(b)["arguments"]) for b in blobs]
-    import re
-
-    found = re.findall(r"<｜tool▁call▁begin｜>function<｜tool▁sep｜>(\w+)\n```json\n(.*?)\n```<｜tool▁call▁end｜>",
-                       text, re.S)
-    assert text.count("<｜tool▁calls▁begin｜>") == 1
-    return [(n, json.loads(a)) for n, a in found]
+    """Parse with the session server's own family parser: the sim's format must round-trip through it."""
+    parsed = get_family(family, tok).parse_completion(text)
+    return [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
 
 
 def test_cached_tokens_on_shared_prefix(client, sim):

@@ -138,7 +138,7 @@ def test_pause_retract_and_in_place_resume_to_the_same_reply(client, pool, tok, 
 
 def test_eviction_queueing_and_refusal_under_kv_pressure(tokenizer_dirs, tok):
     with start_sim(tokenizer_dirs["qwen3"], "qwen3", "--kv-capacity-tokens", "600",
-                   "--token-latency-ms", "1") as proc, httpx.Client(base_url=proc.url, timeout=30) as c:
+                   "--token-latency-ms", "2") as proc, httpx.Client(base_url=proc.url, timeout=30) as c:
         # 1) many distinct conversations: the tree evicts LRU leaves instead of failing
         for i in range(15):
             ids = chat_ids(tok, [{"role": "user", "content": f"conversation {i} " + "word " * 30}])
@@ -204,7 +204,7 @@ def test_sigterm_answers_in_flight_requests_with_abort(tokenizer_dirs, tok):
     proc = start_sim(tokenizer_dirs["qwen3"], "qwen3", "--token-latency-ms", "5")
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(_post, proc.url, {"input_ids": _long(tok, "shutdown", 2000)})
-        wait_for(lambda: info(httpx.Client(base_url=proc.url))["running_requests"] == 1)
+        wait_for(lambda: httpx.get(proc.url + "/server_info").json()["running_requests"] == 1)
         started = time.monotonic()
         proc.close()  # SIGTERM; raises if the engine crashed or had to be killed
         assert time.monotonic() - started < 2.0

@@ -89,7 +89,7 @@ def test_concurrent_request_is_refused_and_slot_survives(client, pool, tok, sim_
     p1 = _user(tok, "warm [[sim: tokens 5]]", first=True)
     r1 = _gen(client, p1, sid).json()
     held = books(client)["kv_session_tokens"]
-    slow = pool.submit(_gen, sim_url, _user(tok, "slow [[sim: tokens 150]]"), sid)
+    slow = pool.submit(_gen, sim_url, _user(tok, "slow [[sim: tokens 400]]"), sid)
     wait_for(lambda: info(client)["running_requests"] == 1)
     refused = _gen(client, _user(tok, "second"), sid)
     assert refused.status_code == 400
@@ -98,7 +98,7 @@ def test_concurrent_request_is_refused_and_slot_survives(client, pool, tok, sim_
     assert done["meta_info"]["finish_reason"]["type"] == "stop"
     assert done["meta_info"]["cached_tokens"] == held
     assert done["meta_info"]["prompt_tokens"] == len(p1) + len(r1["output_ids"]) + len(
-        _user(tok, "slow [[sim: tokens 150]]"))
+        _user(tok, "slow [[sim: tokens 400]]"))
     for extra, message in (({"replace": True}, "Streaming sessions do not support replace."),
                            ({"offset": 3}, "Streaming sessions do not support offset."),
                            ({"drop_previous_output": True},
@@ -150,7 +150,7 @@ def test_abort_before_it_runs_keeps_the_slot(client, pool, tok, sim_url):
 
 def test_close_is_deferred_while_a_request_runs(client, pool, tok, sim_url):
     sid = _open(client)
-    fut = pool.submit(_gen, sim_url, _user(tok, "long [[sim: tokens 150]]", first=True), sid)
+    fut = pool.submit(_gen, sim_url, _user(tok, "long [[sim: tokens 400]]", first=True), sid)
     wait_for(lambda: info(client)["running_requests"] == 1)
     assert client.post("/close_session", json={"session_id": sid}).status_code == 200
     assert info(client)["open_sessions"] == 1
