@@ -14,6 +14,7 @@ demo, the tests and the benchmarks share one launcher.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -29,8 +30,16 @@ from typing import IO
 import httpx
 
 LOOPBACK = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
 SIM_READY = re.compile(r"sglang-sim ready on (http://\S+)")
 SERVER_READY = re.compile(r"session-server ready on (http://\S+)")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when the parent dies (a killed test run leaves no orphans)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ProcessCrashed(RuntimeError):
@@ -89,6 +98,7 @@ class RunningProcess:
             text=True,
             env=full_env,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         self._reader = threading.Thread(target=self._drain, name=f"{self.name}-output", daemon=True)
         self._reader.start()
