@@ -255,14 +255,19 @@ class LinearTrajectory:
         }
 
     def _in_completion(self, start: int, end: int) -> bool:
-        """Does stored span [start, end) overlap a generated completion? An empty span (an insertion)
-        counts when it touches one, e.g. a stop token the model never generated."""
-        starts = [r.prompt_len for r in self.records]
-        k = bisect.bisect_right(starts, start if start == end else end - 1) - 1
-        if k < 0:
-            return False
-        completion_end = starts[k] + self.records[k].completion_len
-        return start <= completion_end if start == end else start < completion_end
+        """Does stored span [start, end) lie in an assistant message: a completion or the header just before it?
+
+        The header counts because a re-render writes things there that belong to the assistant message (Qwen3's
+        empty think block) and because BPE merges the header's newline with a reply that starts with one, so a
+        diff may align such a difference on either side of the boundary. An empty span (an insertion) counts
+        when it touches the message, e.g. a stop token the model never generated.
+        """
+        header = len(self.family.encode(self.family.assistant_header))
+        for record in self.records:
+            lo, hi = record.prompt_len - header, record.prompt_len + record.completion_len
+            if (lo <= start <= hi) if start == end else (start < hi and end > lo):
+                return True
+        return False
 
     def to_dict(self, include_routed_experts: bool = False) -> dict[str, Any]:
         """JSON-ready view for GET /sessions/{id} (no heavy payloads unless asked)."""
