@@ -1,13 +1,13 @@
 """POST /sessions/{id}/v1/chat/completions: one TITO turn.
 
-    claim the slot (before the body is read)  ->  read + decode the body (pool)  ->  prepare under the lock (pure)
+    claim the slot (before the body is read)  ->  read the body  ->  decode + prepare (pure) + encode on the pool
     ->  engine call + decode WITHOUT the lock, raced against client disconnect, abort requests and the timeout
     ->  commit under the lock  ->  reply
 
-Why no lock across the engine call: the gate already guarantees a single chat per session, and the lock only has to
-make each read-modify of the trajectory atomic with respect to GET/samples/DELETE on the same loop. Holding it across a
-multi-second engine call would make those readers wait for the engine, and a cancelled holder could leave it taken.
-Prepare is pure and commit checks `version`, so nothing can slip in between unnoticed.
+Why no lock across the engine call: the gate already guarantees a single chat per session -- the claim owner is the
+trajectory's only writer -- and the lock only has to make each mutation atomic with respect to GET/samples/DELETE on
+the same loop. Holding it across a multi-second engine call would make those readers wait for the engine, and a
+cancelled holder could leave it taken. Prepare is pure and commit checks `version`, so nothing slips in unnoticed.
 
 Why race the receive channel: uvicorn reports a vanished client only to whoever awaits `receive()`; without watching
 it the engine would keep generating (and holding KV) for nobody. Every way out of the race that is not a finished
@@ -26,6 +26,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from trajectory import LinearTrajectory, TurnPlan
 from trajectory.errors import InvariantError, SessionError, SessionNotFoundError, SessionPausedError
 
 from .engine_client import EngineReply
@@ -95,6 +96,23 @@ async def _read_body_or_abort(claim: Claim, request: Request, limit: int) -> byt
     return reading.result()
 
 
+def prepare_turn(
+    body: bytes, trajectory: LinearTrajectory, rid: str, routed_experts: bool, encode: bool
+) -> tuple[ChatRequest, TurnPlan, bytes | None]:
+    """Decode the request, build the TITO prompt, and (without engine sessions) encode the engine request: one pool
+    hop for all the CPU work before the engine call.
+
+    Runs in a worker thread without the session lock, which is safe because prepare only reads the trajectory and
+    the only writer of a trajectory is the chat holding its gate claim -- this one. Readers on the loop (GET,
+    samples) only read. Rendering the chat template and tokenizing are the most expensive steps of a turn; on the
+    loop they would delay every other request, /health included.
+    """
+    chat = parse_chat_request(body, trajectory.family.stop_token_ids)
+    plan = trajectory.prepare(chat.messages, chat.tools)
+    payload = encode_generate(plan.prompt_ids, 0, chat.sampling_params, rid, None, routed_experts) if encode else None
+    return chat, plan, payload
+
+
 def _raise_if_aborted(claim: Claim) -> None:
     reason = claim.reason
     if reason is None:
@@ -110,18 +128,20 @@ def _raise_if_aborted(claim: Claim) -> None:
 async def _turn(server: ServerState, claim: Claim, request: Request) -> Response:
     session = claim.session
     body = await _read_body_or_abort(claim, request, server.config.max_request_bytes)
-    chat: ChatRequest = await server.pool.run(parse_chat_request, body, server.family.stop_token_ids)
-    _raise_if_aborted(claim)
-    async with session.lock:
-        plan = session.trajectory.prepare(chat.messages, chat.tools)
-
     rid = uuid.uuid4().hex  # fixed length: no rid is a prefix of another (abort matches by prefix)
-    start, session_params = 0, None
     engine_sessions = server.engine_sessions
+    routed = server.config.return_routed_experts
+    chat, plan, payload = await server.pool.run(
+        prepare_turn, body, session.trajectory, rid, routed, engine_sessions is None
+    )
+    _raise_if_aborted(claim)
     if engine_sessions is not None:
         start, session_params = await engine_sessions.begin_turn(session, plan.new_token_start)
         _raise_if_aborted(claim)
-    payload = await server.pool.run(encode_generate, plan.prompt_ids, start, chat.sampling_params, rid, session_params)
+        payload = await server.pool.run(
+            encode_generate, plan.prompt_ids, start, chat.sampling_params, rid, session_params, routed
+        )
+    assert payload is not None
 
     committed = False
     try:
@@ -129,7 +149,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request) -> Response
         if isinstance(outcome, EngineReply):  # the engine's own error: pass it through, unrecorded
             return Response(outcome.body, status_code=outcome.status, media_type=outcome.content_type)
         if outcome.message is None:
-            raise SessionPausedError("the engine aborted the request (paused or preempted); retry the same turn", 1)
+            raise SessionPausedError("the engine aborted the request; retry the same turn", server.config.retry_after)
         _raise_if_aborted(claim)
         async with session.lock:
             try:

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--inline-decode", action="store_true",
         help="decode engine responses on the event loop instead of the CPU pool (for benchmarks)",
     )
+    p.add_argument(
+        "--return-routed-experts", action="store_true",
+        help="ask the engine for routed experts (MoE routing replay); kept raw in the records, never sent to agents",
+    )
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="log level")
     return p
 
@@ -99,6 +103,7 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown_started = False
+        self._shutdown_task: asyncio.Future[None] | None = None  # held so the task is not garbage-collected
 
     async def startup(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
         self._loop = asyncio.get_running_loop()
@@ -123,8 +128,8 @@ class _Server(uvicorn.Server):
         app = self.config.app
         server = getattr(getattr(app, "state", None), "server", None)
         if server is not None:
-            task = asyncio.ensure_future(abort_in_flight(server))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._shutdown_task = asyncio.ensure_future(abort_in_flight(server))
+            self._shutdown_task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             message_matcher=args.message_matcher,
             admin_token=args.admin_token,
             inline_decode=args.inline_decode,
+            return_routed_experts=args.return_routed_experts,
         )
     except ValueError as exc:
         _fail(str(exc))

@@ -8,6 +8,7 @@ never carries the heavy replay payloads (routed experts stay in the trajectory's
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 import msgspec
 
 from trajectory import GenerateResult, ModelFamily, decode_generate_response
-from trajectory.errors import RequestValidationError
+from trajectory.errors import RequestValidationError, UpstreamError
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
@@ -125,7 +126,12 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
 
 
 def encode_generate(
-    prompt_ids: Any, start: int, sp: dict[str, Any], rid: str, session_params: dict[str, Any] | None
+    prompt_ids: Any,
+    start: int,
+    sp: dict[str, Any],
+    rid: str,
+    session_params: dict[str, Any] | None,
+    routed_experts: bool = False,
 ) -> bytes:
     """The /generate body of DESIGN.md 5.1. `start` > 0 sends only the tokens an engine session does not hold."""
     payload: dict[str, Any] = {
@@ -138,6 +144,8 @@ def encode_generate(
     }
     if session_params is not None:
         payload["session_params"] = session_params
+    if routed_experts:
+        payload["return_routed_experts"] = True
     return _encoder.encode(payload)
 
 
@@ -155,11 +163,54 @@ def _finish_reason(result: GenerateResult, has_tool_calls: bool) -> str:
     return "tool_calls" if has_tool_calls else "stop"
 
 
+_ROUTED_KEY = b'"routed_experts":'
+_JSON_SPACE = b" \t\r\n"
+
+
+def split_routed_experts(body: bytes) -> tuple[bytes, memoryview | None]:
+    """Cut the routed-experts array out of an engine body before decoding it, as raw bytes.
+
+    Why: the payload is megabytes of nested integer arrays that the server only stores for replay. Even msgspec's
+    Raw type has to scan it to find where it ends (about 3-4 ms for 1.5 MiB here, holding the GIL), while the end of
+    an array of numbers is simply the first `"` or `}` after it (numbers and brackets contain neither), which
+    bytes.find locates at memchr speed. The key cannot be forged by generated text: inside a JSON string its
+    quotes would be escaped. Anything that does not look like such an array is left in the body for the full
+    decoder. If an odd payload (say, strings inside the array) made the cut land inside it, the rest has unbalanced
+    brackets and fails to decode, and decode_turn then decodes the whole body instead: the cut never changes a verdict.
+    The payload itself is not validated (it is stored for replay, never interpreted here).
+    """
+    at = body.find(_ROUTED_KEY)
+    if at < 0:
+        return body, None
+    start = at + len(_ROUTED_KEY)
+    while start < len(body) and body[start] in _JSON_SPACE:
+        start += 1
+    if body[start : start + 1] != b"[":
+        return body, None
+    ends = [i for i in (body.find(b"}", start), body.find(b'"', start)) if i >= 0]
+    if not ends:
+        return body, None
+    end = min(ends)
+    while end > start and body[end - 1] in b" \t\r\n,":
+        end -= 1
+    if body[end - 1 : end] != b"]":
+        return body, None
+    # A view, not a copy: the record keeps the engine's bytes alive instead of duplicating megabytes.
+    return body[:start] + b"null" + body[end:], memoryview(body)[start:end]
+
+
 def decode_turn(
     body: bytes, family: ModelFamily, rid: str, model: str, stream: bool, created: int | None = None
 ) -> TurnOutput:
     """Strictly validate the engine reply (502 on any rule), parse it with the family, encode the client reply."""
-    result = decode_generate_response(body, family.vocab_size)
+    small, routed = split_routed_experts(body)
+    if routed is None:
+        result = decode_generate_response(body, family.vocab_size)
+    else:
+        try:
+            result = dataclasses.replace(decode_generate_response(small, family.vocab_size), routed_experts=routed)
+        except UpstreamError:
+            result = decode_generate_response(body, family.vocab_size)  # the cut went wrong: full strict decode
     if result.finish_reason.get("type") == "abort":
         return TurnOutput(result, None, b"")
     parsed = family.parse_completion(result.text)

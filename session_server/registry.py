@@ -43,7 +43,7 @@ class Session:
 
 
 class Registry:
-    def __init__(self, max_tombstones: int = 1_000_000) -> None:
+    def __init__(self, max_tombstones: int = 100_000) -> None:
         self._sessions: dict[str, Session] = {}
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._max_tombstones = max_tombstones

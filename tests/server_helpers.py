@@ -95,7 +95,10 @@ class RecordingProxy:
 
         async def forward(request: Request) -> Response:
             body = await request.body()
-            entry: dict[str, Any] = {"path": request.url.path, "started": time.monotonic()}
+            entry: dict[str, Any] = {
+                "path": request.url.path, "started": time.monotonic(),
+                "routing_key": request.headers.get("x-smg-routing-key"),
+            }
             if body:
                 entry["request"] = msgspec.json.decode(body)
             self.calls.append(entry)
@@ -143,3 +146,21 @@ async def wait_running(engine: str, n: int = 1) -> None:
             if (await http.get(f"{engine}/server_info")).json()["running_requests"] >= n:
                 return
             await asyncio.sleep(0.01)
+
+
+def start_parallel(*launches: Any) -> list[Any]:
+    """Start several children at once (loading tokenizers is the slow part of a launch), then wait for each.
+
+    Each launch is a callable taking `wait=False` (e.g. a functools.partial of start_session_server). The children
+    are spawned from this thread: the launcher ties a child's life to the thread that forked it (PDEATHSIG), so
+    they must not be spawned from short-lived pool threads. If one fails, all are stopped.
+    """
+    procs = [launch(wait=False) for launch in launches]
+    try:
+        for proc in procs:
+            proc.wait_ready()
+    except BaseException:
+        for proc in procs:
+            proc.stop()
+        raise
+    return procs

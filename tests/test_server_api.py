@@ -31,6 +31,7 @@ from trajectory import samples_from_json, samples_from_safetensors
 FAMILY = "qwen3"
 MAX_REQUEST_BYTES = 64 * 1024
 CONTEXT_LENGTH = 2048
+ROUTED_EXPERTS_BYTES = 50_000
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +39,16 @@ def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     logs = tmp_path_factory.mktemp("server-api")
     procs: list[RunningProcess] = []
     try:
-        procs.append(start_sim(tokenizer_dirs[FAMILY], FAMILY, "--context-length", str(CONTEXT_LENGTH), log_dir=logs))
+        procs.append(
+            start_sim(
+                tokenizer_dirs[FAMILY], FAMILY, "--context-length", str(CONTEXT_LENGTH),
+                "--routed-experts-bytes", str(ROUTED_EXPERTS_BYTES), log_dir=logs,
+            )
+        )
         procs.append(
             start_session_server(
                 procs[0].url, tokenizer_dirs[FAMILY], FAMILY, "--max-request-bytes", str(MAX_REQUEST_BYTES),
-                log_dir=logs,
+                "--return-routed-experts", log_dir=logs,
             )
         )
         yield {"engine": procs[0].url, "server": procs[1].url}
@@ -110,7 +116,10 @@ async def _tool_loop_samples_and_delete(stack: dict[str, str]) -> None:
     assert info["metadata"] == {"task": "add"}
     assert len(info["records"]) == 3
     assert info["num_tokens"] == third.usage.prompt_tokens + third.usage.completion_tokens
+    # The heavy replay payload is kept in the records, never sent to the agent.
     assert all("routed_experts" not in record for record in info["records"])
+    assert all(record["routed_experts_bytes"] > ROUTED_EXPERTS_BYTES // 2 for record in info["records"])
+    assert "routed_experts" not in first.model_dump_json()
 
     as_json = samples_from_json((await http.post(f"{server}/sessions/{sid}/samples")).json())
     raw = await http.post(f"{server}/sessions/{sid}/samples", headers={"Accept": "application/octet-stream"})
@@ -369,3 +378,39 @@ async def _sessions_are_independent_under_concurrency(stack: dict[str, str]) -> 
     for sid in sids:
         assert (await http.delete(f"{server}/sessions/{sid}")).status_code == 204
     assert_engine_baseline(stack["engine"])
+
+
+@pytest.mark.parametrize(
+    ("body", "rest", "raw"),
+    [
+        (b'{"meta_info":{"x":2,"routed_experts": [[1,2],[3]] ,"y":"z"}}',
+         b'{"meta_info":{"x":2,"routed_experts": null ,"y":"z"}}', b"[[1,2],[3]]"),
+        (b'{"meta_info":{"routed_experts":[[[1]]]}}', b'{"meta_info":{"routed_experts":null}}', b"[[[1]]]"),
+        (b'{"meta_info":{"routed_experts":null}}', None, None),  # nothing to cut
+        (b'{"meta_info":{"routed_experts":[["a"]]}}', None, None),  # not numbers: left to the full decoder
+        (b'{"meta_info":{"routed_experts":[[1,2],[3]', None, None),  # truncated: left to the full decoder
+        (b'{"meta_info":{"routed_experts":[{"a":1}]}}', None, None),
+        (b'{"text":"\\"routed_experts\\": [1]","meta_info":{}}', None, None),  # generated text cannot forge it
+    ],
+)
+def test_routed_experts_are_cut_out_before_decoding(body: bytes, rest: bytes | None, raw: bytes | None) -> None:
+    from session_server.openai_format import split_routed_experts
+
+    small, cut = split_routed_experts(body)
+    assert (small, None if cut is None else bytes(cut)) == (rest if rest is not None else body, raw)
+
+
+def test_an_odd_routed_experts_payload_is_still_decoded_strictly(hf_tokenizers: dict[str, object]) -> None:
+    import msgspec
+
+    from session_server.openai_format import decode_turn
+    from trajectory import get_family
+
+    family = get_family(FAMILY, hf_tokenizers[FAMILY])
+    meta = {"id": "r", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 3, "completion_tokens": 1,
+            "output_token_logprobs": [[-0.5, 11, None]], "cached_tokens": 0}
+    for experts in ([[1, 2], [3]], [[1], "x"], [{"a": 1}]):
+        body = msgspec.json.encode({"text": "a", "output_ids": [11], "meta_info": {**meta, "routed_experts": experts}})
+        out = decode_turn(body, family, "r" * 32, "m", False)
+        assert msgspec.json.decode(bytes(out.result.routed_experts)) == experts
+        assert b"routed_experts" not in out.reply

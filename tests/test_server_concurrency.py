@@ -11,6 +11,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -21,6 +22,7 @@ from server_helpers import (
     chat_url,
     engine_info,
     new_session,
+    start_parallel,
     wait_engine_idle,
     wait_running,
 )
@@ -45,8 +47,10 @@ def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     try:
         procs.append(start_sim(tok, FAMILY, "--token-latency-ms", str(TOKEN_MS), log_dir=logs))
         engine = procs[0].url
-        procs.append(start_session_server(engine, tok, FAMILY, "--admin-token", "s3cret", log_dir=logs))
-        procs.append(start_session_server(engine, tok, FAMILY, "--request-timeout", "0.5", log_dir=logs, name="t"))
+        procs += start_parallel(
+            partial(start_session_server, engine, tok, FAMILY, "--admin-token", "s3cret", log_dir=logs),
+            partial(start_session_server, engine, tok, FAMILY, "--request-timeout", "0.5", log_dir=logs, name="t"),
+        )
         yield {"engine": engine, "server": procs[1].url, "timeout_server": procs[2].url}
     finally:
         for proc in reversed(procs):

@@ -104,6 +104,7 @@ def test_tool_loop_matches_what_the_engine_saw(stack: dict) -> None:
     for call, reply in zip(sent, replies, strict=True):
         req, resp = call["request"], call["response"]
         assert "session_params" not in req and req["return_logprob"] is True
+        assert call["routing_key"] == sid  # sticky routing through sglang-router
         assert len(req["rid"]) == 32 and reply.id == f"chatcmpl-{req['rid']}"
         input_ids = np.asarray(req["input_ids"], dtype=np.int32)
         output_ids = np.asarray(resp["output_ids"], dtype=np.int32)

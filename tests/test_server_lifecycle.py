@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,7 @@ from server_helpers import (
     engine_info,
     new_session,
     session_client,
+    start_parallel,
     wait_engine_idle,
     wait_running,
 )
@@ -48,8 +50,10 @@ def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFact
         )
         engine = procs[0].url
         proxy = RecordingProxy(engine)
-        procs.append(start_session_server(engine, tok, FAMILY, log_dir=logs, name="plain"))
-        procs.append(start_session_server(proxy.url, tok, FAMILY, "--engine-sessions", log_dir=logs, name="es"))
+        procs += start_parallel(
+            partial(start_session_server, engine, tok, FAMILY, log_dir=logs, name="plain"),
+            partial(start_session_server, proxy.url, tok, FAMILY, "--engine-sessions", log_dir=logs, name="es"),
+        )
         yield {"engine": engine, "plain": procs[1].url, "es": procs[2].url, "proxy": proxy, "tok": tok, "logs": logs}
     finally:
         for proc in reversed(procs):
