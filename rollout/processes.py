@@ -190,7 +190,7 @@ class RunningProcess:
         code = self.stop()
         if crashed_before:
             raise ProcessCrashed(f"{self.name} died while serving (exit {code}):\n{self.tail()}")
-        if self.killed or code not in (0, -signal.SIGTERM):
+        if self.killed or code != 0:  # both programs exit 0 after a graceful SIGTERM
             raise ProcessCrashed(f"{self.name} exited with {code} on SIGTERM:\n{self.tail()}")
 
     def __enter__(self) -> RunningProcess:

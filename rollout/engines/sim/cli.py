@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
@@ -68,6 +70,14 @@ class _Server(uvicorn.Server):
         await super().startup(sockets=sockets)
         if not self.should_exit:
             print(self.ready_line, flush=True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not calling super(): it records the signal and re-raises it after the graceful shutdown, so the
+        # process would die of SIGTERM instead of exiting 0. A second Ctrl-C still forces the exit.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.engine is not None:
