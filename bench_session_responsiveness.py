@@ -1,0 +1,943 @@
+"""Responsiveness benchmark of the session server under bursts of concurrent first-turn chats.
+
+Three processes, so that each figure belongs to the process it names: `sglang-sim` (the emulated engine, sending
+routed-experts payloads of ~1.5 MiB of structured numeric rows) and `session-server` run as children pinned to
+different cores; this process drives the load. Waves of K concurrent chats, each on its own fresh session
+(created before, deleted after its wave so memory stays flat), run for a fixed window while a separate poller
+process hits `GET /health` every 10 ms on its own connection: the poller's latency is the server's event-loop
+stall, not the load generator's connection pool. CPU and memory come from /proc, git state from git.
+
+    python bench_session_responsiveness.py --json-out out/pooled.json --plot out/pooled.png
+    python bench_session_responsiveness.py --inline-decode --json-out out/inline.json
+    python bench_session_responsiveness.py --compare out/inline.json out/pooled.json
+
+The helpers (process launch, /proc readers, percentiles, JSON/compare) are reused by scripts/bench_turn_overhead.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+MIB = 1024 * 1024
+READY_RE = re.compile(r"ready on (http://\S+)")
+INITIAL_AFFINITY = sorted(os.sched_getaffinity(0))  # before this process pins itself
+
+# ---------------------------------------------------------------------------------------------------------------
+# Child processes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A loopback port that is free now (the child binds it a moment later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def console_script(name: str) -> list[str]:
+    """The venv's console script if installed, else the entry point run through this interpreter."""
+    exe = Path(sys.executable).parent / name
+    if exe.exists():
+        return [str(exe)]
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="console_scripts", name=name):
+        return [sys.executable, "-c", f"import sys; from {ep.module} import {ep.attr} as m; sys.exit(m())"]
+    raise SystemExit(f"{name}: not installed (run `make` or `pip install -e .`)")
+
+
+def usable_cpus() -> set[int]:
+    return set(os.sched_getaffinity(0))
+
+
+def all_cpus() -> set[int]:
+    """Every online core (a child of a pinned process inherits the pinning otherwise)."""
+    return set(range(os.cpu_count() or 1))
+
+
+@dataclass
+class Child:
+    """A launched child process: its URL (from its ready line), its pinning and its log file."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+    cpu: int | None
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def affinity(self) -> str:
+        return proc_status(self.pid).get("Cpus_allowed_list", "?")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+def launch(
+    name: str, args: list[str], cpu: int | None, log_dir: Path, ready_timeout: float = 120.0, src: str | None = None
+) -> Child:
+    """Start a console script pinned to `cpu`, wait for its `... ready on http://HOST:PORT` line.
+
+    `src`: a source tree put first on PYTHONPATH, to measure a patched copy against the installed code.
+    """
+    log_path = log_dir / f"{name}.log"
+    log = log_path.open("wb")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if src:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(src).resolve()), env.get("PYTHONPATH")) if p)
+
+    def pin() -> None:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+
+    cmd = console_script(name) + args
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin, cwd=ROOT)
+    log.close()
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace")
+        match = READY_RE.search(text)
+        if match:
+            return Child(name, proc, match.group(1).rstrip("/"), cpu, log_path)
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} before ready:\n{text[-3000:]}\ncmd: {cmd}")
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"{name} not ready within {ready_timeout}s:\n{log_path.read_text(errors='replace')[-3000:]}")
+
+
+def pinning_plan(server_cpu: int | None, engine_cpu: int | None) -> tuple[int | None, int | None, str]:
+    """Keep the requested cores if this machine has them, else run unpinned and say so."""
+    cpus = usable_cpus()
+    wanted = [c for c in (server_cpu, engine_cpu) if c is not None]
+    if len(cpus) < 2 or any(c not in cpus for c in wanted):
+        return None, None, f"unpinned (usable cpus {sorted(cpus)} do not allow the requested pinning)"
+    return server_cpu, engine_cpu, "pinned"
+
+
+def start_pair(
+    *,
+    tokenizer: str,
+    family: str,
+    engine_cpu: int | None,
+    server_cpu: int | None,
+    log_dir: Path,
+    engine_args: Iterable[str],
+    server_args: Iterable[str],
+    server_src: str | None = None,
+) -> tuple[Child, Child]:
+    """The emulated engine, then the session server in front of it, each on its own core."""
+    sim = launch(
+        "sglang-sim",
+        ["--tokenizer", tokenizer, "--model-family", family, "--port", str(free_port()), *engine_args],
+        engine_cpu,
+        log_dir,
+    )
+    try:
+        server = launch(
+            "session-server",
+            [
+                "--engine-url", sim.url, "--tokenizer", tokenizer, "--model-family", family,
+                "--port", str(free_port()), *server_args,
+            ],
+            server_cpu,
+            log_dir,
+            src=server_src,
+        )
+    except BaseException:
+        sim.stop()
+        raise
+    return sim, server
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# /proc readers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """utime + stime of the whole process (all threads, clock-tick resolution)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_schedstat(pid: int) -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for a CPU) summed over the live threads: ns resolution, and the
+    wait shows when other load on the machine, not the process itself, held it back."""
+    run = wait = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        run += int(fields[0])
+        wait += int(fields[1])
+    return run, wait
+
+
+def proc_runtime_ns(pid: int) -> int:
+    """Nanosecond CPU time summed over the live threads, for per-request resolution."""
+    return proc_schedstat(pid)[0]
+
+
+def system_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat (idle + iowait are not busy)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    total = sum(ticks[:8])
+    return (total - ticks[3] - ticks[4]) / CLK_TCK, total / CLK_TCK
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    out: dict[str, str] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            out[key] = value.strip()
+    return out
+
+
+def proc_kib(pid: int, key: str) -> int:
+    """A VmXXX figure of /proc/PID/status in KiB (VmHWM is the peak resident set)."""
+    return int(proc_status(pid).get(key, "0 kB").split()[0])
+
+
+def proc_io(pid: int) -> dict[str, int]:
+    """rchar/wchar: bytes moved through read/write syscalls (sockets included)."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            return {k: int(v) for k, v in (line.split(": ") for line in f)}
+    except OSError:
+        return {}
+
+
+def self_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Figures, git, compare
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("MiB", MIB), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def pct(values: Iterable[float], q: float) -> float | None:
+    arr = np.asarray(list(values), dtype=np.float64)
+    return float(np.percentile(arr, q)) if arr.size else None
+
+
+def git_state() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return {"commit": None, "dirty": None, "error": str(exc)}
+
+
+def machine_info() -> dict[str, Any]:
+    model = ""
+    try:
+        model = next(
+            (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {
+        "cpus": os.cpu_count(), "usable_cpus": INITIAL_AFFINITY, "cpu_model": model,
+        "python": platform.python_version(), "platform": platform.platform(),
+    }
+
+
+@dataclass
+class Figures:
+    """Named figures with their unit, which direction is better, and an absolute noise floor for --compare."""
+
+    values: dict[str, float | int | None] = field(default_factory=dict)
+    meta: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def add(self, name: str, value: float | int | None, unit: str, better: str | None = None, floor: float = 0.0):
+        if isinstance(value, float):
+            value = round(value, 6)
+        self.values[name] = value
+        self.meta[name] = {"unit": unit, "better": better, "floor": floor}
+
+
+def write_report(path: str, benchmark: str, config: dict[str, Any], figures: Figures, **extra: Any) -> None:
+    doc = {
+        "benchmark": benchmark, "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git": git_state(), "machine": machine_info(), "config": config,
+        "figures": figures.values, "figure_meta": figures.meta, **extra,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+
+
+def verdict(a: float, b: float, better: str | None, band: float, floor: float) -> str:
+    delta = b - a
+    if abs(delta) <= max(band * abs(a), floor):
+        return "same (within noise)"
+    if better is None:
+        return "changed"
+    improved = delta > 0 if better == "higher" else delta < 0
+    return "**better**" if improved else "**worse**"
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def compare(path_a: str, path_b: str, band: float) -> str:
+    """Markdown table B vs A; a difference counts only beyond max(band * |A|, the figure's absolute floor)."""
+    a, b = (json.loads(Path(p).read_text()) for p in (path_a, path_b))
+    lines = [
+        f"A = `{path_a}` ({label_of(a)}), B = `{path_b}` ({label_of(b)}); noise band +-{band:.0%} "
+        "or the figure's absolute floor, whichever is larger.",
+        "",
+        "| figure | unit | A | B | B-A | B/A | verdict |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    meta = {**a.get("figure_meta", {}), **b.get("figure_meta", {})}
+    for name in [*a["figures"], *(n for n in b["figures"] if n not in a["figures"])]:
+        va, vb = a["figures"].get(name), b["figures"].get(name)
+        m = meta.get(name, {})
+        if isinstance(va, int | float) and isinstance(vb, int | float) and not isinstance(va, bool):
+            ratio = f"{vb / va:.2f}x" if va else "-"
+            v = verdict(float(va), float(vb), m.get("better"), band, float(m.get("floor", 0.0)))
+            lines.append(f"| {name} | {m.get('unit', '')} | {fmt(va)} | {fmt(vb)} | {fmt(vb - va)} | {ratio} | {v} |")
+        else:
+            lines.append(f"| {name} | {m.get('unit', '')} | {fmt(va)} | {fmt(vb)} | - | - | missing |")
+    return "\n".join(lines)
+
+
+def label_of(doc: dict[str, Any]) -> str:
+    cfg = doc.get("config", {})
+    git = doc.get("git", {})
+    parts = [cfg.get("label") or doc.get("benchmark", "?")]
+    if "inline_decode" in cfg:
+        parts.append("inline decode" if cfg["inline_decode"] else "pooled decode")
+    parts.append(f"commit {str(git.get('commit'))[:10]}{' dirty' if git.get('dirty') else ''}")
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# /health poller (its own process, its own connection)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def poll_health(url: str, interval_s: float, cpu: int | None, stop: Any, conn: Any) -> None:
+    """Hit GET /health every interval; send back (start, latency, ok, lateness) rows.
+
+    Runs in its own process so the load generator's event loop and GIL cannot delay it. After a stall the next
+    poll starts at once (no burst to catch up), so a long stall is one long sample, as an agent would see it.
+    """
+    os.sched_setaffinity(0, {cpu} if cpu is not None else all_cpus())  # not the load generator's pinning
+    rows: list[tuple[float, float, bool, float]] = []
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    with httpx.Client(base_url=url, limits=limits, timeout=60.0) as client:
+        conn.send("ready")
+        next_t = time.monotonic()
+        while not stop.is_set():
+            now = time.monotonic()
+            if next_t > now:
+                time.sleep(next_t - now)
+            t0 = time.monotonic()
+            try:
+                ok = client.get("/health").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            t1 = time.monotonic()
+            rows.append((t0, t1 - t0, ok, max(0.0, t0 - next_t)))
+            next_t = max(next_t + interval_s, t1)
+    conn.send(rows)
+
+
+class HealthPoller:
+    def __init__(self, url: str, interval_s: float, cpu: int | None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._recv, send = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=poll_health, args=(url, interval_s, cpu, self._stop, send), daemon=True)
+
+    def start(self) -> None:
+        self.proc.start()
+        if not self._recv.poll(60) or self._recv.recv() != "ready":
+            raise RuntimeError("health poller did not start")
+
+    def cpu_seconds(self) -> float:
+        return proc_cpu_seconds(self.proc.pid) if self.proc.pid else 0.0
+
+    def finish(self) -> np.ndarray:
+        """Rows as an array of shape (n, 4): start, latency, ok, lateness (seconds)."""
+        self._stop.set()
+        rows = self._recv.recv() if self._recv.poll(60) else []
+        self.proc.join(10)
+        return np.asarray(rows, dtype=np.float64).reshape(-1, 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Load generator
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadResult:
+    start: float = 0.0
+    end: float = 0.0
+    waves: int = 0
+    chat_latency_s: list[float] = field(default_factory=list)
+    reply_bytes: list[int] = field(default_factory=list)
+    create_s: list[float] = field(default_factory=list)
+    chat_phase_s: list[float] = field(default_factory=list)
+    delete_s: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    error_samples: list[str] = field(default_factory=list)
+    phases: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, create|chat|delete)
+
+    def phase_at(self, t: float) -> str:
+        return next((name for start, end, name in self.phases if start <= t <= end), "between waves")
+
+    def error(self, kind: str, detail: str) -> None:
+        self.errors[kind] += 1
+        if len(self.error_samples) < 8:
+            self.error_samples.append(f"{kind}: {detail[:300]}")
+
+
+def chat_body(wave: int, index: int, reply_tokens: int) -> dict[str, Any]:
+    content = f"Wave {wave}, agent {index}: report your status. [[sim: tokens {reply_tokens}]]"
+    return {
+        "model": "default",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max(2 * reply_tokens, 64),
+        "temperature": 1.0,
+    }
+
+
+async def create_session(client: httpx.AsyncClient, res: LoadResult) -> str | None:
+    try:
+        r = await client.post("/sessions", json={"metadata": {"bench": "responsiveness"}})
+        if r.status_code == 200:
+            return str(r.json()["session_id"])
+        res.error("create", f"HTTP {r.status_code} {r.text}")
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        res.error("create", repr(exc))
+    return None
+
+
+async def chat(client: httpx.AsyncClient, sid: str, body: dict[str, Any], res: LoadResult, record: bool) -> None:
+    t0 = time.monotonic()
+    try:
+        r = await client.post(f"/sessions/{sid}/v1/chat/completions", json=body)
+        elapsed = time.monotonic() - t0
+        if r.status_code != 200:
+            res.error("chat", f"HTTP {r.status_code} {r.text}")
+            return
+        message = r.json()["choices"][0]["message"]
+        if not isinstance(message, dict):
+            res.error("chat", f"no message in {r.text[:200]}")
+            return
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        res.error("chat", repr(exc))
+        return
+    if record:
+        res.chat_latency_s.append(elapsed)
+        res.reply_bytes.append(len(r.content))
+
+
+async def delete_session(client: httpx.AsyncClient, sid: str, res: LoadResult) -> None:
+    try:
+        r = await client.delete(f"/sessions/{sid}")
+        if r.status_code not in (200, 204):
+            res.error("delete", f"HTTP {r.status_code} {r.text}")
+    except httpx.HTTPError as exc:
+        res.error("delete", repr(exc))
+
+
+async def wave(
+    clients: list[httpx.AsyncClient], number: int, k: int, reply_tokens: int, res: LoadResult, record: bool
+) -> None:
+    """K fresh sessions, K concurrent first-turn chats, then the K sessions deleted."""
+    pick = [clients[i % len(clients)] for i in range(k)]
+    t0 = time.monotonic()
+    sids = await asyncio.gather(*(create_session(c, res) for c in pick))
+    t1 = time.monotonic()
+    await asyncio.gather(
+        *(chat(c, sid, chat_body(number, i, reply_tokens), res, record)
+          for i, (c, sid) in enumerate(zip(pick, sids, strict=True)) if sid)
+    )
+    t2 = time.monotonic()
+    await asyncio.gather(*(delete_session(c, sid, res) for c, sid in zip(pick, sids, strict=True) if sid))
+    t3 = time.monotonic()
+    if record:
+        res.phases += [(t0, t1, "create"), (t1, t2, "chat"), (t2, t3, "delete")]
+        res.create_s.append(t1 - t0)
+        res.chat_phase_s.append(t2 - t1)
+        res.delete_s.append(t3 - t2)
+
+
+async def run_load(url: str, args: argparse.Namespace, on_start: Callable[[], None]) -> LoadResult:
+    """Warm-up waves (not recorded), then waves until the window is over; every started wave completes."""
+    res = LoadResult()
+    # Several small clients instead of one with K connections: httpx's pool bookkeeping grows with its size, and
+    # with one big pool the load generator, not the server, was the bottleneck.
+    shards = max(1, min(args.client_shards, args.concurrency))
+    per_shard = -(-args.concurrency // shards)
+    limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
+    timeout = httpx.Timeout(args.request_timeout, connect=10.0)
+    tty = sys.stderr.isatty()
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout))
+            for _ in range(shards)
+        ]
+        for w in range(args.warmup_waves):
+            await wave(clients, -1 - w, args.concurrency, args.reply_tokens, res, record=False)
+        on_start()
+        res.start = time.monotonic()
+
+        async def progress() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                now = time.monotonic()
+                done = len(res.chat_latency_s)
+                line = (
+                    f"[load] {now - res.start:5.1f}/{args.duration:.0f} s  waves {res.waves:3d}  chats {done:5d}  "
+                    f"{done / (now - res.start):6.1f} chats/s  errors {sum(res.errors.values())}"
+                )
+                print(line, end="\r" if tty else "\n", file=sys.stderr, flush=True)
+
+        ticker = asyncio.create_task(progress())
+        try:
+            while time.monotonic() - res.start < args.duration:
+                await wave(clients, res.waves, args.concurrency, args.reply_tokens, res, record=True)
+                res.waves += 1
+        finally:
+            ticker.cancel()
+        res.end = time.monotonic()
+        if tty:
+            print(file=sys.stderr)
+    return res  # errors of the warm-up waves are counted too: a failure must not hide
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engine response probe
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def probe_engine_response(engine_url: str, tokenizer_dir: str, reply_tokens: int) -> dict[str, Any]:
+    """Size of one /generate response for the benchmark's prompt, asked the way the server asks (5.1)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = tok.apply_chat_template(
+        chat_body(0, 0, reply_tokens)["messages"], add_generation_prompt=True, tokenize=True
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    body = {
+        "input_ids": list(map(int, ids)),
+        "sampling_params": {"max_new_tokens": max(2 * reply_tokens, 64), "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "return_routed_experts": True,
+        "rid": f"bench-probe-{os.getpid()}",
+    }
+    t0 = time.monotonic()
+    r = httpx.post(f"{engine_url}/generate", json=body, timeout=60.0)
+    elapsed = time.monotonic() - t0
+    out: dict[str, Any] = {"status": r.status_code, "bytes": len(r.content), "prompt_tokens": len(ids),
+                           "latency_s": elapsed}
+    try:
+        doc = r.json()
+        meta = doc.get("meta_info", {})
+        out["completion_tokens"] = meta.get("completion_tokens")
+        experts = meta.get("routed_experts")
+        out["routed_experts_bytes"] = len(json.dumps(experts, separators=(",", ":"))) if experts is not None else 0
+        out["routed_experts_head"] = json.dumps(experts)[:120] if experts is not None else None
+    except ValueError:
+        pass
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Profile (optional)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def start_profiler(pid: int, out: str, duration: float, rate: int = 200) -> subprocess.Popen[bytes] | None:
+    """py-spy on the server for the load window; `.txt` writes collapsed stacks, anything else a flame graph.
+
+    Only the thread holding the GIL is sampled (`--gil`): the server is one GIL-bound process pinned to one core, so
+    that is where its core goes; threads runnable but waiting for the GIL or the core would otherwise look busy."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(exe).exists():
+        print("py-spy not installed; --profile ignored (pip install py-spy)", file=sys.stderr)
+        return None
+    fmt_ = "raw" if out.endswith(".txt") else "flamegraph"
+    cmd = [exe, "record", "--pid", str(pid), "--output", out, "--format", fmt_, "--rate", str(rate),
+           "--duration", str(max(1, round(duration))), "--nonblocking", "--threads", "--gil"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def summarize_collapsed(path: str, top: int = 15) -> list[tuple[str, float, float]]:
+    """(function, % of samples on top of the stack, % of samples anywhere in the stack) from py-spy raw output."""
+    own: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    samples = 0
+    for line in Path(path).read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count_text)
+        # "func (file.py:LINE)" -> "func (file.py)": one row per function, not per line.
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";") if not f.startswith(("thread (", "process "))]
+        samples += count
+        if frames:
+            own[frames[-1]] += count
+        for f in set(frames):
+            total[f] += count
+    if not samples:
+        return []
+    return [(f, 100 * c / samples, 100 * total[f] / samples) for f, c in own.most_common(top)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plot
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def plot_health(path: str, base_ms: np.ndarray, load_ms: np.ndarray, load_t: np.ndarray, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for data, label, color in ((base_ms, "baseline (idle)", "tab:blue"), (load_ms, "under load", "tab:red")):
+        if data.size:
+            xs = np.sort(data)
+            ys = 1.0 - np.arange(xs.size) / xs.size
+            ax1.step(xs, ys, where="post", color=color,
+                     label=f"{label}: p50 {np.percentile(data, 50):.2f}, p99 {np.percentile(data, 99):.2f} ms")
+    ax1.set_xscale("log")
+    ax1.set_yscale("log")
+    ax1.set_xlabel("GET /health latency (ms)")
+    ax1.set_ylabel("fraction of polls slower (1 - CDF)")
+    ax1.axvline(20, color="gray", linestyle="--", linewidth=1, label="p99 target 20 ms")
+    ax1.legend(fontsize=8)
+    ax1.grid(True, which="both", alpha=0.3)
+    if load_ms.size:
+        ax2.plot(load_t, load_ms, ".", markersize=2, color="tab:red")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("time into the load window (s)")
+    ax2.set_ylabel("GET /health latency (ms)")
+    ax2.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer", default=".cache/tokenizers/qwen3", help="tokenizer dir (AutoTokenizer)")
+    p.add_argument("--model-family", default="qwen3")
+    p.add_argument("--concurrency", "-k", type=int, default=64, help="chats per wave (K)")
+    p.add_argument("--duration", type=float, default=10.0, help="load window in seconds")
+    p.add_argument("--warmup-waves", type=int, default=1)
+    p.add_argument("--baseline-seconds", type=float, default=3.0, help="idle /health polling before the load")
+    p.add_argument("--health-interval-ms", type=float, default=10.0)
+    p.add_argument("--reply-tokens", type=int, default=32, help="reply length asked with [[sim: tokens N]]")
+    p.add_argument("--routed-experts-bytes", type=int, default=1536 * 1024, help="sglang-sim payload per response")
+    p.add_argument("--no-routed-request", action="store_true",
+                   help="do not pass --return-routed-experts to the server (for a server without that flag)")
+    p.add_argument("--token-latency-ms", type=float, default=0.0, help="sglang-sim per-token latency")
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--client-shards", type=int, default=8, help="httpx clients the K sessions are spread over")
+    p.add_argument("--server-cpu", type=int, default=0, help="core of session-server (-1: unpinned)")
+    p.add_argument("--engine-cpu", type=int, default=1, help="core of sglang-sim (-1: unpinned)")
+    p.add_argument("--loadgen-cpu", type=int, default=None,
+                   help="core of this load generator (default: the engine's core; -1: unpinned)")
+    p.add_argument("--poller-cpu", type=int, default=-1, help="core of the /health poller (default unpinned)")
+    p.add_argument("--cpu-workers", type=int, default=None, help="passed to session-server --cpu-workers")
+    p.add_argument("--inline-decode", action="store_true", help="session-server decodes on the event loop")
+    p.add_argument("--server-arg", action="append", default=[], help="extra session-server argument (repeatable)")
+    p.add_argument("--engine-arg", action="append", default=[], help="extra sglang-sim argument (repeatable)")
+    p.add_argument("--server-src", default=None,
+                   help="run session-server from this source tree (PYTHONPATH first), e.g. a patched copy")
+    p.add_argument("--label", default=None, help="name of this run in --compare output")
+    p.add_argument("--json-out", default=None, help="write all figures + config + git state to FILE")
+    p.add_argument("--plot", default=None, help="PNG of /health latency under load vs baseline")
+    p.add_argument("--profile", default=None, help="py-spy the server during the load window (.svg or .txt)")
+    p.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir)")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print a markdown diff table and exit")
+    p.add_argument("--noise-band", type=float, default=0.10, help="relative noise band for --compare")
+    args = p.parse_args(argv)
+    for name in ("server_cpu", "engine_cpu", "poller_cpu"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            setattr(args, name, None)
+    if args.loadgen_cpu is None:
+        args.loadgen_cpu = args.engine_cpu
+    elif args.loadgen_cpu < 0:
+        args.loadgen_cpu = None
+    return args
+
+
+def health_figures(figs: Figures, prefix: str, ms: np.ndarray) -> None:
+    for q in (50, 95, 99):
+        figs.add(f"{prefix}_p{q}_ms", pct(ms, q), "ms", "lower", floor=1.0)
+    figs.add(f"{prefix}_max_ms", float(ms.max()) if ms.size else None, "ms", "lower", floor=5.0)
+    figs.add(f"{prefix}_polls", int(ms.size), "count")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.compare:
+        print(compare(args.compare[0], args.compare[1], args.noise_band))
+        return 0
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvicorn[standard] brings it
+        uvloop = None
+
+    server_cpu, engine_cpu, pin_note = pinning_plan(args.server_cpu, args.engine_cpu)
+    loadgen_cpu = args.loadgen_cpu if pin_note == "pinned" and args.loadgen_cpu in usable_cpus() else None
+    poller_cpu = args.poller_cpu if pin_note == "pinned" and args.poller_cpu in usable_cpus() else None
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench-responsiveness-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    engine_args = ["--routed-experts-bytes", str(args.routed_experts_bytes),
+                   "--token-latency-ms", str(args.token_latency_ms), *args.engine_arg]
+    server_args = list(args.server_arg)
+    if args.routed_experts_bytes > 0 and not args.no_routed_request:
+        server_args.append("--return-routed-experts")  # else the engine sends no payload (DESIGN 5.1: opt-in)
+    if args.cpu_workers is not None:
+        server_args += ["--cpu-workers", str(args.cpu_workers)]
+    if args.inline_decode:
+        server_args.append("--inline-decode")
+
+    print(f"starting sglang-sim (cpu {engine_cpu}) and session-server (cpu {server_cpu}); logs in {log_dir}")
+    sim, server = start_pair(
+        tokenizer=args.tokenizer, family=args.model_family, engine_cpu=engine_cpu, server_cpu=server_cpu,
+        log_dir=log_dir, engine_args=engine_args, server_args=server_args, server_src=args.server_src,
+    )
+    poller = HealthPoller(server.url, args.health_interval_ms / 1000.0, poller_cpu)
+    profiler = None
+    try:
+        if loadgen_cpu is not None:
+            os.sched_setaffinity(0, {loadgen_cpu})
+        pinning = {
+            "note": pin_note,
+            "session-server": server.affinity(), "sglang-sim": sim.affinity(),
+            "load generator": proc_status(os.getpid()).get("Cpus_allowed_list"),
+        }
+        probe = probe_engine_response(sim.url, args.tokenizer, args.reply_tokens)
+        print(f"engine /generate response asking for routed experts: {human_bytes(probe['bytes'])} "
+              f"(routed experts {human_bytes(probe.get('routed_experts_bytes', 0))}, HTTP {probe['status']})")
+        poller.start()
+        pinning["health poller"] = proc_status(poller.proc.pid).get("Cpus_allowed_list")
+        print("pinning: " + ", ".join(f"{k} -> cpus {v}" for k, v in pinning.items() if k != "note")
+              + f" ({pin_note})")
+        time.sleep(args.baseline_seconds)
+        baseline_end = time.monotonic()
+
+        marks: dict[str, Any] = {}
+
+        def on_start() -> None:
+            nonlocal profiler
+            marks.update(
+                server_cpu=proc_cpu_seconds(server.pid), engine_cpu=proc_cpu_seconds(sim.pid),
+                self_cpu=self_cpu_seconds(), poller_cpu=poller.cpu_seconds(), rss_kib=proc_kib(server.pid, "VmRSS"),
+                engine_io=proc_io(sim.pid), server_sched=proc_schedstat(server.pid), system=system_cpu(),
+            )
+            if args.profile:
+                profiler = start_profiler(server.pid, args.profile, args.duration)
+
+        res = (uvloop.run if uvloop is not None else asyncio.run)(run_load(server.url, args, on_start))
+        wall = res.end - res.start
+        server_cpu_s = proc_cpu_seconds(server.pid) - marks["server_cpu"]
+        engine_cpu_s = proc_cpu_seconds(sim.pid) - marks["engine_cpu"]
+        self_cpu_s = self_cpu_seconds() - marks["self_cpu"]
+        poller_cpu_s = poller.cpu_seconds() - marks["poller_cpu"]
+        engine_io = proc_io(sim.pid)
+        server_wait_s = (proc_schedstat(server.pid)[1] - marks["server_sched"][1]) / 1e9
+        busy1 = system_cpu()[0]
+        machine_busy = (busy1 - marks["system"][0]) / wall  # cores busy machine-wide during the window
+        time.sleep(0.2)
+        rows = poller.finish()
+        peak_rss_kib = proc_kib(server.pid, "VmHWM")
+        rss_after_kib = proc_kib(server.pid, "VmRSS")
+        engine_info = httpx.get(f"{sim.url}/server_info", timeout=10).json()
+        if profiler is not None:
+            _, err = profiler.communicate(timeout=args.duration + 60)
+            if profiler.returncode:
+                print(f"py-spy failed: {err.decode(errors='replace')[-500:]}", file=sys.stderr)
+    finally:
+        if poller.proc.is_alive():
+            poller.proc.kill()
+        server.stop()
+        sim.stop()
+
+    # ---- figures -------------------------------------------------------------------------------------------
+    starts, lat_ms, ok, late_ms = rows[:, 0], rows[:, 1] * 1000, rows[:, 2] > 0, rows[:, 3] * 1000
+    # Baseline: idle polls before the warm-up wave, minus the poller's first half second (its own warm-up).
+    base = (starts < baseline_end) & (starts >= (starts.min() if starts.size else 0.0) + 0.5)
+    under = (starts >= res.start) & (starts <= res.end)
+    chats = len(res.chat_latency_s)
+    chat_ms = np.asarray(res.chat_latency_s) * 1000
+    engine_wchar = engine_io.get("wchar", 0) - marks["engine_io"].get("wchar", 0)
+    figs = Figures()
+    figs.add("chats_per_s", chats / wall if wall > 0 else 0.0, "chats/s", "higher", floor=2.0)
+    chat_phase = float(np.sum(res.chat_phase_s))
+    figs.add("chat_phase_chats_per_s", chats / chat_phase if chat_phase else None, "chats/s", "higher", floor=2.0)
+    figs.add("chats", chats, "count")
+    figs.add("waves", res.waves, "count")
+    figs.add("errors", sum(res.errors.values()), "count", "lower")
+    for q in (50, 95, 99):
+        figs.add(f"chat_latency_p{q}_ms", pct(chat_ms, q), "ms", "lower", floor=2.0)
+    figs.add("wave_create_mean_ms", pct(np.asarray(res.create_s) * 1000, 50), "ms", "lower", floor=2.0)
+    figs.add("wave_chat_mean_ms", pct(np.asarray(res.chat_phase_s) * 1000, 50), "ms", "lower", floor=2.0)
+    figs.add("wave_delete_mean_ms", pct(np.asarray(res.delete_s) * 1000, 50), "ms", "lower", floor=2.0)
+    health_figures(figs, "health_load", lat_ms[under])
+    health_figures(figs, "health_baseline", lat_ms[base])
+    figs.add("health_errors", int((~ok[under | base]).sum()), "count", "lower")
+    figs.add("poller_lateness_p99_ms", pct(late_ms[under], 99), "ms", "lower", floor=1.0)
+    figs.add("engine_response_bytes", probe["bytes"], "bytes", None, floor=1024)
+    figs.add("engine_bytes_written_per_chat", engine_wchar / chats if chats else None, "bytes", None, floor=4096)
+    figs.add("chat_reply_bytes_mean", float(np.mean(res.reply_bytes)) if res.reply_bytes else None, "bytes", None,
+             floor=16)
+    figs.add("server_cpu_ms_per_chat", 1000 * server_cpu_s / chats if chats else None, "ms", "lower", floor=0.1)
+    figs.add("server_cpu_util", server_cpu_s / wall, "cores", None, floor=0.05)
+    figs.add("engine_cpu_util", engine_cpu_s / wall, "cores", None, floor=0.05)
+    figs.add("loadgen_cpu_util", self_cpu_s / wall, "cores", "lower", floor=0.05)
+    figs.add("poller_cpu_util", poller_cpu_s / wall, "cores", None, floor=0.02)
+    ours = (server_cpu_s + engine_cpu_s + self_cpu_s + poller_cpu_s) / wall
+    figs.add("machine_busy_cores", machine_busy, "cores", None, floor=0.05)
+    figs.add("other_load_cores", max(0.0, machine_busy - ours), "cores", "lower", floor=0.1)
+    figs.add("server_runqueue_wait_frac", server_wait_s / wall, "fraction", "lower", floor=0.02)
+    figs.add("server_peak_rss_mib", peak_rss_kib / 1024, "MiB", "lower", floor=8.0)
+    figs.add("server_rss_before_load_mib", marks["rss_kib"] / 1024, "MiB", "lower", floor=8.0)
+    figs.add("server_rss_after_load_mib", rss_after_kib / 1024, "MiB", "lower", floor=8.0)
+
+    v = figs.values
+    print()
+    print(f"session-server responsiveness: K={args.concurrency}, window {wall:.1f} s, {res.waves} waves, "
+          f"{'inline' if args.inline_decode else 'pooled'} decode")
+    print(f"  pinning         {pin_note}: " + ", ".join(f"{k} cpus {val}" for k, val in pinning.items() if k != "note"))
+    print(f"  throughput      {v['chats_per_s']:.1f} chats/s ({chats} chats, errors {v['errors']}); "
+          f"{fmt(v['chat_phase_chats_per_s'])} chats/s counting only the chat phase of each wave (waves: create "
+          f"{fmt(v['wave_create_mean_ms'])} ms, chats {fmt(v['wave_chat_mean_ms'])} ms, delete "
+          f"{fmt(v['wave_delete_mean_ms'])} ms)")
+    print(f"  chat latency    p50 {fmt(v['chat_latency_p50_ms'])}  p95 {fmt(v['chat_latency_p95_ms'])}  "
+          f"p99 {fmt(v['chat_latency_p99_ms'])} ms")
+    for prefix, label in (("health_load", "under load"), ("health_baseline", "baseline  ")):
+        print(f"  /health {label} p50 {fmt(v[prefix + '_p50_ms'])}  p95 {fmt(v[prefix + '_p95_ms'])}  "
+              f"p99 {fmt(v[prefix + '_p99_ms'])}  max {fmt(v[prefix + '_max_ms'])} ms  ({v[prefix + '_polls']} polls)")
+    sent = v["engine_bytes_written_per_chat"] or 0
+    print(f"  bodies          engine wrote {human_bytes(sent)} per chat (a /generate asking for routed experts: "
+          f"{human_bytes(probe['bytes'])}), chat reply {human_bytes(v['chat_reply_bytes_mean'] or 0)}")
+    if args.routed_experts_bytes and sent < 0.5 * args.routed_experts_bytes:
+        print(f"  WARNING         the engine sent {human_bytes(sent)} per chat, not ~{human_bytes(probe['bytes'])}: "
+              "the server did not ask for `return_routed_experts`, so this run does not measure large responses")
+    print(f"  server CPU      {fmt(v['server_cpu_ms_per_chat'])} ms/chat, {v['server_cpu_util']:.2f} cores busy; "
+          f"peak RSS {v['server_peak_rss_mib']:.0f} MiB")
+    print(f"  other CPU       engine {v['engine_cpu_util']:.2f} cores, load generator {v['loadgen_cpu_util']:.2f}, "
+          f"poller {v['poller_cpu_util']:.2f} (poller lateness p99 {fmt(v['poller_lateness_p99_ms'])} ms)")
+    print(f"  machine         {v['machine_busy_cores']:.2f} cores busy in all, {v['other_load_cores']:.2f} of them "
+          f"outside this benchmark; server threads runnable but waiting for a CPU: "
+          f"{v['server_runqueue_wait_frac']:.2f} s per s")
+    limits = []
+    if v["other_load_cores"] > 0.25:
+        limits.append("OTHER LOAD ON THE MACHINE held the server back: figures are not representative")
+    if v["loadgen_cpu_util"] > 0.85:
+        limits.append("the Python load generator saturated its core: figures are client-bound")
+    if v["engine_cpu_util"] > 0.85:
+        limits.append("the emulated engine saturated its core: figures are engine-bound")
+    if v["server_cpu_util"] > 0.85:
+        limits.append("the server saturated its core")
+    if loadgen_cpu is not None and loadgen_cpu == engine_cpu:
+        limits.append("load generator shares the engine's core")
+    if limits:
+        print("  NOTE            " + "; ".join(limits))
+    # Which part of a wave the slowest polls fell in (a poll is attributed to the phase it started in).
+    slow = np.flatnonzero(under & (lat_ms > max(20.0, float(np.percentile(lat_ms[under], 99)) if under.any() else 20)))
+    outliers = [{"t": round(float(starts[i] - res.start), 3), "ms": round(float(lat_ms[i]), 1),
+                 "phase": res.phase_at(float(starts[i]))} for i in slow]
+    if outliers:
+        where = Counter(o["phase"] for o in outliers)
+        print(f"  slowest polls   {len(outliers)} above max(20 ms, p99), started during: "
+              + ", ".join(f"{k} {n}" for k, n in where.most_common()))
+    if res.error_samples:
+        print("  first errors:\n    " + "\n    ".join(res.error_samples))
+    if args.profile and Path(args.profile).exists() and args.profile.endswith(".txt"):
+        print("  profile (server, % of samples: own / in stack):")
+        for name, own, total in summarize_collapsed(args.profile):
+            print(f"    {own:5.1f}% {total:5.1f}%  {name}")
+    if args.json_out:
+        config = {**vars(args), "pinning": pinning, "engine_probe": probe, "engine_server_info": engine_info,
+                  "server_log": str(server.log_path), "engine_log": str(sim.log_path)}
+        write_report(args.json_out, "session_responsiveness", config, figs,
+                     errors_by_kind=dict(res.errors), error_samples=res.error_samples, health_outliers=outliers)
+    if args.plot:
+        under_t = starts[under] - res.start
+        plot_health(args.plot, lat_ms[base], lat_ms[under], under_t,
+                    f"GET /health every {args.health_interval_ms:g} ms; K={args.concurrency} chats/wave, "
+                    f"{human_bytes(sent)} engine responses, "
+                    f"{'inline' if args.inline_decode else 'pooled'} decode, {v['chats_per_s']:.0f} chats/s")
+    return 1 if res.errors.get("chat") or res.errors.get("create") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,450 @@
+"""Per-turn overhead of the session server: what a turn costs on top of the engine call it makes.
+
+Part 1 (end to end, real processes, pinned apart): S sessions x T turns whose histories grow to ~4k tokens (each
+user message asks the emulated engine for a reply of R tokens with `[[sim: tokens R]]`). Turns run one at a time,
+turn-major, so each figure is a clean per-turn cost at a known history length. After every chat the benchmark
+reads the exact prompt ids the server sent (GET /sessions/{id}: token ids + usage) and replays the same
+`/generate` call straight to the engine: added latency = server turn - direct engine call. The server's CPU per
+turn is its schedstat runtime (ns, all threads) across the chat; its memory per stored token is the RSS delta over
+the run divided by the stored tokens.
+
+Part 2 (in process, the real tokenizer): TITO `prepare()` of one appended user message on histories of
+1k/4k/8k/32k tokens against a full re-render + re-tokenize of the same conversation (what TITO avoids), and the
+trajectory's own bytes per stored token (`nbytes`, and everything it retains, traced with tracemalloc).
+
+    python scripts/bench_turn_overhead.py --tokenizer .cache/tokenizers/qwen3 --json-out out/overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import random
+import signal
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import bench_session_responsiveness as bench  # noqa: E402
+
+_WORD_TEXT = (
+    "alpha beta gamma delta rollout policy gradient token session server engine reward episode agent tool "
+    "search result value model train step batch sample loss mask cache prefix radix memory latency budget "
+    "python numpy tensor kernel thread loop queue worker shard replica weight update pause resume abort"
+)
+WORDS = tuple(_WORD_TEXT.split())
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def user_message(rng: random.Random, session: int, turn: int, user_words: int, reply_tokens: int) -> dict[str, str]:
+    text = f"Session {session} turn {turn}: {words(rng, user_words)} [[sim: tokens {reply_tokens}]]"
+    return {"role": "user", "content": text}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Part 1: through the server vs straight to the engine
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def stored_ids(state: dict[str, Any]) -> list[int]:
+    ids = state.get("token_ids")
+    if ids is None:
+        ids = (state.get("trajectory") or {}).get("token_ids")
+    if ids is None:
+        raise KeyError(f"GET /sessions/{{id}} has no token_ids (keys: {sorted(state)})")
+    return [int(t) for t in ids]
+
+
+async def end_to_end(
+    server_url: str, engine_url: str, server_pid: int, args: argparse.Namespace,
+    before_turns: Any = None, after_turns: Any = None,
+) -> dict[str, Any]:
+    """Phase 1: all turns through the server (timed, CPU measured, profiled). Phase 2: one GET per session for the
+    stored ids; turn t's prompt is their first usage.prompt_tokens ids (history is append-only, and the family's
+    trimmed stop-token tail lies past every earlier prompt). Phase 3: the same prompts straight to the engine."""
+    rng = random.Random(args.seed)
+    limits = httpx.Limits(max_connections=8, max_keepalive_connections=8)
+    timeout = httpx.Timeout(120.0)
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    async with (
+        httpx.AsyncClient(base_url=server_url, limits=limits, timeout=timeout) as server,
+        httpx.AsyncClient(base_url=engine_url, limits=limits, timeout=timeout) as engine,
+    ):
+        # Warm both paths (connections, first-call imports) outside the measurement.
+        warm = (await server.post("/sessions", json={})).json()["session_id"]
+        for _ in range(3):
+            body = {"messages": [user_message(rng, -1, 0, 8, 8)], "max_tokens": 64}
+            (await server.post(f"/sessions/{warm}/v1/chat/completions", json=body)).raise_for_status()
+        await server.delete(f"/sessions/{warm}")
+
+        if before_turns is not None:
+            before_turns()
+        rss_before = bench.proc_kib(server_pid, "VmRSS")
+        sids = [(await server.post("/sessions", json={})).json()["session_id"] for _ in range(args.sessions)]
+        histories: list[list[dict[str, Any]]] = [[] for _ in sids]
+        wait0 = bench.proc_schedstat(server_pid)[1]
+        t_start = time.perf_counter()
+        for turn in range(args.turns):
+            for s, sid in enumerate(sids):
+                histories[s].append(user_message(rng, s, turn, args.user_words, args.reply_tokens))
+                body = {"messages": histories[s], "max_tokens": 2 * args.reply_tokens, "temperature": 1.0}
+                cpu0 = bench.proc_runtime_ns(server_pid)
+                t0 = time.perf_counter()
+                r = await server.post(f"/sessions/{sid}/v1/chat/completions", json=body)
+                t1 = time.perf_counter()
+                cpu1 = bench.proc_runtime_ns(server_pid)
+                if r.status_code != 200:
+                    errors.append(f"session {s} turn {turn}: HTTP {r.status_code} {r.text[:300]}")
+                    histories[s].pop()
+                    continue
+                reply = r.json()
+                usage = reply["usage"]
+                histories[s].append({k: v for k, v in reply["choices"][0]["message"].items() if v is not None})
+                rows.append({
+                    "session": s, "turn": turn, "prompt_tokens": usage["prompt_tokens"],
+                    "completion_tokens": usage["completion_tokens"], "server_s": t1 - t0,
+                    "server_cpu_ns": cpu1 - cpu0,
+                })
+            print(f"[overhead] turn {turn + 1}/{args.turns}: {len(rows)} turns, "
+                  f"prompt ~{rows[-1]['prompt_tokens'] if rows else 0} tokens, errors {len(errors)}",
+                  file=sys.stderr, flush=True)
+        wall = time.perf_counter() - t_start
+        if after_turns is not None:
+            after_turns()
+        wait_frac = (bench.proc_schedstat(server_pid)[1] - wait0) / 1e9 / wall
+        await asyncio.sleep(0.5)  # let the allocator settle before reading RSS
+        rss_after = bench.proc_kib(server_pid, "VmRSS")
+
+        ids_by_session: list[list[int]] = []
+        get_cpu_ns: list[int] = []
+        for sid in sids:
+            cpu0 = bench.proc_runtime_ns(server_pid)
+            state = (await server.get(f"/sessions/{sid}")).json()
+            get_cpu_ns.append(bench.proc_runtime_ns(server_pid) - cpu0)
+            ids_by_session.append(stored_ids(state))
+        stored = sum(len(ids) for ids in ids_by_session)
+
+        for row in rows:
+            ids = ids_by_session[row["session"]]
+            gen = {
+                "input_ids": ids[: row["prompt_tokens"]],
+                "sampling_params": {"max_new_tokens": 2 * args.reply_tokens, "temperature": 1.0},
+                "return_logprob": True,
+                "logprob_start_len": -1,
+                "rid": f"direct-{row['session']}-{row['turn']}",
+            }
+            t2 = time.perf_counter()
+            d = await engine.post("/generate", json=gen, headers={"X-SMG-Routing-Key": sids[row["session"]]})
+            row["direct_s"] = time.perf_counter() - t2
+            if d.status_code != 200:
+                errors.append(f"direct {row['session']}/{row['turn']}: HTTP {d.status_code} {d.text[:300]}")
+            elif d.json()["meta_info"]["completion_tokens"] != row["completion_tokens"]:
+                errors.append(f"direct {row['session']}/{row['turn']}: a different reply length than via the server")
+        for sid in sids:
+            await server.delete(f"/sessions/{sid}")
+    rows = [r for r in rows if "direct_s" in r]
+    return {"rows": rows, "errors": errors, "rss_before_kib": rss_before, "rss_after_kib": rss_after,
+            "stored_tokens": stored, "get_cpu_ns": get_cpu_ns, "server_wait_frac": wait_frac}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Part 2: TITO in process
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def engine_body(family: Any, text: str, prompt_tokens: int) -> bytes:
+    """A well-formed SGLang /generate response for `text` (+ the family's stop token)."""
+    import json
+
+    ids = [*family.encode(text), family.eos_token_id]
+    return json.dumps({
+        "text": text,
+        "output_ids": ids,
+        "meta_info": {
+            "id": "bench", "finish_reason": {"type": "stop", "matched": family.eos_token_id},
+            "prompt_tokens": prompt_tokens, "completion_tokens": len(ids), "cached_tokens": 0,
+            "output_token_logprobs": [[-0.25, t, None] for t in ids], "weight_version": "0", "e2e_latency": 0.0,
+        },
+    }).encode()
+
+
+def build_trajectory(family: Any, target_tokens: int, reply_tokens: int, user_words: int, seed: int):
+    """Commit turns (user message + reply of ~reply_tokens) until the stored history reaches target_tokens."""
+    import trajectory
+
+    rng = random.Random(seed)
+    traj = trajectory.LinearTrajectory(family)
+    messages: list[dict[str, Any]] = []
+    turn = 0
+    while traj.num_tokens < target_tokens:
+        messages.append(user_message(rng, 0, turn, user_words, reply_tokens))
+        plan = traj.prepare(messages, None)
+        reply = words(rng, int(reply_tokens * 0.75))
+        result = trajectory.decode_generate_response(
+            engine_body(family, reply, len(plan.prompt_ids)), family.vocab_size
+        )
+        message = {"role": "assistant", "content": reply}
+        traj.commit(plan, result, message)
+        messages.append(message)
+        turn += 1
+    return traj, messages
+
+
+def time_call(fn: Any, reps: int) -> float:
+    """Median wall seconds of fn() over reps calls (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def tito_in_process(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    import trajectory
+
+    family = trajectory.get_family(args.model_family, AutoTokenizer.from_pretrained(args.tokenizer))
+    rng = random.Random(args.seed + 1)
+    out: dict[str, Any] = {"sizes": []}
+    for size in args.tito_sizes:
+        traj, messages = build_trajectory(family, size, min(1000, size // 4), args.user_words, args.seed)
+        nxt = [*messages, user_message(rng, 0, 999, args.user_words, args.reply_tokens)]
+        reps = args.tito_reps if size <= 8192 else max(5, args.tito_reps // 4)
+        prepare_s = time_call(lambda traj=traj, nxt=nxt: traj.prepare(nxt, None), reps)
+        plan = traj.prepare(nxt, None)
+
+        def full(nxt: list[dict[str, Any]] = nxt) -> None:
+            family.encode(family.render(nxt, None, True))
+
+        full_s = time_call(full, max(3, reps // 4))
+        reply = words(rng, 300)
+        body = engine_body(family, reply, len(plan.prompt_ids))
+        decode_s = time_call(lambda body=body: trajectory.decode_generate_response(body, family.vocab_size), reps)
+        result = trajectory.decode_generate_response(body, family.vocab_size)
+        t0 = time.perf_counter()
+        traj.commit(plan, result, {"role": "assistant", "content": reply})
+        commit_s = time.perf_counter() - t0
+        row = {
+            "target": size, "history_tokens": int(plan.new_token_start),
+            "prompt_tokens": len(plan.prompt_ids), "new_tokens": len(plan.prompt_ids) - plan.new_token_start,
+            "prepare_ms": 1000 * prepare_s, "full_retokenize_ms": 1000 * full_s, "commit_ms": 1000 * commit_s,
+            "decode_reply_ms": 1000 * decode_s, "nbytes_per_token": traj.nbytes / traj.num_tokens,
+        }
+        out["sizes"].append(row)
+        print(f"[tito] history {size}: prepare {row['prepare_ms']:.3f} ms (new {row['new_tokens']} tokens), "
+              f"full re-tokenize {row['full_retokenize_ms']:.2f} ms, commit {row['commit_ms']:.3f} ms",
+              file=sys.stderr, flush=True)
+
+    # Everything a 32k-token trajectory keeps alive (arrays, messages, records), built under tracemalloc.
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    traj, messages = build_trajectory(family, max(args.tito_sizes), args.reply_tokens, args.user_words, args.seed)
+    del messages
+    gc.collect()
+    retained = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    out["retained_bytes_per_token"] = retained / traj.num_tokens
+    out["arrays_bytes_per_token"] = traj.nbytes / traj.num_tokens
+    out["retained_tokens"] = traj.num_tokens
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer", default=".cache/tokenizers/qwen3")
+    p.add_argument("--model-family", default="qwen3")
+    p.add_argument("--sessions", type=int, default=32)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--reply-tokens", type=int, default=448, help="reply length per turn ([[sim: tokens N]])")
+    p.add_argument("--user-words", type=int, default=48, help="words per user message (~1.3 tokens each)")
+    p.add_argument("--tito-sizes", type=int, nargs="+", default=[1024, 4096, 8192, 32768])
+    p.add_argument("--tito-reps", type=int, default=40)
+    p.add_argument("--routed-experts-bytes", type=int, default=0, help="0: measure token storage, not payloads")
+    p.add_argument("--token-latency-ms", type=float, default=0.0)
+    p.add_argument("--server-cpu", type=int, default=0)
+    p.add_argument("--engine-cpu", type=int, default=1)
+    p.add_argument("--server-arg", action="append", default=[], help="extra session-server argument (repeatable)")
+    p.add_argument("--server-src", default=None, help="run session-server from this source tree (a patched copy)")
+    p.add_argument("--engine-arg", action="append", default=[])
+    p.add_argument("--skip-server", action="store_true", help="only the in-process TITO part")
+    p.add_argument("--skip-tito", action="store_true", help="only the end-to-end part")
+    p.add_argument("--profile", default=None, help="py-spy the server during part 1 (.svg, or .txt for stacks)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--label", default=None)
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    args.server_cpu = None if args.server_cpu < 0 else args.server_cpu
+    args.engine_cpu = None if args.engine_cpu < 0 else args.engine_cpu
+    return args
+
+
+def summarize_e2e(e2e: dict[str, Any], figs: bench.Figures, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = e2e["rows"]
+    added = np.array([r["server_s"] - r["direct_s"] for r in rows]) * 1000
+    cpu_ms = np.array([r["server_cpu_ns"] for r in rows]) / 1e6
+    figs.add("turns", len(rows), "count")
+    figs.add("errors", len(e2e["errors"]), "count", "lower")
+    figs.add("server_turn_p50_ms", bench.pct([r["server_s"] * 1000 for r in rows], 50), "ms", "lower", floor=0.3)
+    figs.add("direct_engine_p50_ms", bench.pct([r["direct_s"] * 1000 for r in rows], 50), "ms", "lower", floor=0.3)
+    figs.add("added_latency_p50_ms", bench.pct(added, 50), "ms", "lower", floor=0.3)
+    figs.add("added_latency_p99_ms", bench.pct(added, 99), "ms", "lower", floor=0.5)
+    figs.add("server_cpu_per_turn_mean_ms", float(cpu_ms.mean()) if cpu_ms.size else None, "ms", "lower", floor=0.1)
+    figs.add("server_cpu_per_turn_p50_ms", bench.pct(cpu_ms, 50), "ms", "lower", floor=0.1)
+    figs.add("server_cpu_turns_per_s", 1000 / float(cpu_ms.mean()) if cpu_ms.size else None, "turns/s", "higher")
+    by_turn = []
+    for t in range(args.turns):
+        sel = [r for r in rows if r["turn"] == t]
+        if not sel:
+            continue
+        by_turn.append({
+            "turn": t + 1,
+            "prompt_tokens_mean": float(np.mean([r["prompt_tokens"] for r in sel])),
+            "server_cpu_ms_p50": bench.pct([r["server_cpu_ns"] / 1e6 for r in sel], 50),
+            "added_latency_ms_p50": bench.pct([(r["server_s"] - r["direct_s"]) * 1000 for r in sel], 50),
+            "added_latency_ms_p99": bench.pct([(r["server_s"] - r["direct_s"]) * 1000 for r in sel], 99),
+        })
+    if by_turn:
+        last = by_turn[-1]
+        figs.add("history_tokens_last_turn", last["prompt_tokens_mean"], "tokens")
+        figs.add("server_cpu_per_turn_last_turn_ms", last["server_cpu_ms_p50"], "ms", "lower", floor=0.1)
+        figs.add("added_latency_last_turn_p50_ms", last["added_latency_ms_p50"], "ms", "lower", floor=0.3)
+    figs.add("get_session_cpu_ms", bench.pct(np.array(e2e["get_cpu_ns"]) / 1e6, 50), "ms", "lower", floor=0.2)
+    figs.add("server_runqueue_wait_frac", e2e["server_wait_frac"], "fraction", "lower", floor=0.02)
+    stored = e2e["stored_tokens"]
+    delta = (e2e["rss_after_kib"] - e2e["rss_before_kib"]) * 1024
+    figs.add("stored_tokens", stored, "tokens")
+    figs.add("server_rss_delta_bytes_per_token", delta / stored if stored else None, "B/token", "lower", floor=4.0)
+    return by_turn
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    figs = bench.Figures()
+    extra: dict[str, Any] = {}
+    pin_note = "not run"
+    errors = 0
+    if not args.skip_server:
+        server_cpu, engine_cpu, pin_note = bench.pinning_plan(args.server_cpu, args.engine_cpu)
+        log_dir = Path(args.log_dir or bench.tempfile.mkdtemp(prefix="bench-overhead-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        engine_args = ["--routed-experts-bytes", str(args.routed_experts_bytes),
+                       "--token-latency-ms", str(args.token_latency_ms), *args.engine_arg]
+        kv = max(1 << 20, 4 * args.sessions * args.turns * (args.reply_tokens + 2 * args.user_words + 64))
+        if not any(a.startswith("--kv-capacity-tokens") for a in args.engine_arg):
+            engine_args += ["--kv-capacity-tokens", str(kv)]
+        print(f"starting sglang-sim (cpu {engine_cpu}) and session-server (cpu {server_cpu}); logs in {log_dir}")
+        sim, server = bench.start_pair(
+            tokenizer=args.tokenizer, family=args.model_family, engine_cpu=engine_cpu, server_cpu=server_cpu,
+            log_dir=log_dir, engine_args=engine_args, server_args=args.server_arg, server_src=args.server_src,
+        )
+        try:
+            if engine_cpu is not None:
+                bench.os.sched_setaffinity(0, {engine_cpu})  # the sequential driver shares the engine's core
+            extra["pinning"] = {"note": pin_note, "session-server": server.affinity(), "sglang-sim": sim.affinity(),
+                                "benchmark": bench.proc_status(bench.os.getpid()).get("Cpus_allowed_list")}
+            try:
+                import uvloop
+
+                run = uvloop.run
+            except ImportError:
+                run = asyncio.run
+            profiler: list[Any] = []
+
+            def start_profiler() -> None:  # after the warm-up (the first chat compiles the chat template)
+                if args.profile:
+                    profiler.append(bench.start_profiler(server.pid, args.profile, 3600, rate=1000))
+                    time.sleep(1.0)  # py-spy attaches
+
+            def stop_profiler() -> None:  # only the turns are profiled, not the GETs and the replay
+                for p in profiler:
+                    if p is not None:
+                        p.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+                        p.communicate(timeout=60)
+
+            e2e = run(end_to_end(server.url, sim.url, server.pid, args, start_profiler, stop_profiler))
+        finally:
+            server.stop()
+            sim.stop()
+            bench.os.sched_setaffinity(0, bench.usable_cpus() | set(range(bench.os.cpu_count() or 1)))
+        extra["by_turn"] = summarize_e2e(e2e, figs, args)
+        extra["error_samples"] = e2e["errors"][:8]
+        errors = len(e2e["errors"])
+    if not args.skip_tito:
+        tito = tito_in_process(args)
+        for row in tito["sizes"]:
+            k = f"{row['target'] // 1024}k"
+            figs.add(f"tito_prepare_{k}_ms", row["prepare_ms"], "ms", "lower", floor=0.05)
+            figs.add(f"full_retokenize_{k}_ms", row["full_retokenize_ms"], "ms", "lower", floor=0.2)
+            figs.add(f"commit_{k}_ms", row["commit_ms"], "ms", "lower", floor=0.05)
+        figs.add("decode_reply_ms", tito["sizes"][-1]["decode_reply_ms"], "ms", "lower", floor=0.02)
+        figs.add("trajectory_array_bytes_per_token", tito["arrays_bytes_per_token"], "B/token", "lower", floor=0.5)
+        figs.add("trajectory_retained_bytes_per_token", tito["retained_bytes_per_token"], "B/token", "lower",
+                 floor=1.0)
+        extra["tito"] = tito
+
+    v = figs.values
+    print()
+    print(f"session-server per-turn overhead ({pin_note}: {extra.get('pinning', {})})")
+    if "turns" in v:
+        print(f"  {v['turns']} turns ({args.sessions} sessions x {args.turns}), errors {v['errors']}; history at the "
+              f"last turn ~{bench.fmt(v.get('history_tokens_last_turn'))} tokens")
+        print(f"  turn latency    server p50 {bench.fmt(v['server_turn_p50_ms'])} ms, engine direct p50 "
+              f"{bench.fmt(v['direct_engine_p50_ms'])} ms")
+        print(f"  added latency   p50 {bench.fmt(v['added_latency_p50_ms'])} ms, p99 "
+              f"{bench.fmt(v['added_latency_p99_ms'])} ms")
+        print(f"  server CPU/turn mean {bench.fmt(v['server_cpu_per_turn_mean_ms'])} ms "
+              f"({bench.fmt(v['server_cpu_turns_per_s'])} turns per CPU-second), at the last turn "
+              f"{bench.fmt(v.get('server_cpu_per_turn_last_turn_ms'))} ms (target < 1 ms at 4k)")
+        print("  by turn         " + "; ".join(
+            f"t{r['turn']} {r['prompt_tokens_mean']:.0f} tok: cpu {r['server_cpu_ms_p50']:.2f} ms, "
+            f"{r['added_latency_ms_p50']:+.2f} ms" for r in extra["by_turn"]))
+        print(f"  server RSS      {bench.fmt(v['server_rss_delta_bytes_per_token'])} B per stored token "
+              f"({v['stored_tokens']} tokens stored); GET /sessions/{{id}} at the end: "
+              f"{bench.fmt(v['get_session_cpu_ms'])} ms CPU p50")
+        if v["server_runqueue_wait_frac"] > 0.05:
+            print(f"  NOTE            the server waited for a CPU {100 * v['server_runqueue_wait_frac']:.0f}% of the "
+                  "time (other load on the machine): latencies are not representative, CPU figures still are")
+    if "tito" in extra:
+        for row in extra["tito"]["sizes"]:
+            print(f"  TITO {row['prompt_tokens']:6d} tok  prepare {row['prepare_ms']:.3f} ms for "
+                  f"{row['new_tokens']} new tokens; full re-tokenize {row['full_retokenize_ms']:.2f} ms; "
+                  f"commit {row['commit_ms']:.3f} ms")
+        print(f"  memory/token    arrays {v['trajectory_array_bytes_per_token']:.1f} B, everything retained "
+              f"{v['trajectory_retained_bytes_per_token']:.1f} B (target <= 16 B)")
+    if args.profile and args.profile.endswith(".txt") and Path(args.profile).exists():
+        print("  profile (server, % of samples: own / in stack):")
+        for name, own, total in bench.summarize_collapsed(args.profile):
+            print(f"    {own:5.1f}% {total:5.1f}%  {name}")
+    if extra.get("error_samples"):
+        print("  first errors:\n    " + "\n    ".join(extra["error_samples"]))
+    if args.json_out:
+        bench.write_report(args.json_out, "turn_overhead", {**vars(args)}, figs, **extra)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
