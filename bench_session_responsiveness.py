@@ -11,7 +11,8 @@ stall, not the load generator's connection pool. CPU and memory come from /proc,
     python bench_session_responsiveness.py --inline-decode --json-out out/inline.json
     python bench_session_responsiveness.py --compare out/inline.json out/pooled.json
 
-The helpers (process launch, /proc readers, percentiles, JSON/compare) are reused by scripts/bench_turn_overhead.py.
+The children are launched by rollout.processes; the helpers shared with scripts/bench_turn_overhead.py (pinning,
+/proc readers, percentiles, JSON report and --compare, py-spy) live in scripts/benchlib.py.
 """
 
 from __future__ import annotations
@@ -22,16 +23,11 @@ import contextlib
 import json
 import multiprocessing
 import os
-import platform
-import re
-import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,331 +36,31 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-MIB = 1024 * 1024
-READY_RE = re.compile(r"ready on (http://\S+)")
-INITIAL_AFFINITY = sorted(os.sched_getaffinity(0))  # before this process pins itself
-
-# ---------------------------------------------------------------------------------------------------------------
-# Child processes
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A loopback port that is free now (the child binds it a moment later)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def console_script(name: str) -> list[str]:
-    """The venv's console script if installed, else the entry point run through this interpreter."""
-    exe = Path(sys.executable).parent / name
-    if exe.exists():
-        return [str(exe)]
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group="console_scripts", name=name):
-        return [sys.executable, "-c", f"import sys; from {ep.module} import {ep.attr} as m; sys.exit(m())"]
-    raise SystemExit(f"{name}: not installed (run `make` or `pip install -e .`)")
-
-
-def usable_cpus() -> set[int]:
-    return set(os.sched_getaffinity(0))
-
-
-def all_cpus() -> set[int]:
-    """Every online core (a child of a pinned process inherits the pinning otherwise)."""
-    return set(range(os.cpu_count() or 1))
-
-
-@dataclass
-class Child:
-    """A launched child process: its URL (from its ready line), its pinning and its log file."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    url: str
-    cpu: int | None
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def affinity(self) -> str:
-        return proc_status(self.pid).get("Cpus_allowed_list", "?")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-
-
-def launch(
-    name: str, args: list[str], cpu: int | None, log_dir: Path, ready_timeout: float = 120.0, src: str | None = None
-) -> Child:
-    """Start a console script pinned to `cpu`, wait for its `... ready on http://HOST:PORT` line.
-
-    `src`: a source tree put first on PYTHONPATH, to measure a patched copy against the installed code.
-    """
-    log_path = log_dir / f"{name}.log"
-    log = log_path.open("wb")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if src:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(src).resolve()), env.get("PYTHONPATH")) if p)
-
-    def pin() -> None:
-        if cpu is not None:
-            os.sched_setaffinity(0, {cpu})
-
-    cmd = console_script(name) + args
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin, cwd=ROOT)
-    log.close()
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        text = log_path.read_text(errors="replace")
-        match = READY_RE.search(text)
-        if match:
-            return Child(name, proc, match.group(1).rstrip("/"), cpu, log_path)
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} before ready:\n{text[-3000:]}\ncmd: {cmd}")
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"{name} not ready within {ready_timeout}s:\n{log_path.read_text(errors='replace')[-3000:]}")
-
-
-def pinning_plan(server_cpu: int | None, engine_cpu: int | None) -> tuple[int | None, int | None, str]:
-    """Keep the requested cores if this machine has them, else run unpinned and say so."""
-    cpus = usable_cpus()
-    wanted = [c for c in (server_cpu, engine_cpu) if c is not None]
-    if len(cpus) < 2 or any(c not in cpus for c in wanted):
-        return None, None, f"unpinned (usable cpus {sorted(cpus)} do not allow the requested pinning)"
-    return server_cpu, engine_cpu, "pinned"
-
-
-def start_pair(
-    *,
-    tokenizer: str,
-    family: str,
-    engine_cpu: int | None,
-    server_cpu: int | None,
-    log_dir: Path,
-    engine_args: Iterable[str],
-    server_args: Iterable[str],
-    server_src: str | None = None,
-) -> tuple[Child, Child]:
-    """The emulated engine, then the session server in front of it, each on its own core."""
-    sim = launch(
-        "sglang-sim",
-        ["--tokenizer", tokenizer, "--model-family", family, "--port", str(free_port()), *engine_args],
-        engine_cpu,
-        log_dir,
-    )
-    try:
-        server = launch(
-            "session-server",
-            [
-                "--engine-url", sim.url, "--tokenizer", tokenizer, "--model-family", family,
-                "--port", str(free_port()), *server_args,
-            ],
-            server_cpu,
-            log_dir,
-            src=server_src,
-        )
-    except BaseException:
-        sim.stop()
-        raise
-    return sim, server
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# /proc readers
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of the whole process (all threads, clock-tick resolution)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def proc_schedstat(pid: int) -> tuple[int, int]:
-    """(ns on a CPU, ns runnable but waiting for a CPU) summed over the live threads: ns resolution, and the
-    wait shows when other load on the machine, not the process itself, held it back."""
-    run = wait = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            fields = (task / "schedstat").read_text().split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        run += int(fields[0])
-        wait += int(fields[1])
-    return run, wait
-
-
-def proc_runtime_ns(pid: int) -> int:
-    """Nanosecond CPU time summed over the live threads, for per-request resolution."""
-    return proc_schedstat(pid)[0]
-
-
-def system_cpu() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat (idle + iowait are not busy)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    total = sum(ticks[:8])
-    return (total - ticks[3] - ticks[4]) / CLK_TCK, total / CLK_TCK
-
-
-def proc_status(pid: int) -> dict[str, str]:
-    out: dict[str, str] = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            out[key] = value.strip()
-    return out
-
-
-def proc_kib(pid: int, key: str) -> int:
-    """A VmXXX figure of /proc/PID/status in KiB (VmHWM is the peak resident set)."""
-    return int(proc_status(pid).get(key, "0 kB").split()[0])
-
-
-def proc_io(pid: int) -> dict[str, int]:
-    """rchar/wchar: bytes moved through read/write syscalls (sockets included)."""
-    try:
-        with open(f"/proc/{pid}/io") as f:
-            return {k: int(v) for k, v in (line.split(": ") for line in f)}
-    except OSError:
-        return {}
-
-
-def self_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Figures, git, compare
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("MiB", MIB), ("KiB", 1024)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def pct(values: Iterable[float], q: float) -> float | None:
-    arr = np.asarray(list(values), dtype=np.float64)
-    return float(np.percentile(arr, q)) if arr.size else None
-
-
-def git_state() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
-    except (OSError, subprocess.CalledProcessError) as exc:
-        return {"commit": None, "dirty": None, "error": str(exc)}
-
-
-def machine_info() -> dict[str, Any]:
-    model = ""
-    try:
-        model = next(
-            (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-             if line.startswith("model name")), "")
-    except OSError:
-        pass
-    return {
-        "cpus": os.cpu_count(), "usable_cpus": INITIAL_AFFINITY, "cpu_model": model,
-        "python": platform.python_version(), "platform": platform.platform(),
-    }
-
-
-@dataclass
-class Figures:
-    """Named figures with their unit, which direction is better, and an absolute noise floor for --compare."""
-
-    values: dict[str, float | int | None] = field(default_factory=dict)
-    meta: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def add(self, name: str, value: float | int | None, unit: str, better: str | None = None, floor: float = 0.0):
-        if isinstance(value, float):
-            value = round(value, 6)
-        self.values[name] = value
-        self.meta[name] = {"unit": unit, "better": better, "floor": floor}
-
-
-def write_report(path: str, benchmark: str, config: dict[str, Any], figures: Figures, **extra: Any) -> None:
-    doc = {
-        "benchmark": benchmark, "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "git": git_state(), "machine": machine_info(), "config": config,
-        "figures": figures.values, "figure_meta": figures.meta, **extra,
-    }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    print(f"wrote {path}")
-
-
-def verdict(a: float, b: float, better: str | None, band: float, floor: float) -> str:
-    delta = b - a
-    if abs(delta) <= max(band * abs(a), floor):
-        return "same (within noise)"
-    if better is None:
-        return "changed"
-    improved = delta > 0 if better == "higher" else delta < 0
-    return "**better**" if improved else "**worse**"
-
-
-def fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-    return str(value)
-
-
-def compare(path_a: str, path_b: str, band: float) -> str:
-    """Markdown table B vs A; a difference counts only beyond max(band * |A|, the figure's absolute floor)."""
-    a, b = (json.loads(Path(p).read_text()) for p in (path_a, path_b))
-    lines = [
-        f"A = `{path_a}` ({label_of(a)}), B = `{path_b}` ({label_of(b)}); noise band +-{band:.0%} "
-        "or the figure's absolute floor, whichever is larger.",
-        "",
-        "| figure | unit | A | B | B-A | B/A | verdict |",
-        "|---|---|---:|---:|---:|---:|---|",
-    ]
-    meta = {**a.get("figure_meta", {}), **b.get("figure_meta", {})}
-    for name in [*a["figures"], *(n for n in b["figures"] if n not in a["figures"])]:
-        va, vb = a["figures"].get(name), b["figures"].get(name)
-        m = meta.get(name, {})
-        if isinstance(va, int | float) and isinstance(vb, int | float) and not isinstance(va, bool):
-            ratio = f"{vb / va:.2f}x" if va else "-"
-            v = verdict(float(va), float(vb), m.get("better"), band, float(m.get("floor", 0.0)))
-            lines.append(f"| {name} | {m.get('unit', '')} | {fmt(va)} | {fmt(vb)} | {fmt(vb - va)} | {ratio} | {v} |")
-        else:
-            lines.append(f"| {name} | {m.get('unit', '')} | {fmt(va)} | {fmt(vb)} | - | - | missing |")
-    return "\n".join(lines)
-
-
-def label_of(doc: dict[str, Any]) -> str:
-    cfg = doc.get("config", {})
-    git = doc.get("git", {})
-    parts = [cfg.get("label") or doc.get("benchmark", "?")]
-    if "inline_decode" in cfg:
-        parts.append("inline decode" if cfg["inline_decode"] else "pooled decode")
-    parts.append(f"commit {str(git.get('commit'))[:10]}{' dirty' if git.get('dirty') else ''}")
-    return ", ".join(parts)
-
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from benchlib import (  # noqa: E402
+    Figures,
+    affinity,
+    all_cpus,
+    compare,
+    fmt,
+    human_bytes,
+    pct,
+    pinning_plan,
+    proc_cpu_seconds,
+    proc_io,
+    proc_kib,
+    proc_schedstat,
+    proc_status,
+    run_async,
+    self_cpu_seconds,
+    start_pair,
+    start_profiler,
+    summarize_collapsed,
+    system_cpu,
+    usable_cpus,
+    write_report,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # /health poller (its own process, its own connection)
@@ -606,48 +302,6 @@ def probe_engine_response(engine_url: str, tokenizer_dir: str, reply_tokens: int
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Profile (optional)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def start_profiler(pid: int, out: str, duration: float, rate: int = 200) -> subprocess.Popen[bytes] | None:
-    """py-spy on the server for the load window; `.txt` writes collapsed stacks, anything else a flame graph.
-
-    Only the thread holding the GIL is sampled (`--gil`): the server is one GIL-bound process pinned to one core, so
-    that is where its core goes; threads runnable but waiting for the GIL or the core would otherwise look busy."""
-    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    if not Path(exe).exists():
-        print("py-spy not installed; --profile ignored (pip install py-spy)", file=sys.stderr)
-        return None
-    fmt_ = "raw" if out.endswith(".txt") else "flamegraph"
-    cmd = [exe, "record", "--pid", str(pid), "--output", out, "--format", fmt_, "--rate", str(rate),
-           "--duration", str(max(1, round(duration))), "--nonblocking", "--threads", "--gil"]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def summarize_collapsed(path: str, top: int = 15) -> list[tuple[str, float, float]]:
-    """(function, % of samples on top of the stack, % of samples anywhere in the stack) from py-spy raw output."""
-    own: Counter[str] = Counter()
-    total: Counter[str] = Counter()
-    samples = 0
-    for line in Path(path).read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack:
-            continue
-        count = int(count_text)
-        # "func (file.py:LINE)" -> "func (file.py)": one row per function, not per line.
-        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";") if not f.startswith(("thread (", "process "))]
-        samples += count
-        if frames:
-            own[frames[-1]] += count
-        for f in set(frames):
-            total[f] += count
-    if not samples:
-        return []
-    return [(f, 100 * c / samples, 100 * total[f] / samples) for f, c in own.most_common(top)]
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Plot
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -747,11 +401,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         print(compare(args.compare[0], args.compare[1], args.noise_band))
         return 0
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvicorn[standard] brings it
-        uvloop = None
-
     server_cpu, engine_cpu, pin_note = pinning_plan(args.server_cpu, args.engine_cpu)
     loadgen_cpu = args.loadgen_cpu if pin_note == "pinned" and args.loadgen_cpu in usable_cpus() else None
     poller_cpu = args.poller_cpu if pin_note == "pinned" and args.poller_cpu in usable_cpus() else None
@@ -768,7 +417,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.inline_decode:
         server_args.append("--inline-decode")
 
-    print(f"starting sglang-sim (cpu {engine_cpu}) and session-server (cpu {server_cpu}); logs in {log_dir}")
     sim, server = start_pair(
         tokenizer=args.tokenizer, family=args.model_family, engine_cpu=engine_cpu, server_cpu=server_cpu,
         log_dir=log_dir, engine_args=engine_args, server_args=server_args, server_src=args.server_src,
@@ -780,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             os.sched_setaffinity(0, {loadgen_cpu})
         pinning = {
             "note": pin_note,
-            "session-server": server.affinity(), "sglang-sim": sim.affinity(),
+            "session-server": affinity(server.pid), "sglang-sim": affinity(sim.pid),
             "load generator": proc_status(os.getpid()).get("Cpus_allowed_list"),
         }
         probe = probe_engine_response(sim.url, args.tokenizer, args.reply_tokens)
@@ -805,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.profile:
                 profiler = start_profiler(server.pid, args.profile, args.duration)
 
-        res = (uvloop.run if uvloop is not None else asyncio.run)(run_load(server.url, args, on_start))
+        res = run_async(run_load(server.url, args, on_start))
         wall = res.end - res.start
         server_cpu_s = proc_cpu_seconds(server.pid) - marks["server_cpu"]
         engine_cpu_s = proc_cpu_seconds(sim.pid) - marks["engine_cpu"]

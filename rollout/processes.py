@@ -8,6 +8,10 @@ the children in order), and its output is drained on a thread (a pipe nobody rea
 kept for error messages and optionally written to a log file. `stop()` sends SIGTERM, waits for the graceful
 shutdown and kills only if it hangs; `close()` also fails loudly if the child had crashed while serving.
 
+For the benchmarks, a child can be pinned to a set of cores (`cpus`, set in the child before exec, like `taskset`)
+and run with source trees first on its PYTHONPATH (`python_path`, e.g. a patched copy of the server to measure
+against the installed code).
+
 This generalizes the test helper H2 wrote in tests/procs.py (same class and function signatures), so that the
 demo, the tests and the benchmarks share one launcher.
 """
@@ -15,6 +19,7 @@ demo, the tests and the benchmarks share one launcher.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import signal
@@ -23,9 +28,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TypedDict, Unpack
 
 import httpx
 
@@ -35,11 +40,14 @@ SIM_READY = re.compile(r"sglang-sim ready on (http://\S+)")
 SERVER_READY = re.compile(r"session-server ready on (http://\S+)")
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux to SIGTERM it when the parent dies (a killed test run leaves no orphans)."""
+def _prepare_child(cpus: frozenset[int] | None) -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when the parent dies (a killed test run leaves no orphans),
+    and pin it to `cpus` if given."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
 
 
 class ProcessCrashed(RuntimeError):
@@ -54,7 +62,10 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 class RunningProcess:
-    """A started child process serving HTTP at `url` (ready on return unless `wait=False`: then `wait_ready()`)."""
+    """A started child process serving HTTP at `url` (ready on return unless `wait=False`: then `wait_ready()`).
+
+    `cpus`: the cores the child may run on (default: this process's). `python_path`: directories put first on the
+    child's PYTHONPATH."""
 
     def __init__(
         self,
@@ -69,6 +80,8 @@ class RunningProcess:
         log_path: Path | None = None,
         log_dir: Path | None = None,
         wait: bool = True,
+        cpus: Iterable[int] | None = None,
+        python_path: Sequence[str | Path] = (),
     ) -> None:
         if ready_pattern is None and url is None:
             raise ValueError("need a ready_pattern that captures the URL, or a known url to poll")
@@ -90,6 +103,9 @@ class RunningProcess:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(log_path, "w")  # noqa: SIM115 - closed by the drain thread at EOF
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if python_path:
+            paths = [str(Path(d).resolve()) for d in python_path]
+            full_env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [full_env.get("PYTHONPATH")])])
         self.proc = subprocess.Popen(
             self.cmd,
             stdout=subprocess.PIPE,
@@ -98,12 +114,16 @@ class RunningProcess:
             text=True,
             env=full_env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_prepare_child, None if cpus is None else frozenset(cpus)),
         )
         self._reader = threading.Thread(target=self._drain, name=f"{self.name}-output", daemon=True)
         self._reader.start()
         if wait:
             self.wait_ready()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     @property
     def port(self) -> int:
@@ -200,38 +220,39 @@ class RunningProcess:
         self.close()
 
 
-def _with_loopback_port(extra_args: Sequence[str]) -> list[str]:
-    args = [str(a) for a in extra_args]
-    if "--port" not in args:
-        args += ["--port", "0"]
-    if "--host" not in args:
-        args += ["--host", LOOPBACK]
-    return args
+class LaunchOptions(TypedDict, total=False):
+    """The keyword options of `start_sim` / `start_session_server`, passed on to `RunningProcess`."""
+
+    env: dict[str, str] | None
+    startup_timeout: float
+    log_path: Path | None
+    log_dir: Path | None
+    wait: bool
+    cpus: Iterable[int] | None
+    python_path: Sequence[str | Path]
+
+
+def _start_module(
+    module: str, args: Sequence[str], ready_pattern: re.Pattern[str], name: str, **options: Unpack[LaunchOptions]
+) -> RunningProcess:
+    """`python -m module args` on a loopback port the OS picks (its `--port 0` ready line names the port)."""
+    argv = [str(a) for a in args]
+    if "--port" not in argv:
+        argv += ["--port", "0"]
+    if "--host" not in argv:
+        argv += ["--host", LOOPBACK]
+    # `-m` puts the working directory first on sys.path, ahead of PYTHONPATH: `-P` keeps `python_path` first.
+    flags = ["-P"] if options.get("python_path") else []
+    cmd = [sys.executable, *flags, "-m", module, *argv]
+    return RunningProcess(cmd, ready_pattern=ready_pattern, name=name, **options)
 
 
 def start_sim(
-    tokenizer_dir: str | Path,
-    family: str,
-    *extra_args: str,
-    env: dict[str, str] | None = None,
-    startup_timeout: float = 60.0,
-    log_path: Path | None = None,
-    log_dir: Path | None = None,
-    wait: bool = True,
+    tokenizer_dir: str | Path, family: str, *extra_args: str, **options: Unpack[LaunchOptions]
 ) -> RunningProcess:
-    """`sglang-sim` on a loopback port the OS picks (its `--port 0` ready line names the port)."""
-    cmd = [sys.executable, "-m", "rollout.engines.sim.cli", "--tokenizer", str(tokenizer_dir)]
-    cmd += ["--model-family", family, *_with_loopback_port(extra_args)]
-    return RunningProcess(
-        cmd,
-        ready_pattern=SIM_READY,
-        env=env,
-        startup_timeout=startup_timeout,
-        name=f"sglang-sim[{family}]",
-        log_path=log_path,
-        log_dir=log_dir,
-        wait=wait,
-    )
+    """`sglang-sim` on a loopback port the OS picks."""
+    args = ["--tokenizer", str(tokenizer_dir), "--model-family", family, *extra_args]
+    return _start_module("rollout.engines.sim.cli", args, SIM_READY, f"sglang-sim[{family}]", **options)
 
 
 def start_session_server(
@@ -239,23 +260,9 @@ def start_session_server(
     tokenizer_dir: str | Path,
     family: str,
     *extra_args: str,
-    env: dict[str, str] | None = None,
-    startup_timeout: float = 60.0,
     name: str = "session-server",
-    log_path: Path | None = None,
-    log_dir: Path | None = None,
-    wait: bool = True,
+    **options: Unpack[LaunchOptions],
 ) -> RunningProcess:
     """`session-server` in front of `engine_url`, on a loopback port the OS picks."""
-    cmd = [sys.executable, "-m", "session_server.cli", "--engine-url", engine_url, "--tokenizer", str(tokenizer_dir)]
-    cmd += ["--model-family", family, *_with_loopback_port(extra_args)]
-    return RunningProcess(
-        cmd,
-        ready_pattern=SERVER_READY,
-        env=env,
-        startup_timeout=startup_timeout,
-        name=name,
-        log_path=log_path,
-        log_dir=log_dir,
-        wait=wait,
-    )
+    args = ["--engine-url", engine_url, "--tokenizer", str(tokenizer_dir), "--model-family", family, *extra_args]
+    return _start_module("session_server.cli", args, SERVER_READY, name, **options)

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import msgspec
+from benchlib import proc_cpu_seconds
+
+from rollout.processes import start_sim
 
 
 class _Meta(msgspec.Struct):
@@ -27,14 +25,6 @@ class _Meta(msgspec.Struct):
 
 class _Reply(msgspec.Struct):
     meta_info: _Meta
-
-
-READY = re.compile(r"sglang-sim ready on (http://\S+)")
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _drive(url: str, n: int, concurrency: int, prompt: list[int], max_new: int, logprobs: bool,
@@ -72,20 +62,10 @@ def main() -> None:
     p.add_argument("--routed-experts-bytes", type=int, default=0, help="ask for a routed-experts payload this big")
     args = p.parse_args()
 
-    proc = subprocess.Popen([sys.executable, "-m", "rollout.engines.sim.cli", "--tokenizer", args.tokenizer,
-                             "--model-family", args.family, "--port", "0", "--kv-capacity-tokens", "400000",
-                             "--routed-experts-bytes", str(args.routed_experts_bytes)],
-                            stdout=subprocess.PIPE, text=True)
+    sim = start_sim(args.tokenizer, args.family, "--kv-capacity-tokens", "400000",
+                    "--routed-experts-bytes", str(args.routed_experts_bytes))
+    url = sim.url
     try:
-        assert proc.stdout is not None
-        url = None
-        for line in proc.stdout:
-            m = READY.search(line)
-            if m:
-                url = m.group(1)
-                break
-        if url is None:
-            raise SystemExit("sglang-sim did not start")
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
@@ -94,18 +74,17 @@ def main() -> None:
         experts = args.routed_experts_bytes > 0
         asyncio.run(_drive(url, 100, args.concurrency, prompt, args.max_new_tokens, not args.no_logprobs,
                            experts))  # warm-up
-        cpu0, t0 = _cpu_seconds(proc.pid), time.perf_counter()
+        cpu0, t0 = proc_cpu_seconds(sim.pid), time.perf_counter()
         tokens = asyncio.run(_drive(url, args.requests, args.concurrency, prompt, args.max_new_tokens,
                                     not args.no_logprobs, experts))
-        wall, cpu = time.perf_counter() - t0, _cpu_seconds(proc.pid) - cpu0
+        wall, cpu = time.perf_counter() - t0, proc_cpu_seconds(sim.pid) - cpu0
         print(f"requests={args.requests} concurrency={args.concurrency} prompt={args.prompt_tokens} "
               f"max_new_tokens={args.max_new_tokens} logprobs={not args.no_logprobs} "
               f"routed_experts_bytes={args.routed_experts_bytes}")
         print(f"wall: {args.requests / wall:.0f} req/s, {tokens / wall:.0f} generated tok/s ({wall:.2f} s)")
         print(f"engine CPU: {cpu:.2f} s -> {args.requests / cpu:.0f} req/CPU-s, {tokens / cpu:.0f} tok/CPU-s")
     finally:
-        proc.terminate()
-        proc.wait(10)
+        sim.stop()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,8 @@ import msgspec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchlib import median_seconds  # noqa: E402
 
 from trajectory import LinearTrajectory, ModelFamily, decode_generate_response, get_family  # noqa: E402
 
@@ -35,17 +36,6 @@ def body(ids: list[int], text: str = "", routed_experts: Any = None) -> bytes:
     if routed_experts is not None:
         meta["routed_experts"] = routed_experts
     return msgspec.json.encode({"text": text, "output_ids": ids, "meta_info": meta})
-
-
-def per_call(fn: Callable[[], Any], repeat: int) -> float:
-    """Median seconds per call over `repeat` timed calls (after a warm-up)."""
-    fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def grow(traj: LinearTrajectory, target: int, tools: Any, commit_times: list[float]) -> None:
@@ -72,9 +62,9 @@ def bench_family(family: ModelFamily, repeat: int) -> None:
     for target in (1_000, 8_000, 32_000):
         grow(traj, target, tools, commit_times)
         request = [*traj.messages, {"role": "user", "content": "One more short question, please?"}]
-        prepare = per_call(lambda request=request: traj.prepare(request, tools), repeat)
+        prepare = median_seconds(lambda request=request: traj.prepare(request, tools), repeat)
         plan = traj.prepare(request, tools)
-        full = per_call(lambda request=request: family.encode(family.render(request, tools, True)), 10)
+        full = median_seconds(lambda request=request: family.encode(family.render(request, tools, True)), 10)
         print(f"  {traj.num_tokens:>7} tok  {prepare * 1e6:>9.0f} us  ({plan.num_new_tokens:>3} new)"
               f"  {full * 1e3:>15.2f} ms  {traj.nbytes / traj.num_tokens:>10.2f}")
     print(f"  commit/turn: median {statistics.median(commit_times) * 1e6:.0f} us over {len(commit_times)} turns")
@@ -84,7 +74,7 @@ def bench_decode(vocab_size: int, repeat: int) -> None:
     experts = [[[(i * j + k) % 128 for k in range(8)] for j in range(48)] for i in range(1220)]
     for n in (1, 100, 1000):
         payload = body(list(range(1, n + 1)), "x" * n, experts)
-        took = per_call(lambda payload=payload: decode_generate_response(payload, vocab_size), repeat)
+        took = median_seconds(lambda payload=payload: decode_generate_response(payload, vocab_size), repeat)
         print(f"  decode {len(payload) / 2**20:.2f} MiB body, {n:>4} completion tokens: {took * 1e3:.2f} ms")
 
 

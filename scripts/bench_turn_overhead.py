@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import random
 import signal
-import statistics
 import sys
+import tempfile
 import time
 import tracemalloc
 from pathlib import Path
@@ -31,11 +32,23 @@ from typing import Any
 
 import httpx
 import numpy as np
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import bench_session_responsiveness as bench  # noqa: E402
+from benchlib import (
+    Figures,
+    affinity,
+    all_cpus,
+    fmt,
+    median_seconds,
+    pct,
+    pinning_plan,
+    proc_kib,
+    proc_runtime_ns,
+    proc_schedstat,
+    run_async,
+    start_pair,
+    start_profiler,
+    summarize_collapsed,
+    write_report,
+)
 
 _WORD_TEXT = (
     "alpha beta gamma delta rollout policy gradient token session server engine reward episode agent tool "
@@ -93,20 +106,20 @@ async def end_to_end(
 
         if before_turns is not None:
             before_turns()
-        rss_before = bench.proc_kib(server_pid, "VmRSS")
+        rss_before = proc_kib(server_pid, "VmRSS")
         sids = [(await server.post("/sessions", json={})).json()["session_id"] for _ in range(args.sessions)]
         histories: list[list[dict[str, Any]]] = [[] for _ in sids]
-        wait0 = bench.proc_schedstat(server_pid)[1]
+        wait0 = proc_schedstat(server_pid)[1]
         t_start = time.perf_counter()
         for turn in range(args.turns):
             for s, sid in enumerate(sids):
                 histories[s].append(user_message(rng, s, turn, args.user_words, args.reply_tokens))
                 body = {"messages": histories[s], "max_tokens": 2 * args.reply_tokens, "temperature": 1.0}
-                cpu0 = bench.proc_runtime_ns(server_pid)
+                cpu0 = proc_runtime_ns(server_pid)
                 t0 = time.perf_counter()
                 r = await server.post(f"/sessions/{sid}/v1/chat/completions", json=body)
                 t1 = time.perf_counter()
-                cpu1 = bench.proc_runtime_ns(server_pid)
+                cpu1 = proc_runtime_ns(server_pid)
                 if r.status_code != 200:
                     errors.append(f"session {s} turn {turn}: HTTP {r.status_code} {r.text[:300]}")
                     histories[s].pop()
@@ -125,16 +138,16 @@ async def end_to_end(
         wall = time.perf_counter() - t_start
         if after_turns is not None:
             after_turns()
-        wait_frac = (bench.proc_schedstat(server_pid)[1] - wait0) / 1e9 / wall
+        wait_frac = (proc_schedstat(server_pid)[1] - wait0) / 1e9 / wall
         await asyncio.sleep(0.5)  # let the allocator settle before reading RSS
-        rss_after = bench.proc_kib(server_pid, "VmRSS")
+        rss_after = proc_kib(server_pid, "VmRSS")
 
         ids_by_session: list[list[int]] = []
         get_cpu_ns: list[int] = []
         for sid in sids:
-            cpu0 = bench.proc_runtime_ns(server_pid)
+            cpu0 = proc_runtime_ns(server_pid)
             state = (await server.get(f"/sessions/{sid}")).json()
-            get_cpu_ns.append(bench.proc_runtime_ns(server_pid) - cpu0)
+            get_cpu_ns.append(proc_runtime_ns(server_pid) - cpu0)
             ids_by_session.append(stored_ids(state))
         stored = sum(len(ids) for ids in ids_by_session)
 
@@ -204,17 +217,6 @@ def build_trajectory(family: Any, target_tokens: int, reply_tokens: int, user_wo
     return traj, messages
 
 
-def time_call(fn: Any, reps: int) -> float:
-    """Median wall seconds of fn() over reps calls (after one warm-up call)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def tito_in_process(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -227,16 +229,16 @@ def tito_in_process(args: argparse.Namespace) -> dict[str, Any]:
         traj, messages = build_trajectory(family, size, min(1000, size // 4), args.user_words, args.seed)
         nxt = [*messages, user_message(rng, 0, 999, args.user_words, args.reply_tokens)]
         reps = args.tito_reps if size <= 8192 else max(5, args.tito_reps // 4)
-        prepare_s = time_call(lambda traj=traj, nxt=nxt: traj.prepare(nxt, None), reps)
+        prepare_s = median_seconds(lambda traj=traj, nxt=nxt: traj.prepare(nxt, None), reps)
         plan = traj.prepare(nxt, None)
 
         def full(nxt: list[dict[str, Any]] = nxt) -> None:
             family.encode(family.render(nxt, None, True))
 
-        full_s = time_call(full, max(3, reps // 4))
+        full_s = median_seconds(full, max(3, reps // 4))
         reply = words(rng, 300)
         body = engine_body(family, reply, len(plan.prompt_ids))
-        decode_s = time_call(lambda body=body: trajectory.decode_generate_response(body, family.vocab_size), reps)
+        decode_s = median_seconds(lambda body=body: trajectory.decode_generate_response(body, family.vocab_size), reps)
         result = trajectory.decode_generate_response(body, family.vocab_size)
         t0 = time.perf_counter()
         traj.commit(plan, result, {"role": "assistant", "content": reply})
@@ -302,18 +304,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def summarize_e2e(e2e: dict[str, Any], figs: bench.Figures, args: argparse.Namespace) -> list[dict[str, Any]]:
+def summarize_e2e(e2e: dict[str, Any], figs: Figures, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = e2e["rows"]
     added = np.array([r["server_s"] - r["direct_s"] for r in rows]) * 1000
     cpu_ms = np.array([r["server_cpu_ns"] for r in rows]) / 1e6
     figs.add("turns", len(rows), "count")
     figs.add("errors", len(e2e["errors"]), "count", "lower")
-    figs.add("server_turn_p50_ms", bench.pct([r["server_s"] * 1000 for r in rows], 50), "ms", "lower", floor=0.3)
-    figs.add("direct_engine_p50_ms", bench.pct([r["direct_s"] * 1000 for r in rows], 50), "ms", "lower", floor=0.3)
-    figs.add("added_latency_p50_ms", bench.pct(added, 50), "ms", "lower", floor=0.3)
-    figs.add("added_latency_p99_ms", bench.pct(added, 99), "ms", "lower", floor=0.5)
+    figs.add("server_turn_p50_ms", pct([r["server_s"] * 1000 for r in rows], 50), "ms", "lower", floor=0.3)
+    figs.add("direct_engine_p50_ms", pct([r["direct_s"] * 1000 for r in rows], 50), "ms", "lower", floor=0.3)
+    figs.add("added_latency_p50_ms", pct(added, 50), "ms", "lower", floor=0.3)
+    figs.add("added_latency_p99_ms", pct(added, 99), "ms", "lower", floor=0.5)
     figs.add("server_cpu_per_turn_mean_ms", float(cpu_ms.mean()) if cpu_ms.size else None, "ms", "lower", floor=0.1)
-    figs.add("server_cpu_per_turn_p50_ms", bench.pct(cpu_ms, 50), "ms", "lower", floor=0.1)
+    figs.add("server_cpu_per_turn_p50_ms", pct(cpu_ms, 50), "ms", "lower", floor=0.1)
     figs.add("server_cpu_turns_per_s", 1000 / float(cpu_ms.mean()) if cpu_ms.size else None, "turns/s", "higher")
     by_turn = []
     for t in range(args.turns):
@@ -323,16 +325,16 @@ def summarize_e2e(e2e: dict[str, Any], figs: bench.Figures, args: argparse.Names
         by_turn.append({
             "turn": t + 1,
             "prompt_tokens_mean": float(np.mean([r["prompt_tokens"] for r in sel])),
-            "server_cpu_ms_p50": bench.pct([r["server_cpu_ns"] / 1e6 for r in sel], 50),
-            "added_latency_ms_p50": bench.pct([(r["server_s"] - r["direct_s"]) * 1000 for r in sel], 50),
-            "added_latency_ms_p99": bench.pct([(r["server_s"] - r["direct_s"]) * 1000 for r in sel], 99),
+            "server_cpu_ms_p50": pct([r["server_cpu_ns"] / 1e6 for r in sel], 50),
+            "added_latency_ms_p50": pct([(r["server_s"] - r["direct_s"]) * 1000 for r in sel], 50),
+            "added_latency_ms_p99": pct([(r["server_s"] - r["direct_s"]) * 1000 for r in sel], 99),
         })
     if by_turn:
         last = by_turn[-1]
         figs.add("history_tokens_last_turn", last["prompt_tokens_mean"], "tokens")
         figs.add("server_cpu_per_turn_last_turn_ms", last["server_cpu_ms_p50"], "ms", "lower", floor=0.1)
         figs.add("added_latency_last_turn_p50_ms", last["added_latency_ms_p50"], "ms", "lower", floor=0.3)
-    figs.add("get_session_cpu_ms", bench.pct(np.array(e2e["get_cpu_ns"]) / 1e6, 50), "ms", "lower", floor=0.2)
+    figs.add("get_session_cpu_ms", pct(np.array(e2e["get_cpu_ns"]) / 1e6, 50), "ms", "lower", floor=0.2)
     figs.add("server_runqueue_wait_frac", e2e["server_wait_frac"], "fraction", "lower", floor=0.02)
     stored = e2e["stored_tokens"]
     delta = (e2e["rss_after_kib"] - e2e["rss_before_kib"]) * 1024
@@ -343,53 +345,46 @@ def summarize_e2e(e2e: dict[str, Any], figs: bench.Figures, args: argparse.Names
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    figs = bench.Figures()
+    figs = Figures()
     extra: dict[str, Any] = {}
     pin_note = "not run"
     errors = 0
     if not args.skip_server:
-        server_cpu, engine_cpu, pin_note = bench.pinning_plan(args.server_cpu, args.engine_cpu)
-        log_dir = Path(args.log_dir or bench.tempfile.mkdtemp(prefix="bench-overhead-"))
+        server_cpu, engine_cpu, pin_note = pinning_plan(args.server_cpu, args.engine_cpu)
+        log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench-overhead-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         engine_args = ["--routed-experts-bytes", str(args.routed_experts_bytes),
                        "--token-latency-ms", str(args.token_latency_ms), *args.engine_arg]
         kv = max(1 << 20, 4 * args.sessions * args.turns * (args.reply_tokens + 2 * args.user_words + 64))
         if not any(a.startswith("--kv-capacity-tokens") for a in args.engine_arg):
             engine_args += ["--kv-capacity-tokens", str(kv)]
-        print(f"starting sglang-sim (cpu {engine_cpu}) and session-server (cpu {server_cpu}); logs in {log_dir}")
-        sim, server = bench.start_pair(
+        sim, server = start_pair(
             tokenizer=args.tokenizer, family=args.model_family, engine_cpu=engine_cpu, server_cpu=server_cpu,
             log_dir=log_dir, engine_args=engine_args, server_args=args.server_arg, server_src=args.server_src,
         )
         try:
             if engine_cpu is not None:
-                bench.os.sched_setaffinity(0, {engine_cpu})  # the sequential driver shares the engine's core
-            extra["pinning"] = {"note": pin_note, "session-server": server.affinity(), "sglang-sim": sim.affinity(),
-                                "benchmark": bench.proc_status(bench.os.getpid()).get("Cpus_allowed_list")}
-            try:
-                import uvloop
-
-                run = uvloop.run
-            except ImportError:
-                run = asyncio.run
+                os.sched_setaffinity(0, {engine_cpu})  # the sequential driver shares the engine's core
+            extra["pinning"] = {"note": pin_note, "session-server": affinity(server.pid),
+                                "sglang-sim": affinity(sim.pid), "benchmark": affinity(os.getpid())}
             profiler: list[Any] = []
 
-            def start_profiler() -> None:  # after the warm-up (the first chat compiles the chat template)
+            def begin_profile() -> None:  # after the warm-up (the first chat compiles the chat template)
                 if args.profile:
-                    profiler.append(bench.start_profiler(server.pid, args.profile, 3600, rate=1000))
+                    profiler.append(start_profiler(server.pid, args.profile, 3600, rate=1000))
                     time.sleep(1.0)  # py-spy attaches
 
-            def stop_profiler() -> None:  # only the turns are profiled, not the GETs and the replay
+            def end_profile() -> None:  # only the turns are profiled, not the GETs and the replay
                 for p in profiler:
                     if p is not None:
                         p.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
                         p.communicate(timeout=60)
 
-            e2e = run(end_to_end(server.url, sim.url, server.pid, args, start_profiler, stop_profiler))
+            e2e = run_async(end_to_end(server.url, sim.url, server.pid, args, begin_profile, end_profile))
         finally:
             server.stop()
             sim.stop()
-            bench.os.sched_setaffinity(0, bench.usable_cpus() | set(range(bench.os.cpu_count() or 1)))
+            os.sched_setaffinity(0, all_cpus())  # part 2 runs unpinned
         extra["by_turn"] = summarize_e2e(e2e, figs, args)
         extra["error_samples"] = e2e["errors"][:8]
         errors = len(e2e["errors"])
@@ -411,20 +406,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"session-server per-turn overhead ({pin_note}: {extra.get('pinning', {})})")
     if "turns" in v:
         print(f"  {v['turns']} turns ({args.sessions} sessions x {args.turns}), errors {v['errors']}; history at the "
-              f"last turn ~{bench.fmt(v.get('history_tokens_last_turn'))} tokens")
-        print(f"  turn latency    server p50 {bench.fmt(v['server_turn_p50_ms'])} ms, engine direct p50 "
-              f"{bench.fmt(v['direct_engine_p50_ms'])} ms")
-        print(f"  added latency   p50 {bench.fmt(v['added_latency_p50_ms'])} ms, p99 "
-              f"{bench.fmt(v['added_latency_p99_ms'])} ms")
-        print(f"  server CPU/turn mean {bench.fmt(v['server_cpu_per_turn_mean_ms'])} ms "
-              f"({bench.fmt(v['server_cpu_turns_per_s'])} turns per CPU-second), at the last turn "
-              f"{bench.fmt(v.get('server_cpu_per_turn_last_turn_ms'))} ms (target < 1 ms at 4k)")
+              f"last turn ~{fmt(v.get('history_tokens_last_turn'))} tokens")
+        print(f"  turn latency    server p50 {fmt(v['server_turn_p50_ms'])} ms, engine direct p50 "
+              f"{fmt(v['direct_engine_p50_ms'])} ms")
+        print(f"  added latency   p50 {fmt(v['added_latency_p50_ms'])} ms, p99 "
+              f"{fmt(v['added_latency_p99_ms'])} ms")
+        print(f"  server CPU/turn mean {fmt(v['server_cpu_per_turn_mean_ms'])} ms "
+              f"({fmt(v['server_cpu_turns_per_s'])} turns per CPU-second), at the last turn "
+              f"{fmt(v.get('server_cpu_per_turn_last_turn_ms'))} ms (target < 1 ms at 4k)")
         print("  by turn         " + "; ".join(
             f"t{r['turn']} {r['prompt_tokens_mean']:.0f} tok: cpu {r['server_cpu_ms_p50']:.2f} ms, "
             f"{r['added_latency_ms_p50']:+.2f} ms" for r in extra["by_turn"]))
-        print(f"  server RSS      {bench.fmt(v['server_rss_delta_bytes_per_token'])} B per stored token "
+        print(f"  server RSS      {fmt(v['server_rss_delta_bytes_per_token'])} B per stored token "
               f"({v['stored_tokens']} tokens stored); GET /sessions/{{id}} at the end: "
-              f"{bench.fmt(v['get_session_cpu_ms'])} ms CPU p50")
+              f"{fmt(v['get_session_cpu_ms'])} ms CPU p50")
         if v["server_runqueue_wait_frac"] > 0.05:
             print(f"  NOTE            the server waited for a CPU {100 * v['server_runqueue_wait_frac']:.0f}% of the "
                   "time (other load on the machine): latencies are not representative, CPU figures still are")
@@ -437,12 +432,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{v['trajectory_retained_bytes_per_token']:.1f} B (target <= 16 B)")
     if args.profile and args.profile.endswith(".txt") and Path(args.profile).exists():
         print("  profile (server, % of samples: own / in stack):")
-        for name, own, total in bench.summarize_collapsed(args.profile):
+        for name, own, total in summarize_collapsed(args.profile):
             print(f"    {own:5.1f}% {total:5.1f}%  {name}")
     if extra.get("error_samples"):
         print("  first errors:\n    " + "\n    ".join(extra["error_samples"]))
     if args.json_out:
-        bench.write_report(args.json_out, "turn_overhead", {**vars(args)}, figs, **extra)
+        write_report(args.json_out, "turn_overhead", {**vars(args)}, figs, **extra)
     return 1 if errors else 0
 
 
