@@ -44,7 +44,10 @@ async def ready(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     server = _server(request)
     text = server.metrics.render(
-        in_flight=server.gate.in_flight, sessions=len(server.registry), paused=server.gate.paused
+        in_flight=server.gate.in_flight,
+        sessions=len(server.registry),
+        tombstones=server.registry.num_tombstones,
+        paused=server.gate.paused,
     )
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

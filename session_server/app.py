@@ -28,6 +28,7 @@ from .errors import error_response, method_not_allowed, not_found
 from .gate import AbortReason, Gate
 from .registry import Registry
 from .state import ServerState
+from .sweeper import Sweeper
 
 logger = logging.getLogger("session_server")
 
@@ -71,9 +72,12 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         server = build_state(config, family)
         app.state.server = server
+        sweeper = Sweeper(server)
+        sweeper.start()
         try:
             yield
         finally:
+            await sweeper.stop()
             await shutdown(server)
 
     session = "/sessions/{session_id}"

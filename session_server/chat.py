@@ -119,6 +119,8 @@ def _raise_if_aborted(claim: Claim) -> None:
         return
     if reason is AbortReason.DELETED:
         raise SessionNotFoundError(f"session {claim.session.id} was deleted during the chat")
+    if reason is AbortReason.EXPIRED:
+        raise SessionNotFoundError(f"session {claim.session.id} expired: its chat outlived the request timeout")
     retry_after = claim.retry_after
     if reason is AbortReason.PAUSED:
         raise SessionPausedError("chat aborted: the server was paused; retry the same turn", retry_after)

@@ -58,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--message-matcher", choices=MATCHERS, default="strict",
         help="how history is matched: strict, or loose_tool_call (JSON-equivalent tool arguments)",
     )
+    p.add_argument(
+        "--session-idle-timeout", type=float, default=3600.0,
+        help="delete a session (like DELETE) after this many seconds without a request; a chat in flight counts as "
+        "activity until it outlives --request-timeout; 0 = never (default 3600)",
+    )
+    p.add_argument(
+        "--tombstones", type=int, default=100_000,
+        help="ids of deleted sessions remembered so late requests get 'was deleted'; oldest forgotten first "
+        "(default 100000, about 200 bytes each)",
+    )
     p.add_argument("--admin-token", default=None, help="if set, /admin/* requires 'Authorization: Bearer TOKEN'")
     p.add_argument(
         "--inline-decode", action="store_true",
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             admin_token=args.admin_token,
             inline_decode=args.inline_decode,
             return_routed_experts=args.return_routed_experts,
+            session_idle_timeout=args.session_idle_timeout,
+            tombstones=args.tombstones,
         )
     except ValueError as exc:
         _fail(str(exc))

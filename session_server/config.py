@@ -36,7 +36,8 @@ class ServerConfig:
     engine_connections: int = 512
     retry_after: int = 1
     abort_grace: float = 5.0
-    tombstones: int = 100_000  # ids of deleted sessions remembered (about 150 bytes each)
+    tombstones: int = 100_000  # ids of deleted sessions remembered, oldest forgotten first (about 200 bytes each)
+    session_idle_timeout: float = 3600.0  # seconds without a request before the sweep deletes a session; 0 = never
 
     def __post_init__(self) -> None:
         if self.cpu_workers is None:
@@ -50,6 +51,10 @@ class ServerConfig:
             problems.append("--max-rollback must be >= 0")
         if self.request_timeout <= 0:
             problems.append("--request-timeout must be > 0")
+        if self.tombstones < 0:
+            problems.append("--tombstones must be >= 0")
+        if self.session_idle_timeout < 0:
+            problems.append("--session-idle-timeout must be >= 0 (0 turns the sweep off)")
         if self.max_request_bytes < 1:
             problems.append("--max-request-bytes must be >= 1")
         if self.message_matcher not in MATCHERS:

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 
-from trajectory.errors import SessionBusyError, SessionNotFoundError, SessionPausedError
+from trajectory.errors import SessionBusyError, SessionPausedError
 
 from .registry import Registry, Session
 
 
 class AbortReason(enum.Enum):
     DELETED = "deleted"
+    EXPIRED = "expired"  # the idle sweep (sweeper.py) deleted the session
     PAUSED = "paused"
     SHUTDOWN = "shutdown"
 
@@ -27,11 +29,12 @@ class AbortReason(enum.Enum):
 class Claim:
     """Ownership of a session's single in-flight slot."""
 
-    __slots__ = ("_gate", "aborted", "done", "reason", "session")
+    __slots__ = ("_gate", "aborted", "done", "reason", "session", "started")
 
     def __init__(self, gate: Gate, session: Session) -> None:
         self._gate = gate
         self.session = session
+        self.started = time.monotonic()
         self.reason: AbortReason | None = None
         self.aborted = asyncio.Event()  # set by someone else who wants this chat to stop
         self.done = asyncio.Event()  # set once, when the owner has released the slot
@@ -50,6 +53,7 @@ class Claim:
         """Free the slot. Idempotent; a no-op unless this claim still owns the session's slot."""
         if self.session.claim is self:
             self.session.claim = None
+            self.session.last_active = time.monotonic()
         self._gate._in_flight.discard(self)
         self.done.set()
 
@@ -64,13 +68,7 @@ class Gate:
 
     def claim(self, session_id: str) -> Claim:
         """404 unknown/deleted/closing, 503 paused, 409 busy -- in that order (DESIGN.md 3)."""
-        session = self._registry.get(session_id)
-        if session is None:
-            if self._registry.is_tombstoned(session_id):
-                raise SessionNotFoundError(f"session {session_id} was deleted")
-            raise SessionNotFoundError(f"session {session_id} not found")
-        if session.closing:
-            raise SessionNotFoundError(f"session {session_id} is being deleted")
+        session = self._registry.require(session_id)
         if self.shutting_down:
             raise SessionPausedError("server is shutting down", self.retry_after)
         if self.paused:

@@ -10,12 +10,13 @@ class Metrics:
         self.chats_by_status: Counter[int] = Counter()
         self.engine_aborts = 0
         self.sessions_created = 0
-        self.sessions_deleted = 0
+        self.sessions_deleted = 0  # by DELETE
+        self.sessions_expired = 0  # by the idle sweep
 
     def chat(self, status: int) -> None:
         self.chats_by_status[status] += 1
 
-    def render(self, *, in_flight: int, sessions: int, paused: bool) -> str:
+    def render(self, *, in_flight: int, sessions: int, tombstones: int, paused: bool) -> str:
         ok = sum(n for s, n in self.chats_by_status.items() if s < 400)
         err = sum(n for s, n in self.chats_by_status.items() if s >= 400)
         lines = [
@@ -33,10 +34,14 @@ class Metrics:
             f"session_server_sessions_created_total {self.sessions_created}",
             "# TYPE session_server_sessions_deleted_total counter",
             f"session_server_sessions_deleted_total {self.sessions_deleted}",
+            "# TYPE session_server_sessions_expired_total counter",
+            f"session_server_sessions_expired_total {self.sessions_expired}",
             "# TYPE session_server_in_flight gauge",
             f"session_server_in_flight {in_flight}",
             "# TYPE session_server_sessions gauge",
             f"session_server_sessions {sessions}",
+            "# TYPE session_server_tombstones gauge",
+            f"session_server_tombstones {tombstones}",
             "# TYPE session_server_paused gauge",
             f"session_server_paused {int(paused)}",
         ]

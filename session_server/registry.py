@@ -1,8 +1,10 @@
 """Session registry: sessions by unguessable id, plus tombstones for deleted ones.
 
 Ids are 128 random bits (secrets.token_hex(16)): a session URL is a capability, so it must not be guessable. After
-DELETE the id is remembered (bounded, oldest forgotten first) so that a late engine result or a repeated DELETE gets a
-404 that says "deleted" instead of reviving anything, and so an id can never be handed out twice.
+DELETE (or the idle sweep) the id is remembered so that a late engine result or a repeated DELETE gets a 404 that says
+why instead of reviving anything, and so an id is not handed out twice. Tombstones are bounded by count, oldest
+forgotten first (`max_tombstones`, about 200 bytes each): a long-running server deletes millions of sessions, and a
+forgotten id only turns "was deleted" into "not found" -- it is still a 404 and still cannot be revived.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from trajectory.errors import SessionNotFoundError
 
 if TYPE_CHECKING:
     from trajectory import LinearTrajectory
@@ -39,13 +43,16 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     claim: Claim | None = None  # the in-flight chat, owned by gate.Claim
     closing: bool = False
+    last_active: float = field(default_factory=time.monotonic)  # last request naming this session (idle sweep)
     engine: EngineSessionState = field(default_factory=EngineSessionState)
 
 
 class Registry:
     def __init__(self, max_tombstones: int = 100_000) -> None:
+        if max_tombstones < 0:
+            raise ValueError("max_tombstones must be >= 0")
         self._sessions: dict[str, Session] = {}
-        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._tombstones: OrderedDict[str, str] = OrderedDict()  # id -> why it is gone, oldest first
         self._max_tombstones = max_tombstones
 
     def create(self, trajectory: LinearTrajectory, metadata: dict[str, Any] | None = None) -> Session:
@@ -60,14 +67,29 @@ class Registry:
     def get(self, sid: str) -> Session | None:
         return self._sessions.get(sid)
 
+    def require(self, sid: str) -> Session:
+        """The live session, marked active now; 404 if unknown, deleted or being deleted (DESIGN.md 3 order)."""
+        session = self._sessions.get(sid)
+        if session is None:
+            gone = self._tombstones.get(sid)
+            raise SessionNotFoundError(f"session {sid} {gone}" if gone else f"session {sid} not found")
+        if session.closing:
+            raise SessionNotFoundError(f"session {sid} is being deleted")
+        session.last_active = time.monotonic()
+        return session
+
     def is_tombstoned(self, sid: str) -> bool:
         return sid in self._tombstones
 
-    def forget(self, sid: str) -> None:
-        """Drop the session and leave a tombstone; idempotent."""
+    @property
+    def num_tombstones(self) -> int:
+        return len(self._tombstones)
+
+    def forget(self, sid: str, why: str = "was deleted") -> None:
+        """Drop the session and leave a tombstone (evicting the oldest beyond the bound); idempotent."""
         if self._sessions.pop(sid, None) is None:
             return
-        self._tombstones[sid] = None
+        self._tombstones[sid] = why
         while len(self._tombstones) > self._max_tombstones:
             self._tombstones.popitem(last=False)
 

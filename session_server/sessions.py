@@ -2,16 +2,24 @@
 
 DELETE is the one place that stops someone else's chat: it marks the session closing (new chats get 404 at once),
 asks the in-flight chat to abort and waits until its handler has released the slot -- by then the engine has
-acknowledged the abort -- and only then closes the engine session and forgets the session behind a tombstone.
+acknowledged the abort -- and only then closes the engine session and forgets the session behind a tombstone. The
+idle sweep (sweeper.py) deletes through the same `close_session`.
+
+GET takes a snapshot of the trajectory on the loop (copies, no await) and builds the body -- token list, records, a
+mismatch report that re-renders and diffs the whole history, the JSON encode; tens of ms at 32k tokens -- on the CPU
+pool, so inspecting a long session does not stall /health or other sessions' chats.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from trajectory.errors import RequestValidationError, SessionError, SessionNotFoundError
+from trajectory import LinearTrajectory
+from trajectory.errors import RequestValidationError, SessionError
 
 from .errors import error_response, json_response
 from .gate import AbortReason
@@ -26,14 +34,7 @@ def _server(request: Request) -> ServerState:
 
 
 def lookup(server: ServerState, session_id: str) -> Session:
-    session = server.registry.get(session_id)
-    if session is None:
-        if server.registry.is_tombstoned(session_id):
-            raise SessionNotFoundError(f"session {session_id} was deleted")
-        raise SessionNotFoundError(f"session {session_id} not found")
-    if session.closing:
-        raise SessionNotFoundError(f"session {session_id} is being deleted")
-    return session
+    return server.registry.require(session_id)
 
 
 async def create_session(request: Request) -> Response:
@@ -61,15 +62,25 @@ async def get_session(request: Request) -> Response:
         session = lookup(server, request.path_params["session_id"])
     except SessionError as err:
         return error_response(err)
-    async with session.lock:  # a consistent snapshot; no await inside
-        info = session.trajectory.to_dict()
-        info["mismatch_report"] = session.trajectory.mismatch_report()
-    info["session_id"] = session.id
-    info["metadata"] = session.metadata
-    info["created_at"] = session.created_at
-    info["busy"] = session.claim is not None
-    body = await server.pool.run(_encoder.encode, info)
+    async with session.lock:  # a consistent snapshot: a memcpy of the tokens, no await inside
+        snapshot = session.trajectory.snapshot()
+        live = {
+            "nbytes": session.trajectory.nbytes,  # the live footprint (the snapshot has no growth slack)
+            "session_id": session.id,
+            "metadata": session.metadata,
+            "created_at": session.created_at,
+            "busy": session.claim is not None,
+        }
+    body = await server.pool.run(_session_body, snapshot, live)
     return Response(body, media_type="application/json")
+
+
+def _session_body(snapshot: LinearTrajectory, live: dict[str, Any]) -> bytes:
+    """Pool side of GET: records, token list, mismatch report (a re-render + diff) and the JSON encode."""
+    info = snapshot.to_dict()
+    info["mismatch_report"] = snapshot.mismatch_report()
+    info.update(live)
+    return _encoder.encode(info)
 
 
 async def delete_session(request: Request) -> Response:
@@ -92,8 +103,12 @@ async def close_session(server: ServerState, session: Session, reason: AbortReas
     if server.engine_sessions is not None:
         await server.engine_sessions.close(session)
     if server.registry.get(session.id) is session:
-        server.registry.forget(session.id)
-        server.metrics.sessions_deleted += 1
+        if reason is AbortReason.EXPIRED:
+            server.registry.forget(session.id, "expired after being idle")
+            server.metrics.sessions_expired += 1
+        else:
+            server.registry.forget(session.id)
+            server.metrics.sessions_deleted += 1
 
 
 async def list_models(request: Request) -> Response:

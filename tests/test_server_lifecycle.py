@@ -174,7 +174,7 @@ def test_cli_help_documents_every_flag() -> None:
     assert out.returncode == 0
     for flag in ("--engine-url", "--tokenizer", "--model-family", "--host", "--port", "--cpu-workers",
                  "--max-rollback", "--engine-sessions", "--request-timeout", "--max-request-bytes",
-                 "--message-matcher", "--admin-token", "--inline-decode"):
+                 "--message-matcher", "--admin-token", "--inline-decode", "--session-idle-timeout", "--tombstones"):
         assert flag in out.stdout
 
 
@@ -186,6 +186,8 @@ def test_cli_help_documents_every_flag() -> None:
         ("--engine-url", "http://x", "--tokenizer", "T", "--model-family", "qwen3", "--message-matcher", "fuzzy"),
         ("--engine-url", "ftp://x", "--tokenizer", "T", "--model-family", "qwen3"),
         ("--engine-url", "http://x", "--tokenizer", "T", "--model-family", "qwen3", "--cpu-workers", "0"),
+        ("--engine-url", "http://x", "--tokenizer", "T", "--model-family", "qwen3", "--session-idle-timeout", "-1"),
+        ("--engine-url", "http://x", "--tokenizer", "T", "--model-family", "qwen3", "--tombstones", "-5"),
         ("--engine-url", "http://x", "--tokenizer", "/nonexistent/tokenizer", "--model-family", "qwen3"),
         ("--engine-url", "http://x", "--tokenizer", "TOK", "--model-family", "llama-nope"),
     ],

@@ -245,3 +245,29 @@ def test_token_buffer_growth_and_truncation():
     assert buffer.ids.tolist() == [0, 1, 2, 3, 4, 99]
     with pytest.raises(ValueError):
         buffer.truncate(7)
+
+
+def test_snapshot_is_detached_from_later_commits(qwen):
+    """GET /sessions/{id} reads a snapshot in a pool thread while turns keep committing: a rollback rewrites the
+    stored slots in place, so the snapshot must own copies, not views."""
+    traj = LinearTrajectory(qwen, max_rollback=1)
+    turn(traj, [user("q1")], Reply("a1"))
+    turn(traj, [user("q2")], Reply("a2 " * 5))
+    snap = traj.snapshot()
+    view = traj.token_ids  # what a view-based snapshot would hold
+    expected, expected_view = content(snap), view.tolist()
+    expected_report = snap.mismatch_report()
+    assert expected == content(traj) and snap.nbytes <= traj.nbytes  # the copy has no growth slack
+    plan = traj.prepare(traj.messages[:3])  # regenerate the last turn: truncate + append into the same buffer
+    traj.commit(plan, *generate(qwen, plan, Reply("other"), rid="r2b"))
+    turn(traj, [user("q3")], Reply("a3"))
+    assert view.tolist() != expected_view  # the live buffer really was rewritten in place
+    assert content(snap) == expected and snap.mismatch_report() == expected_report
+    assert snap.version == 2 and traj.version == 4 and len(snap.records) == 2 and len(traj.records) == 3
+
+
+def content(traj: LinearTrajectory) -> str:
+    """`snapshot` without the memory footprint, which differs between a trajectory and its snapshot."""
+    info = traj.to_dict()
+    del info["nbytes"]
+    return json.dumps([traj.version, info, traj.logprobs.tolist(), traj.loss_mask.tolist()])

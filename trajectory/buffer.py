@@ -47,6 +47,15 @@ class TokenBuffer:
     def mask(self) -> np.ndarray:
         return self._view(self._mask)
 
+    def copy(self) -> TokenBuffer:
+        """An independent buffer holding exactly the stored tokens (no slack): a memcpy of 9 bytes per token."""
+        other = TokenBuffer.__new__(TokenBuffer)
+        other._ids = self._ids[: self.size].copy()
+        other._logprobs = self._logprobs[: self.size].copy()
+        other._mask = self._mask[: self.size].copy()
+        other.size = self.size
+        return other
+
     def _reserve(self, needed: int) -> None:
         if needed <= self.capacity:
             return
