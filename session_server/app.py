@@ -42,7 +42,8 @@ def build_state(config: ServerConfig, family: ModelFamily) -> ServerState:
         registry=registry,
         gate=Gate(registry, config.retry_after),
         engine=engine,
-        pool=CpuPool(config.cpu_workers, inline_decode=config.inline_decode),
+        pool=CpuPool(config.cpu_workers, inline_decode=config.inline_decode,
+                     inline_below_bytes=config.inline_below_bytes),
         engine_sessions=EngineSessions(engine) if config.engine_sessions else None,
     )
 

@@ -1,6 +1,6 @@
 """POST /sessions/{id}/v1/chat/completions: one TITO turn.
 
-    claim the slot (before the body is read)  ->  read the body  ->  decode + prepare (pure) + encode on the pool
+    claim the slot (before the body is read)  ->  read the body  ->  decode + prepare (pure) + encode (pooled if large)
     ->  engine call + decode WITHOUT the lock, raced against client disconnect, abort requests and the timeout
     ->  commit under the lock  ->  reply
 
@@ -133,15 +133,16 @@ async def _turn(server: ServerState, claim: Claim, request: Request) -> Response
     rid = uuid.uuid4().hex  # fixed length: no rid is a prefix of another (abort matches by prefix)
     engine_sessions = server.engine_sessions
     routed = server.config.return_routed_experts
-    chat, plan, payload = await server.pool.run(
-        prepare_turn, body, session.trajectory, rid, routed, engine_sessions is None
+    chat, plan, payload = await server.pool.run_sized(
+        len(body), prepare_turn, body, session.trajectory, rid, routed, engine_sessions is None
     )
     _raise_if_aborted(claim)
     if engine_sessions is not None:
         start, session_params = await engine_sessions.begin_turn(session, plan.new_token_start)
         _raise_if_aborted(claim)
-        payload = await server.pool.run(
-            encode_generate, plan.prompt_ids, start, chat.sampling_params, rid, session_params, routed
+        payload = await server.pool.run_sized(
+            4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, chat.sampling_params, rid,
+            session_params, routed,
         )
     assert payload is not None
 
@@ -175,7 +176,9 @@ async def _generate(server: ServerState, session_id: str, payload: bytes, rid: s
     if not reply.ok:
         return reply
     model = chat.model or server.family.name
-    return await server.pool.run_decode(decode_turn, reply.body, server.family, rid, model, chat.stream)
+    return await server.pool.run_decode(
+        len(reply.body), decode_turn, reply.body, server.family, rid, model, chat.stream
+    )
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -20,6 +20,7 @@ from typing import NoReturn
 import uvicorn
 
 from .config import MATCHERS, ServerConfig, default_cpu_workers
+from .cpu_pool import DEFAULT_INLINE_BELOW_BYTES
 
 PROG = "session-server"
 
@@ -69,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 100000, about 200 bytes each)",
     )
     p.add_argument("--admin-token", default=None, help="if set, /admin/* requires 'Authorization: Bearer TOKEN'")
+    p.add_argument(
+        "--inline-below-bytes", type=int, default=DEFAULT_INLINE_BELOW_BYTES,
+        help="bodies smaller than this are parsed on the event loop, larger ones on the CPU pool "
+             f"(a pool hop costs more than a small decode); 0 pools everything (default {DEFAULT_INLINE_BELOW_BYTES})",
+    )
     p.add_argument(
         "--inline-decode", action="store_true",
         help="decode engine responses on the event loop instead of the CPU pool (for benchmarks)",
@@ -159,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             message_matcher=args.message_matcher,
             admin_token=args.admin_token,
             inline_decode=args.inline_decode,
+            inline_below_bytes=args.inline_below_bytes,
             return_routed_experts=args.return_routed_experts,
             session_idle_timeout=args.session_idle_timeout,
             tombstones=args.tombstones,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .cpu_pool import DEFAULT_INLINE_BELOW_BYTES
+
 MATCHERS = ("strict", "loose_tool_call")
 
 
@@ -32,6 +34,7 @@ class ServerConfig:
     message_matcher: str = "strict"
     admin_token: str | None = None
     inline_decode: bool = False
+    inline_below_bytes: int = DEFAULT_INLINE_BELOW_BYTES
     return_routed_experts: bool = False
     engine_connections: int = 512
     retry_after: int = 1
@@ -47,6 +50,8 @@ class ServerConfig:
             problems.append(f"--engine-url must be an http:// URL, got {self.engine_url!r}")
         if self.cpu_workers < 1:
             problems.append("--cpu-workers must be >= 1")
+        if self.inline_below_bytes < 0:
+            problems.append("--inline-below-bytes must be >= 0")
         if self.max_rollback < 0:
             problems.append("--max-rollback must be >= 0")
         if self.request_timeout <= 0:

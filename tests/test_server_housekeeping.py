@@ -323,6 +323,7 @@ def test_get_and_samples_build_their_bodies_on_the_pool(stack: dict[str, str], m
     serialization of GET and samples happen in the pool's threads."""
     from starlette.testclient import TestClient
 
+    from session_server import chat as chat_module
     from session_server import samples as samples_module
     from session_server import sessions as sessions_module
     from session_server.app import build_app
@@ -345,6 +346,7 @@ def test_get_and_samples_build_their_bodies_on_the_pool(stack: dict[str, str], m
         spy(LinearTrajectory, name)
     spy(sessions_module, "_session_body")
     spy(samples_module, "_encode")
+    spy(chat_module, "prepare_turn")
 
     config = ServerConfig(engine_url=stack["engine"], tokenizer=stack["tok"], model_family=FAMILY, cpu_workers=2)
     app = build_app(config, load_family(stack["tok"], FAMILY))
@@ -352,6 +354,12 @@ def test_get_and_samples_build_their_bodies_on_the_pool(stack: dict[str, str], m
         loop_thread = client.portal.call(lambda: threading.current_thread().name)
         sid = client.post("/sessions").json()["session_id"]
         assert client.post(f"/sessions/{sid}/v1/chat/completions", json=SHORT_CHAT).status_code == 200
+        assert threads.pop("prepare_turn") == {loop_thread}  # a small request is cheaper inline than a pool hop
+        big = client.post("/sessions").json()["session_id"]
+        long_chat = {**SHORT_CHAT, "messages": [{"role": "user", "content": "x" * 70_000}]}
+        assert client.post(f"/sessions/{big}/v1/chat/completions", json=long_chat).status_code == 200
+        assert all(t.startswith("session-cpu") for t in threads.pop("prepare_turn"))  # a large one is pooled
+        assert client.delete(f"/sessions/{big}").status_code == 204
         threads.clear()
         info = client.get(f"/sessions/{sid}")
         assert info.status_code == 200 and info.json()["mismatch_report"]["assistant_only"], info.text
