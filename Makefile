@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test lint bench bench-overhead bench-compare tokenizers clean
+.PHONY: demo test lint bench bench-overhead bench-compare soak tokenizers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,9 @@ bench-compare: bench
 	$(PY) bench_session_responsiveness.py --tokenizer $(TOKENIZERS)/qwen3 --inline-decode \
 		--json-out $(BENCH_OUT)/inline.json --plot $(BENCH_OUT)/inline.png $(BENCH_ARGS)
 	$(PY) bench_session_responsiveness.py --compare $(BENCH_OUT)/inline.json $(BENCH_OUT)/pooled.json
+
+soak: $(STAMP) $(TOKENIZERS)/.built
+	$(PY) scripts/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache out
