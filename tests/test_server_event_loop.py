@@ -1,8 +1,10 @@
-"""The CPU pool routes work by body size: small bodies inline on the loop, large ones on the bounded pool."""
+"""What keeps the single event loop responsive: work routed by body size (small inline, large on the bounded pool)
+and a startup heap frozen out of the garbage collector's full passes."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 from session_server.cpu_pool import CpuPool
@@ -47,3 +49,24 @@ def test_zero_cut_pools_everything_and_inline_decode_pools_no_decode() -> None:
     assert zero_cut.startswith("session-cpu")
     assert inline_decode == loop
     assert inline_sized.startswith("session-cpu")  # --inline-decode is about engine replies only
+
+
+def test_startup_heap_is_frozen_out_of_full_collections(tokenizer_dirs) -> None:
+    """Full collections under load walked the tokenizer's millions of objects (50-140 ms loop stalls); the lifespan
+    freezes everything allocated before serving so they never do."""
+    from starlette.testclient import TestClient
+
+    from session_server.app import build_app
+    from session_server.cli import load_family
+    from session_server.config import ServerConfig
+
+    family = load_family(str(tokenizer_dirs["qwen3"]), "qwen3")
+    config = ServerConfig(engine_url="http://127.0.0.1:9", tokenizer=str(tokenizer_dirs["qwen3"]), model_family="qwen3")
+    gc.unfreeze()
+    try:
+        assert gc.get_freeze_count() == 0
+        with TestClient(build_app(config, family)) as client:
+            assert client.get("/health").status_code == 200
+            assert gc.get_freeze_count() > 100_000  # the loaded tokenizer and libraries, out of the GC's walks
+    finally:
+        gc.unfreeze()
