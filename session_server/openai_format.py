@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import orjson
 
 from trajectory import GenerateResult, ModelFamily, decode_generate_response
 from trajectory.errors import RequestValidationError, UpstreamError
@@ -119,8 +120,8 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
             sp["stop"] = stop
     seed = obj.get("seed")
     if seed is not None:
-        if not _is_int(seed):
-            raise _bad("'seed' must be an integer")
+        if not _is_int(seed) or not -(2**63) <= seed < 2**63:
+            raise _bad("'seed' must be a 64-bit integer")
         sp["sampling_seed"] = seed
     return sp
 
@@ -133,9 +134,13 @@ def encode_generate(
     session_params: dict[str, Any] | None,
     routed_experts: bool = False,
 ) -> bytes:
-    """The /generate body of DESIGN.md 5.1. `start` > 0 sends only the tokens an engine session does not hold."""
+    """The /generate body of DESIGN.md 5.1. `start` > 0 sends only the tokens an engine session does not hold.
+
+    orjson writes the int32 id array straight from numpy: the prompt is the one part of the body that grows with the
+    history, and going through a Python list first costs ~5x more per token.
+    """
     payload: dict[str, Any] = {
-        "input_ids": prompt_ids[start:].tolist(),
+        "input_ids": prompt_ids[start:],
         "sampling_params": sp,
         "return_logprob": True,
         "logprob_start_len": -1,
@@ -146,7 +151,7 @@ def encode_generate(
         payload["session_params"] = session_params
     if routed_experts:
         payload["return_routed_experts"] = True
-    return _encoder.encode(payload)
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 @dataclass(slots=True)

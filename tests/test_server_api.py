@@ -184,6 +184,8 @@ BAD_BODIES = {
     "bad_max_tokens": b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}',
     "bad_temperature": b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}',
     "stream_not_bool": b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}',
+    "seed_too_big": b'{"messages": [{"role": "user", "content": "hi"}], "seed": 18446744073709551616}',
+    "seed_not_int": b'{"messages": [{"role": "user", "content": "hi"}], "seed": 1.5}',
 }
 
 
