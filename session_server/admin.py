@@ -91,4 +91,5 @@ async def resume(request: Request) -> Response:
     except SessionError as err:
         return error_response(err)
     server.gate.paused = False
+    server.registry.touch_all()  # the pause does not count as idleness (see sweeper.py)
     return json_response({"status": "running"})

@@ -78,6 +78,12 @@ class Registry:
         session.last_active = time.monotonic()
         return session
 
+    def touch_all(self) -> None:
+        """Mark every live session active now (after a pause, which must not count as idleness)."""
+        now = time.monotonic()
+        for session in self._sessions.values():
+            session.last_active = now
+
     def is_tombstoned(self, sid: str) -> bool:
         return sid in self._tombstones
 

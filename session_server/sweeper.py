@@ -7,6 +7,9 @@ models) marks it active (`Registry.require`), and so does the end of a chat. A s
 idle, unless that chat has been in flight longer than the request timeout: then it is stuck (a client that never
 finishes sending its body is the one case the engine timeout does not cover) and is aborted like DELETE aborts it.
 
+A pause for a weight update stops the clock: nothing expires while paused, and `/admin/continue` marks every
+session active again, so a long update does not sweep away the episodes that were politely waiting for it.
+
 An expired session goes through exactly DELETE's path (`sessions.close_session`: abort the chat and wait for its
 handler, close the engine session, forget behind a tombstone that says it expired) and is counted in /metrics. The
 scan itself is plain attribute reads on the loop, a few microseconds per thousand sessions, every few seconds.
@@ -78,6 +81,8 @@ class Sweeper:
     async def sweep_once(self) -> int:
         server = self._server
         config = server.config
+        if server.gate.paused:  # agents are told to wait (503 Retry-After): a pause is nobody's idleness
+            return 0
         expired = idle_sessions(
             server.registry.sessions(), time.monotonic(), config.session_idle_timeout, config.request_timeout
         )

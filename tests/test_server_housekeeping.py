@@ -112,6 +112,25 @@ def test_requests_keep_a_session_alive(stack: dict[str, str]) -> None:
     assert_engine_baseline(engine)
 
 
+def test_a_pause_is_not_idleness(stack: dict[str, str]) -> None:
+    """Nothing expires while paused for a weight update, and continuing restarts every session's idle clock."""
+    server, engine = stack["server"], stack["engine"]
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    expired = _metric(server, "session_server_sessions_expired_total")
+    sid = new_session(server)
+    assert httpx.post(f"{server}/admin/pause", json={"mode": "drain"}, headers=auth).status_code == 200
+    try:
+        time.sleep(2.5 * IDLE)  # silent for well past the idle timeout, but paused
+        assert _metric(server, "session_server_sessions_expired_total") == expired
+    finally:
+        assert httpx.post(f"{server}/admin/continue", headers=auth).status_code == 200
+    time.sleep(IDLE / 2)  # the clock restarted at continue: still alive half a timeout later
+    assert _metric(server, "session_server_sessions_expired_total") == expired
+    assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 200
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(engine)
+
+
 def test_a_chat_in_flight_is_not_idle(stack: dict[str, str]) -> None:
     server, engine = stack["server"], stack["engine"]
     sid = new_session(server)
