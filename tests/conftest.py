@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,3 +32,20 @@ def hf_tokenizers(tokenizer_dirs: dict[str, Path]) -> dict[str, object]:
     from transformers import AutoTokenizer
 
     return {name: AutoTokenizer.from_pretrained(path) for name, path in tokenizer_dirs.items()}
+
+
+@pytest.fixture
+def client(sim_url: str) -> Iterator[httpx.Client]:
+    """A client of the module's sglang-sim (`sim_url`); after each test the engine must be back at its baseline."""
+    from sim_helpers import assert_baseline
+
+    with httpx.Client(base_url=sim_url, timeout=30) as c:
+        yield c
+        assert_baseline(c)
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    """Threads for requests that must run while the test drives the engine."""
+    with ThreadPoolExecutor(4) as ex:
+        yield ex

@@ -26,19 +26,6 @@ def sim_url(tokenizer_dirs):
         yield proc.url
 
 
-@pytest.fixture
-def client(sim_url):
-    with httpx.Client(base_url=sim_url, timeout=30) as c:
-        yield c
-        assert_baseline(c)
-
-
-@pytest.fixture
-def pool():
-    with ThreadPoolExecutor(4) as ex:
-        yield ex
-
-
 def _long(tok, tag: str, n: int = 400) -> list[int]:
     return chat_ids(tok, [{"role": "user", "content": f"{tag} [[sim: tokens {n}]]"}])
 

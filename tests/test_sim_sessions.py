@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from procs import start_sim
-from sim_helpers import assert_baseline, books, chat_ids, info, wait_for
+from sim_helpers import books, chat_ids, info, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -20,19 +19,6 @@ def tok(hf_tokenizers):
 def sim_url(tokenizer_dirs):
     with start_sim(tokenizer_dirs["qwen3"], "qwen3", "--token-latency-ms", "2", "--enable-streaming-session") as p:
         yield p.url
-
-
-@pytest.fixture
-def client(sim_url):
-    with httpx.Client(base_url=sim_url, timeout=30) as c:
-        yield c
-        assert_baseline(c)
-
-
-@pytest.fixture
-def pool():
-    with ThreadPoolExecutor(4) as ex:
-        yield ex
 
 
 def _open(client, streaming: bool = True, **extra) -> str:
