@@ -37,7 +37,14 @@ from .errors import (
     error_response,
 )
 from .gate import AbortReason, Claim
-from .openai_format import ChatRequest, TurnOutput, decode_turn, encode_generate, parse_chat_request
+from .openai_format import (
+    ChatRequest,
+    TurnOutput,
+    decode_turn,
+    encode_generate,
+    parse_chat_request,
+    split_routed_experts,
+)
 from .state import ServerState
 
 logger = logging.getLogger("session_server.chat")
@@ -176,8 +183,11 @@ async def _generate(server: ServerState, session_id: str, payload: bytes, rid: s
     if not reply.ok:
         return reply
     model = chat.model or server.family.name
+    # The cut is a memchr over the routed-experts megabytes (~0.1 ms); what is left to decode is what the pool-or-
+    # inline choice should weigh, and it is usually small enough that a pool hop would cost more than the decode.
+    split = split_routed_experts(reply.body)
     return await server.pool.run_decode(
-        len(reply.body), decode_turn, reply.body, server.family, rid, model, chat.stream
+        len(split[0]), decode_turn, reply.body, server.family, rid, model, chat.stream, split=split
     )
 
 

@@ -205,10 +205,14 @@ def split_routed_experts(body: bytes) -> tuple[bytes, memoryview | None]:
 
 
 def decode_turn(
-    body: bytes, family: ModelFamily, rid: str, model: str, stream: bool, created: int | None = None
+    body: bytes, family: ModelFamily, rid: str, model: str, stream: bool, created: int | None = None,
+    split: tuple[bytes, memoryview | None] | None = None,
 ) -> TurnOutput:
-    """Strictly validate the engine reply (502 on any rule), parse it with the family, encode the client reply."""
-    small, routed = split_routed_experts(body)
+    """Strictly validate the engine reply (502 on any rule), parse it with the family, encode the client reply.
+
+    `split` is `split_routed_experts(body)` when the caller already made the cut (to size the work that is left).
+    """
+    small, routed = split if split is not None else split_routed_experts(body)
     if routed is None:
         result = decode_generate_response(body, family.vocab_size)
     else:
