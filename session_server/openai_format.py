@@ -26,8 +26,8 @@ _encoder = msgspec.json.Encoder()
 
 @dataclass(slots=True)
 class ChatRequest:
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
+    messages: Any  # raw: validated and normalised once, by the trajectory's prepare (trajectory/messages.py)
+    tools: Any
     sampling_params: dict[str, Any]
     stream: bool
     model: str | None
@@ -46,24 +46,17 @@ def _is_number(v: object) -> bool:
 
 
 def parse_chat_request(body: bytes, stop_token_ids: tuple[int, ...]) -> ChatRequest:
-    """Validate the shape the server relies on and map the sampling fields to SGLang's `sampling_params`."""
+    """Decode the body and map the sampling fields to SGLang's `sampling_params`.
+
+    `messages` and `tools` are passed on raw: the trajectory's prepare, which runs right after this in the same
+    step, owns their validation (one check, one set of error messages) and rejects bad ones with a 400 as well.
+    """
     try:
         obj = _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise _bad(f"request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise _bad("request body must be a JSON object")
-    messages = obj.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list of message objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise _bad(f"messages[{i}] must be an object")
-        if not isinstance(m.get("role"), str):
-            raise _bad(f"messages[{i}].role must be a string")
-    tools = obj.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise _bad("'tools' must be a list of tool objects")
     n = obj.get("n")
     if n is not None and n != 1:
         raise _bad("only n=1 is supported: a session holds one linear trajectory")
@@ -74,8 +67,8 @@ def parse_chat_request(body: bytes, stop_token_ids: tuple[int, ...]) -> ChatRequ
         raise _bad("'stream' must be a boolean")
     model = obj.get("model")
     return ChatRequest(
-        messages=messages,
-        tools=tools or None,
+        messages=obj.get("messages"),
+        tools=obj.get("tools"),
         sampling_params=sampling_params(obj, stop_token_ids),
         stream=stream,
         model=model if isinstance(model, str) else None,

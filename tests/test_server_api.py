@@ -185,6 +185,8 @@ BAD_BODIES = {
     "bad_temperature": b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}',
     "stream_not_bool": b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}',
     "seed_too_big": b'{"messages": [{"role": "user", "content": "hi"}], "seed": 18446744073709551616}',
+    "tools_not_a_list": b'{"messages": [{"role": "user", "content": "hi"}], "tools": "calc"}',
+    "tool_without_function": b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
     "seed_not_int": b'{"messages": [{"role": "user", "content": "hi"}], "seed": 1.5}',
 }
 
