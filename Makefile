@@ -10,7 +10,8 @@ TOKENIZERS := .cache/tokenizers
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[rollout,tokenizers,bench,dev]"
+	$(PY) -m pip install -q -e ".[rollout,tokenizers,bench,dev,real]" --config-settings editable_mode=compat
+	$(PY) -m pip install -q --no-deps "sglang==0.5.23"
 	touch $(STAMP)
 
 $(TOKENIZERS)/.built: $(STAMP) scripts/build_tokenizers.py
