@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test lint bench bench-overhead bench-compare soak tokenizers clean
+.PHONY: demo test test-fast lint bench bench-overhead bench-compare soak tokenizers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,20 +15,25 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 $(TOKENIZERS)/.built: $(STAMP) scripts/build_tokenizers.py
-	$(PY) scripts/build_tokenizers.py --out $(TOKENIZERS)
+	$(PY) -m scripts.build_tokenizers --out $(TOKENIZERS)
 	touch $@
 
 tokenizers: $(TOKENIZERS)/.built
 
 demo: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) scripts/demo.py --tokenizers $(TOKENIZERS)
+	$(PY) -m scripts.demo --tokenizers $(TOKENIZERS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# The whole suite: lint, then every tier (tests/unit: pure, in-process; tests/e2e: real processes over loopback).
 test: $(STAMP) $(TOKENIZERS)/.built
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# The pure tier only, in seconds: run it constantly.
+test-fast: $(STAMP) $(TOKENIZERS)/.built
+	$(PY) -m pytest -q tests/unit
 
 # Benchmarks (timing goals live here, never in tests). Extra flags: make bench BENCH_ARGS="--duration 20".
 BENCH_OUT := out/bench
@@ -39,7 +44,7 @@ bench: $(STAMP) $(TOKENIZERS)/.built
 		--json-out $(BENCH_OUT)/pooled.json --plot $(BENCH_OUT)/pooled.png $(BENCH_ARGS)
 
 bench-overhead: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) scripts/bench_turn_overhead.py --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/overhead.json $(BENCH_ARGS)
+	$(PY) -m scripts.bench_turn_overhead --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/overhead.json $(BENCH_ARGS)
 
 # What the CPU pool buys: the same run with the engine-response decode on the event loop, then the diff table.
 bench-compare: bench
@@ -48,7 +53,7 @@ bench-compare: bench
 	$(PY) bench_session_responsiveness.py --compare $(BENCH_OUT)/inline.json $(BENCH_OUT)/pooled.json
 
 soak: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) scripts/soak.py $(SOAK_ARGS)
+	$(PY) -m scripts.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache out

@@ -35,10 +35,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from benchlib import (  # noqa: E402
+from scripts.benchlib import (
     Figures,
     affinity,
     all_cpus,
@@ -61,6 +58,8 @@ from benchlib import (  # noqa: E402
     usable_cpus,
     write_report,
 )
+
+ROOT = Path(__file__).resolve().parent
 
 # ---------------------------------------------------------------------------------------------------------------
 # /health poller (its own process, its own connection)

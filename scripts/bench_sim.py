@@ -14,9 +14,9 @@ import time
 
 import httpx
 import msgspec
-from benchlib import proc_cpu_seconds
 
 from rollout.processes import start_sim
+from scripts.benchlib import proc_cpu_seconds
 
 
 class _Meta(msgspec.Struct):

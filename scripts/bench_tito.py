@@ -19,12 +19,10 @@ from typing import Any
 
 import msgspec
 
+from scripts.benchlib import median_seconds
+from trajectory import LinearTrajectory, ModelFamily, decode_generate_response, get_family
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchlib import median_seconds  # noqa: E402
-
-from trajectory import LinearTrajectory, ModelFamily, decode_generate_response, get_family  # noqa: E402
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 

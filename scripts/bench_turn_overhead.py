@@ -32,7 +32,8 @@ from typing import Any
 
 import httpx
 import numpy as np
-from benchlib import (
+
+from scripts.benchlib import (
     Figures,
     affinity,
     all_cpus,

@@ -39,11 +39,9 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from rollout.processes import RunningProcess, start_session_server, start_sim
 
-from rollout.processes import RunningProcess, start_session_server, start_sim  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 ADMIN_TOKEN = "soak-admin"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import sys
+import contextlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts.build_tokenizers import build_all
+from support.stack import Stack, StackFactory, launch_stack
 
-from build_tokenizers import build_all  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TOKENIZER_CACHE = ROOT / ".cache" / "tokenizers"
 FAMILIES = ("qwen3", "deepseek")
@@ -34,10 +35,23 @@ def hf_tokenizers(tokenizer_dirs: dict[str, Path]) -> dict[str, object]:
     return {name: AutoTokenizer.from_pretrained(path) for name, path in tokenizer_dirs.items()}
 
 
+@pytest.fixture(scope="session")
+def stack_factory(
+    tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> StackFactory:
+    """`with stack_factory(family=..., sim_args=[...], servers={name: [args]}, proxied={name}) as stack:` -- the
+    one way e2e modules start processes (tests/support/stack.py); logs go to a fresh temp dir per stack."""
+
+    def factory(**options: Any) -> contextlib.AbstractContextManager[Stack]:
+        return launch_stack(tokenizer_dirs, tmp_path_factory.mktemp("stack"), **options)
+
+    return factory
+
+
 @pytest.fixture
 def client(sim_url: str) -> Iterator[httpx.Client]:
     """A client of the module's sglang-sim (`sim_url`); after each test the engine must be back at its baseline."""
-    from sim_helpers import assert_baseline
+    from support.sim import assert_baseline
 
     with httpx.Client(base_url=sim_url, timeout=30) as c:
         yield c

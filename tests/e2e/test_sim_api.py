@@ -8,9 +8,9 @@ import math
 import httpx
 import msgspec
 import pytest
-from procs import start_sim
-from sim_helpers import assert_baseline, books, chat_ids, info
 
+from rollout.processes import start_sim
+from support.sim import assert_baseline, books, chat_ids, info
 from trajectory import get_family
 
 FAMILIES = ("qwen3", "deepseek")

@@ -12,12 +12,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import (
+
+from rollout.processes import start_session_server
+from support.server import (
     TOOLS,
     RecordingProxy,
     as_history,
@@ -26,12 +27,10 @@ from server_helpers import (
     engine_info,
     new_session,
     session_client,
-    start_parallel,
     wait_engine_idle,
     wait_running,
 )
-
-from rollout.processes import RunningProcess, start_session_server, start_sim
+from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
 TOKEN_MS = 5
@@ -39,27 +38,14 @@ LONG_CHAT = {"messages": [{"role": "user", "content": "slow [[sim: tokens 400]]"
 
 
 @pytest.fixture(scope="module")
-def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    logs = tmp_path_factory.mktemp("server-lifecycle")
-    tok = tokenizer_dirs[FAMILY]
-    procs: list[RunningProcess] = []
-    proxy = None
-    try:
-        procs.append(
-            start_sim(tok, FAMILY, "--enable-streaming-session", "--token-latency-ms", str(TOKEN_MS), log_dir=logs)
-        )
-        engine = procs[0].url
-        proxy = RecordingProxy(engine)
-        procs += start_parallel(
-            partial(start_session_server, engine, tok, FAMILY, log_dir=logs, name="plain"),
-            partial(start_session_server, proxy.url, tok, FAMILY, "--engine-sessions", log_dir=logs, name="es"),
-        )
-        yield {"engine": engine, "plain": procs[1].url, "es": procs[2].url, "proxy": proxy, "tok": tok, "logs": logs}
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        if proxy is not None:
-            proxy.close()
+def stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(
+        family=FAMILY,
+        sim_args=["--enable-streaming-session", "--token-latency-ms", str(TOKEN_MS)],
+        servers={"plain": [], "es": ["--engine-sessions"]},
+        proxied={"es"},
+    ) as stack:
+        yield stack
 
 
 async def _conversation(server: str, sid: str) -> None:

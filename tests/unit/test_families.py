@@ -8,8 +8,8 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tito_support import ARGUMENTS, TEXT, TOOL_NAME
 
+from support.tito import ARGUMENTS, TEXT, TOOL_NAME
 from trajectory import ModelFamily, ParsedCompletion, ToolCall, family_names, get_family, register_family
 from trajectory.errors import RequestValidationError, TemplateError
 from trajectory.families import registry

@@ -9,8 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from procs import start_sim
-from sim_helpers import assert_baseline, books, chat_ids, info, wait_for
+
+from rollout.processes import start_sim
+from support.sim import assert_baseline, books, chat_ids, info, wait_for
 
 LATENCY_MS = "2"
 

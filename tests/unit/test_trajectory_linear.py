@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tito_support import Reply, engine_body, generate
 
+from support.tito import Reply, engine_body, generate
 from trajectory import LinearTrajectory, ModelFamily, decode_generate_response, get_family
 from trajectory.buffer import TokenBuffer
 from trajectory.errors import InvariantError, RequestValidationError, RollbackLimitError

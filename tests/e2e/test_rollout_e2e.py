@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -18,10 +17,10 @@ import pytest
 from rollout.client import SessionClient
 from rollout.episodes import AgentConfig, EpisodeResult, Task, iter_episodes, run_episode, run_episodes
 from rollout.errors import SessionNotFoundError, SessionServerError, UnknownSessionError
-from rollout.processes import RunningProcess, start_session_server, start_sim
 from rollout.scripted import reply_directive, shopping_tasks
 from rollout.tools import default_toolbox
 from rollout.torch_batch import to_torch_batch
+from support.stack import Stack, StackFactory
 from trajectory import Sample
 
 FAMILY = "qwen3"
@@ -32,22 +31,11 @@ SLOW = AgentConfig(max_tokens=1000)
 
 
 @pytest.fixture(scope="module")
-def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    logs = tmp_path_factory.mktemp("rollout-logs")
-    tok = tokenizer_dirs[FAMILY]
-    procs: list[RunningProcess] = []
-    try:
-        procs.append(start_sim(tok, FAMILY, "--token-latency-ms", TOKEN_LATENCY_MS, log_path=logs / "sim.log"))
-        engine = procs[0].url
-        for name in ("server-a", "server-b"):  # both servers start at once
-            log = logs / f"{name}.log"
-            procs.append(start_session_server(engine, tok, FAMILY, name=name, log_path=log, wait=False))
-        for proc in procs[1:]:
-            proc.wait_ready()
-        yield {"engine": engine, "a": procs[1].url, "b": procs[2].url}
-    finally:
-        for proc in reversed(procs):
-            proc.close()  # fails the module if a process crashed or did not stop cleanly
+def stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(
+        family=FAMILY, sim_args=["--token-latency-ms", TOKEN_LATENCY_MS], servers={"a": [], "b": []}
+    ) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from soak import SoakConfig, run_soak  # scripts/ is on sys.path (tests/conftest.py)
+
+from scripts.soak import SoakConfig, run_soak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "engine_sessions", "chats"),
     [("qwen3", False, 600), ("deepseek", True, 400)],

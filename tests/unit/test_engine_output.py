@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tito_support import engine_body
 
+from support.tito import engine_body
 from trajectory import LinearTrajectory, decode_generate_response, get_family
 from trajectory.errors import UpstreamError
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tito_support import Reply, Turn, conversations, generate
 
+from support.tito import Reply, Turn, conversations, generate
 from trajectory import LinearTrajectory, ModelFamily, build_merged_sample, build_turn_samples, get_family
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,18 +13,17 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from server_helpers import assert_engine_baseline, chat_url, new_session
 
-from rollout.processes import RunningProcess, start_session_server, start_sim
 from session_server import admin
 from session_server.registry import Registry
 from session_server.sweeper import idle_sessions
+from support.server import assert_engine_baseline, chat_url, new_session
+from support.stack import Stack, StackFactory
 from trajectory.errors import SessionNotFoundError
 
 FAMILY = "qwen3"
@@ -37,25 +36,16 @@ SHORT_CHAT = {"messages": [{"role": "user", "content": "quick [[sim: tokens 3]]"
 
 
 @pytest.fixture(scope="module")
-def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    logs = tmp_path_factory.mktemp("server-housekeeping")
-    tok = tokenizer_dirs[FAMILY]
-    procs: list[RunningProcess] = []
-    try:
-        procs.append(
-            start_sim(tok, FAMILY, "--enable-streaming-session", "--token-latency-ms", str(TOKEN_MS), log_dir=logs)
-        )
-        procs.append(
-            start_session_server(
-                procs[0].url, tok, FAMILY, "--engine-sessions", "--session-idle-timeout", str(IDLE),
-                "--request-timeout", str(REQUEST_TIMEOUT), "--admin-token", TOKEN, "--tombstones", str(TOMBSTONES),
-                log_dir=logs,
-            )
-        )
-        yield {"engine": procs[0].url, "server": procs[1].url, "tok": str(tok)}
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+def stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(
+        family=FAMILY,
+        sim_args=["--enable-streaming-session", "--token-latency-ms", str(TOKEN_MS)],
+        servers={"server": [
+            "--engine-sessions", "--session-idle-timeout", str(IDLE), "--request-timeout", str(REQUEST_TIMEOUT),
+            "--admin-token", TOKEN, "--tombstones", str(TOMBSTONES),
+        ]},
+    ) as stack:
+        yield stack
 
 
 def _metric(server: str, name: str) -> float:
@@ -367,7 +357,7 @@ def test_get_and_samples_build_their_bodies_on_the_pool(stack: dict[str, str], m
     spy(samples_module, "_encode")
     spy(chat_module, "prepare_turn")
 
-    config = ServerConfig(engine_url=stack["engine"], tokenizer=stack["tok"], model_family=FAMILY, cpu_workers=2)
+    config = ServerConfig(engine_url=stack["engine"], tokenizer=str(stack["tok"]), model_family=FAMILY, cpu_workers=2)
     app = build_app(config, load_family(stack["tok"], FAMILY))
     with TestClient(app) as client:
         loop_thread = client.portal.call(lambda: threading.current_thread().name)

@@ -7,9 +7,9 @@ import time
 
 import httpx
 import pytest
-from procs import start_sim
-from sim_helpers import assert_baseline, books, chat_ids, info
 
+from rollout.processes import start_sim
+from support.sim import assert_baseline, books, chat_ids, info
 from trajectory.engine_output import decode_generate_response
 from trajectory.errors import UpstreamError
 

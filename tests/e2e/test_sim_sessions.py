@@ -6,8 +6,9 @@ import time
 
 import httpx
 import pytest
-from procs import start_sim
-from sim_helpers import books, chat_ids, info, wait_for
+
+from rollout.processes import start_sim
+from support.sim import books, chat_ids, info, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from server_helpers import TOOLS, RecordingProxy, as_history, assert_engine_baseline, new_session, session_client
 
-from rollout.processes import RunningProcess, start_session_server, start_sim
+from support.server import TOOLS, as_history, assert_engine_baseline, new_session, session_client
+from support.stack import Stack, StackFactory
 from trajectory import samples_from_json
 
 LOOKUP_TOOL = {
@@ -30,23 +29,9 @@ LOOKUP_TOOL = {
 
 
 @pytest.fixture(scope="module", params=["qwen3", "deepseek"])
-def stack(
-    request: pytest.FixtureRequest, tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict]:
-    family = request.param
-    logs = tmp_path_factory.mktemp(f"server-{family}")
-    procs: list[RunningProcess] = []
-    proxy = None
-    try:
-        procs.append(start_sim(tokenizer_dirs[family], family, log_dir=logs))
-        proxy = RecordingProxy(procs[0].url)
-        procs.append(start_session_server(proxy.url, tokenizer_dirs[family], family, log_dir=logs))
-        yield {"family": family, "engine": procs[0].url, "server": procs[1].url, "proxy": proxy}
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        if proxy is not None:
-            proxy.close()
+def stack(request: pytest.FixtureRequest, stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(family=request.param, proxied={"server"}) as stack:
+        yield stack
 
 
 def test_tool_loop_matches_what_the_engine_saw(stack: dict) -> None:

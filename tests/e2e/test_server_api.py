@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from server_helpers import (
+
+from support.server import (
     TOOLS,
     as_history,
     assert_engine_baseline,
@@ -24,8 +24,7 @@ from server_helpers import (
     new_session,
     session_client,
 )
-
-from rollout.processes import RunningProcess, start_session_server, start_sim
+from support.stack import Stack, StackFactory
 from trajectory import samples_from_json, samples_from_safetensors
 
 FAMILY = "qwen3"
@@ -35,26 +34,13 @@ ROUTED_EXPERTS_BYTES = 50_000
 
 
 @pytest.fixture(scope="module")
-def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    logs = tmp_path_factory.mktemp("server-api")
-    procs: list[RunningProcess] = []
-    try:
-        procs.append(
-            start_sim(
-                tokenizer_dirs[FAMILY], FAMILY, "--context-length", str(CONTEXT_LENGTH),
-                "--routed-experts-bytes", str(ROUTED_EXPERTS_BYTES), log_dir=logs,
-            )
-        )
-        procs.append(
-            start_session_server(
-                procs[0].url, tokenizer_dirs[FAMILY], FAMILY, "--max-request-bytes", str(MAX_REQUEST_BYTES),
-                "--return-routed-experts", log_dir=logs,
-            )
-        )
-        yield {"engine": procs[0].url, "server": procs[1].url}
-    finally:
-        codes = [proc.stop() for proc in reversed(procs)]
-        assert len(procs) < 2 or codes[0] == 0, procs[1].log_tail()  # the session server exits 0 on SIGTERM
+def stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(
+        family=FAMILY,
+        sim_args=["--context-length", str(CONTEXT_LENGTH), "--routed-experts-bytes", str(ROUTED_EXPERTS_BYTES)],
+        servers={"server": ["--max-request-bytes", str(MAX_REQUEST_BYTES), "--return-routed-experts"]},
+    ) as stack:
+        yield stack
 
 
 def test_health_ready_and_models(stack: dict[str, str]) -> None:

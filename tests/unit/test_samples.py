@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save as st_save
-from tito_support import Reply, engine_body, generate
 
+from support.tito import Reply, engine_body, generate
 from trajectory import (
     LinearTrajectory,
     Sample,

@@ -11,23 +11,20 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterator
-from functools import partial
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from server_helpers import (
+
+from support.server import (
     assert_engine_baseline,
     chat_url,
     engine_info,
     new_session,
-    start_parallel,
     wait_engine_idle,
     wait_running,
 )
-
-from rollout.processes import RunningProcess, start_session_server, start_sim
+from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
 TOKEN_MS = 10
@@ -40,21 +37,13 @@ BODY_FAULTS = ("malformed_json", "nan_logprob", "str_logprob", "bool_token", "st
 
 
 @pytest.fixture(scope="module")
-def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    logs = tmp_path_factory.mktemp("server-concurrency")
-    procs: list[RunningProcess] = []
-    tok = tokenizer_dirs[FAMILY]
-    try:
-        procs.append(start_sim(tok, FAMILY, "--token-latency-ms", str(TOKEN_MS), log_dir=logs))
-        engine = procs[0].url
-        procs += start_parallel(
-            partial(start_session_server, engine, tok, FAMILY, "--admin-token", "s3cret", log_dir=logs),
-            partial(start_session_server, engine, tok, FAMILY, "--request-timeout", "0.5", log_dir=logs, name="t"),
-        )
-        yield {"engine": engine, "server": procs[1].url, "timeout_server": procs[2].url}
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+def stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(
+        family=FAMILY,
+        sim_args=["--token-latency-ms", str(TOKEN_MS)],
+        servers={"server": ["--admin-token", "s3cret"], "timeout_server": ["--request-timeout", "0.5"]},
+    ) as stack:
+        yield stack
 
 
 @pytest.fixture

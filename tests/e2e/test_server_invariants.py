@@ -14,9 +14,9 @@ import pytest
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
-from rollout.processes import RunningProcess, start_sim
 from session_server.app import build_app
 from session_server.config import ServerConfig
+from support.stack import StackFactory
 from trajectory import LinearTrajectory, get_family
 from trajectory.errors import InvariantError
 
@@ -25,12 +25,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi [[sim: tokens 3]]"}]}
 
 
 @pytest.fixture(scope="module")
-def engine(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc: RunningProcess = start_sim(tokenizer_dirs[FAMILY], FAMILY, log_dir=tmp_path_factory.mktemp("inv"))
-    try:
-        yield proc.url
-    finally:
-        proc.stop()
+def engine(stack_factory: StackFactory) -> Iterator[str]:
+    with stack_factory(family=FAMILY, servers={}) as stack:
+        yield stack.engine
 
 
 def test_invariant_error_at_commit_is_500_and_logged(
