@@ -36,7 +36,10 @@ logger = logging.getLogger("session_server")
 
 def build_state(config: ServerConfig, family: ModelFamily) -> ServerState:
     registry = Registry(config.tombstones)
-    engine = EngineClient(config.engine_base, timeout=config.request_timeout, connections=config.engine_connections)
+    engine = EngineClient(
+        config.engine_base, timeout=config.request_timeout, connections=config.engine_connections,
+        hot_path=config.engine_client,
+    )
     return ServerState(
         config=config,
         family=family,

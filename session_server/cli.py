@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--return-routed-experts", action="store_true",
         help="ask the engine for routed experts (MoE routing replay); kept raw in the records, never sent to agents",
     )
+    p.add_argument(
+        "--engine-client", choices=("httptools", "httpx"), default="httptools",
+        help="client for the hot POST /generate: the lean httptools pool (default) or httpx, to measure against it",
+    )
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="log level")
     return p
 
@@ -169,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             return_routed_experts=args.return_routed_experts,
             session_idle_timeout=args.session_idle_timeout,
             tombstones=args.tombstones,
+            engine_client=args.engine_client,
         )
     except ValueError as exc:
         _fail(str(exc))

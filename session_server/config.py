@@ -37,6 +37,7 @@ class ServerConfig:
     inline_below_bytes: int = DEFAULT_INLINE_BELOW_BYTES
     return_routed_experts: bool = False
     engine_connections: int = 512
+    engine_client: str = "httptools"  # the /generate hot path: engine_http.py, or "httpx" to measure against it
     retry_after: int = 1
     abort_grace: float = 5.0
     tombstones: int = 100_000  # ids of deleted sessions remembered, oldest forgotten first (about 200 bytes each)
@@ -62,6 +63,8 @@ class ServerConfig:
             problems.append("--session-idle-timeout must be >= 0 (0 turns the sweep off)")
         if self.max_request_bytes < 1:
             problems.append("--max-request-bytes must be >= 1")
+        if self.engine_client not in ("httptools", "httpx"):
+            problems.append("--engine-client must be httptools or httpx")
         if self.message_matcher not in MATCHERS:
             problems.append(f"--message-matcher must be one of {', '.join(MATCHERS)}")
         if not 0 <= self.port <= 65535:

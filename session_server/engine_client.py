@@ -36,10 +36,47 @@ class EngineReply:
         return 200 <= self.status < 300
 
 
+ENGINE_CLIENTS = ("httptools", "httpx")
+
+
+class _HttpxGenerate:
+    """The hot path on httpx instead of engine_http.py (`--engine-client httpx`): same contract (a cancelled
+    request closes its connection, transport failures are EngineUnavailableError, no resend), kept so the cost
+    difference that justifies engine_http.py can be re-measured (`make bench-compare`)."""
+
+    def __init__(self, base_url: str, *, connections: int, connect_timeout: float) -> None:
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=httpx.Timeout(None, connect=connect_timeout),  # the chat handler owns the request deadline
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+            transport=httpx.AsyncHTTPTransport(retries=0),
+        )
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, str]:
+        try:
+            resp = await self._client.post(path, content=body, headers={"Content-Type": "application/json", **headers})
+        except httpx.HTTPError as exc:
+            raise EngineUnavailableError(f"engine POST {path} failed: {type(exc).__name__}: {exc}") from exc
+        return resp.status_code, resp.content, resp.headers.get("content-type", "application/json")
+
+    def close(self) -> None:
+        pass  # the pool is released in aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
 class EngineClient:
-    def __init__(self, base_url: str, *, timeout: float, connections: int) -> None:
+    def __init__(self, base_url: str, *, timeout: float, connections: int, hot_path: str = "httptools") -> None:
         self.base_url = base_url
-        self._generate = EngineHTTP(base_url, connections=connections, connect_timeout=min(10.0, timeout))
+        connect_timeout = min(10.0, timeout)
+        self._generate: EngineHTTP | _HttpxGenerate
+        if hot_path == "httpx":
+            self._generate = _HttpxGenerate(base_url, connections=connections, connect_timeout=connect_timeout)
+        elif hot_path == "httptools":
+            self._generate = EngineHTTP(base_url, connections=connections, connect_timeout=connect_timeout)
+        else:
+            raise ValueError(f"unknown engine client {hot_path!r}; one of {', '.join(ENGINE_CLIENTS)}")
         # Control calls (abort, close) must not queue behind a saturated generate pool: they are what frees it.
         self._control = httpx.AsyncClient(
             base_url=base_url,
@@ -50,6 +87,8 @@ class EngineClient:
 
     async def aclose(self) -> None:
         self._generate.close()
+        if isinstance(self._generate, _HttpxGenerate):
+            await self._generate.aclose()
         await self._control.aclose()
 
     async def _request(

@@ -8,8 +8,9 @@ httptools parser (the same parser uvicorn uses) does the job in a few microsecon
 (abort, sessions, health, models) stay on httpx, where robustness matters more than microseconds.
 
 Semantics the chat handler relies on: a cancelled request closes its connection (the engine sees the client go
-away and aborts), transport failures raise EngineUnavailableError (502), and a connection is reused only after a
-complete response that allows keep-alive.
+away and aborts), transport failures raise EngineUnavailableError (502), a request is never resent once written,
+and a connection is reused only after a complete response that allows keep-alive. `--engine-client httpx` swaps this
+pool for httpx (same semantics) so `make bench-compare` can re-measure why this module exists.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from trajectory.errors import EngineUnavailableError
 
 class _Connection(asyncio.Protocol):
     __slots__ = (
-        "_body", "_content_type", "_parser", "_waiter", "closed", "keep_alive", "received", "status", "transport",
+        "_body", "_content_type", "_parser", "_waiter", "closed", "keep_alive", "status", "transport",
     )
 
     def __init__(self) -> None:
@@ -37,14 +38,12 @@ class _Connection(asyncio.Protocol):
         self._content_type = b"application/json"
         self.status = 0
         self.keep_alive = False
-        self.received = False
 
     # -- asyncio.Protocol -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self.received = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -128,24 +127,30 @@ class EngineHTTP:
         return b"".join(lines)
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, str]:
+        """Send one request and return (status, body, content type).
+
+        Never sent twice: once any byte of a request is written the engine may have started generating, and a
+        POST /generate is not idempotent, so a connection that fails after the write is a 502 for this turn (the
+        agent retries the turn; nothing was committed). Idle connections the engine closed are recognised before
+        the write instead: the loop delivers their EOF to the protocol while they sit in the pool.
+        """
         if self._closed:
             raise EngineUnavailableError("engine client is closed")
         request = self._head(path, len(body), headers) + body
         async with self._slots:
-            while self._idle:
-                conn = self._idle.pop()  # most recently used: least likely to have been closed by the server
-                if conn.closed:
-                    continue
-                try:
-                    return await self._roundtrip(conn, request)
-                except EngineUnavailableError:
-                    if conn.received:  # the engine answered something: a real failure, do not resend
-                        raise
-                    # A stale keep-alive connection the engine closed while idle: retry on a fresh one.
-            return await self._roundtrip(await self._connect(), request)
+            conn = self._take_idle() or await self._connect()
+            return await self._roundtrip(conn, request)
+
+    def _take_idle(self) -> _Connection | None:
+        """The most recently used idle connection that is still open (least likely to be timed out by the engine)."""
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
+                return conn
+            conn.close()
+        return None
 
     async def _roundtrip(self, conn: _Connection, request: bytes) -> tuple[int, bytes, str]:
-        conn.received = False
         try:
             result = await conn.roundtrip(request)
         except BaseException:

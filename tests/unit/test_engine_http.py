@@ -1,0 +1,262 @@
+"""engine_http.EngineHTTP, the hot-path client for POST /generate, against in-process asyncio HTTP servers that
+behave the way an engine (or a broken one) can: keep-alive reuse, chunked bodies, idle connections the engine
+closes, cancellation, a connection that dies after the request was written (never resent), malformed HTTP.
+The same contract is checked for the httpx alternative (`--engine-client httpx`) where it applies."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+
+from session_server.engine_client import EngineClient
+from session_server.engine_http import EngineHTTP
+from trajectory.errors import EngineUnavailableError
+
+Handler = Callable[["Origin", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass
+class Origin:
+    """Counts connections and complete requests; `handler` serves one connection."""
+
+    handler: Handler
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    eof_seen: asyncio.Event = field(default_factory=asyncio.Event)
+    received: asyncio.Event = field(default_factory=asyncio.Event)  # set on the first complete request
+    url: str = ""
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes | None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.eof_seen.set()
+            return None
+        length = next(
+            int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
+        body = await reader.readexactly(length)
+        self.requests.append(body)
+        self.received.set()
+        return body
+
+
+def ok(body: bytes, *extra: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + (
+        b"".join(b"\r\n" + h for h in extra)
+    ) + b"\r\n\r\n" + body
+
+
+@asynccontextmanager
+async def origin(handler: Handler) -> AsyncIterator[Origin]:
+    state = Origin(handler)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        state.connections += 1
+        try:
+            await handler(state, reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    state.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server:
+        yield state
+
+
+async def echo_keep_alive(o: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while (body := await o.read_request(reader)) is not None:
+        writer.write(ok(body))
+        await writer.drain()
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 20))  # type: ignore[arg-type]
+
+
+def test_keep_alive_connection_is_reused() -> None:
+    async def main() -> None:
+        async with origin(echo_keep_alive) as o:
+            client = EngineHTTP(o.url, connections=4)
+            for i in range(5):
+                status, body, ctype = await client.post("/generate", b'{"i":%d}' % i, {})
+                assert (status, body, ctype) == (200, b'{"i":%d}' % i, "application/json")
+            client.close()
+            assert o.connections == 1 and len(o.requests) == 5
+
+    run(main())
+
+
+def test_chunked_response_body_is_joined() -> None:
+    async def chunked(o: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await o.read_request(reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for part in (b'{"text":', b'"hello"', b"}"):
+                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+
+    async def main() -> None:
+        async with origin(chunked) as o:
+            client = EngineHTTP(o.url, connections=2)
+            assert await client.post("/generate", b"{}", {}) == (200, b'{"text":"hello"}', "application/json")
+            assert await client.post("/generate", b"{}", {}) == (200, b'{"text":"hello"}', "application/json")
+            client.close()
+            assert o.connections == 1  # chunked framing keeps the connection reusable
+
+    run(main())
+
+
+def test_connection_close_response_is_not_reused() -> None:
+    async def closing(o: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if (body := await o.read_request(reader)) is not None:
+            writer.write(ok(body, b"Connection: close"))
+            await writer.drain()
+
+    async def main() -> None:
+        async with origin(closing) as o:
+            client = EngineHTTP(o.url, connections=2)
+            for _ in range(3):
+                assert (await client.post("/generate", b"{}", {}))[0] == 200
+            client.close()
+            assert o.connections == 3
+
+    run(main())
+
+
+def test_idle_connection_closed_by_the_engine_is_replaced_before_writing() -> None:
+    """The engine's keep-alive timeout closes an idle socket: the next request goes on a fresh connection and the
+    engine sees it exactly once."""
+
+    async def one_per_connection(o: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if (body := await o.read_request(reader)) is not None:
+            writer.write(ok(body))  # keep-alive allowed, then the engine closes the idle socket anyway
+            await writer.drain()
+
+    async def main() -> None:
+        async with origin(one_per_connection) as o:
+            client = EngineHTTP(o.url, connections=2)
+            assert (await client.post("/generate", b'{"n":1}', {}))[0] == 200
+            await asyncio.sleep(0.05)  # the FIN reaches the idle connection in the pool
+            assert (await client.post("/generate", b'{"n":2}', {}))[0] == 200
+            client.close()
+            assert o.requests == [b'{"n":1}', b'{"n":2}'] and o.connections == 2
+
+    run(main())
+
+
+def test_request_is_never_resent_once_written() -> None:
+    """The engine read the request and died before answering: a 502 for this turn, not a second generation."""
+
+    async def read_then_drop(o: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if o.connections == 1:
+            while (body := await o.read_request(reader)) is not None:  # first connection: serve, then drop
+                if body == b'{"n":2}':
+                    return
+                writer.write(ok(body))
+                await writer.drain()
+        else:
+            await echo_keep_alive(o, reader, writer)
+
+    async def main() -> None:
+        async with origin(read_then_drop) as o:
+            client = EngineHTTP(o.url, connections=2)
+            assert (await client.post("/generate", b'{"n":1}', {}))[0] == 200
+            with pytest.raises(EngineUnavailableError, match="closed the connection"):
+                await client.post("/generate", b'{"n":2}', {})  # written on the reused connection, then lost
+            await asyncio.sleep(0.05)
+            assert o.requests == [b'{"n":1}', b'{"n":2}'] and o.connections == 1  # never resent
+            assert (await client.post("/generate", b'{"n":3}', {}))[0] == 200  # the pool recovers
+            client.close()
+
+    run(main())
+
+
+def test_cancellation_closes_the_connection() -> None:
+    """A cancelled request (client gone, timeout, abort) must close its socket so the engine aborts too."""
+
+    async def never_answers(o: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await o.read_request(reader)
+        await o.read_request(reader)  # returns None at EOF and records it
+
+    async def main() -> None:
+        async with origin(never_answers) as o:
+            client = EngineHTTP(o.url, connections=2)
+            task = asyncio.ensure_future(client.post("/generate", b"{}", {}))
+            await asyncio.wait_for(o.received.wait(), 5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(o.eof_seen.wait(), 5)
+            client.close()
+
+    run(main())
+
+
+def test_malformed_http_is_engine_unavailable() -> None:
+    async def garbage(o: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await o.read_request(reader)
+        writer.write(b"HTTP/9 nonsense\r\n\x00\x01\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main() -> None:
+        async with origin(garbage) as o:
+            client = EngineHTTP(o.url, connections=1)
+            with pytest.raises(EngineUnavailableError, match="malformed HTTP"):
+                await client.post("/generate", b"{}", {})
+            client.close()
+
+    run(main())
+
+
+def test_connect_refused_is_engine_unavailable() -> None:
+    async def main() -> None:
+        async with origin(echo_keep_alive) as o:
+            url = o.url
+        client = EngineHTTP(url, connections=1)  # the origin is gone: nothing listens there any more
+        with pytest.raises(EngineUnavailableError, match="cannot connect"):
+            await client.post("/generate", b"{}", {})
+
+    run(main())
+
+
+@pytest.mark.parametrize("hot_path", ["httptools", "httpx"])
+def test_engine_client_hot_paths_share_the_contract(hot_path: str) -> None:
+    """Both `--engine-client` choices: keep-alive reuse, the routing header, no resend after a write."""
+    seen_headers: list[bytes] = []
+
+    async def recording(o: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            seen_headers.append(head)
+            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            body = await reader.readexactly(length)
+            o.requests.append(body)
+            if body == b'{"drop":true}':
+                return
+            writer.write(ok(body))
+            await writer.drain()
+
+    async def main() -> None:
+        async with origin(recording) as o:
+            client = EngineClient(o.url, timeout=10, connections=4, hot_path=hot_path)
+            for _ in range(3):
+                reply = await client.generate(b"{}", "session-1")
+                assert reply.ok and reply.body == b"{}"
+            assert o.connections == 1
+            assert all(b"x-smg-routing-key: session-1" in h.lower() for h in seen_headers)
+            with pytest.raises(EngineUnavailableError):
+                await client.generate(b'{"drop":true}', "session-1")
+            await asyncio.sleep(0.05)
+            assert o.requests.count(b'{"drop":true}') == 1
+            await client.aclose()
+
+    run(main())
