@@ -46,11 +46,15 @@ bench: $(STAMP) $(TOKENIZERS)/.built
 bench-overhead: $(STAMP) $(TOKENIZERS)/.built
 	$(PY) -m scripts.bench_turn_overhead --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/overhead.json $(BENCH_ARGS)
 
-# What the CPU pool buys: the same run with the engine-response decode on the event loop, then the diff table.
+# What the CPU pool and the lean engine client buy: the same run with the engine-response decode on the event loop,
+# and with httpx as the /generate client, each diffed against the default run.
 bench-compare: bench
 	$(PY) bench_session_responsiveness.py --tokenizer $(TOKENIZERS)/qwen3 --inline-decode \
 		--json-out $(BENCH_OUT)/inline.json --plot $(BENCH_OUT)/inline.png $(BENCH_ARGS)
 	$(PY) bench_session_responsiveness.py --compare $(BENCH_OUT)/inline.json $(BENCH_OUT)/pooled.json
+	$(PY) bench_session_responsiveness.py --tokenizer $(TOKENIZERS)/qwen3 --server-arg=--engine-client=httpx \
+		--json-out $(BENCH_OUT)/httpx.json --plot $(BENCH_OUT)/httpx.png $(BENCH_ARGS)
+	$(PY) bench_session_responsiveness.py --compare $(BENCH_OUT)/httpx.json $(BENCH_OUT)/pooled.json
 
 soak: $(STAMP) $(TOKENIZERS)/.built
 	$(PY) -m scripts.soak $(SOAK_ARGS)

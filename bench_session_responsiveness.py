@@ -395,11 +395,33 @@ def health_figures(figs: Figures, prefix: str, ms: np.ndarray) -> None:
     figs.add(f"{prefix}_polls", int(ms.size), "count")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.compare:
-        print(compare(args.compare[0], args.compare[1], args.noise_band))
-        return 0
+@dataclass
+class Measurement:
+    """Everything one run measured, raw: the figures and the report are pure functions of it."""
+
+    args: argparse.Namespace
+    pin_note: str
+    pinning: dict[str, Any]
+    probe: dict[str, Any]
+    res: LoadResult
+    rows: np.ndarray  # health polls: start, latency s, ok, lateness s
+    baseline_end: float
+    cpu_s: dict[str, float]  # server, engine, loadgen, poller: CPU seconds during the load window
+    server_wait_s: float  # time the server's threads were runnable but waited for a CPU
+    machine_busy: float  # cores busy machine-wide during the window
+    rss_kib: dict[str, int]  # before, peak, after
+    engine_wchar: int
+    engine_info: dict[str, Any]
+    logs: dict[str, str]
+    shared_core: bool  # the load generator shares the engine's core
+
+    @property
+    def wall(self) -> float:
+        return self.res.end - self.res.start
+
+
+def measure(args: argparse.Namespace) -> Measurement:
+    """Start the engine and the server pinned, poll /health idle, then under waves of K chats; stop both."""
     server_cpu, engine_cpu, pin_note = pinning_plan(args.server_cpu, args.engine_cpu)
     loadgen_cpu = args.loadgen_cpu if pin_note == "pinned" and args.loadgen_cpu in usable_cpus() else None
     poller_cpu = args.poller_cpu if pin_note == "pinned" and args.poller_cpu in usable_cpus() else None
@@ -439,7 +461,6 @@ def main(argv: list[str] | None = None) -> int:
               + f" ({pin_note})")
         time.sleep(args.baseline_seconds)
         baseline_end = time.monotonic()
-
         marks: dict[str, Any] = {}
 
         def on_start() -> None:
@@ -453,19 +474,19 @@ def main(argv: list[str] | None = None) -> int:
                 profiler = start_profiler(server.pid, args.profile, args.duration)
 
         res = run_async(run_load(server.url, args, on_start))
-        wall = res.end - res.start
-        server_cpu_s = proc_cpu_seconds(server.pid) - marks["server_cpu"]
-        engine_cpu_s = proc_cpu_seconds(sim.pid) - marks["engine_cpu"]
-        self_cpu_s = self_cpu_seconds() - marks["self_cpu"]
-        poller_cpu_s = poller.cpu_seconds() - marks["poller_cpu"]
-        engine_io = proc_io(sim.pid)
+        cpu_s = {
+            "server": proc_cpu_seconds(server.pid) - marks["server_cpu"],
+            "engine": proc_cpu_seconds(sim.pid) - marks["engine_cpu"],
+            "loadgen": self_cpu_seconds() - marks["self_cpu"],
+            "poller": poller.cpu_seconds() - marks["poller_cpu"],
+        }
+        engine_wchar = proc_io(sim.pid).get("wchar", 0) - marks["engine_io"].get("wchar", 0)
         server_wait_s = (proc_schedstat(server.pid)[1] - marks["server_sched"][1]) / 1e9
-        busy1 = system_cpu()[0]
-        machine_busy = (busy1 - marks["system"][0]) / wall  # cores busy machine-wide during the window
+        machine_busy = (system_cpu()[0] - marks["system"][0]) / (res.end - res.start)
         time.sleep(0.2)
         rows = poller.finish()
-        peak_rss_kib = proc_kib(server.pid, "VmHWM")
-        rss_after_kib = proc_kib(server.pid, "VmRSS")
+        rss_kib = {"before": marks["rss_kib"], "peak": proc_kib(server.pid, "VmHWM"),
+                   "after": proc_kib(server.pid, "VmRSS")}
         engine_info = httpx.get(f"{sim.url}/server_info", timeout=10).json()
         if profiler is not None:
             _, err = profiler.communicate(timeout=args.duration + 60)
@@ -476,16 +497,45 @@ def main(argv: list[str] | None = None) -> int:
             poller.proc.kill()
         server.stop()
         sim.stop()
+    return Measurement(
+        args=args, pin_note=pin_note, pinning=pinning, probe=probe, res=res, rows=rows, baseline_end=baseline_end,
+        cpu_s=cpu_s, server_wait_s=server_wait_s, machine_busy=machine_busy, rss_kib=rss_kib,
+        engine_wchar=engine_wchar, engine_info=engine_info,
+        logs={"server_log": str(server.log_path), "engine_log": str(sim.log_path)},
+        shared_core=loadgen_cpu is not None and loadgen_cpu == engine_cpu,
+    )
 
-    # ---- figures -------------------------------------------------------------------------------------------
-    starts, lat_ms, ok, late_ms = rows[:, 0], rows[:, 1] * 1000, rows[:, 2] > 0, rows[:, 3] * 1000
-    # Baseline: idle polls before the warm-up wave, minus the poller's first half second (its own warm-up).
-    base = (starts < baseline_end) & (starts >= (starts.min() if starts.size else 0.0) + 0.5)
-    under = (starts >= res.start) & (starts <= res.end)
+
+@dataclass
+class Polls:
+    """The /health polls split into the idle baseline and the load window."""
+
+    starts: np.ndarray
+    lat_ms: np.ndarray
+    ok: np.ndarray
+    late_ms: np.ndarray
+    base: np.ndarray
+    under: np.ndarray
+
+    @classmethod
+    def of(cls, m: Measurement) -> Polls:
+        rows = m.rows
+        starts, lat_ms, ok, late_ms = rows[:, 0], rows[:, 1] * 1000, rows[:, 2] > 0, rows[:, 3] * 1000
+        # Baseline: idle polls before the warm-up wave, minus the poller's first half second (its own warm-up).
+        base = (starts < m.baseline_end) & (starts >= (starts.min() if starts.size else 0.0) + 0.5)
+        under = (starts >= m.res.start) & (starts <= m.res.end)
+        return cls(starts, lat_ms, ok, late_ms, base, under)
+
+
+def figures(m: Measurement, polls: Polls) -> Figures:
+    """The headline first: chats per server-CPU-second does not depend on how fast the load generator is."""
+    res, wall, cpu = m.res, m.wall, m.cpu_s
     chats = len(res.chat_latency_s)
     chat_ms = np.asarray(res.chat_latency_s) * 1000
-    engine_wchar = engine_io.get("wchar", 0) - marks["engine_io"].get("wchar", 0)
     figs = Figures()
+    figs.add("chats_per_server_cpu_s", chats / cpu["server"] if cpu["server"] > 0 else None, "chats/CPU-s", "higher",
+             floor=5.0)
+    figs.add("server_cpu_ms_per_chat", 1000 * cpu["server"] / chats if chats else None, "ms", "lower", floor=0.1)
     figs.add("chats_per_s", chats / wall if wall > 0 else 0.0, "chats/s", "higher", floor=2.0)
     chat_phase = float(np.sum(res.chat_phase_s))
     figs.add("chat_phase_chats_per_s", chats / chat_phase if chat_phase else None, "chats/s", "higher", floor=2.0)
@@ -497,33 +547,63 @@ def main(argv: list[str] | None = None) -> int:
     figs.add("wave_create_mean_ms", pct(np.asarray(res.create_s) * 1000, 50), "ms", "lower", floor=2.0)
     figs.add("wave_chat_mean_ms", pct(np.asarray(res.chat_phase_s) * 1000, 50), "ms", "lower", floor=2.0)
     figs.add("wave_delete_mean_ms", pct(np.asarray(res.delete_s) * 1000, 50), "ms", "lower", floor=2.0)
-    health_figures(figs, "health_load", lat_ms[under])
-    health_figures(figs, "health_baseline", lat_ms[base])
-    figs.add("health_errors", int((~ok[under | base]).sum()), "count", "lower")
-    figs.add("poller_lateness_p99_ms", pct(late_ms[under], 99), "ms", "lower", floor=1.0)
-    figs.add("engine_response_bytes", probe["bytes"], "bytes", None, floor=1024)
-    figs.add("engine_bytes_written_per_chat", engine_wchar / chats if chats else None, "bytes", None, floor=4096)
+    health_figures(figs, "health_load", polls.lat_ms[polls.under])
+    health_figures(figs, "health_baseline", polls.lat_ms[polls.base])
+    figs.add("health_errors", int((~polls.ok[polls.under | polls.base]).sum()), "count", "lower")
+    figs.add("poller_lateness_p99_ms", pct(polls.late_ms[polls.under], 99), "ms", "lower", floor=1.0)
+    figs.add("engine_response_bytes", m.probe["bytes"], "bytes", None, floor=1024)
+    figs.add("engine_bytes_written_per_chat", m.engine_wchar / chats if chats else None, "bytes", None, floor=4096)
     figs.add("chat_reply_bytes_mean", float(np.mean(res.reply_bytes)) if res.reply_bytes else None, "bytes", None,
              floor=16)
-    figs.add("server_cpu_ms_per_chat", 1000 * server_cpu_s / chats if chats else None, "ms", "lower", floor=0.1)
-    figs.add("server_cpu_util", server_cpu_s / wall, "cores", None, floor=0.05)
-    figs.add("engine_cpu_util", engine_cpu_s / wall, "cores", None, floor=0.05)
-    figs.add("loadgen_cpu_util", self_cpu_s / wall, "cores", "lower", floor=0.05)
-    figs.add("poller_cpu_util", poller_cpu_s / wall, "cores", None, floor=0.02)
-    ours = (server_cpu_s + engine_cpu_s + self_cpu_s + poller_cpu_s) / wall
-    figs.add("machine_busy_cores", machine_busy, "cores", None, floor=0.05)
-    figs.add("other_load_cores", max(0.0, machine_busy - ours), "cores", "lower", floor=0.1)
-    figs.add("server_runqueue_wait_frac", server_wait_s / wall, "fraction", "lower", floor=0.02)
-    figs.add("server_peak_rss_mib", peak_rss_kib / 1024, "MiB", "lower", floor=8.0)
-    figs.add("server_rss_before_load_mib", marks["rss_kib"] / 1024, "MiB", "lower", floor=8.0)
-    figs.add("server_rss_after_load_mib", rss_after_kib / 1024, "MiB", "lower", floor=8.0)
+    figs.add("server_cpu_util", cpu["server"] / wall, "cores", None, floor=0.05)
+    figs.add("engine_cpu_util", cpu["engine"] / wall, "cores", None, floor=0.05)
+    figs.add("loadgen_cpu_util", cpu["loadgen"] / wall, "cores", "lower", floor=0.05)
+    figs.add("poller_cpu_util", cpu["poller"] / wall, "cores", None, floor=0.02)
+    figs.add("machine_busy_cores", m.machine_busy, "cores", None, floor=0.05)
+    figs.add("other_load_cores", max(0.0, m.machine_busy - sum(cpu.values()) / wall), "cores", "lower", floor=0.1)
+    figs.add("server_runqueue_wait_frac", m.server_wait_s / wall, "fraction", "lower", floor=0.02)
+    figs.add("server_peak_rss_mib", m.rss_kib["peak"] / 1024, "MiB", "lower", floor=8.0)
+    figs.add("server_rss_before_load_mib", m.rss_kib["before"] / 1024, "MiB", "lower", floor=8.0)
+    figs.add("server_rss_after_load_mib", m.rss_kib["after"] / 1024, "MiB", "lower", floor=8.0)
+    return figs
 
-    v = figs.values
+
+def limiting_factors(m: Measurement, v: dict[str, Any]) -> list[str]:
+    """What held this run back, so a reader knows which figures to trust."""
+    limits = []
+    if v["other_load_cores"] > 0.25:
+        limits.append("OTHER LOAD ON THE MACHINE held the server back: figures are not representative")
+    if v["loadgen_cpu_util"] > 0.85:
+        limits.append("the Python load generator saturated its core: chats/s is client-bound (chats per "
+                      "server-CPU-second is not)")
+    if v["engine_cpu_util"] > 0.85:
+        limits.append("the emulated engine saturated its core: chats/s is engine-bound")
+    if v["server_cpu_util"] > 0.85:
+        limits.append("the server saturated its core")
+    if m.shared_core:
+        limits.append("load generator shares the engine's core")
+    return limits
+
+
+def slow_polls(m: Measurement, polls: Polls) -> list[dict[str, Any]]:
+    """The slowest polls under load and the wave phase each started in."""
+    under, lat_ms = polls.under, polls.lat_ms
+    threshold = max(20.0, float(np.percentile(lat_ms[under], 99)) if under.any() else 20)
+    return [{"t": round(float(polls.starts[i] - m.res.start), 3), "ms": round(float(lat_ms[i]), 1),
+             "phase": m.res.phase_at(float(polls.starts[i]))} for i in np.flatnonzero(under & (lat_ms > threshold))]
+
+
+def print_report(m: Measurement, figs: Figures, outliers: list[dict[str, Any]]) -> None:
+    args, res, v = m.args, m.res, figs.values
+    decode = "inline" if args.inline_decode else "pooled"
     print()
-    print(f"session-server responsiveness: K={args.concurrency}, window {wall:.1f} s, {res.waves} waves, "
-          f"{'inline' if args.inline_decode else 'pooled'} decode")
-    print(f"  pinning         {pin_note}: " + ", ".join(f"{k} cpus {val}" for k, val in pinning.items() if k != "note"))
-    print(f"  throughput      {v['chats_per_s']:.1f} chats/s ({chats} chats, errors {v['errors']}); "
+    print(f"session-server responsiveness: K={args.concurrency}, window {m.wall:.1f} s, {res.waves} waves, "
+          f"{decode} decode")
+    print(f"  pinning         {m.pin_note}: "
+          + ", ".join(f"{k} cpus {val}" for k, val in m.pinning.items() if k != "note"))
+    print(f"  CAPACITY        {fmt(v['chats_per_server_cpu_s'])} chats per server-CPU-second "
+          f"({fmt(v['server_cpu_ms_per_chat'])} ms of server CPU per chat)")
+    print(f"  throughput      {v['chats_per_s']:.1f} chats/s ({v['chats']} chats, errors {v['errors']}); "
           f"{fmt(v['chat_phase_chats_per_s'])} chats/s counting only the chat phase of each wave (waves: create "
           f"{fmt(v['wave_create_mean_ms'])} ms, chats {fmt(v['wave_chat_mean_ms'])} ms, delete "
           f"{fmt(v['wave_delete_mean_ms'])} ms)")
@@ -534,34 +614,18 @@ def main(argv: list[str] | None = None) -> int:
               f"p99 {fmt(v[prefix + '_p99_ms'])}  max {fmt(v[prefix + '_max_ms'])} ms  ({v[prefix + '_polls']} polls)")
     sent = v["engine_bytes_written_per_chat"] or 0
     print(f"  bodies          engine wrote {human_bytes(sent)} per chat (a /generate asking for routed experts: "
-          f"{human_bytes(probe['bytes'])}), chat reply {human_bytes(v['chat_reply_bytes_mean'] or 0)}")
+          f"{human_bytes(m.probe['bytes'])}), chat reply {human_bytes(v['chat_reply_bytes_mean'] or 0)}")
     if args.routed_experts_bytes and sent < 0.5 * args.routed_experts_bytes:
-        print(f"  WARNING         the engine sent {human_bytes(sent)} per chat, not ~{human_bytes(probe['bytes'])}: "
+        print(f"  WARNING         the engine sent {human_bytes(sent)} per chat, not ~{human_bytes(m.probe['bytes'])}: "
               "the server did not ask for `return_routed_experts`, so this run does not measure large responses")
-    print(f"  server CPU      {fmt(v['server_cpu_ms_per_chat'])} ms/chat, {v['server_cpu_util']:.2f} cores busy; "
-          f"peak RSS {v['server_peak_rss_mib']:.0f} MiB")
+    print(f"  server CPU      {v['server_cpu_util']:.2f} cores busy; peak RSS {v['server_peak_rss_mib']:.0f} MiB")
     print(f"  other CPU       engine {v['engine_cpu_util']:.2f} cores, load generator {v['loadgen_cpu_util']:.2f}, "
           f"poller {v['poller_cpu_util']:.2f} (poller lateness p99 {fmt(v['poller_lateness_p99_ms'])} ms)")
     print(f"  machine         {v['machine_busy_cores']:.2f} cores busy in all, {v['other_load_cores']:.2f} of them "
           f"outside this benchmark; server threads runnable but waiting for a CPU: "
           f"{v['server_runqueue_wait_frac']:.2f} s per s")
-    limits = []
-    if v["other_load_cores"] > 0.25:
-        limits.append("OTHER LOAD ON THE MACHINE held the server back: figures are not representative")
-    if v["loadgen_cpu_util"] > 0.85:
-        limits.append("the Python load generator saturated its core: figures are client-bound")
-    if v["engine_cpu_util"] > 0.85:
-        limits.append("the emulated engine saturated its core: figures are engine-bound")
-    if v["server_cpu_util"] > 0.85:
-        limits.append("the server saturated its core")
-    if loadgen_cpu is not None and loadgen_cpu == engine_cpu:
-        limits.append("load generator shares the engine's core")
-    if limits:
+    if limits := limiting_factors(m, v):
         print("  NOTE            " + "; ".join(limits))
-    # Which part of a wave the slowest polls fell in (a poll is attributed to the phase it started in).
-    slow = np.flatnonzero(under & (lat_ms > max(20.0, float(np.percentile(lat_ms[under], 99)) if under.any() else 20)))
-    outliers = [{"t": round(float(starts[i] - res.start), 3), "ms": round(float(lat_ms[i]), 1),
-                 "phase": res.phase_at(float(starts[i]))} for i in slow]
     if outliers:
         where = Counter(o["phase"] for o in outliers)
         print(f"  slowest polls   {len(outliers)} above max(20 ms, p99), started during: "
@@ -572,18 +636,37 @@ def main(argv: list[str] | None = None) -> int:
         print("  profile (server, % of samples: own / in stack):")
         for name, own, total in summarize_collapsed(args.profile):
             print(f"    {own:5.1f}% {total:5.1f}%  {name}")
+
+
+def write_outputs(m: Measurement, figs: Figures, polls: Polls, outliers: list[dict[str, Any]]) -> None:
+    args = m.args
     if args.json_out:
-        config = {**vars(args), "pinning": pinning, "engine_probe": probe, "engine_server_info": engine_info,
-                  "server_log": str(server.log_path), "engine_log": str(sim.log_path)}
+        config = {**vars(args), "pinning": m.pinning, "engine_probe": m.probe, "engine_server_info": m.engine_info,
+                  **m.logs}
         write_report(args.json_out, "session_responsiveness", config, figs,
-                     errors_by_kind=dict(res.errors), error_samples=res.error_samples, health_outliers=outliers)
+                     errors_by_kind=dict(m.res.errors), error_samples=m.res.error_samples, health_outliers=outliers)
     if args.plot:
-        under_t = starts[under] - res.start
-        plot_health(args.plot, lat_ms[base], lat_ms[under], under_t,
+        v = figs.values
+        plot_health(args.plot, polls.lat_ms[polls.base], polls.lat_ms[polls.under],
+                    polls.starts[polls.under] - m.res.start,
                     f"GET /health every {args.health_interval_ms:g} ms; K={args.concurrency} chats/wave, "
-                    f"{human_bytes(sent)} engine responses, "
-                    f"{'inline' if args.inline_decode else 'pooled'} decode, {v['chats_per_s']:.0f} chats/s")
-    return 1 if res.errors.get("chat") or res.errors.get("create") else 0
+                    f"{human_bytes(v['engine_bytes_written_per_chat'] or 0)} engine responses, "
+                    f"{'inline' if args.inline_decode else 'pooled'} decode, "
+                    f"{fmt(v['chats_per_server_cpu_s'])} chats per server-CPU-s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.compare:
+        print(compare(args.compare[0], args.compare[1], args.noise_band))
+        return 0
+    m = measure(args)
+    polls = Polls.of(m)
+    figs = figures(m, polls)
+    outliers = slow_polls(m, polls)
+    print_report(m, figs, outliers)
+    write_outputs(m, figs, polls, outliers)
+    return 1 if m.res.errors.get("chat") or m.res.errors.get("create") else 0
 
 
 if __name__ == "__main__":
