@@ -12,8 +12,7 @@ For the benchmarks, a child can be pinned to a set of cores (`cpus`, set in the 
 and run with source trees first on its PYTHONPATH (`python_path`, e.g. a patched copy of the server to measure
 against the installed code).
 
-This generalizes the test helper H2 wrote in tests/procs.py (same class and function signatures), so that the
-demo, the tests and the benchmarks share one launcher.
+The demo, the tests (tests/support/stack.py) and the benchmarks all launch through this module.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
 """Pure trajectory core: model families, TITO prompt building, linear trajectories, engine-output validation, samples.
 
 No I/O and no asyncio here: everything is a function of its inputs, so it is tested with hypothesis directly.
+Token ids (and logprobs) are stored exactly as the engine sampled them: they are what is trained on. The stored
+assistant message is parsed from the engine's `text`, which is what the agent is shown (families/base.py says why).
 One turn, as the server drives it::
 
     family = get_family("qwen3", AutoTokenizer.from_pretrained(path))    # loading is the caller's I/O
     traj = LinearTrajectory(family, max_rollback=1, matcher="strict")
     plan = traj.prepare(request["messages"], request.get("tools"))       # pure; may raise 400s
     result = decode_generate_response(engine_body, family.vocab_size)    # strict; raises UpstreamError (502)
-    reply = family.parse_output(result.output_ids).to_message(f"call_{rid}")
+    reply = family.parse_completion(result.text).to_message(f"call_{rid}")   # what the agent is shown
     record = traj.commit(plan, result, reply)                            # atomic; InvariantError (500)
 """
 

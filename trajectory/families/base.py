@@ -179,10 +179,10 @@ class ModelFamily(ABC):
 
     # -- completion text <-> message -------------------------------------------------------------------
     def completion_text(self, output_ids: Sequence[int] | Any) -> str:
-        """The generated text from the generated ids (one trailing stop token dropped).
+        """The generated text from the generated ids (one trailing stop token dropped), decoded locally.
 
-        Parsing this rather than the engine's `text` makes the stored message a function of the stored
-        tokens, whatever the engine's skip_special_tokens / no_stop_trim settings were.
+        For callers that hold only ids (offline tools, tests). The server does not use it: it parses the engine's
+        `text`, see `parse_completion`.
         """
         ids = list(map(int, output_ids))
         if ids and ids[-1] in self.stop_token_ids:
@@ -194,7 +194,14 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def parse_completion(self, text: str) -> ParsedCompletion:
-        """Generated text (without the stop token) -> content, reasoning and tool calls."""
+        """Generated text (without the stop token) -> content, reasoning and tool calls.
+
+        The server parses SGLang's own `text` of the reply, not a local decode of `output_ids`: the ids are what is
+        trained on and are stored verbatim, while `text` is what the agent is shown (SGLang's detokenization with
+        `skip_special_tokens=False` and its stop trimming, the same text it streams). The stored message must be
+        exactly what the agent saw, so that the agent's next request, which echoes it, matches the history; a
+        second, local decode could differ from the engine's in special-token spacing and would cost CPU per turn.
+        """
 
     @abstractmethod
     def format_completion(self, content: str, reasoning_content: str | None,
