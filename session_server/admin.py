@@ -16,14 +16,9 @@ from starlette.responses import PlainTextResponse, Response
 
 from trajectory.errors import RequestValidationError, SessionError
 
-from .errors import error_response, json_response
+from .errors import AdminAuthError, error_response, json_response
 from .gate import AbortReason
 from .state import ServerState
-
-
-class AdminAuthError(SessionError):
-    status = 401
-    code = "unauthorized"
 
 
 def _server(request: Request) -> ServerState:

@@ -27,13 +27,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from trajectory import LinearTrajectory, TurnPlan
-from trajectory.errors import InvariantError, SessionError, SessionNotFoundError, SessionPausedError
+from trajectory.errors import InvariantError, SessionError
 
 from .engine_client import EngineReply
 from .errors import (
     ClientDisconnectedError,
     EngineTimeoutError,
     RequestTooLargeError,
+    SessionNotFoundError,
+    SessionPausedError,
     error_response,
 )
 from .gate import AbortReason, Claim

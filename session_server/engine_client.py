@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import httpx
 import msgspec
 
-from trajectory.errors import EngineUnavailableError
-
 from .engine_http import EngineHTTP
+from .errors import EngineUnavailableError
 
 logger = logging.getLogger("session_server.engine")
 

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from trajectory.errors import EngineUnavailableError
+from .errors import EngineUnavailableError
 
 
 class _Connection(asyncio.Protocol):

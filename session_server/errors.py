@@ -1,20 +1,54 @@
-"""HTTP glue for the one error hierarchy: every trajectory.errors.SessionError carries its status, we only render it.
+"""The server's errors and their rendering: every SessionError carries its status, we only render it.
 
-The few failure modes that exist only at the HTTP layer (body too large, engine timeout, client gone) are added here as
-subclasses of the same base, so the handler has exactly one `except SessionError` path and one renderer.
+The pure core's errors (bad request, template, rollback, invariant, engine reply that breaks a rule) come from
+trajectory/errors.py; the failure modes that exist only because there is a server -- unknown, busy or paused
+sessions, an engine that cannot be reached or does not answer in time, a body too large, a client gone, admin auth --
+are defined here as subclasses of the same base, so a handler has exactly one `except SessionError` path and one
+renderer.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from trajectory.errors import (
-    SessionError,
-    SessionPausedError,
-    error_body,
-)
+from trajectory.errors import SessionError, UpstreamError
+
+
+class SessionNotFoundError(SessionError):
+    status = 404
+    code = "session_not_found"
+
+
+class SessionBusyError(SessionError):
+    """A second concurrent chat on one session; refused at once so it never reaches the engine (409)."""
+
+    status = 409
+    code = "session_busy"
+
+class EngineUnavailableError(SessionError):
+    """The engine could not be reached or the connection failed mid-request (502)."""
+
+    status = 502
+    code = "engine_unavailable"
+
+class SessionPausedError(SessionError):
+    """Generation is paused (e.g. a weight update); the client should retry after `retry_after` seconds (503)."""
+
+    status = 503
+    code = "session_paused"
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class AdminAuthError(SessionError):
+    status = 401
+    code = "unauthorized"
 
 
 class RequestTooLargeError(SessionError):
@@ -42,6 +76,16 @@ class RouteNotFoundError(SessionError):
 class MethodNotAllowedError(SessionError):
     status = 405
     code = "method_not_allowed"
+
+
+def error_body(err: BaseException) -> dict[str, Any]:
+    """OpenAI-style error JSON; anything that is not a SessionError is an opaque 500 (no internals leak)."""
+    if isinstance(err, SessionError):
+        error: dict[str, Any] = {"message": err.message, "type": err.code, "code": err.status}
+        if isinstance(err, UpstreamError):
+            error["rule"] = err.rule
+        return {"error": error}
+    return {"error": {"message": "internal server error", "type": SessionError.code, "code": SessionError.status}}
 
 
 _json = msgspec.json.Encoder()

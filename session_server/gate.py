@@ -14,8 +14,7 @@ import asyncio
 import enum
 import time
 
-from trajectory.errors import SessionBusyError, SessionPausedError
-
+from .errors import SessionBusyError, SessionPausedError
 from .registry import Registry, Session
 
 

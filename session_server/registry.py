@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trajectory.errors import SessionNotFoundError
+from .errors import SessionNotFoundError
 
 if TYPE_CHECKING:
     from trajectory import LinearTrajectory

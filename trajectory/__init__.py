@@ -15,7 +15,6 @@ One turn, as the server drives it::
 
 from . import errors
 from .engine_output import GenerateResult, decode_generate_response
-from .errors import error_body
 from .families import ModelFamily, ParsedCompletion, ToolCall, family_names, get_family, register_family
 from .linear import Checkpoint, LinearTrajectory, TurnPlan, TurnRecord
 from .messages import MATCHER_NAMES, MessageMatcher, normalize_messages, normalize_tools
@@ -45,7 +44,6 @@ __all__ = [
     "build_merged_sample",
     "build_turn_samples",
     "decode_generate_response",
-    "error_body",
     "errors",
     "family_names",
     "get_family",

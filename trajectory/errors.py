@@ -1,12 +1,13 @@
-"""One error hierarchy for the whole project; every class carries the HTTP status it maps to.
+"""The pure core's errors: what can go wrong in a request, a template, a trajectory or an engine reply.
 
-The pure core raises these and the HTTP adapter turns them into responses with `error_body`, so the
-mapping from "what went wrong" to "which status the client sees" lives in exactly one place.
+Every class carries the HTTP status it maps to, so the server renders any of them without a mapping table; the
+errors that exist only because there is a server (unknown session, busy, paused, engine transport, timeouts) live
+with the HTTP layer in session_server/errors.py, as subclasses of the same base.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 
 class SessionError(Exception):
@@ -39,16 +40,6 @@ class TemplateError(RequestValidationError):
     code = "template_error"
 
 
-class SessionNotFoundError(SessionError):
-    status = 404
-    code = "session_not_found"
-
-
-class SessionBusyError(SessionError):
-    """A second concurrent chat on one session; refused at once so it never reaches the engine (409)."""
-
-    status = 409
-    code = "session_busy"
 
 
 class InvariantError(SessionError):
@@ -74,29 +65,3 @@ class UpstreamError(SessionError):
         self.rule = rule
 
 
-class EngineUnavailableError(SessionError):
-    """The engine could not be reached or the connection failed mid-request (502)."""
-
-    status = 502
-    code = "engine_unavailable"
-
-
-class SessionPausedError(SessionError):
-    """Generation is paused (e.g. a weight update); the client should retry after `retry_after` seconds (503)."""
-
-    status = 503
-    code = "session_paused"
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-def error_body(err: BaseException) -> dict[str, Any]:
-    """OpenAI-style error JSON; anything that is not a SessionError is an opaque 500 (no internals leak)."""
-    if isinstance(err, SessionError):
-        error: dict[str, Any] = {"message": err.message, "type": err.code, "code": err.status}
-        if isinstance(err, UpstreamError):
-            error["rule"] = err.rule
-        return {"error": error}
-    return {"error": {"message": "internal server error", "type": SessionError.code, "code": SessionError.status}}

@@ -20,11 +20,11 @@ import httpx
 import pytest
 
 from session_server import admin
+from session_server.errors import SessionNotFoundError
 from session_server.registry import Registry
 from session_server.sweeper import idle_sessions
 from support.server import assert_engine_baseline, chat_url, new_session
 from support.stack import Stack, StackFactory
-from trajectory.errors import SessionNotFoundError
 
 FAMILY = "qwen3"
 TOKEN_MS = 10

@@ -14,7 +14,7 @@ import pytest
 
 from session_server.engine_client import EngineClient
 from session_server.engine_http import EngineHTTP
-from trajectory.errors import EngineUnavailableError
+from session_server.errors import EngineUnavailableError
 
 Handler = Callable[["Origin", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

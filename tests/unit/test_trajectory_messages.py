@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trajectory import MessageMatcher, errors, normalize_messages, normalize_tools
-from trajectory.errors import RequestValidationError, error_body
+from trajectory import MessageMatcher, normalize_messages, normalize_tools
+from trajectory.errors import RequestValidationError
 
 
 def test_normalisation_canonicalises_equivalent_shapes():
@@ -103,24 +103,3 @@ def test_loose_matcher_compares_arguments_as_json():
     assert m.equal(stored, _assistant(tool_calls=[{**call, "function": {"name": "f", "arguments": '{"b":[2],"a":1}'}}]))
     assert not m.equal(stored, _assistant(tool_calls=[{**call, "function": {"name": "f", "arguments": '{"a": 2}'}}]))
     assert not m.equal(stored, _assistant(tool_calls=[{**call, "function": {"name": "f", "arguments": "{bad"}}]))
-
-
-@pytest.mark.parametrize(("cls", "status"), [
-    (errors.RequestValidationError, 400), (errors.RollbackLimitError, 400), (errors.TemplateError, 400),
-    (errors.SessionNotFoundError, 404), (errors.SessionBusyError, 409), (errors.InvariantError, 500),
-    (errors.TokenizationError, 500), (errors.UpstreamError, 502), (errors.EngineUnavailableError, 502),
-    (errors.SessionPausedError, 503),
-])
-def test_error_statuses_and_body(cls, status):
-    err = cls("what went wrong")
-    assert err.status == status and isinstance(err, errors.SessionError)
-    body = error_body(err)["error"]
-    assert (body["message"], body["type"], body["code"]) == ("what went wrong", cls.code, status)
-
-
-def test_error_details():
-    assert error_body(errors.UpstreamError("bad", rule="token_range"))["error"]["rule"] == "token_range"
-    assert errors.SessionPausedError("paused", retry_after=5).retry_after == 5
-    assert issubclass(errors.RollbackLimitError, errors.RequestValidationError)
-    assert error_body(KeyError("secret internals")) == {
-        "error": {"message": "internal server error", "type": "internal_error", "code": 500}}
