@@ -107,6 +107,7 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         Route(session + "/v1/chat/completions", chat.chat_completions, methods=["POST"]),
         Route(session + "/samples", samples.collect_samples, methods=["POST"]),
         Route(session + "/v1/models", sessions.list_models, methods=["GET"]),
+        Route(session + "/v1/models/{model_id:path}", sessions.retrieve_model, methods=["GET"]),
     ]
     return Starlette(
         routes=routes,

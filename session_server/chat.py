@@ -46,6 +46,7 @@ from .openai_format import (
     encode_generate,
     parse_chat_request,
     split_routed_experts,
+    turn_tools,
 )
 from .state import ServerState
 
@@ -116,9 +117,12 @@ def prepare_turn(
     samples) only read. Rendering the chat template and tokenizing are the most expensive steps of a turn; on the
     loop they would delay every other request, /health included.
     """
-    chat = parse_chat_request(body, trajectory.family.stop_token_ids)
-    plan = trajectory.prepare(chat.messages, chat.tools)
-    payload = encode_generate(plan.prompt_ids, 0, chat.sampling_params, rid, None, routed_experts) if encode else None
+    family = trajectory.family
+    chat = parse_chat_request(body, family.stop_token_ids, family.vocab_size)
+    plan = trajectory.prepare(chat.messages, turn_tools(chat, family), chat.options.chat_template_kwargs)
+    top = chat.options.top_logprobs
+    payload = (encode_generate(plan.prompt_ids, 0, chat.sampling_params, rid, None, routed_experts, top)
+               if encode else None)
     return chat, plan, payload
 
 
@@ -151,7 +155,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request) -> Response
         _raise_if_aborted(claim)
         payload = await server.pool.run_sized(
             4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, chat.sampling_params, rid,
-            session_params, routed,
+            session_params, routed, chat.options.top_logprobs,
         )
     assert payload is not None
 
@@ -189,7 +193,8 @@ async def _generate(server: ServerState, session_id: str, payload: bytes, rid: s
     # inline choice should weigh, and it is usually small enough that a pool hop would cost more than the decode.
     split = split_routed_experts(reply.body)
     return await server.pool.run_decode(
-        len(split[0]), decode_turn, reply.body, server.family, rid, model, chat.stream, split=split
+        len(split[0]), decode_turn, reply.body, server.family, rid, model, chat.stream, split=split,
+        options=chat.options,
     )
 
 

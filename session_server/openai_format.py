@@ -1,9 +1,10 @@
 """OpenAI chat-completion wire format <-> engine sampling params and family-parsed replies.
 
 Everything here is a pure function of its arguments, so it runs on the CPU pool. The request is decoded once (msgspec,
-straight to builtins); fields the engine cannot use are ignored rather than refused, except `n` other than 1, which
-would silently change the meaning of the reply. The reply is encoded once, from the already parsed completion, and
-never carries the heavy replay payloads (routed experts stay in the trajectory's records).
+straight to builtins); the fields beyond messages, tools and basic sampling are honoured as SGLang's own OpenAI
+server honours them (openai_fields.py), and what cannot be honoured is refused with a 400 naming the field, as is
+`n` other than 1, which would silently change the meaning of the reply. The reply is encoded once, from the already
+parsed completion, and never carries the heavy replay payloads (routed experts stay in the trajectory's records).
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ import orjson
 
 from trajectory import GenerateResult, ModelFamily, decode_generate_response
 from trajectory.errors import RequestValidationError, UpstreamError
+from trajectory.messages import normalize_tools
+
+from .logprobs import openai_logprobs
+from .openai_fields import (
+    MAX_INT32,
+    RequestOptions,
+    check_tool_choice,
+    constrain,
+    parse_options,
+    penalty_params,
+    prompt_tools,
+)
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
@@ -31,6 +44,7 @@ class ChatRequest:
     sampling_params: dict[str, Any]
     stream: bool
     model: str | None
+    options: RequestOptions = dataclasses.field(default_factory=RequestOptions)
 
 
 def _bad(msg: str) -> RequestValidationError:
@@ -45,7 +59,7 @@ def _is_number(v: object) -> bool:
     return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-def parse_chat_request(body: bytes, stop_token_ids: tuple[int, ...]) -> ChatRequest:
+def parse_chat_request(body: bytes, stop_token_ids: tuple[int, ...], vocab_size: int | None = None) -> ChatRequest:
     """Decode the body and map the sampling fields to SGLang's `sampling_params`.
 
     `messages` and `tools` are passed on raw: the trajectory's prepare, which runs right after this in the same
@@ -66,13 +80,26 @@ def parse_chat_request(body: bytes, stop_token_ids: tuple[int, ...]) -> ChatRequ
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean")
     model = obj.get("model")
+    options = parse_options(obj)
+    sp = sampling_params(obj, stop_token_ids)
+    penalty_params(obj, sp, vocab_size)
     return ChatRequest(
         messages=obj.get("messages"),
         tools=obj.get("tools"),
-        sampling_params=sampling_params(obj, stop_token_ids),
+        sampling_params=sp,
         stream=stream,
         model=model if isinstance(model, str) else None,
+        options=options,
     )
+
+
+def turn_tools(chat: ChatRequest, family: ModelFamily) -> list[dict[str, Any]] | None:
+    """Validate `tool_choice` against the tools, add the constrained-decoding keys, and return the tools the
+    template renders for this turn (none for `tool_choice: none`, only the named one for a named choice)."""
+    tools = normalize_tools(chat.tools)
+    check_tool_choice(tools, chat.options)
+    constrain(chat.sampling_params, tools, chat.options, family.tool_call_structure)
+    return prompt_tools(tools, chat.options)
 
 
 def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dict[str, Any]:
@@ -85,13 +112,13 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
     if max_tokens is None:
         max_tokens = obj.get("max_tokens")
     if max_tokens is not None:
-        if not _is_int(max_tokens) or max_tokens < 1:
-            raise _bad("'max_tokens' / 'max_completion_tokens' must be a positive integer")
+        if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_INT32:
+            raise _bad(f"'max_tokens' / 'max_completion_tokens' must be an integer in [1, {MAX_INT32}]")
         sp["max_new_tokens"] = max_tokens
     temperature = obj.get("temperature")
     if temperature is not None:
-        if not _is_number(temperature) or temperature < 0:
-            raise _bad("'temperature' must be a number >= 0")
+        if not _is_number(temperature) or not 0 <= temperature <= 1e6:
+            raise _bad("'temperature' must be a number in [0, 1e6]")
         sp["temperature"] = float(temperature)
     top_p = obj.get("top_p")
     if top_p is not None:
@@ -100,8 +127,8 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
         sp["top_p"] = float(top_p)
     top_k = obj.get("top_k")
     if top_k is not None:
-        if not _is_int(top_k) or (top_k < 1 and top_k != -1):
-            raise _bad("'top_k' must be a positive integer or -1")
+        if not _is_int(top_k) or (top_k < 1 and top_k != -1) or top_k > MAX_INT32:
+            raise _bad(f"'top_k' must be an integer in [1, {MAX_INT32}] or -1")
         sp["top_k"] = top_k
     stop = obj.get("stop")
     if stop is not None:
@@ -109,6 +136,8 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise _bad("'stop' must be a non-empty string or a list of them")
+        if len(stop) > 32:  # SGLang's MAX_STOP_COUNT
+            raise _bad("'stop' may have at most 32 entries")
         if stop:
             sp["stop"] = stop
     seed = obj.get("seed")
@@ -126,6 +155,7 @@ def encode_generate(
     rid: str,
     session_params: dict[str, Any] | None,
     routed_experts: bool = False,
+    top_logprobs: int = 0,
 ) -> bytes:
     """The /generate body of DESIGN.md 5.1. `start` > 0 sends only the tokens an engine session does not hold.
 
@@ -144,6 +174,8 @@ def encode_generate(
         payload["session_params"] = session_params
     if routed_experts:
         payload["return_routed_experts"] = True
+    if top_logprobs > 0:
+        payload["top_logprobs_num"] = top_logprobs
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
@@ -197,9 +229,14 @@ def split_routed_experts(body: bytes) -> tuple[bytes, memoryview | None]:
     return body[:start] + b"null" + body[end:], memoryview(body)[start:end]
 
 
+def system_fingerprint(family: ModelFamily, result: GenerateResult) -> str:
+    """What produced the reply: the model family and the engine's weight version (changes with every update)."""
+    return f"{family.name}-{result.weight_version or 'default'}"
+
+
 def decode_turn(
     body: bytes, family: ModelFamily, rid: str, model: str, stream: bool, created: int | None = None,
-    split: tuple[bytes, memoryview | None] | None = None,
+    split: tuple[bytes, memoryview | None] | None = None, options: RequestOptions | None = None,
 ) -> TurnOutput:
     """Strictly validate the engine reply (502 on any rule), parse it with the family, encode the client reply.
 
@@ -215,7 +252,8 @@ def decode_turn(
             result = decode_generate_response(body, family.vocab_size)  # the cut went wrong: full strict decode
     if result.finish_reason.get("type") == "abort":
         return TurnOutput(result, None, b"")
-    parsed = family.parse_completion(result.text)
+    options = options or RequestOptions()
+    parsed = family.parse_reply(result.text, options.parse_tool_calls)
     message = parsed.to_message(f"call_{rid[:24]}")
     tool_calls: list[dict[str, Any]] = message.get("tool_calls") or []
     usage = {
@@ -226,6 +264,9 @@ def decode_turn(
     }
     finish = _finish_reason(result, bool(tool_calls))
     created = int(time.time()) if created is None else created
+    logprobs = (openai_logprobs(family.tokenizer, result.output_ids, result.logprobs, result.top_logprobs,
+                                options.top_logprobs) if options.logprobs else None)
+    fingerprint = system_fingerprint(family, result)
     if not stream:
         reply = _encoder.encode(
             {
@@ -233,7 +274,8 @@ def decode_turn(
                 "object": "chat.completion",
                 "created": created,
                 "model": model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                "system_fingerprint": fingerprint,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
                 "usage": usage,
             }
         )
@@ -247,7 +289,8 @@ def decode_turn(
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+                "system_fingerprint": fingerprint,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
                 "usage": usage,
             }
         )

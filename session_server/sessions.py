@@ -21,7 +21,7 @@ from starlette.responses import Response
 from trajectory import LinearTrajectory
 from trajectory.errors import RequestValidationError, SessionError
 
-from .errors import error_response, json_response
+from .errors import EngineUnavailableError, error_response, json_response
 from .gate import AbortReason
 from .registry import Session
 from .state import ServerState
@@ -120,3 +120,31 @@ async def list_models(request: Request) -> Response:
     except SessionError as err:
         return error_response(err)
     return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
+
+
+async def retrieve_model(request: Request) -> Response:
+    """GET /sessions/{id}/v1/models/{model_id}: one entry of the engine's model list, or OpenAI's 404.
+
+    Looked up in the list rather than forwarded: the id comes from the client, and a forwarded path could be made
+    to reach other engine routes (`../abort_request`); only the read-only list is ever asked of the engine.
+    """
+    server = _server(request)
+    model_id = request.path_params["model_id"]
+    try:
+        lookup(server, request.path_params["session_id"])
+        reply = await server.engine.models()
+    except SessionError as err:
+        return error_response(err)
+    if not reply.ok:
+        return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
+    try:
+        listing = msgspec.json.decode(reply.body)
+        data = listing["data"]
+        found = next((m for m in data if isinstance(m, dict) and m.get("id") == model_id), None)
+    except (msgspec.DecodeError, KeyError, TypeError) as exc:
+        return error_response(EngineUnavailableError(f"engine model list is malformed: {exc}"))
+    if found is None:
+        body = {"error": {"message": f"The model '{model_id}' does not exist", "type": "invalid_request_error",
+                          "param": "model", "code": "model_not_found"}}
+        return Response(_encoder.encode(body), status_code=404, media_type="application/json")
+    return Response(_encoder.encode(found), media_type="application/json")

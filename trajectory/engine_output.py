@@ -9,6 +9,7 @@ Per-token Python work is limited to the completion tokens; cross-field rules run
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -46,6 +47,7 @@ class _MetaInfo(msgspec.Struct):
     prompt_tokens: NonNegative
     completion_tokens: NonNegative
     output_token_logprobs: list[_LogprobEntry]
+    output_top_logprobs: list[list[_LogprobEntry] | None] | None = None  # when top_logprobs_num > 0
     cached_tokens: NonNegative = 0
     id: str | None = None
     weight_version: str | int | None = None
@@ -103,6 +105,8 @@ class GenerateResult:
     e2e_latency: float | None = None
     rid: str | None = None
     routed_experts: bytes | None = None  # raw JSON text of the replay payload, never parsed here
+    # Per output token, the engine's top (logprob, token id) alternatives (only when they were asked for).
+    top_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 def _finish_reason(reason: _Stop | _Length | _Abort) -> dict[str, Any]:
@@ -149,6 +153,7 @@ def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
             rule="token_mismatch",
         )
     raw_experts = bytes(meta.routed_experts)
+    top = None if meta.output_top_logprobs is None else _top_logprobs(meta.output_top_logprobs, n, vocab_size)
     return GenerateResult(
         text=response.text,
         output_ids=np.array(token_ids, dtype=np.int32),
@@ -161,4 +166,23 @@ def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
         e2e_latency=meta.e2e_latency,
         rid=meta.id,
         routed_experts=raw_experts if raw_experts and raw_experts != b"null" else None,
+        top_logprobs=top,
     )
+
+
+def _top_logprobs(rows: list[list[_LogprobEntry] | None], n: int, vocab_size: int) -> list[list[tuple[float, int]]]:
+    """The top-k alternatives per output token, held to the same rules as the sampled tokens' entries."""
+    if len(rows) != n:
+        raise UpstreamError(f"output_top_logprobs has {len(rows)} rows for {n} output tokens", rule="length_mismatch")
+    out: list[list[tuple[float, int]]] = []
+    for i, row in enumerate(rows):
+        entries: list[tuple[float, int]] = []
+        for entry in row or ():
+            if not math.isfinite(entry.logprob):
+                raise UpstreamError(f"output_top_logprobs[{i}] has a non-finite logprob", rule="logprob_value")
+            if not 0 <= entry.token_id < vocab_size:
+                raise UpstreamError(f"output_top_logprobs[{i}] token id {entry.token_id} is outside "
+                                    f"[0, {vocab_size})", rule="token_range")
+            entries.append((float(entry.logprob), int(entry.token_id)))
+        out.append(entries)
+    return out

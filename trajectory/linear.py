@@ -146,8 +146,12 @@ class LinearTrajectory:
         return ids, logprobs
 
     # -- prepare / commit ------------------------------------------------------------------------------
-    def prepare(self, messages: Any, tools: Any = None) -> TurnPlan:
-        """Match the request against the history, decide rollback and build the prompt. Mutates nothing."""
+    def prepare(self, messages: Any, tools: Any = None, template_kwargs: dict[str, Any] | None = None) -> TurnPlan:
+        """Match the request against the history, decide rollback and build the prompt. Mutates nothing.
+
+        `template_kwargs` (the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`) reach the template
+        for this turn's new text only: stored tokens are what the model saw and are never re-rendered.
+        """
         tools = normalize_tools(tools)
         msgs, matched = self.matcher.match(self.messages if tools == self.tools else [], messages)
         keep = bisect.bisect_right(self.checkpoints, matched, key=lambda c: c.num_messages)
@@ -158,12 +162,13 @@ class LinearTrajectory:
                 f"max_rollback={self.max_rollback}"
             )
         if keep == 0:
-            prompt = first_turn_ids(self.family, msgs, tools)
+            prompt = first_turn_ids(self.family, msgs, tools, template_kwargs)
             trim = reused = 0
         else:
             base = self.checkpoints[keep - 1]
             trim, new_ids = continuation_ids(
-                self.family, self.records[keep - 1].last_completion_token, msgs[base.num_messages:], tools
+                self.family, self.records[keep - 1].last_completion_token, msgs[base.num_messages:], tools,
+                template_kwargs,
             )
             reused = base.num_tokens - trim
             prompt = np.concatenate([self._buffer.ids[:reused], new_ids])

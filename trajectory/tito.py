@@ -18,14 +18,15 @@ from .families.base import ModelFamily
 
 
 def first_turn_ids(family: ModelFamily, messages: Sequence[dict[str, Any]],
-                   tools: list[dict[str, Any]] | None) -> np.ndarray:
+                   tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None = None) -> np.ndarray:
     """The whole conversation rendered with the generation prompt, as int32 ids."""
-    text = family.render(messages, tools, add_generation_prompt=True)
+    text = family.render(messages, tools, add_generation_prompt=True, template_kwargs=template_kwargs)
     return np.asarray(family.encode(text), dtype=np.int32)
 
 
 def continuation_ids(family: ModelFamily, last_completion_token: int | None,
-                     appended: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[int, np.ndarray]:
+                     appended: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     template_kwargs: dict[str, Any] | None = None) -> tuple[int, np.ndarray]:
     """(trim, ids): drop `trim` stored tail tokens, then append `ids`, to continue after a generated turn.
 
     `last_completion_token` is the last token the previous turn generated (None if it generated nothing).
@@ -35,5 +36,5 @@ def continuation_ids(family: ModelFamily, last_completion_token: int | None,
     """
     closed = last_completion_token == family.eos_token_id
     trim = int(not closed and last_completion_token in family.stop_token_ids)
-    text = family.appended_text(appended, tools, closed=closed)
+    text = family.appended_text(appended, tools, closed=closed, template_kwargs=template_kwargs)
     return trim, np.asarray(family.encode(text), dtype=np.int32)

@@ -81,6 +81,9 @@ class ModelFamily(ABC):
     message_trailer: ClassVar[str]            # text the template writes after `eos_token`
     assistant_header: ClassVar[str]           # text that opens an assistant message (the generation prompt)
     appendable_roles: ClassVar[frozenset[str]]
+    # (begin prefix, begin suffix, end, trigger) around one tool call's JSON arguments, as SGLang's tool-call
+    # detector for the family declares it (`structure_info`); used to constrain forced tool calls. None: no format.
+    tool_call_structure: ClassVar[tuple[str, str, str, str] | None] = None
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -118,10 +121,13 @@ class ModelFamily(ABC):
 
     # -- chat template -----------------------------------------------------------------------------------
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               add_generation_prompt: bool) -> str:
+               add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> str:
+        """`template_kwargs` are the request's `chat_template_kwargs` (e.g. Qwen3's `enable_thinking`), passed to
+        the template as extra variables exactly as SGLang's OpenAI server does."""
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+                list(messages), tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
             )
         except Exception as exc:  # jinja raise_exception / undefined fields: the request is unrenderable
             raise TemplateError(f"chat template of family {self.name} cannot render the request: {exc}") from exc
@@ -137,13 +143,16 @@ class ModelFamily(ABC):
                                 f"with {end_marker!r}")
         return end + len(end_marker)
 
-    def anchor_prefix(self, tools: list[dict[str, Any]] | None) -> str:
+    def anchor_prefix(self, tools: list[dict[str, Any]] | None,
+                      template_kwargs: dict[str, Any] | None = None) -> str:
         """How the anchor renders when more messages follow it; cached per tools value (tools rarely change)."""
         key = json.dumps(tools, sort_keys=True, ensure_ascii=False) if tools else ""
+        if template_kwargs:
+            key += "\x00" + json.dumps(template_kwargs, sort_keys=True, ensure_ascii=False)
         cached = self._anchor_prefixes.get(key)
         if cached is not None:
             return cached
-        text = self.render([*_ANCHOR, _PROBE], tools, add_generation_prompt=False)
+        text = self.render([*_ANCHOR, _PROBE], tools, add_generation_prompt=False, template_kwargs=template_kwargs)
         prefix = text[: self._anchor_end(text)]
         with self._anchor_lock:
             if len(self._anchor_prefixes) >= _ANCHOR_CACHE_SIZE:
@@ -152,7 +161,7 @@ class ModelFamily(ABC):
         return prefix
 
     def appended_text(self, appended: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      closed: bool) -> str:
+                      closed: bool, template_kwargs: dict[str, Any] | None = None) -> str:
         """Text to tokenize and append after a generated assistant turn, ending with the generation prompt.
 
         `closed` says whether the stored tokens already end with `eos_token`; if not (the model stopped on
@@ -166,8 +175,8 @@ class ModelFamily(ABC):
                 )
         if not appended:
             raise RequestValidationError("the request adds no message after the stored history")
-        prefix = self.anchor_prefix(tools)
-        full = self.render([*_ANCHOR, *appended], tools, add_generation_prompt=True)
+        prefix = self.anchor_prefix(tools, template_kwargs)
+        full = self.render([*_ANCHOR, *appended], tools, add_generation_prompt=True, template_kwargs=template_kwargs)
         if not full.startswith(prefix):
             roles = [m["role"] for m in appended]
             raise TemplateError(
@@ -191,6 +200,18 @@ class ModelFamily(ABC):
 
     def parse_output(self, output_ids: Sequence[int] | Any) -> ParsedCompletion:
         return self.parse_completion(self.completion_text(output_ids))
+
+    def parse_reply(self, text: str, tool_calls: bool = True) -> ParsedCompletion:
+        """`parse_completion`, or with `tool_calls=False` (the request said `tool_choice: none` or asked for JSON)
+        reasoning split off but any tool-call markup left in the content verbatim, as SGLang does when tool-call
+        parsing is inactive. `format_completion` is the exact inverse of the parser, so the reasoning block it
+        writes is exactly the prefix to cut."""
+        parsed = self.parse_completion(text)
+        if tool_calls or not parsed.tool_calls:
+            return parsed
+        head = self.format_completion("", parsed.reasoning_content, [])
+        content = text[len(head):] if text.startswith(head) else text
+        return ParsedCompletion(content=content, reasoning_content=parsed.reasoning_content)
 
     @abstractmethod
     def parse_completion(self, text: str) -> ParsedCompletion:

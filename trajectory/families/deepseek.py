@@ -53,6 +53,8 @@ class DeepSeekFamily(ModelFamily):
     message_trailer = ""
     assistant_header = "<｜Assistant｜>"
     appendable_roles = frozenset({"user", "tool"})
+    tool_call_structure = (CALLS_BEGIN + CALL_BEGIN + "function" + TOOL_SEP, "\n```json\n",
+                           "\n```" + CALL_END + CALLS_END, CALLS_BEGIN)
 
     def parse_completion(self, text: str) -> ParsedCompletion:
         reasoning, rest = split_reasoning(text)

@@ -48,6 +48,7 @@ class Qwen3Family(ModelFamily):
     message_trailer = "\n"
     assistant_header = "<|im_start|>assistant\n"
     appendable_roles = frozenset({"user", "tool", "system"})
+    tool_call_structure = ('<tool_call>\n{"name":"', '", "arguments":', "}\n</tool_call>", "<tool_call>")
 
     def parse_completion(self, text: str) -> ParsedCompletion:
         reasoning, rest = split_reasoning(text)

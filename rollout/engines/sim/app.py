@@ -244,6 +244,16 @@ class SimServer:
     async def models(self, request: Request) -> Response:
         return json_response(wire.models_list(self.engine, self.model_path))
 
+    async def retrieve_model(self, request: Request) -> Response:
+        """SGLang's `/v1/models/{model:path}`: the served model's card, else OpenAI's 404."""
+        model = request.path_params["model"]
+        for card in wire.models_list(self.engine, self.model_path)["data"]:
+            if card["id"] == model:
+                return json_response(card)
+        return json_response({"error": {"message": f"The model '{model}' does not exist",
+                                        "type": "invalid_request_error", "param": "model",
+                                        "code": "model_not_found"}}, 404)
+
     # -- /sim test hooks ------------------------------------------------------------------------------------------
 
     async def sim_faults(self, request: Request) -> Response:
@@ -276,6 +286,7 @@ class SimServer:
             Route("/server_info", self.server_info, methods=["GET"]),
             Route("/get_server_info", self.server_info, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"]),
             Route("/sim/faults", self.sim_faults, methods=get_post),
             Route("/sim/books", self.sim_books, methods=["GET"]),
         ]

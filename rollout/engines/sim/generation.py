@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from rollout.engines.sim.constraints import StructuralTag, json_text, tool_calls_text
 from rollout.engines.sim.family import EngineFamily
 
 _WORD_TEXT = (
@@ -55,6 +56,21 @@ class SamplingParams:
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     sampling_seed: int | None = None
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    json_schema: Any = None  # parsed schema: the reply's content is an instance of it
+    structural_tag: StructuralTag | None = None  # the reply's tool calls follow it
+
+    @property
+    def penalty(self) -> int:
+        """+1: repetition is penalised (no word repeats); -1: rewarded (one word repeats); 0: neutral."""
+        score = self.presence_penalty + self.frequency_penalty + (self.repetition_penalty - 1.0)
+        return 0 if abs(score) < 1e-9 else (1 if score > 0 else -1)
 
 
 @dataclass
@@ -122,36 +138,95 @@ def _words(rng: np.random.Generator, n: int) -> str:
     return " ".join(WORDS[i] for i in idx)
 
 
-def _word_tokens(family: EngineFamily, rng: np.random.Generator, n_tokens: int) -> list[int]:
+def _word_tokens(family: EngineFamily, rng: np.random.Generator, n_tokens: int,
+                 params: SamplingParams | None = None) -> list[int]:
     """Exactly n_tokens tokens of seeded words (ASCII, so any prefix decodes cleanly).
 
     Words are encoded one by one from a cache: byte-level BPE pre-splits at spaces, so the concatenation equals
     the encoding of the joined text, without paying the tokenizer per reply.
+
+    Penalties and logit_bias act the way their sign says, deterministically: a word containing a token with a
+    negative bias is never emitted, tokens with a positive bias come first (highest bias first), a positive
+    presence/frequency/repetition penalty never repeats a word, a negative one repeats the first word.
     """
-    out: list[int] = []
+    bias = params.logit_bias if params is not None else {}
+    penalty = params.penalty if params is not None else 0
+    banned = {t for t, b in bias.items() if b < 0}
+    out: list[int] = [t for t, b in sorted(bias.items(), key=lambda kv: (-kv[1], kv[0])) if b > 0]
+    used: set[int] = set()
+    first: int | None = None
+    guard = 0
     while len(out) < n_tokens:
-        for i in rng.integers(0, len(WORDS), size=max(4, n_tokens - len(out))):
-            out.extend(family.encode_cached((" " if out else "") + WORDS[i]))
+        guard += 1
+        if guard > 64:
+            raise ValueError("logit_bias bans every word sglang-sim can emit")
+        order = rng.permutation(len(WORDS)) if penalty > 0 else rng.integers(0, len(WORDS), size=max(4, n_tokens))
+        for i in order:
+            i = int(i)
+            if penalty > 0 and i in used:
+                continue
+            if penalty < 0 and first is not None:
+                i = first
+            ids = family.encode_cached((" " if out else "") + WORDS[i])
+            if banned and banned.intersection(ids):
+                continue
+            used.add(i)
+            first = i if first is None else first
+            out.extend(ids)
+            if len(out) >= n_tokens:
+                break
+        if penalty > 0 and len(used) >= len(WORDS):
+            used.clear()
     return out[:n_tokens]
+
+
+def _closes_thinking(family: EngineFamily, prompt: np.ndarray) -> bool:
+    """The prompt already ends with an (empty) reasoning block, as Qwen3's template writes for enable_thinking=False:
+    the model answers right away, without reasoning of its own."""
+    return family.decode_text(prompt[-12:], skip_special_tokens=False).rstrip("\n").endswith("</think>")
+
+
+def _tool_name(family: EngineFamily, begin: str) -> str | None:
+    structure = getattr(family.family, "tool_call_structure", None)
+    if structure is None:
+        return None
+    prefix, suffix = structure[0], structure[1]
+    if begin.startswith(prefix) and begin.endswith(suffix) and len(begin) > len(prefix) + len(suffix):
+        return begin[len(prefix): len(begin) - len(suffix)]
+    return None
 
 
 def plan_reply(family: EngineFamily, prompt: np.ndarray, params: SamplingParams, engine_seed: int) -> ReplyPlan:
     """The deterministic reply for this prompt; stop conditions already applied."""
     seed = derive_seed(engine_seed, prompt, params.sampling_seed)
     # Independent streams, so a reply cut by max_new_tokens is a prefix (tokens and logprobs) of the uncut one.
-    rng, think_rng, prob_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
+    rng, think_rng, prob_rng, grammar_rng = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4))
     script = find_script(family, prompt) or Script()
-    reasoning = _words(think_rng, int(think_rng.integers(6, 18))) if script.think else None
+    think = script.think and not _closes_thinking(family, prompt)
+    reasoning = _words(think_rng, int(think_rng.integers(6, 18))) if think else None
     content_ids: list[int] | None = None
-    if script.reply is not None:
+    tag = params.structural_tag
+    if params.json_schema is not None:
+        content = json_text(params.json_schema, grammar_rng)  # the grammar leaves no room for tool calls
+    elif tag is not None and tag.at_least_one:
+        content = ""  # a forced tool call: the grammar starts with the call
+    elif script.reply is not None:
         content = script.reply
     elif script.tool_calls and script.tokens is None:
         content = ""
     else:
         n = script.tokens if script.tokens is not None else int(rng.integers(10, 40))
-        content_ids = _word_tokens(family, rng, min(n, params.max_new_tokens + 1))  # the rest is never emitted
+        # the rest is never emitted
+        content_ids = _word_tokens(family, rng, min(n, params.max_new_tokens + 1), params)
         content = family.decode_text(content_ids, skip_special_tokens=False)
-    text = family.family.format_completion(content, reasoning, list(script.tool_calls))
+    calls = [] if params.json_schema is not None else list(script.tool_calls)
+    if tag is not None:
+        constrained = tool_calls_text(tag, calls, grammar_rng, lambda begin: _tool_name(family, begin))
+        head = family.family.format_completion("", reasoning, [])
+        text = head + (content + "\n" + constrained if content and constrained else content or constrained)
+    else:
+        text = family.family.format_completion(content, reasoning, calls)
     body = content_ids if content_ids is not None and text == content else family.encode(text)
     eos = int(family.family.eos_token_id)
     if params.ignore_eos:
@@ -178,8 +253,8 @@ def plan_reply(family: EngineFamily, prompt: np.ndarray, params: SamplingParams,
     if finish is None:
         finish = {"type": "length", "length": params.max_new_tokens}
     output = np.asarray(ids[:cut], dtype=np.int32)
-    probs = prob_rng.uniform(0.3, 0.99, size=cut)
-    if params.temperature <= 0:
+    probs = np.maximum(prob_rng.uniform(0.3, 0.99, size=cut), min(params.min_p, 0.99))
+    if params.temperature <= 0 or params.top_k == 1:
         logprobs = np.zeros(cut, dtype=np.float32)  # greedy: the argmax is taken with probability 1
     else:
         logprobs = (np.log(probs) / params.temperature).astype(np.float32)

@@ -7,6 +7,7 @@ Why validation lives here and not in the HTTP handler: SGLang rejects a bad requ
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from rollout.engines.sim.constraints import ConstraintError, parse_json_schema, parse_structural_tag
 from rollout.engines.sim.generation import ReplyPlan, SamplingParams
 from rollout.engines.sim.radix_cache import Node
 
@@ -70,11 +72,67 @@ def _opt(d: dict[str, Any], key: str, kind: type | tuple[type, ...], default: An
     return v
 
 
-def parse_sampling(raw: Any) -> SamplingParams:
+# SGLang 0.5.23's SamplingParams keys (sglang.api.v1.SamplingParams rejects any other key with a 400).
+SAMPLING_KEYS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+)
+_NOT_EMULATED = ("stop_regex", "regex", "ebnf", "beam_width", "choice", "watermark")
+
+
+def _bounded(raw: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    """A float sampling key with SamplingParams.verify's bounds."""
+    v = float(_opt(raw, key, float, default))
+    if not math.isfinite(v) or (v <= lo if lo_open else v < lo) or v > hi:
+        raise BadRequest(f"{key} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v}.")
+    return v
+
+
+def _logit_bias(raw: Any, vocab_size: int) -> dict[int, float]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise BadRequest("logit_bias must be a map of token id -> bias")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or not key.lstrip("-").isdigit():
+            raise BadRequest(f"logit_bias key {key!r} is not a token id")
+        token = int(key)
+        if not 0 <= token < vocab_size:
+            raise BadRequest(f"logit_bias must has keys in [0, {vocab_size}), got {token}.")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise BadRequest("logit_bias values must be finite numbers")
+        out[token] = float(value)
+    return out
+
+
+def parse_sampling(raw: Any, vocab_size: int = 1 << 30) -> SamplingParams:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise BadRequest("sampling_params must be an object")
+    for key in raw:
+        if key not in SAMPLING_KEYS:
+            raise BadRequest(f"unknown field `{key}`, expected one of {', '.join(f'`{k}`' for k in SAMPLING_KEYS)}")
+    for key in _NOT_EMULATED:
+        if raw.get(key) not in (None, [], {}):
+            raise BadRequest(f"sglang-sim does not emulate the sampling parameter {key!r}")
+    n = _opt(raw, "n", int, 1)
+    if n != 1:
+        raise BadRequest("sglang-sim emulates n=1 only")
+    grammars = [k for k in ("json_schema", "structural_tag") if raw.get(k)]
+    if len(grammars) > 1:
+        raise BadRequest("Only one of regex, json_schema, ebnf, or structural_tag can be set.")
+    try:
+        schema = parse_json_schema(_opt(raw, "json_schema", str, "")) if raw.get("json_schema") else None
+        tag = parse_structural_tag(_opt(raw, "structural_tag", str, "")) if raw.get("structural_tag") else None
+    except ConstraintError as exc:
+        raise BadRequest(str(exc)) from None
+    top_k = _opt(raw, "top_k", int, -1)
+    if top_k < 1 and top_k != -1:
+        raise BadRequest(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
     stop = raw.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -94,10 +152,18 @@ def parse_sampling(raw: Any) -> SamplingParams:
     if temperature < 0:
         raise BadRequest("temperature must be non-negative")
     seed = _opt(raw, "sampling_seed", int, None)
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise BadRequest("sampling_seed must be a 64-bit integer")
     return SamplingParams(
         max_new_tokens=max_new, temperature=temperature, stop=stops, stop_token_ids=tuple(stop_ids),
         ignore_eos=bool(raw.get("ignore_eos", False)), no_stop_trim=bool(raw.get("no_stop_trim", False)),
-        skip_special_tokens=bool(raw.get("skip_special_tokens", True)), sampling_seed=seed)
+        skip_special_tokens=bool(raw.get("skip_special_tokens", True)), sampling_seed=seed,
+        top_p=_bounded(raw, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k,
+        min_p=_bounded(raw, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_bounded(raw, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_bounded(raw, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_bounded(raw, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        logit_bias=_logit_bias(raw.get("logit_bias"), vocab_size), json_schema=schema, structural_tag=tag)
 
 
 def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> GenerateInput:
@@ -138,7 +204,7 @@ def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> Gener
                                 replace=bool(sp.get("replace") or False),
                                 drop_previous_output=bool(sp.get("drop_previous_output") or False))
     return GenerateInput(
-        rid=rid, input_ids=input_ids, text=text, sampling=parse_sampling(body.get("sampling_params")),
+        rid=rid, input_ids=input_ids, text=text, sampling=parse_sampling(body.get("sampling_params"), vocab_size),
         return_logprob=bool(body.get("return_logprob", False)),
         logprob_start_len=_opt(body, "logprob_start_len", int, -1),
         top_logprobs_num=_opt(body, "top_logprobs_num", int, 0),

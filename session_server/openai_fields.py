@@ -1,0 +1,354 @@
+"""The OpenAI request fields beyond messages/tools/stream, honoured the way SGLang 0.5.23's OpenAI server honours them.
+
+Why a module of its own: each field maps to something different -- sampling keys (penalties, `min_p`, `logit_bias`),
+constrained decoding (`response_format`, `tool_choice`), what the prompt renders (`tool_choice: none` drops the tools,
+a named function keeps only that tool, `chat_template_kwargs` reaches the template), what the reply carries
+(`logprobs`, `stream_options`). The reference is `serving_chat.py` / `protocol.py` of the released SGLang:
+
+- `response_format` json_schema -> `json_schema` sampling key (the schema as JSON text); json_object ->
+  `json_schema = '{"type": "object"}'`; `text` -> nothing.
+- `tool_choice` required / a named function -> a structural tag in the model's own tool-call format (for Qwen-style
+  `<tool_call>` that is SGLang's "legacy" structural tag of `get_legacy_structural_tag(at_least_one=True)`), or, for
+  a family without a structural format, `get_json_schema_constraint`'s array schema. Combined with a response_format
+  constraint it is a 400, as in `to_sampling_params`.
+- `tool_choice: none` -> the tools are not rendered into the prompt and tool calls are not parsed.
+- `parallel_tool_calls: false` -> the tool-call constraint allows exactly one call (xgrammar's triggered tags with
+  `stop_after_first`, the shape SGLang builds where it limits the count; `maxItems: 1` in the json_schema fallback).
+- `logprobs` / `top_logprobs` -> `top_logprobs_num` on /generate, and `choices[0].logprobs` in OpenAI's shape.
+
+Anything the server cannot honour is a 400 that names the field; no accepted field is silently dropped. Every number
+is bounded before it can reach the engine (an int beyond 64 bits never gets past here).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trajectory.errors import RequestValidationError
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_INT32 = 2**31 - 1
+# Keys the template call itself owns; a request may not override them through chat_template_kwargs.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "chat_template", "messages", "conversation", "tools", "documents", "tokenize", "add_generation_prompt",
+    "continue_final_message", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+# Fields SGLang's chat server does not honour for a token-in-token-out session either: refused, not dropped.
+_UNSUPPORTED = {
+    "functions": "the legacy 'functions' field is not supported; send 'tools'",
+    "function_call": "the legacy 'function_call' field is not supported; send 'tool_choice'",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "regex": "'regex' constrained decoding is not supported by the session server",
+    "ebnf": "'ebnf' constrained decoding is not supported by the session server",
+}
+
+
+def _bad(msg: str) -> RequestValidationError:
+    return RequestValidationError(msg)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(obj: Mapping[str, Any], key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or abs(v) > 1e300:
+        raise _bad(f"'{key}' must be a finite number")
+    if (v <= lo if lo_open else v < lo) or v > hi:
+        raise _bad(f"'{key}' must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    mode: str  # "auto" | "none" | "required" | "function"
+    name: str | None = None  # the named function when mode == "function"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """What the request asks beyond sampling: parsed and validated once, read by prompt, engine call and reply."""
+
+    logprobs: bool = False
+    top_logprobs: int = 0
+    tool_choice: ToolChoice = ToolChoice("auto")
+    parallel_tool_calls: bool = True
+    response_format: str = "text"  # "text" | "json_object" | "json_schema"
+    json_schema: Any = None  # the schema object when response_format == "json_schema"
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_usage: bool = False
+
+    @property
+    def parse_tool_calls(self) -> bool:
+        """`tool_choice: none` or a JSON response format turns tool-call parsing off (SGLang's
+        `_tool_call_parsing_active`): the reply is then content, whatever it looks like."""
+        return self.tool_choice.mode != "none" and self.response_format == "text"
+
+
+def refuse_unsupported(obj: Mapping[str, Any]) -> None:
+    for key, why in _UNSUPPORTED.items():
+        if obj.get(key) is not None:
+            raise _bad(f"'{key}': {why}")
+    modalities = obj.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise _bad("'modalities': only [\"text\"] is supported")
+
+
+def _tool_choice(raw: Any) -> ToolChoice:
+    if raw is None:
+        return ToolChoice("auto")
+    if isinstance(raw, str):
+        if raw not in ("auto", "none", "required"):
+            raise _bad(f"'tool_choice' must be 'auto', 'none', 'required' or a function object, got {raw!r}")
+        return ToolChoice(raw)
+    if isinstance(raw, dict):
+        fn = raw.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if raw.get("type", "function") != "function" or not isinstance(name, str) or not name:
+            raise _bad("'tool_choice' object must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        return ToolChoice("function", name)
+    raise _bad("'tool_choice' must be a string or an object")
+
+
+def _check_schema(schema: Any, field: str) -> None:
+    if not isinstance(schema, dict):
+        raise _bad(f"'{field}' must be a JSON Schema object")
+    try:
+        from jsonschema import Draft202012Validator
+        from jsonschema.exceptions import SchemaError
+    except ImportError:  # pragma: no cover - jsonschema is a dependency; keep the shape check at least
+        return
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        raise _bad(f"'{field}' is not a valid JSON Schema: {exc.message}") from None
+    except RecursionError:
+        raise _bad(f"'{field}' is too deeply nested or contains a cycle") from None
+
+
+def _response_format(raw: Any) -> tuple[str, Any]:
+    if raw is None:
+        return "text", None
+    if not isinstance(raw, dict):
+        raise _bad("'response_format' must be an object")
+    kind = raw.get("type")
+    if kind == "text":
+        return "text", None
+    if kind == "json_object":
+        return "json_object", None
+    if kind == "json_schema":
+        spec = raw.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _bad("'response_format.json_schema' must be an object with a 'schema'")
+        if not isinstance(spec.get("name", "schema"), str):
+            raise _bad("'response_format.json_schema.name' must be a string")
+        schema = spec.get("schema")
+        if schema is None:
+            raise _bad("'response_format.json_schema.schema' is required for a json_schema response format")
+        _check_schema(schema, "response_format.json_schema.schema")
+        return "json_schema", schema
+    raise _bad(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def _template_kwargs(raw: Any) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise _bad("'chat_template_kwargs' must be an object")
+    for key in raw:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise _bad(f"'chat_template_kwargs.{key}' may not be set by a request")
+    try:
+        json.dumps(raw, allow_nan=False)
+    except ValueError:
+        raise _bad("'chat_template_kwargs' must be plain JSON") from None
+    return dict(raw) or None
+
+
+def parse_options(obj: Mapping[str, Any]) -> RequestOptions:
+    refuse_unsupported(obj)
+    logprobs = obj.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _bad("'logprobs' must be a boolean")
+    top = obj.get("top_logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise _bad(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if top and not logprobs:
+            raise _bad("'top_logprobs' requires 'logprobs': true")
+    parallel = obj.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad("'parallel_tool_calls' must be a boolean")
+    fmt, schema = _response_format(obj.get("response_format"))
+    stream_options = obj.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise _bad("'stream_options' must be an object")
+        include_usage = stream_options.get("include_usage") or False
+        if not isinstance(include_usage, bool):
+            raise _bad("'stream_options.include_usage' must be a boolean")
+    return RequestOptions(
+        logprobs=bool(logprobs), top_logprobs=top or 0, tool_choice=_tool_choice(obj.get("tool_choice")),
+        parallel_tool_calls=parallel is not False, response_format=fmt, json_schema=schema,
+        chat_template_kwargs=_template_kwargs(obj.get("chat_template_kwargs")), include_usage=include_usage,
+    )
+
+
+def penalty_params(obj: Mapping[str, Any], sp: dict[str, Any], vocab_size: int | None) -> None:
+    """Penalties, `min_p` and `logit_bias` into SGLang sampling keys, with SamplingParams.verify's bounds."""
+    for key, lo, hi, lo_open in (
+        ("presence_penalty", -2.0, 2.0, False),
+        ("frequency_penalty", -2.0, 2.0, False),
+        ("repetition_penalty", 0.0, 2.0, True),
+        ("min_p", 0.0, 1.0, False),
+    ):
+        value = _number(obj, key, lo, hi, lo_open=lo_open)
+        if value is not None:
+            sp[key] = value
+    bias = obj.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise _bad("'logit_bias' must be an object of token id -> bias")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _bad(f"'logit_bias' may have at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    out: dict[str, float] = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
+            raise _bad(f"'logit_bias' keys must be token ids, got {key!r}")
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise _bad(f"'logit_bias' token id {token} is outside the vocabulary [0, {vocab_size})")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise _bad(f"'logit_bias[{key}]' must be a number in [-100, 100]")
+        out[str(token)] = float(value)
+    if out:
+        sp["logit_bias"] = out
+
+
+# -- tools and constraints ------------------------------------------------------------------------------------------
+
+
+def _tool_names(tools: list[dict[str, Any]] | None) -> list[str]:
+    return [t["function"]["name"] for t in tools or []]
+
+
+def prompt_tools(tools: list[dict[str, Any]] | None, options: RequestOptions) -> list[dict[str, Any]] | None:
+    """The tools the chat template renders for this turn (serving_chat `_process_messages`)."""
+    choice = options.tool_choice
+    if not tools or choice.mode == "none":
+        return None
+    if choice.mode == "function":
+        return [t for t in tools if t["function"]["name"] == choice.name] or None
+    return tools
+
+
+def check_tool_choice(tools: list[dict[str, Any]] | None, options: RequestOptions) -> None:
+    """serving_chat `_validate_request`: a forced choice needs tools, a named one a tool of that name."""
+    choice = options.tool_choice
+    if choice.mode == "required" and not tools:
+        raise _bad("'tool_choice': tools cannot be empty if tool choice is set to required")
+    if choice.mode == "function":
+        if not tools:
+            raise _bad("'tool_choice': tools cannot be empty if tool choice is set to a specific tool")
+        if choice.name not in _tool_names(tools):
+            raise _bad(f"'tool_choice': tool {choice.name!r} not found in tools list")
+    for i, tool in enumerate(tools or []):
+        params = tool["function"].get("parameters")
+        if params is not None:
+            _check_schema(params, f"tools[{i}].function.parameters")
+
+
+def _params_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    params = tool["function"].get("parameters")
+    return params if isinstance(params, dict) and params else {"type": "object", "properties": {}}
+
+
+def _strict(tool: dict[str, Any]) -> bool:
+    return tool["function"].get("strict") is True
+
+
+def tool_call_constraint(
+    tools: list[dict[str, Any]] | None, options: RequestOptions, call_format: tuple[str, str, str, str] | None
+) -> tuple[str, Any] | None:
+    """(sampling key, value) constraining the reply's tool calls, or None (auto with parallel calls allowed).
+
+    `call_format` is the family's (begin prefix, begin suffix, end, trigger) around one call's arguments, e.g.
+    Qwen's `<tool_call>\\n{"name":"` + name + `", "arguments":` ... `}\\n</tool_call>` triggered by `<tool_call>`
+    (SGLang's Qwen25Detector `structure_info`); None when the family has no such format.
+    """
+    choice = options.tool_choice
+    if not tools or choice.mode == "none":
+        return None
+    forced = choice.mode in ("required", "function")
+    if not forced and options.parallel_tool_calls:
+        return None
+    # SGLang builds the structure over every tool the request declares, also for a named choice; we narrow it to
+    # the named tool, which is what the choice means (the prompt already renders only that tool).
+    chosen = [t for t in tools if choice.mode != "function" or t["function"]["name"] == choice.name]
+    if call_format is None:
+        if not forced:
+            raise _bad("'parallel_tool_calls': false cannot be enforced for this model family")
+        items: dict[str, Any] = {"type": "object", "anyOf": [
+            {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                            "parameters": _params_schema(t)},
+             "required": ["name", "parameters"]} for t in chosen]}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
+        if not options.parallel_tool_calls:
+            schema["maxItems"] = 1
+        return "json_schema", json.dumps(schema, ensure_ascii=False)
+    begin, middle, end, trigger = call_format
+    if options.parallel_tool_calls:
+        legacy = {
+            "type": "structural_tag",
+            "structures": [{"begin": begin + t["function"]["name"] + middle,
+                            "schema": _params_schema(t) if _strict(t) else {}, "end": end} for t in chosen],
+            "triggers": [trigger],
+            "at_least_one": forced,
+        }
+        return "structural_tag", json.dumps(legacy, ensure_ascii=False)
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": [trigger],
+            "tags": [{"begin": begin + t["function"]["name"] + middle,
+                      "content": {"type": "json_schema", "json_schema": _params_schema(t) if _strict(t) else {}},
+                      "end": end} for t in chosen],
+            "at_least_one": forced,
+            "stop_after_first": True,
+        },
+    }
+    return "structural_tag", json.dumps(tag, ensure_ascii=False)
+
+
+def constrain(
+    sp: dict[str, Any], tools: list[dict[str, Any]] | None, options: RequestOptions,
+    call_format: tuple[str, str, str, str] | None,
+) -> None:
+    """Add the constrained-decoding keys, as `ChatCompletionRequest.to_sampling_params` does."""
+    if options.response_format == "json_schema":
+        sp["json_schema"] = json.dumps(options.json_schema, ensure_ascii=False)
+    elif options.response_format == "json_object":
+        sp["json_schema"] = '{"type": "object"}'
+    constraint = tool_call_constraint(tools, options, call_format)
+    if constraint is None:
+        return
+    if "json_schema" in sp:
+        if options.tool_choice.mode in ("required", "function"):
+            raise _bad("'tool_choice' 'required' or a named tool cannot be combined with 'response_format': the "
+                       "tool-call constraint and the output constraint cannot both be honored")
+        raise _bad("'parallel_tool_calls': false cannot be combined with 'response_format'")
+    key, value = constraint
+    sp[key] = value

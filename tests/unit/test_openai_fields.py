@@ -1,0 +1,211 @@
+"""OpenAI request fields -> SGLang sampling keys, prompt tools and template kwargs (session_server/openai_fields.py).
+
+The sampling params the server builds are checked against SGLang 0.5.23's own request schema
+(`sglang.api.v1.api_types.SamplingParams`, which rejects unknown keys and wrong types), loaded from the installed
+package without importing the engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from session_server.openai_format import ChatRequest, encode_generate, parse_chat_request, turn_tools
+from trajectory import GenerateResult, LinearTrajectory, get_family
+from trajectory.errors import RequestValidationError
+
+STOP = (151645, 151643)
+TOOLS = [
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
+    {"type": "function", "function": {"name": "lookup", "strict": True, "parameters": {
+        "type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}},
+]
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _sglang_schema() -> Any:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sglang is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "api" / "v1" / "api_types.py"
+    module_spec = importlib.util.spec_from_file_location("_sglang_api_types", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules["_sglang_api_types"] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def sglang_api() -> Any:
+    return _sglang_schema()
+
+
+@pytest.fixture(scope="module")
+def qwen3(hf_tokenizers: dict[str, Any]) -> Any:
+    return get_family("qwen3", hf_tokenizers["qwen3"])
+
+
+def _parse(body: dict[str, Any], family: Any = None) -> tuple[ChatRequest, Any]:
+    chat = parse_chat_request(json.dumps({"messages": MESSAGES, **body}).encode(), STOP, 151669)
+    tools = turn_tools(chat, family) if family is not None else None
+    return chat, tools
+
+
+def _refused(body: dict[str, Any], field: str, family: Any = None) -> str:
+    with pytest.raises(RequestValidationError) as info:
+        _parse(body, family)
+    assert field in info.value.message, info.value.message
+    return info.value.message
+
+
+def test_every_field_maps_to_a_key_sglang_accepts(sglang_api: Any, qwen3: Any) -> None:
+    chat, tools = _parse({
+        "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "repetition_penalty": 1.1, "min_p": 0.05, "logit_bias": {"15": -100, "16": 5},
+        "seed": 2**63 - 1, "top_k": 20, "top_p": 0.9, "temperature": 0.7, "max_tokens": 64, "stop": ["\n\n"],
+        "logprobs": True, "top_logprobs": 5,
+    }, qwen3)
+    sp = chat.sampling_params
+    assert sp["presence_penalty"] == 0.5 and sp["frequency_penalty"] == -0.5 and sp["repetition_penalty"] == 1.1
+    assert sp["min_p"] == 0.05 and sp["logit_bias"] == {"15": -100.0, "16": 5.0} and sp["sampling_seed"] == 2**63 - 1
+    parsed = sglang_api.SamplingParams.from_json_value(sp)  # SGLang's own schema: unknown keys are refused
+    assert parsed.structural_tag == sp["structural_tag"]
+    body = msgspec.json.decode(encode_generate(np.arange(3, dtype="int32"), 0, sp, "r" * 32, None,
+                                               False, chat.options.top_logprobs))
+    assert body["top_logprobs_num"] == 5
+    sglang_api.GenerateRequest.from_json_value(body)
+    assert tools == TOOLS
+
+
+def test_response_format_becomes_json_schema(sglang_api: Any, qwen3: Any) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    chat, _ = _parse({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+                     qwen3)
+    assert json.loads(chat.sampling_params["json_schema"]) == schema
+    sglang_api.SamplingParams.from_json_value(chat.sampling_params)
+    chat, _ = _parse({"response_format": {"type": "json_object"}}, qwen3)
+    assert chat.sampling_params["json_schema"] == '{"type": "object"}'
+    assert not chat.options.parse_tool_calls  # a JSON answer is content, as in SGLang
+    chat, _ = _parse({"response_format": {"type": "text"}}, qwen3)
+    assert "json_schema" not in chat.sampling_params
+    _refused({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format")
+    _refused({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+             "response_format.json_schema.schema")
+    _refused({"response_format": {"type": "yaml"}}, "response_format")
+    _refused({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+             qwen3)
+
+
+def test_tool_choice_shapes_prompt_tools_and_constraint(qwen3: Any) -> None:
+    chat, tools = _parse({"tools": TOOLS, "tool_choice": "none"}, qwen3)
+    assert tools is None and "structural_tag" not in chat.sampling_params and not chat.options.parse_tool_calls
+    chat, tools = _parse({"tools": TOOLS, "tool_choice": "auto"}, qwen3)
+    assert tools == TOOLS and "structural_tag" not in chat.sampling_params
+    chat, tools = _parse({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, qwen3)
+    assert tools == [TOOLS[1]]
+    tag = json.loads(chat.sampling_params["structural_tag"])
+    # SGLang's legacy structural tag for Qwen25Detector: begin/end from structure_info, schema only when strict.
+    assert tag == {"type": "structural_tag", "triggers": ["<tool_call>"], "at_least_one": True, "structures": [
+        {"begin": '<tool_call>\n{"name":"lookup", "arguments":', "schema": TOOLS[1]["function"]["parameters"],
+         "end": "}\n</tool_call>"}]}
+    chat, _ = _parse({"tools": TOOLS, "tool_choice": "required"}, qwen3)
+    tag = json.loads(chat.sampling_params["structural_tag"])
+    assert [s["schema"] for s in tag["structures"]] == [{}, TOOLS[1]["function"]["parameters"]]
+    chat, _ = _parse({"tools": TOOLS, "parallel_tool_calls": False}, qwen3)
+    fmt = json.loads(chat.sampling_params["structural_tag"])["format"]
+    assert fmt["type"] == "triggered_tags" and fmt["stop_after_first"] and not fmt["at_least_one"]
+    _refused({"tool_choice": "required"}, "tool_choice", qwen3)
+    _refused({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", qwen3)
+    _refused({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice")
+    _refused({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls")
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"max_tokens": 2**64}, "max_tokens"),
+    ({"max_tokens": 10**40}, "max_tokens"),
+    ({"seed": 2**63}, "seed"),
+    ({"top_k": 2**40}, "top_k"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": True}, "min_p"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999999999999999999": 1}}, "logit_bias"),
+    ({"logit_bias": {"200000": 1}}, "logit_bias"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"chat_template_kwargs": {"chat_template": "{{ x }}"}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"audio": {"voice": "x"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"regex": "a+"}, "regex"),
+    ({"ebnf": "root ::= 'a'"}, "ebnf"),
+    ({"n": 2}, "n"),
+    ({"stop": ["x"] * 33}, "stop"),
+])
+def test_unhonourable_or_out_of_bounds_fields_are_400s_naming_the_field(body: dict[str, Any], field: str) -> None:
+    _refused(body, field)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(
+    st.sampled_from(["presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "temperature", "top_p",
+                     "top_k", "max_tokens", "seed", "top_logprobs"]),
+    st.one_of(st.integers(min_value=-(2**80), max_value=2**80), st.floats(allow_nan=True), st.booleans(),
+              st.none(), st.text(max_size=3)),
+))
+def test_any_numeric_field_is_accepted_within_sglang_bounds_or_refused(body: dict[str, Any]) -> None:
+    """Whatever numbers arrive, the outcome is a 400 or sampling params SGLang's SamplingParams.verify accepts."""
+    body = {k: v for k, v in body.items() if not (isinstance(v, float) and v != v)}  # NaN is not JSON
+    try:
+        chat = parse_chat_request(json.dumps({"messages": MESSAGES, "logprobs": True, **body}).encode(), STOP, 1000)
+    except RequestValidationError:
+        return
+    sp = chat.sampling_params
+    assert -2 <= sp.get("presence_penalty", 0) <= 2 and -2 <= sp.get("frequency_penalty", 0) <= 2
+    assert 0 < sp.get("repetition_penalty", 1) <= 2 and 0 <= sp.get("min_p", 0) <= 1
+    assert 0 < sp.get("top_p", 1) <= 1 and 1 <= sp.get("max_new_tokens", 1) < 2**31
+    assert -(2**63) <= sp.get("sampling_seed", 0) < 2**63 and sp.get("top_k", 1) < 2**31
+    encode_generate(np.arange(2, dtype="int32"), 0, sp, "r" * 32, None)  # never overflows
+
+
+def test_enable_thinking_changes_the_prompt_and_keeps_tito_prefixes(qwen3: Any) -> None:
+    """Qwen3's template writes an empty think block after the generation prompt for enable_thinking=False; the
+    kwargs reach the first render and every continuation, and stored tokens stay the prompt's prefix."""
+    plain, off = LinearTrajectory(qwen3), LinearTrajectory(qwen3)
+    kwargs = {"enable_thinking": False}
+    p_plain, p_off = plain.prepare(MESSAGES), off.prepare(MESSAGES, None, kwargs)
+    text_plain, text_off = qwen3.decode(p_plain.prompt_ids), qwen3.decode(p_off.prompt_ids)
+    assert text_off == text_plain + "<think>\n\n</think>\n\n"
+    for traj, plan in ((plain, p_plain), (off, p_off)):
+        reply = [*qwen3.encode("Hello there."), qwen3.eos_token_id]
+        result = GenerateResult(text="Hello there.", output_ids=np.asarray(reply, dtype=np.int32),
+                                logprobs=np.full(len(reply), -0.5, dtype=np.float32),
+                                finish_reason={"type": "stop", "matched": qwen3.eos_token_id},
+                                prompt_tokens=len(plan.prompt_ids), completion_tokens=len(reply))
+        traj.commit(plan, result, {"role": "assistant", "content": "Hello there."})
+    nxt = [*MESSAGES, {"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "more"}]
+    n_plain, n_off = plain.prepare(nxt), off.prepare(nxt, None, kwargs)
+    assert np.array_equal(n_off.prompt_ids[: off.num_tokens], off.token_ids)  # the TITO prefix invariant
+    assert np.array_equal(n_plain.prompt_ids[: plain.num_tokens], plain.token_ids)
+    tail_plain = qwen3.decode(n_plain.prompt_ids[n_plain.new_token_start:])
+    tail_off = qwen3.decode(n_off.prompt_ids[n_off.new_token_start:])
+    assert tail_off == tail_plain + "<think>\n\n</think>\n\n"
+    assert tail_plain.endswith("<|im_start|>assistant\n")
