@@ -144,14 +144,33 @@ class LoadResult:
             self.error_samples.append(f"{kind}: {detail[:300]}")
 
 
-def chat_body(wave: int, index: int, reply_tokens: int) -> dict[str, Any]:
+def tool_schemas(n: int) -> list[dict[str, Any]]:
+    """N realistic function schemas (every agent of a run sends the same ones, as agent frameworks do)."""
+    return [
+        {"type": "function", "function": {
+            "name": f"tool_{i}",
+            "description": f"Tool number {i}: looks up a record by key and returns its fields as JSON.",
+            "parameters": {"type": "object", "properties": {
+                "key": {"type": "string", "description": "the record key"},
+                "fields": {"type": "array", "items": {"type": "string"}, "description": "fields to return"},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 100},
+            }, "required": ["key"]},
+        }}
+        for i in range(n)
+    ]
+
+
+def chat_body(wave: int, index: int, reply_tokens: int, tools: int = 0) -> dict[str, Any]:
     content = f"Wave {wave}, agent {index}: report your status. [[sim: tokens {reply_tokens}]]"
-    return {
+    body: dict[str, Any] = {
         "model": "default",
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max(2 * reply_tokens, 64),
         "temperature": 1.0,
     }
+    if tools:
+        body["tools"] = tool_schemas(tools)
+    return body
 
 
 async def create_session(client: httpx.AsyncClient, res: LoadResult) -> str | None:
@@ -195,7 +214,8 @@ async def delete_session(client: httpx.AsyncClient, sid: str, res: LoadResult) -
 
 
 async def wave(
-    clients: list[httpx.AsyncClient], number: int, k: int, reply_tokens: int, res: LoadResult, record: bool
+    clients: list[httpx.AsyncClient], number: int, k: int, reply_tokens: int, res: LoadResult, record: bool,
+    tools: int = 0,
 ) -> None:
     """K fresh sessions, K concurrent first-turn chats, then the K sessions deleted."""
     pick = [clients[i % len(clients)] for i in range(k)]
@@ -203,7 +223,7 @@ async def wave(
     sids = await asyncio.gather(*(create_session(c, res) for c in pick))
     t1 = time.monotonic()
     await asyncio.gather(
-        *(chat(c, sid, chat_body(number, i, reply_tokens), res, record)
+        *(chat(c, sid, chat_body(number, i, reply_tokens, tools), res, record)
           for i, (c, sid) in enumerate(zip(pick, sids, strict=True)) if sid)
     )
     t2 = time.monotonic()
@@ -232,7 +252,7 @@ async def run_load(url: str, args: argparse.Namespace, on_start: Callable[[], No
             for _ in range(shards)
         ]
         for w in range(args.warmup_waves):
-            await wave(clients, -1 - w, args.concurrency, args.reply_tokens, res, record=False)
+            await wave(clients, -1 - w, args.concurrency, args.reply_tokens, res, record=False, tools=args.tools)
         on_start()
         res.start = time.monotonic()
 
@@ -250,7 +270,7 @@ async def run_load(url: str, args: argparse.Namespace, on_start: Callable[[], No
         ticker = asyncio.create_task(progress())
         try:
             while time.monotonic() - res.start < args.duration:
-                await wave(clients, res.waves, args.concurrency, args.reply_tokens, res, record=True)
+                await wave(clients, res.waves, args.concurrency, args.reply_tokens, res, record=True, tools=args.tools)
                 res.waves += 1
         finally:
             ticker.cancel()
@@ -353,6 +373,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-seconds", type=float, default=3.0, help="idle /health polling before the load")
     p.add_argument("--health-interval-ms", type=float, default=10.0)
     p.add_argument("--reply-tokens", type=int, default=32, help="reply length asked with [[sim: tokens N]]")
+    p.add_argument("--tools", type=int, default=0,
+                   help="tool schemas sent with every first turn (rendered into the prompt: a heavier first turn)")
     p.add_argument("--routed-experts-bytes", type=int, default=1536 * 1024, help="sglang-sim payload per response")
     p.add_argument("--no-routed-request", action="store_true",
                    help="do not pass --return-routed-experts to the server (for a server without that flag)")
