@@ -49,6 +49,7 @@ class TurnPlan:
     new_token_start: int            # stored ids reused as the prompt's head (0 on a full render)
     trimmed: int                    # stored tail tokens replaced (a non-template stop token)
     version: int                    # trajectory version the plan was built against
+    rollback_reason: str | None = None  # why the request left the stored history (see messages.ROLLBACK_REASONS)
 
     @property
     def num_new_tokens(self) -> int:
@@ -69,6 +70,7 @@ class TurnRecord:
     message: Message                 # the assistant reply as stored
     trimmed: int = 0                 # tokens of the previous turn this prompt replaced
     rolled_back: int = 0
+    rollback_reason: str | None = None
     e2e_latency: float | None = None
     # The completion's last tokens, so the turn stays reconstructible after a later turn trims them.
     tail_ids: tuple[int, ...] = ()
@@ -84,7 +86,8 @@ class TurnRecord:
             "rid": self.rid, "prompt_len": self.prompt_len, "completion_len": self.completion_len,
             "finish_reason": self.finish_reason, "cached_tokens": self.cached_tokens,
             "prompt_tokens": self.prompt_tokens, "weight_version": self.weight_version, "message": self.message,
-            "trimmed": self.trimmed, "rolled_back": self.rolled_back, "e2e_latency": self.e2e_latency,
+            "trimmed": self.trimmed, "rolled_back": self.rolled_back,
+            "rollback_reason": self.rollback_reason, "e2e_latency": self.e2e_latency,
             "routed_experts_bytes": len(self.routed_experts or b""),
         }
         if include_routed_experts:
@@ -95,7 +98,7 @@ class TurnRecord:
 class LinearTrajectory:
     """One episode's append-only history with bounded rollback; see the module docstring for the protocol."""
 
-    def __init__(self, family: ModelFamily, max_rollback: int = 1, matcher: str = "strict") -> None:
+    def __init__(self, family: ModelFamily, max_rollback: int = 1, matcher: str = "loose_tool_call") -> None:
         if max_rollback < 0:
             raise ValueError("max_rollback must be >= 0")
         self.family = family
@@ -103,7 +106,11 @@ class LinearTrajectory:
         self.matcher = MessageMatcher(matcher)
         self.version = 0
         self.messages: list[Message] = []
-        self.tools: list[dict[str, Any]] | None = None
+        self.tools: list[dict[str, Any]] | None = None  # the last turn's tools
+        # The tools rendered into the stored head (the last full render): what a canonical re-render must use.
+        self.prompt_tools: list[dict[str, Any]] | None = None
+        # Rollbacks committed so far, kept here because the records of the dropped turns are gone with them.
+        self.rollbacks: dict[str, int] = {}
         self.checkpoints: list[Checkpoint] = []
         self.records: list[TurnRecord] = []
         self._buffer = TokenBuffer()
@@ -152,13 +159,15 @@ class LinearTrajectory:
         `template_kwargs` (the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`) reach the template
         for this turn's new text only: stored tokens are what the model saw and are never re-rendered.
         """
+        # Tools belong to the turn, not to the history: a request that omits or changes them is matched on its
+        # messages only, and its appended messages are rendered with its own tools.
         tools = normalize_tools(tools)
-        msgs, matched = self.matcher.match(self.messages if tools == self.tools else [], messages)
+        msgs, matched, reason = self.matcher.match_detail(self.messages, messages)
         keep = bisect.bisect_right(self.checkpoints, matched, key=lambda c: c.num_messages)
         dropped = len(self.checkpoints) - keep
         if dropped > self.max_rollback:
             raise RollbackLimitError(
-                f"history diverges at message {matched}; rolling back {dropped} turns exceeds "
+                f"history diverges at message {matched} ({reason}); rolling back {dropped} turns exceeds "
                 f"max_rollback={self.max_rollback}"
             )
         if keep == 0:
@@ -174,7 +183,8 @@ class LinearTrajectory:
             prompt = np.concatenate([self._buffer.ids[:reused], new_ids])
         prompt.flags.writeable = False
         return TurnPlan(prompt_ids=prompt, messages=msgs, tools=tools, base_checkpoints=keep, rolled_back=dropped,
-                        new_token_start=reused, trimmed=trim, version=self.version)
+                        new_token_start=reused, trimmed=trim, version=self.version,
+                        rollback_reason=reason if dropped else None)
 
     def _check_plan(self, plan: TurnPlan, result: GenerateResult) -> int:
         """Validate everything before mutating; returns how many stored tokens the commit keeps."""
@@ -209,7 +219,8 @@ class LinearTrajectory:
             rid=result.rid, prompt_len=len(plan.prompt_ids), completion_len=n_out,
             finish_reason=result.finish_reason, cached_tokens=result.cached_tokens,
             prompt_tokens=result.prompt_tokens, weight_version=result.weight_version, message=reply,
-            trimmed=plan.trimmed, rolled_back=plan.rolled_back, e2e_latency=result.e2e_latency,
+            trimmed=plan.trimmed, rolled_back=plan.rolled_back, rollback_reason=plan.rollback_reason,
+            e2e_latency=result.e2e_latency,
             tail_ids=tuple(int(t) for t in result.output_ids[-tail:]) if n_out else (),
             tail_logprobs=tuple(float(x) for x in result.logprobs[-tail:]) if n_out else (),
             routed_experts=result.routed_experts,
@@ -222,6 +233,11 @@ class LinearTrajectory:
         del self.records[plan.base_checkpoints:]
         self.messages = [*plan.messages, reply]
         self.tools = plan.tools
+        if plan.base_checkpoints == 0:
+            self.prompt_tools = plan.tools
+        if plan.rolled_back:
+            reason = plan.rollback_reason or "retry"
+            self.rollbacks = {**self.rollbacks, reason: self.rollbacks.get(reason, 0) + 1}
         self.checkpoints.append(Checkpoint(num_messages=len(self.messages), num_tokens=self._buffer.size))
         self.records.append(record)
         self.version += 1
@@ -238,7 +254,8 @@ class LinearTrajectory:
         """
         snap = LinearTrajectory.__new__(LinearTrajectory)
         snap.family, snap.max_rollback, snap.matcher = self.family, self.max_rollback, self.matcher
-        snap.version, snap.tools = self.version, self.tools
+        snap.version, snap.tools, snap.prompt_tools = self.version, self.tools, self.prompt_tools
+        snap.rollbacks = self.rollbacks  # replaced, never mutated, on commit
         snap.messages, snap.checkpoints, snap.records = list(self.messages), list(self.checkpoints), list(self.records)
         snap._buffer = self._buffer.copy()
         return snap
@@ -253,7 +270,7 @@ class LinearTrajectory:
         canonical: list[int] = []
         if self.messages:
             try:
-                text = self.family.render(self.messages, self.tools, add_generation_prompt=False)
+                text = self.family.render(self.messages, self.prompt_tools, add_generation_prompt=False)
             except SessionError as exc:
                 return {"error": exc.message}
             # The stored ids end at the last generated token; the template's trailer after it is not ours yet.
@@ -294,7 +311,8 @@ class LinearTrajectory:
         return {
             "family": self.family.name, "version": self.version, "num_tokens": self.num_tokens,
             "nbytes": self.nbytes, "max_rollback": self.max_rollback, "matcher": self.matcher.mode,
-            "messages": self.messages, "tools": self.tools,
+            "messages": self.messages, "tools": self.tools, "prompt_tools": self.prompt_tools,
+            "rollbacks": sum(self.rollbacks.values()), "rollbacks_by_reason": dict(self.rollbacks),
             "checkpoints": [{"num_messages": c.num_messages, "num_tokens": c.num_tokens} for c in self.checkpoints],
             "records": [r.to_dict(include_routed_experts) for r in self.records],
             "token_ids": self._buffer.ids.tolist(),

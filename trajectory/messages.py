@@ -122,52 +122,90 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
     return tools
 
 
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality of parsed JSON values as JSON sees them: numbers by value (1 == 1.0), but booleans are not numbers
+    (Python's `True == 1` would make `{"x": true}` equal `{"x": 1}`) and key order never matters."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_equal(v, b[k]) for k, v in a.items())
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
 def _same_arguments(a: str, b: str, loose: bool) -> bool:
     if a == b:
         return True
     if not loose:
         return False
     try:
-        return json.loads(a) == json.loads(b)
-    except ValueError:
+        return json_equal(json.loads(a), json.loads(b))
+    except ValueError:  # not JSON (a model may generate malformed arguments): only the exact text is equal
         return False
+
+
+# Why a request diverged from the stored history: the label of the rollback counter, header and record.
+RollbackReason = Literal[
+    "retry", "role", "content", "reasoning_content", "tool_calls", "tool_call_id", "tool_call_arguments"
+]
+ROLLBACK_REASONS: tuple[str, ...] = (
+    "retry", "role", "content", "reasoning_content", "tool_calls", "tool_call_id", "tool_call_arguments"
+)
 
 
 class MessageMatcher:
     """Decides whether a request message repeats a stored one.
 
-    `strict`: role, content, tool calls (ids, names, argument text) equal; `None`/`""`/`[]` are equal and
-    tool-call `index` is ignored (normalisation takes care of both). `reasoning_content` is compared only
-    when the request carries it: OpenAI-SDK agents usually drop reasoning when they echo history, and a
-    missing field says nothing about what the model generated. `loose_tool_call` additionally accepts
-    tool-call arguments that are equal as parsed JSON (agents that re-serialise arguments).
+    Agents re-serialise what they were sent, so by default (`loose_tool_call`) a request message repeats a stored
+    one when role and content are equal (`None`/`""`/`[]` are equal and tool-call `index` is ignored: normalisation
+    takes care of both), tool calls have the same ids and names, and their arguments are equal as parsed JSON
+    (compacted, re-spaced or reordered: `{"key":"x"}` repeats `{"key": "x"}`). `reasoning_content` is compared only
+    when the request carries it: OpenAI-SDK agents usually drop reasoning when they echo history, and a missing
+    field says nothing about what the model generated. `strict` additionally wants the argument text byte for byte;
+    it is there for operators who want any re-serialisation by the agent to show up as a rollback.
     """
 
-    def __init__(self, mode: str = "strict") -> None:
+    def __init__(self, mode: str = "loose_tool_call") -> None:
         if mode not in MATCHER_NAMES:
             raise ValueError(f"unknown message matcher {mode!r}; expected one of {MATCHER_NAMES}")
         self.mode = mode
         self._loose = mode == "loose_tool_call"
 
-    def equal(self, stored: Message, request: Message) -> bool:
-        if stored["role"] != request["role"] or stored.get("content", "") != request.get("content", ""):
-            return False
+    def difference(self, stored: Message, request: Message) -> RollbackReason | None:
+        """None if `request` repeats `stored`, else what differs first (a rollback reason)."""
+        if stored["role"] != request["role"]:
+            return "role"
+        if stored.get("content", "") != request.get("content", ""):
+            return "content"
         reasoning = request.get("reasoning_content")
         if reasoning is not None and reasoning != (stored.get("reasoning_content") or ""):
-            return False
+            return "reasoning_content"
         stored_calls = stored.get("tool_calls") or []
         request_calls = request.get("tool_calls") or []
         if len(stored_calls) != len(request_calls):
-            return False
+            return "tool_calls"
         for s, r in zip(stored_calls, request_calls, strict=True):
-            if s["id"] != r["id"] or s["function"]["name"] != r["function"]["name"]:
-                return False
+            if s["function"]["name"] != r["function"]["name"]:
+                return "tool_calls"
+            if s["id"] != r["id"]:
+                return "tool_call_id"
             if not _same_arguments(s["function"]["arguments"], r["function"]["arguments"], self._loose):
-                return False
-        return True
+                return "tool_call_arguments"
+        return None
+
+    def equal(self, stored: Message, request: Message) -> bool:
+        return self.difference(stored, request) is None
 
     def match(self, stored: Sequence[Message], request: Any) -> tuple[list[Message], int]:
-        """Normalise the raw request messages and count how many leading ones repeat the stored history.
+        msgs, matched, _ = self.match_detail(stored, request)
+        return msgs, matched
+
+    def match_detail(self, stored: Sequence[Message], request: Any) -> tuple[list[Message], int, RollbackReason | None]:
+        """Normalise the raw request messages, count how many leading ones repeat the stored history, and say why
+        the request stops repeating it before its end (None when the whole history is repeated).
 
         Matched messages are returned as the stored objects: they keep what was generated (reasoning,
         argument text) even when the agent echoes a lossy copy. Every request carries the whole history,
@@ -178,6 +216,7 @@ class MessageMatcher:
             raise RequestValidationError("messages must be a non-empty list")
         out: list[Message] = []
         matched = 0
+        reason: RollbackReason | None = None
         for i, raw in enumerate(request):
             if matched == i < len(stored):
                 if raw == stored[i]:
@@ -185,11 +224,14 @@ class MessageMatcher:
                     matched += 1
                     continue
                 message = normalize_message(i, raw)
-                if self.equal(stored[i], message):
+                reason = self.difference(stored[i], message)
+                if reason is None:
                     out.append(stored[i])
                     matched += 1
                     continue
                 out.append(message)
             else:
                 out.append(normalize_message(i, raw))
-        return out, matched
+        if reason is None and matched < len(stored):
+            reason = "retry"  # the request ends inside the stored history: the agent asks for a turn again
+        return out, matched, reason

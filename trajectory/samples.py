@@ -86,7 +86,8 @@ def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) 
         tokens=traj.token_ids.copy(), loss_mask=traj.loss_mask.copy(), rollout_log_probs=traj.logprobs.copy(),
         response_length=traj.num_tokens - records[0].prompt_len, status=_status(records[-1].finish_reason),
         metadata={"num_turns": len(records), "turns": [[r.prompt_len, r.completion_len] for r in records],
-                  "rids": [r.rid for r in records], "weight_versions": [r.weight_version for r in records]},
+                  "rids": [r.rid for r in records], "weight_versions": [r.weight_version for r in records],
+                  "rollbacks": sum(traj.rollbacks.values()), "rollbacks_by_reason": dict(traj.rollbacks)},
     )
     return truncate_sample(sample, max_seq_len) if max_seq_len is not None else sample
 

@@ -13,6 +13,8 @@ from support.tito import ARGUMENTS, TEXT, TOOL_NAME
 from trajectory import ModelFamily, ParsedCompletion, ToolCall, family_names, get_family, register_family
 from trajectory.errors import RequestValidationError, TemplateError
 from trajectory.families import registry
+from trajectory.families.base import _ANCHOR as ANCHOR
+from trajectory.families.base import tools_cache_key
 from trajectory.families.qwen3 import Qwen3Family
 
 
@@ -73,7 +75,7 @@ def test_appended_text_deepseek(families):
     assert deepseek.appended_text(appended, None, closed=False) == "<｜end▁of▁sentence｜>" + expected
 
 
-@pytest.mark.parametrize(("name", "role"), [("qwen3", "assistant"), ("deepseek", "assistant"), ("deepseek", "system")])
+@pytest.mark.parametrize(("name", "role"), [("deepseek", "system")])
 def test_appending_a_role_the_family_cannot_append_is_a_400(families, name, role):
     with pytest.raises(RequestValidationError, match=f"family {name} cannot append a '{role}' message") as info:
         families[name].appended_text([{"role": role, "content": "x"}], None, closed=True)
@@ -110,6 +112,26 @@ def test_anchor_prefix_is_cached_per_tools(families):
     first = qwen.anchor_prefix(tools)
     assert qwen.anchor_prefix(copy.deepcopy(tools)) is first
     assert qwen.anchor_prefix(None) != first and "calc" in first
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+def test_anchor_cache_tells_key_orders_apart(families, name):
+    """Two clients whose schemas differ only in key order render different text: each gets its own prefix."""
+    family = families[name]
+    params = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+    a = [{"type": "function", "function": {"name": "calc", "description": "d", "parameters": params}}]
+    b = [{"function": {"parameters": dict(reversed(params.items())), "description": "d", "name": "calc"},
+          "type": "function"}]
+    assert a == b  # equal as Python values, which is what made a sorted-keys cache key collide
+    appended = [{"role": "user", "content": "hi"}]
+    prefix_a = family.anchor_prefix(a)
+    prefix_b = family.anchor_prefix(b)
+    assert prefix_a != prefix_b
+    for tools, prefix in ((a, prefix_a), (b, prefix_b)):
+        full = family.render([*ANCHOR, *appended], tools, add_generation_prompt=True)
+        assert full.startswith(prefix)
+        assert family.appended_text(appended, tools, closed=True).endswith(full[len(prefix):])
+    assert tools_cache_key(a) != tools_cache_key(b) and tools_cache_key(None) == tools_cache_key([]) == ""
 
 
 # -- parsers: examples ------------------------------------------------------------------------------------

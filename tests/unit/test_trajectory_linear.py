@@ -13,6 +13,8 @@ from support.tito import Reply, engine_body, generate
 from trajectory import LinearTrajectory, ModelFamily, decode_generate_response, get_family
 from trajectory.buffer import TokenBuffer
 from trajectory.errors import InvariantError, RequestValidationError, RollbackLimitError
+from trajectory.messages import normalize_tools
+from trajectory.tito import continuation_ids
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
 CALL = (("calc", '{"expr": "2+2", "meta": {"ü": [1, null]}}'),)
@@ -87,16 +89,40 @@ def test_prompt_that_does_not_extend_the_stored_ids_is_refused(qwen):
     assert snapshot(traj) == before
 
 
-@pytest.mark.parametrize(("appended", "match"), [
-    ([{"role": "assistant", "content": "prefill"}], "cannot append a 'assistant' message"),
-    ([], "adds no message"),
-])
-def test_invalid_continuations_are_400(qwen, appended, match):
+def test_a_continuation_that_adds_nothing_is_400(qwen):
     traj = LinearTrajectory(qwen)
     turn(traj, [user("a")], Reply("A"))
-    with pytest.raises(RequestValidationError, match=match) as info:
-        traj.prepare([*traj.messages, *appended])
+    with pytest.raises(RequestValidationError, match="adds no message") as info:
+        traj.prepare(list(traj.messages))
     assert info.value.status == 400
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("canned_last", [False, True])
+def test_an_assistant_message_the_model_did_not_generate_is_prompt(families, name, canned_last):
+    """An agent injects a canned assistant turn: it is appended as prompt tokens (mask 0), not refused."""
+    family = families[name]
+    traj = LinearTrajectory(family)
+    turn(traj, [user("q1")], Reply("a1", tool_calls=CALL), tools=TOOLS, rid="r0")
+    canned = {"role": "assistant", "content": "Canned: I will now summarise."}
+    appended = [{"role": "tool", "tool_call_id": "call_r0_0", "content": "4"}, canned]
+    if not canned_last:
+        appended.append(user("go on"))
+    plan, record = turn(traj, appended, Reply("a2"), tools=TOOLS, rid="r1")
+    assert plan.rolled_back == 0 and plan.new_token_start == traj.checkpoints[0].num_tokens
+    new = family.decode(plan.prompt_ids[plan.new_token_start:])
+    assert "Canned: I will now summarise." in new and new.endswith(family.assistant_header)
+    mask = traj.loss_mask
+    first = traj.records[0]
+    sampled = np.zeros(traj.num_tokens, dtype=bool)
+    for r in traj.records:
+        sampled[r.prompt_len:r.prompt_len + r.completion_len] = True
+    assert mask.astype(bool).tolist() == sampled.tolist()  # exactly the generated tokens, the canned turn is 0
+    assert record.prompt_len > first.prompt_len + first.completion_len
+    assert traj.messages[-2 if canned_last else -3] == {"role": "assistant", "content": canned["content"]}
+    # The canned message is history like any other: the next turn repeats it and appends.
+    plan = traj.prepare([*traj.messages, user("q3")], TOOLS)
+    assert plan.rolled_back == 0 and plan.new_token_start == traj.num_tokens
 
 
 def test_rollback_limit(qwen):
@@ -105,18 +131,43 @@ def test_rollback_limit(qwen):
     turn(traj, [user("q2")], Reply("a2"))
     before = snapshot(traj)
     # Diverging inside the first turn drops both checkpoints: more than allowed, and nothing changes.
-    with pytest.raises(RollbackLimitError, match=r"diverges at message 0; rolling back 2 turns exceeds max_rollback=1"):
+    with pytest.raises(
+        RollbackLimitError, match=r"diverges at message 0 \(content\); rolling back 2 turns exceeds max_rollback=1"
+    ):
         traj.prepare([user("other"), *traj.messages[1:]])
-    # A tools change is a divergence at message 0 too.
-    with pytest.raises(RollbackLimitError, match="message 0"):
-        traj.prepare([*traj.messages, user("q3")], TOOLS)
     assert snapshot(traj) == before
     # Regenerating the last turn (same request as before it) rolls back exactly one checkpoint.
     plan = traj.prepare(traj.messages[:3])
     assert (plan.rolled_back, plan.base_checkpoints, plan.new_token_start) == (1, 1, traj.checkpoints[0].num_tokens)
+    assert plan.rollback_reason == "retry"
     traj.commit(plan, *generate(qwen, plan, Reply("a2 again"), rid="r2b"))
     assert [m["content"] for m in traj.messages] == ["q1", "a1", "q2", "a2 again"]
     assert len(traj.records) == 2 and traj.records[-1].rolled_back == 1
+    assert traj.records[-1].rollback_reason == "retry"
+    # Visible in the records even though the dropped turn's record is gone.
+    info = traj.to_dict()
+    assert (info["rollbacks"], info["rollbacks_by_reason"]) == (1, {"retry": 1})
+    assert info["records"][-1]["rollback_reason"] == "retry"
+    assert traj.snapshot().to_dict()["rollbacks_by_reason"] == {"retry": 1}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+def test_tools_belong_to_the_turn_not_to_the_history(families, name):
+    """A later turn that omits or changes `tools` is matched on its messages and rendered with its own tools."""
+    family = families[name]
+    other = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+    for later_tools in (None, [], other, list(reversed([*TOOLS, *other]))):
+        traj = LinearTrajectory(family, max_rollback=0)  # any divergence would be a 400
+        turn(traj, [user("q1")], Reply("", tool_calls=CALL), tools=TOOLS, rid="r0")
+        appended = [{"role": "tool", "tool_call_id": "call_r0_0", "content": "4"}, user("q2")]
+        plan = traj.prepare([*traj.messages, *appended], later_tools)
+        assert (plan.rolled_back, plan.new_token_start) == (0, traj.num_tokens)
+        trim, expected = continuation_ids(family, traj.records[0].last_completion_token, appended,
+                                          normalize_tools(later_tools))
+        assert plan.prompt_ids[plan.new_token_start - trim:].tolist() == expected.tolist()
+        traj.commit(plan, *generate(family, plan, Reply("done"), rid="r1"))
+        assert traj.tools == normalize_tools(later_tools) and traj.prompt_tools == TOOLS
+        assert traj.mismatch_report()["assistant_only"]  # re-rendered with the tools in the stored head
 
 
 def test_max_rollback_zero_refuses_any_divergence(qwen):
@@ -147,11 +198,13 @@ def test_loose_matcher_accepts_reserialised_arguments(qwen):
     reserialised = {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_r0_0", "type": "function",
          "function": {"name": "calc", "arguments": json.dumps(json.loads(CALL[0][1]), separators=(",", ":"))}}]}
+    assert LinearTrajectory(qwen).matcher.mode == "loose_tool_call"  # the default
     for matcher, rolled_back in (("strict", 1), ("loose_tool_call", 0)):
         traj = LinearTrajectory(qwen, matcher=matcher)
         turn(traj, [user("2+2?")], Reply("", tool_calls=CALL), tools=TOOLS, rid="r0")
         plan = traj.prepare([user("2+2?"), reserialised, {"role": "tool", "content": "4"}], TOOLS)
         assert plan.rolled_back == rolled_back
+        assert plan.rollback_reason == ("tool_call_arguments" if rolled_back else None)
     with pytest.raises(ValueError, match="unknown message matcher"):
         LinearTrajectory(qwen, matcher="fuzzy")
 

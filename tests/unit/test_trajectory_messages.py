@@ -1,4 +1,4 @@
-"""Message normalisation, the matcher policies, and the error hierarchy's HTTP mapping."""
+"""Message normalisation and the matcher policies (JSON-equivalent arguments, rollback reasons)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from trajectory import MessageMatcher, normalize_messages, normalize_tools
 from trajectory.errors import RequestValidationError
+from trajectory.messages import ROLLBACK_REASONS
 
 
 def test_normalisation_canonicalises_equivalent_shapes():
@@ -103,3 +104,46 @@ def test_loose_matcher_compares_arguments_as_json():
     assert m.equal(stored, _assistant(tool_calls=[{**call, "function": {"name": "f", "arguments": '{"b":[2],"a":1}'}}]))
     assert not m.equal(stored, _assistant(tool_calls=[{**call, "function": {"name": "f", "arguments": '{"a": 2}'}}]))
     assert not m.equal(stored, _assistant(tool_calls=[{**call, "function": {"name": "f", "arguments": "{bad"}}]))
+    assert MessageMatcher().mode == "loose_tool_call"  # JSON-equivalent arguments are equal by default
+
+
+def _args(text: str) -> dict:
+    return _assistant(tool_calls=[{"id": "c", "type": "function", "function": {"name": "f", "arguments": text}}])
+
+
+@pytest.mark.parametrize(("a", "b", "equal"), [
+    ('{"key": "x"}', '{"key":"x"}', True),  # pydantic-ai compacts
+    ('{"a": 1, "b": {"c": [1, 2]}}', '{"b": {"c": [1, 2]}, "a": 1}', True),  # reordered, nested
+    ('{"a": 1}', '{"a": 1.0}', True),  # numbers by value
+    ('{"a": true}', '{"a": 1}', False),  # but a boolean is not a number
+    ('{"a": false}', '{"a": 0}', False),
+    ('{"a": null}', '{"a": 0}', False),
+    ('{"a": [1, 2]}', '{"a": [2, 1]}', False),  # list order matters
+    ('{"a": "1"}', '{"a": 1}', False),
+    ('{"a": 1}', '{"a": 1, "b": 2}', False),
+    ("not json", "not json", True),  # malformed arguments: only the same text is equal
+    ("not json", "not  json", False),
+])
+def test_json_equivalent_arguments(a, b, equal):
+    assert MessageMatcher().equal(_args(a), _args(b)) is equal
+    assert MessageMatcher().equal(_args(b), _args(a)) is equal
+
+
+def test_rollback_reasons():
+    m = MessageMatcher()
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    stored = [{"role": "user", "content": "q"}, _assistant(content="x", reasoning_content="r", tool_calls=[call])]
+    cases = [
+        ([{"role": "user", "content": "other"}], "content"),
+        ([{"role": "system", "content": "q"}], "role"),
+        ([stored[0], _assistant(content="x", reasoning_content="s", tool_calls=[call])], "reasoning_content"),
+        ([stored[0], _assistant(content="x")], "tool_calls"),
+        ([stored[0], _assistant(content="x", tool_calls=[{**call, "id": "d"}])], "tool_call_id"),
+        ([stored[0], _assistant(content="x", tool_calls=[
+            {**call, "function": {"name": "f", "arguments": '{"a": 2}'}}])], "tool_call_arguments"),
+        ([stored[0]], "retry"),
+        ([*stored, {"role": "user", "content": "next"}], None),
+    ]
+    for request, reason in cases:
+        assert m.match_detail(stored, request)[2] == reason, request
+    assert set(ROLLBACK_REASONS) >= {r for _, r in cases if r}

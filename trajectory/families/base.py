@@ -63,6 +63,15 @@ def tool_call_from_json(name: Any, arguments: Any) -> ToolCall | None:
     return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
 
 
+def tools_cache_key(tools: list[dict[str, Any]] | None) -> str:
+    """A string that is equal for two tool lists exactly when a chat template renders them identically.
+
+    Order-preserving JSON (not `sort_keys`): `tojson` keeps key order, and JSON text also tells 1 from 1.0 and
+    true from 1, which Python's `==` does not.
+    """
+    return json.dumps(tools, ensure_ascii=False) if tools else ""
+
+
 def first_difference(a: str, b: str) -> int:
     """Index of the first differing character (len of the shorter string if one is a prefix of the other)."""
     n = min(len(a), len(b))
@@ -145,10 +154,15 @@ class ModelFamily(ABC):
 
     def anchor_prefix(self, tools: list[dict[str, Any]] | None,
                       template_kwargs: dict[str, Any] | None = None) -> str:
-        """How the anchor renders when more messages follow it; cached per tools value (tools rarely change)."""
-        key = json.dumps(tools, sort_keys=True, ensure_ascii=False) if tools else ""
+        """How the anchor renders when more messages follow it; cached per tools value (tools rarely change).
+
+        The key is the tools exactly as the template sees them: key order included. Templates write schemas with
+        `tojson`, which keeps the caller's key order, so two clients whose schemas differ only in key order render
+        different text; a key that sorted keys would hand one of them the other's prefix (and a 400).
+        """
+        key = tools_cache_key(tools)
         if template_kwargs:
-            key += "\x00" + json.dumps(template_kwargs, sort_keys=True, ensure_ascii=False)
+            key += "\x00" + json.dumps(template_kwargs, ensure_ascii=False)
         cached = self._anchor_prefixes.get(key)
         if cached is not None:
             return cached

@@ -2,7 +2,8 @@
 
 The model stops on `<｜end▁of▁sentence｜>`, which is also what the template writes after an assistant
 message, with nothing after it: a stored completion never needs trimming (max_trim 0). The template
-allows a system message only first, so only user and tool messages can be appended.
+allows a system message only first, so user, tool and assistant messages can be appended (an assistant message
+the model did not generate is prompt, masked out of the loss), but not system ones.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class DeepSeekFamily(ModelFamily):
     eos_token = "<｜end▁of▁sentence｜>"
     message_trailer = ""
     assistant_header = "<｜Assistant｜>"
-    appendable_roles = frozenset({"user", "tool"})
+    appendable_roles = frozenset({"user", "tool", "assistant"})
     tool_call_structure = (CALLS_BEGIN + CALL_BEGIN + "function" + TOOL_SEP, "\n```json\n",
                            "\n```" + CALL_END + CALLS_END, CALLS_BEGIN)
 

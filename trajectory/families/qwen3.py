@@ -47,7 +47,9 @@ class Qwen3Family(ModelFamily):
     extra_stop_tokens = ("<|endoftext|>",)
     message_trailer = "\n"
     assistant_header = "<|im_start|>assistant\n"
-    appendable_roles = frozenset({"user", "tool", "system"})
+    # An assistant message the model did not generate (a canned turn an agent injects) is appended as prompt: its
+    # tokens are rendered by the template and masked out of the loss like any other appended message.
+    appendable_roles = frozenset({"user", "tool", "system", "assistant"})
     tool_call_structure = ('<tool_call>\n{"name":"', '", "arguments":', "}\n</tool_call>", "<tool_call>")
 
     def parse_completion(self, text: str) -> ParsedCompletion:
