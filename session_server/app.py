@@ -20,7 +20,7 @@ from starlette.routing import Route
 from trajectory import ModelFamily
 from trajectory.errors import InvariantError
 
-from . import admin, chat, samples, sessions
+from . import admin, chat, samples, session_header, sessions
 from .config import ServerConfig
 from .cpu_pool import CpuPool
 from .engine_client import EngineClient
@@ -108,6 +108,9 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         Route(session + "/samples", samples.collect_samples, methods=["POST"]),
         Route(session + "/v1/models", sessions.list_models, methods=["GET"]),
         Route(session + "/v1/models/{model_id:path}", sessions.retrieve_model, methods=["GET"]),
+        # One base URL for many episodes, addressed by the X-Session-ID header (session_header.py).
+        Route("/v1/chat/completions", session_header.chat_completions, methods=["POST"]),
+        Route("/v1/models", session_header.list_models, methods=["GET"]),
     ]
     return Starlette(
         routes=routes,

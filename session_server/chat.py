@@ -56,9 +56,14 @@ SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 
 async def chat_completions(request: Request) -> Response:
+    return await serve_chat(request, request.path_params["session_id"])
+
+
+async def serve_chat(request: Request, session_id: str) -> Response:
+    """One chat on the session `session_id`, however the request addressed it (URL path or X-Session-ID)."""
     server: ServerState = request.app.state.server
     try:
-        claim = server.gate.claim(request.path_params["session_id"])
+        claim = server.gate.claim(session_id)
     except SessionError as err:
         server.metrics.chat(err.status)
         return error_response(err)
@@ -179,14 +184,28 @@ async def _turn(server: ServerState, claim: Claim, request: Request) -> Response
                 logger.error("session %s: invariant broken at commit: %s", session.id, err)
                 raise
             committed = True
+        if plan.rolled_back:
+            server.metrics.rollbacks_by_reason[plan.rollback_reason or "retry"] += 1
         if engine_sessions is not None:
             engine_sessions.committed(session, len(plan.prompt_ids) + len(outcome.result.output_ids))
     finally:
         if engine_sessions is not None and not committed:
             engine_sessions.mark_dirty(session)
+    headers = rollback_headers(plan)
     if chat.stream:
-        return Response(outcome.reply, media_type="text/event-stream", headers=SSE_HEADERS)
-    return Response(outcome.reply, media_type="application/json")
+        return Response(outcome.reply, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    return Response(outcome.reply, media_type="application/json", headers=headers)
+
+
+ROLLBACK_HEADER = "X-Session-Rollback"
+
+
+def rollback_headers(plan: TurnPlan) -> dict[str, str]:
+    """`X-Session-Rollback: <turns dropped>; reason=<why>` on the turn that rolled back: a rollback discards
+    generated turns from the training data, so the agent's side must be able to see it, never only the server."""
+    if not plan.rolled_back:
+        return {}
+    return {ROLLBACK_HEADER: f"{plan.rolled_back}; reason={plan.rollback_reason or 'retry'}"}
 
 
 async def _generate(server: ServerState, session_id: str, payload: bytes, rid: str, chat: ChatRequest) -> Any:

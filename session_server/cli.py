@@ -56,8 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest accepted request body; larger ones get 413 (default 16 MiB)",
     )
     p.add_argument(
-        "--message-matcher", choices=MATCHERS, default="strict",
-        help="how history is matched: strict, or loose_tool_call (JSON-equivalent tool arguments)",
+        "--message-matcher", choices=MATCHERS, default="loose_tool_call",
+        help="how history is matched: loose_tool_call (default: tool-call arguments that are equal as JSON match, "
+        "as agents re-serialise them) or strict (argument text byte for byte; any re-serialisation rolls back)",
+    )
+    p.add_argument(
+        "--create-sessions-on-demand", action="store_true",
+        help="a chat at the root URL (POST /v1/chat/completions) whose X-Session-ID names no session creates it "
+        "(ids: 1-128 characters of A-Z a-z 0-9 . _ : -); the client then chooses the id, so it is not a secret",
     )
     p.add_argument(
         "--session-idle-timeout", type=float, default=3600.0,
@@ -174,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             session_idle_timeout=args.session_idle_timeout,
             tombstones=args.tombstones,
             engine_client=args.engine_client,
+            create_sessions_on_demand=args.create_sessions_on_demand,
         )
     except ValueError as exc:
         _fail(str(exc))

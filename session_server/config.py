@@ -31,7 +31,7 @@ class ServerConfig:
     engine_sessions: bool = False
     request_timeout: float = 600.0
     max_request_bytes: int = 16 * 1024 * 1024
-    message_matcher: str = "strict"
+    message_matcher: str = "loose_tool_call"
     admin_token: str | None = None
     inline_decode: bool = False
     inline_below_bytes: int = DEFAULT_INLINE_BELOW_BYTES
@@ -42,6 +42,8 @@ class ServerConfig:
     abort_grace: float = 5.0
     tombstones: int = 100_000  # ids of deleted sessions remembered, oldest forgotten first (about 200 bytes each)
     session_idle_timeout: float = 3600.0  # seconds without a request before the sweep deletes a session; 0 = never
+    # Root-URL chats (X-Session-ID) may name a session that does not exist yet: create it on first use.
+    create_sessions_on_demand: bool = False
 
     def __post_init__(self) -> None:
         if self.cpu_workers is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from trajectory.messages import ROLLBACK_REASONS
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -12,6 +14,8 @@ class Metrics:
         self.sessions_created = 0
         self.sessions_deleted = 0  # by DELETE
         self.sessions_expired = 0  # by the idle sweep
+        # Committed turns that dropped checkpoints, by reason; every reason is exported from the start (at 0).
+        self.rollbacks_by_reason: Counter[str] = Counter(dict.fromkeys(ROLLBACK_REASONS, 0))
 
     def chat(self, status: int) -> None:
         self.chats_by_status[status] += 1
@@ -36,6 +40,11 @@ class Metrics:
             f"session_server_sessions_deleted_total {self.sessions_deleted}",
             "# TYPE session_server_sessions_expired_total counter",
             f"session_server_sessions_expired_total {self.sessions_expired}",
+            "# TYPE session_server_rollbacks_total counter",
+            *(
+                f'session_server_rollbacks_total{{reason="{r}"}} {n}'
+                for r, n in sorted(self.rollbacks_by_reason.items())
+            ),
             "# TYPE session_server_in_flight gauge",
             f"session_server_in_flight {in_flight}",
             "# TYPE session_server_sessions gauge",

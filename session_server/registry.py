@@ -64,6 +64,17 @@ class Registry:
         self._sessions[sid] = session
         return session
 
+    def create_named(self, sid: str, trajectory: LinearTrajectory, metadata: dict[str, Any] | None = None) -> Session:
+        """A session under an id the client chose (X-Session-ID with --create-sessions-on-demand).
+
+        A live or tombstoned id is refused: a late request must never revive a deleted episode under its old id.
+        """
+        if sid in self._sessions or sid in self._tombstones:
+            raise ValueError(f"session id {sid!r} is taken")
+        session = Session(id=sid, trajectory=trajectory, metadata=metadata or {})
+        self._sessions[sid] = session
+        return session
+
     def get(self, sid: str) -> Session | None:
         return self._sessions.get(sid)
 

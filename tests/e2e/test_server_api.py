@@ -192,7 +192,8 @@ def test_bad_requests_are_400_and_release_the_slot(stack: dict[str, str], case: 
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
 
 
-def test_appending_a_role_the_family_cannot_append_is_400(stack: dict[str, str]) -> None:
+def test_an_injected_assistant_message_is_prompt(stack: dict[str, str]) -> None:
+    """An agent that injects a canned assistant turn: accepted, its tokens are prompt (loss mask 0)."""
     server = stack["server"]
     sid = new_session(server)
     history = [{"role": "user", "content": "hi [[sim: tokens 4]]"}]
@@ -200,10 +201,26 @@ def test_appending_a_role_the_family_cannot_append_is_400(stack: dict[str, str])
     assert first.status_code == 200
     history.append(first.json()["choices"][0]["message"])
     history.append({"role": "assistant", "content": "I speak twice"})
+    history.append({"role": "user", "content": "go on [[sim: tokens 3]]"})
     resp = httpx.post(chat_url(server, sid), json={"messages": history})
-    assert resp.status_code == 400, resp.text
-    assert len(httpx.get(f"{server}/sessions/{sid}").json()["records"]) == 1
+    assert resp.status_code == 200, resp.text
+    info = httpx.get(f"{server}/sessions/{sid}").json()
+    assert len(info["records"]) == 2 and info["rollbacks"] == 0
+    sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples").json())[0]
+    expected = np.zeros(len(sample.tokens), dtype=np.uint8)
+    for record in info["records"]:
+        expected[record["prompt_len"]:record["prompt_len"] + record["completion_len"]] = 1
+    np.testing.assert_array_equal(sample.loss_mask, expected)
+    assert sum(expected) == 4 + 1 + 3 + 1  # the two replies and their stop tokens, nothing of the canned turn
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+
+
+def _rollbacks(metrics: httpx.Response) -> dict[str, int]:
+    prefix = 'session_server_rollbacks_total{reason="'
+    return {
+        line[len(prefix):].split('"', 1)[0]: int(float(line.rsplit(" ", 1)[1]))
+        for line in metrics.text.splitlines() if line.startswith(prefix)
+    }
 
 
 def test_rollback_one_turn_and_refuse_deeper_divergence(stack: dict[str, str]) -> None:
@@ -227,10 +244,16 @@ async def _rollback_one_turn_and_refuse_deeper_divergence(stack: dict[str, str])
 
     # Retry the last turn with a different tool result: one checkpoint rolled back, then the new turn committed.
     retry = [*messages[:-1], {"role": "tool", "tool_call_id": tool_id, "content": "two [[sim: reply ok]]"}]
-    r2b = await client.chat.completions.create(model="m", messages=retry, tools=TOOLS)
+    rollbacks_before = _rollbacks(await http.get(f"{server}/metrics"))
+    raw = await client.chat.completions.with_raw_response.create(model="m", messages=retry, tools=TOOLS)
+    assert raw.headers["x-session-rollback"] == "1; reason=content"  # the turn that rolled back says so
+    r2b = raw.parse()
+    expected = {**rollbacks_before, "content": rollbacks_before["content"] + 1}
+    assert _rollbacks(await http.get(f"{server}/metrics")) == expected
     assert r2b.choices[0].message.content == "ok"
     after = (await http.get(f"{server}/sessions/{sid}")).json()
     assert len(after["records"]) == 2 and after["records"][1]["rolled_back"] == 1
+    assert after["records"][1]["rollback_reason"] == "content" and after["rollbacks_by_reason"] == {"content": 1}
     first_turn_len = turn2["checkpoints"][0]["num_tokens"]
     assert after["token_ids"][:first_turn_len] == turn2["token_ids"][:first_turn_len]
 

@@ -1,0 +1,97 @@
+"""One base URL for many episodes: `POST /v1/chat/completions` and `GET /v1/models` at the root, addressed by the
+`X-Session-ID` request header.
+
+Harnesses such as verifiers configure one OpenAI client for a whole run and tell concurrent rollouts apart by a
+per-request `X-Session-ID` header. Each id is its own session, so episodes never interleave: two requests with the
+same id are one session's turns (the second concurrent one gets the usual 409), and different ids never share a
+trajectory. The id either names a session created with `POST /sessions`, or -- when the operator allows it with
+`--create-sessions-on-demand` -- a new id the client chose, and the session is created on first use. A deleted id is
+never revived. The trainer then collects `/sessions/{id}/samples` with the same id.
+"""
+
+from __future__ import annotations
+
+import re
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from trajectory.errors import RequestValidationError, SessionError, SessionNotFoundError, SessionPausedError
+
+from .chat import serve_chat
+from .errors import error_response
+from .state import ServerState
+
+SESSION_HEADER = "X-Session-ID"
+# Ids end up in URLs (/sessions/{id}/samples), logs and metrics labels: a conservative charset and length.
+MAX_SESSION_ID_LEN = 128
+_VALID_ID = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_SESSION_ID_LEN}}}")
+
+
+def _header_id(request: Request) -> str | None:
+    sid = request.headers.get(SESSION_HEADER)
+    if sid is None:
+        return None
+    if not _VALID_ID.fullmatch(sid):
+        raise RequestValidationError(
+            f"{SESSION_HEADER} must be 1-{MAX_SESSION_ID_LEN} characters of A-Z a-z 0-9 . _ : - "
+            f"(got {len(sid)} characters)"
+        )
+    return sid
+
+
+def _not_found(server: ServerState, sid: str) -> SessionNotFoundError:
+    how = f"create it with POST /sessions and send the returned session_id in {SESSION_HEADER}"
+    if not server.config.create_sessions_on_demand:
+        how += ", or start the server with --create-sessions-on-demand to create sessions on first use"
+    return SessionNotFoundError(f"session {sid} not found: {how}")
+
+
+def resolve_session(server: ServerState, request: Request, create: bool) -> str:
+    """The session id the request addresses; with `create` and on-demand creation on, an unknown id is created."""
+    sid = _header_id(request)
+    if sid is None:
+        raise RequestValidationError(
+            f"a chat at the root URL needs a {SESSION_HEADER} header naming its session (or use the session's own "
+            "base URL, /sessions/{session_id}/v1)"
+        )
+    registry = server.registry
+    if registry.get(sid) is not None or registry.is_tombstoned(sid):
+        return sid  # the gate answers for it: live, closing (404), deleted (404 "was deleted")
+    if not (create and server.config.create_sessions_on_demand):
+        raise _not_found(server, sid)
+    if server.gate.shutting_down:
+        raise SessionPausedError("server is shutting down", server.config.retry_after)
+    if server.gate.paused:
+        raise SessionPausedError("server is paused", server.config.retry_after)
+    # Synchronous from the lookup to the insert: two first requests with one new id cannot both create it.
+    registry.create_named(sid, server.new_trajectory())
+    server.metrics.sessions_created += 1
+    return sid
+
+
+async def chat_completions(request: Request) -> Response:
+    """POST /v1/chat/completions: the chat of the session named by X-Session-ID (created on first use if allowed)."""
+    server: ServerState = request.app.state.server
+    try:
+        sid = resolve_session(server, request, create=True)
+    except SessionError as err:
+        server.metrics.chat(err.status)
+        return error_response(err)
+    return await serve_chat(request, sid)
+
+
+async def list_models(request: Request) -> Response:
+    """GET /v1/models: the engine's model list. A harness asks before any episode exists, so the header is
+    optional here; when given it must name a live session (nothing is created by a read)."""
+    server: ServerState = request.app.state.server
+    try:
+        sid = _header_id(request)
+        if sid is not None:
+            if server.registry.get(sid) is None and not server.registry.is_tombstoned(sid):
+                raise _not_found(server, sid)
+            server.registry.require(sid)
+        reply = await server.engine.models()
+    except SessionError as err:
+        return error_response(err)
+    return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
