@@ -16,10 +16,10 @@ import re
 from starlette.requests import Request
 from starlette.responses import Response
 
-from trajectory.errors import RequestValidationError, SessionError, SessionNotFoundError, SessionPausedError
+from trajectory.errors import RequestValidationError, SessionError
 
 from .chat import serve_chat
-from .errors import error_response
+from .errors import SessionNotFoundError, SessionPausedError, error_response
 from .state import ServerState
 
 SESSION_HEADER = "X-Session-ID"
