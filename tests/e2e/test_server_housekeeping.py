@@ -362,8 +362,14 @@ def test_get_and_samples_build_their_bodies_on_the_pool(stack: dict[str, str], m
     with TestClient(app) as client:
         loop_thread = client.portal.call(lambda: threading.current_thread().name)
         sid = client.post("/sessions").json()["session_id"]
-        assert client.post(f"/sessions/{sid}/v1/chat/completions", json=SHORT_CHAT).status_code == 200
-        assert threads.pop("prepare_turn") == {loop_thread}  # a small request is cheaper inline than a pool hop
+        first = client.post(f"/sessions/{sid}/v1/chat/completions", json=SHORT_CHAT)
+        assert first.status_code == 200
+        # A first turn renders and tokenizes the whole conversation: pooled however small its body.
+        assert all(t.startswith("session-cpu") for t in threads.pop("prepare_turn"))
+        history = [*SHORT_CHAT["messages"], first.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+        assert client.post(f"/sessions/{sid}/v1/chat/completions",
+                           json={**SHORT_CHAT, "messages": history}).status_code == 200
+        assert threads.pop("prepare_turn") == {loop_thread}  # a small appended turn is cheaper inline than a hop
         big = client.post("/sessions").json()["session_id"]
         long_chat = {**SHORT_CHAT, "messages": [{"role": "user", "content": "x" * 70_000}]}
         assert client.post(f"/sessions/{big}/v1/chat/completions", json=long_chat).status_code == 200
