@@ -12,26 +12,19 @@ that come back, exactly as with a real model.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
-from typing import Any
 
+from rollout.engines.sim import directives
 from rollout.episodes import Task
 from rollout.tools import Tool, Toolbox, ToolCall, calculator_tool, lookup_tool
 
 ITEMS = ("apple", "pear", "plum", "fig", "kiwi", "lime", "date", "melon")
 
 
-def tool_call_directive(name: str, **args: Any) -> str:
-    return f"[[sim: tool_call name={name} args={json.dumps(args)}]]"
-
-
-def reply_directive(text: str) -> str:
-    return f"[[sim: reply {text}]]"
-
-
-THINK = "[[sim: think]]"
+tool_call_directive = directives.tool_call
+reply_directive = directives.reply
+THINK = directives.THINK
 
 
 class ScriptedToolbox(Toolbox):

@@ -39,14 +39,15 @@ from typing import Any
 
 import httpx
 
+from rollout.engines.sim import directives
+from rollout.engines.sim.faults import FAILING_FAULTS
 from rollout.processes import RunningProcess, start_session_server, start_sim
 
 ROOT = Path(__file__).resolve().parent.parent
 
 ADMIN_TOKEN = "soak-admin"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-FAULT_NAMES = ("http_500", "malformed_json", "nan_logprob", "str_logprob", "bool_token", "str_token", "oob_token",
-               "length_mismatch", "drop_connection")
+FAULT_NAMES = FAILING_FAULTS
 TOOLS = [{
     "type": "function",
     "function": {
@@ -401,13 +402,14 @@ class Episode:
             call = last["tool_calls"][0]
             return {"role": "tool", "tool_call_id": call.get("id"), "content": str(self.rng.randint(0, 99))}
         tokens = self.rng.randint(150, 300) if long else self.rng.randint(4, 40)
-        text = f"agent {self.idx} turn {self.turns} [[sim: tokens {tokens}]]"
+        text = f"agent {self.idx} turn {self.turns} {directives.tokens(tokens)}"
         if self.rng.random() < 0.2:
-            text += " [[sim: think]]"
+            text += " " + directives.THINK
+        calls = False
         if self.tools and not long and self.rng.random() < 0.3:
-            a, b = self.rng.randint(0, 9), self.rng.randint(0, 9)
-            text += f' [[sim: tool_call name=add args={{"a": {a}, "b": {b}}}]]'
-        return {"role": "user", "content": text, "_tokens": tokens if "tool_call" not in text else 0}
+            text += " " + directives.tool_call("add", a=self.rng.randint(0, 9), b=self.rng.randint(0, 9))
+            calls = True
+        return {"role": "user", "content": text, "_tokens": 0 if calls else tokens}
 
     async def run(self) -> None:
         soak = self.soak

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .cpu_pool import DEFAULT_INLINE_BELOW_BYTES
+from trajectory.messages import MATCHER_NAMES as MATCHERS
 
-MATCHERS = ("strict", "loose_tool_call")
+from .cpu_pool import DEFAULT_INLINE_BELOW_BYTES
 
 
 def default_cpu_workers() -> int:

@@ -18,7 +18,8 @@ from rollout.engines.sim.requests import BadRequest
 
 BODY_FAULTS = ("malformed_json", "nan_logprob", "str_logprob", "bool_token", "str_token", "oob_token",
                "length_mismatch")
-FAULTS = ("http_500", *BODY_FAULTS, "drop_connection", "delay")
+FAILING_FAULTS = ("http_500", *BODY_FAULTS, "drop_connection")  # each one fails the chat (502) and commits nothing
+FAULTS = (*FAILING_FAULTS, "delay")
 _NAN_MARK = "__sim_nan_logprob__"
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from rollout.engines.sim.constraints import StructuralTag, json_text, tool_calls_text
+from rollout.engines.sim.directives import MARK, PATTERN
 from rollout.engines.sim.family import EngineFamily
 
 _WORD_TEXT = (
@@ -31,7 +32,6 @@ _WORD_TEXT = (
 )
 WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
 
-_DIRECTIVE = re.compile(r"\[\[sim:\s*(tool_call|think|reply|tokens)\b")
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def parse_script(text: str) -> Script:
     tokens: int | None = None
     calls: list[tuple[str, str]] = []
     decoder = json.JSONDecoder()
-    for m in _DIRECTIVE.finditer(text):
+    for m in PATTERN.finditer(text):
         kind, rest = m.group(1), text[m.end():]
         if kind == "think":
             think = True
@@ -116,11 +116,11 @@ def parse_script(text: str) -> Script:
 
 def find_script(family: EngineFamily, prompt: np.ndarray) -> Script | None:
     """Directives of the LAST message that carries any; None when the prompt has none."""
-    if "[[sim:" not in family.decode_text(prompt, skip_special_tokens=False):
+    if MARK not in family.decode_text(prompt, skip_special_tokens=False):
         return None  # one decode settles the common, unscripted case
     for seg in reversed(family.message_segments(prompt)):
         text = family.segment_text(seg)
-        if "[[sim:" in text and _DIRECTIVE.search(text):
+        if MARK in text and PATTERN.search(text):
             return parse_script(text)
     return None
 
