@@ -1,0 +1,467 @@
+"""Mainstream agent frameworks, unmodified, each running its OWN tool loop against the real session server and
+`sglang-sim`, non-streaming and streaming; then the training data is checked against what the engine really saw.
+
+The episode (scripted for the sim by `[[sim: ...]]` directives, which the tools append to their results, exactly as a
+real environment returns text): reasoning + two parallel `lookup` calls, reasoning + one `calculator` call, a final
+answer. Three model calls, so the session must hold exactly three committed turns, no rollback, a loss mask that is 1
+on exactly the sampled tokens, and tokens equal to the `input_ids` the engine received and the `output_ids` (and
+logprobs) it generated -- read from a recording proxy between the server and the sim, not from the server's records.
+
+Frameworks: openai-agents 0.24, langchain-openai 1.7 + langgraph 1.2, pydantic-ai 2.62, litellm 1.83 (its own
+completion API in the loop it documents). verifiers 0.4 is not installed (it would downgrade openai 3.x to 2.x in
+the shared environment); its pattern -- one client for the whole run, one `X-Session-ID` per rollout at the root
+URL -- is reproduced with the openai client.
+
+Nothing may leave loopback: telemetry is switched off through each framework's own settings, and a guard on
+`socket.connect`/`getaddrinfo` fails the test if anything still tries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import ipaddress
+import json
+import os
+import socket
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from support.stack import Stack, StackFactory
+from trajectory import samples_from_json
+
+# Telemetry and remote lookups off, before any framework is imported (some read these at import time).
+os.environ.update({
+    "OPENAI_AGENTS_DISABLE_TRACING": "1",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    "LITELLM_TELEMETRY": "False",
+    "LANGCHAIN_TRACING_V2": "false",
+    "LANGSMITH_TRACING": "false",
+    "LOGFIRE_IGNORE_NO_CONFIG": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+})
+
+FAMILY = "qwen3"
+MODEL = "qwen3"
+SYSTEM = "You are a careful shopping assistant. Use the tools; answer briefly."
+
+
+# -- the scripted environment --------------------------------------------------------------------------------------
+
+def _directive_call(name: str, **args: Any) -> str:
+    return f"[[sim: tool_call name={name} args={json.dumps(args)}]]"
+
+
+@dataclass
+class Shopping:
+    """One episode's task: the price and quantity of an item, multiplied with the calculator."""
+
+    item: str = "apple"
+    price: int = 4
+    quantity: int = 3
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (tool, argument) as the framework ran them
+
+    @property
+    def expression(self) -> str:
+        return f"{self.price} * {self.quantity}"
+
+    @property
+    def answer(self) -> str:
+        return f"The total for {self.item} is {self.price * self.quantity}."
+
+    @property
+    def user(self) -> str:
+        return (f"What do the {self.item}s cost in total? Look up price and quantity, then use the calculator. "
+                f"[[sim: think]] {_directive_call('lookup', key=f'price:{self.item}')} "
+                f"{_directive_call('lookup', key=f'quantity:{self.item}')}")
+
+    def lookup(self, key: str) -> str:
+        self.calls.append(("lookup", key))
+        store = {f"price:{self.item}": self.price, f"quantity:{self.item}": self.quantity}
+        value = store.get(key, "unknown")
+        return f"{value}\n[[sim: think]] {_directive_call('calculator', expression=self.expression)}"
+
+    def calculator(self, expression: str) -> str:
+        self.calls.append(("calculator", expression))
+        a, b = (int(x) for x in expression.split("*"))
+        return f"{a * b}\n[[sim: reply {self.answer}]]"
+
+    def check(self, final: str) -> None:
+        assert final.strip() == self.answer
+        assert sorted(self.calls[:2]) == [("lookup", f"price:{self.item}"), ("lookup", f"quantity:{self.item}")]
+        assert self.calls[2:] == [("calculator", self.expression)]
+
+
+LOOKUP_DOC = "Look a key (like 'price:apple' or 'quantity:apple') up in the store."
+CALC_DOC = "Evaluate a product like '4 * 3'."
+
+
+# -- the frameworks, each in its own documented loop ---------------------------------------------------------------
+
+def _client(base_url: str, **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, **kw)
+
+
+async def run_openai_agents(base_url: str, task: Shopping, stream: bool, **client_kw: Any) -> str:
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+
+    @function_tool(description_override=LOOKUP_DOC)
+    def lookup(key: str) -> str:
+        return task.lookup(key)
+
+    @function_tool(description_override=CALC_DOC)
+    def calculator(expression: str) -> str:
+        return task.calculator(expression)
+
+    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=_client(base_url, **client_kw))
+    agent = Agent(name="shopper", instructions=SYSTEM, model=model, tools=[lookup, calculator],
+                  model_settings=ModelSettings(temperature=0.7))
+    if not stream:
+        result = await Runner.run(agent, task.user, max_turns=6)
+        return str(result.final_output)
+    streamed = Runner.run_streamed(agent, task.user, max_turns=6)
+    deltas = 0
+    async for event in streamed.stream_events():
+        deltas += event.type == "raw_response_event"
+    assert deltas > 0
+    return str(streamed.final_output)
+
+
+async def run_langgraph(base_url: str, task: Shopping, stream: bool) -> str:
+    from langchain_core.messages import AIMessageChunk
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    @tool(description=LOOKUP_DOC)
+    def lookup(key: str) -> str:
+        return task.lookup(key)
+
+    @tool(description=CALC_DOC)
+    def calculator(expression: str) -> str:
+        return task.calculator(expression)
+
+    llm = ChatOpenAI(model=MODEL, base_url=base_url, api_key="unused", max_retries=0, temperature=0.7,
+                     streaming=stream)
+    agent = create_react_agent(llm, [lookup, calculator], prompt=SYSTEM)
+    inputs = {"messages": [{"role": "user", "content": task.user}]}
+    if not stream:
+        state = await agent.ainvoke(inputs)
+        return str(state["messages"][-1].content)
+    chunks = 0
+    final = None
+    async for mode, payload in agent.astream(inputs, stream_mode=["messages", "values"]):
+        if mode == "messages":
+            chunks += isinstance(payload[0], AIMessageChunk)
+        else:
+            final = payload
+    assert chunks > 0 and final is not None
+    return str(final["messages"][-1].content)
+
+
+async def run_pydantic_ai(base_url: str, task: Shopping, stream: bool) -> str:
+    from pydantic_ai import Agent, AgentRunResultEvent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=_client(base_url)))
+    agent = Agent(model, system_prompt=SYSTEM, model_settings={"temperature": 0.7})
+
+    @agent.tool_plain(description=LOOKUP_DOC)
+    def lookup(key: str) -> str:
+        return task.lookup(key)
+
+    @agent.tool_plain(description=CALC_DOC)
+    def calculator(expression: str) -> str:
+        return task.calculator(expression)
+
+    if not stream:
+        return (await agent.run(task.user)).output
+    events = 0
+    output = None
+    async with agent.run_stream_events(task.user) as stream_events:
+        async for event in stream_events:
+            events += 1
+            if isinstance(event, AgentRunResultEvent):
+                output = event.result.output
+    assert events > 0 and output is not None
+    return output
+
+
+def _litellm_tools() -> list[dict[str, Any]]:
+    def schema(name: str, doc: str, arg: str) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "description": doc, "parameters": {
+            "type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}}}
+    return [schema("lookup", LOOKUP_DOC, "key"), schema("calculator", CALC_DOC, "expression")]
+
+
+async def run_litellm(base_url: str, task: Shopping, stream: bool, tools: list[dict[str, Any]] | None = None) -> str:
+    """litellm has no agent loop of its own; this is the tool loop its documentation shows (append the returned
+    message object, then one `tool` message per call), through litellm's OpenAI-compatible provider."""
+    import litellm
+
+    litellm.telemetry = False
+    tools = tools if tools is not None else _litellm_tools()
+    run = {"lookup": task.lookup, "calculator": task.calculator}
+    messages: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.user}]
+    for _ in range(6):
+        kwargs = dict(model=f"openai/{MODEL}", api_base=base_url, api_key="unused", messages=messages, tools=tools,
+                      temperature=0.7, max_retries=0)
+        if stream:
+            chunks = [chunk async for chunk in await litellm.acompletion(**kwargs, stream=True)]
+            assert chunks
+            response = litellm.stream_chunk_builder(chunks, messages=messages)
+        else:
+            response = await litellm.acompletion(**kwargs)
+        message = response.choices[0].message
+        messages.append(message)
+        if not message.tool_calls:
+            return str(message.content)
+        for call in message.tool_calls:
+            args = json.loads(call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
+                             "content": run[call.function.name](**args)})
+    raise AssertionError("litellm loop did not finish")
+
+
+FRAMEWORKS: dict[str, Callable[..., Awaitable[str]]] = {
+    "openai-agents": run_openai_agents,
+    "langgraph": run_langgraph,
+    "pydantic-ai": run_pydantic_ai,
+    "litellm": run_litellm,
+}
+
+
+# -- fixtures and checks ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(family=FAMILY, servers={"server": ["--create-sessions-on-demand"]}, proxied={"server"}) as s:
+        yield s
+
+
+def _is_loopback(host: Any) -> bool:
+    if host in (None, "localhost", "", b"localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.decode() if isinstance(host, bytes) else host).is_loopback
+    except ValueError:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Fail the test if any framework tries to reach beyond loopback (telemetry, cost maps, hubs)."""
+    attempts: list[str] = []
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+    real_getaddrinfo = socket.getaddrinfo
+
+    def allowed(address: Any) -> bool:
+        return not isinstance(address, tuple) or _is_loopback(address[0])
+
+    def connect(self: socket.socket, address: Any) -> None:
+        if not allowed(address):
+            attempts.append(f"connect {address}")
+            raise OSError(101, f"test guard: no traffic beyond loopback ({address})")
+        return real_connect(self, address)
+
+    def connect_ex(self: socket.socket, address: Any) -> int:
+        if not allowed(address):
+            attempts.append(f"connect_ex {address}")
+            return 101
+        return real_connect_ex(self, address)
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _is_loopback(host):
+            attempts.append(f"getaddrinfo {host}")
+            raise socket.gaierror(socket.EAI_NONAME, f"test guard: no lookups beyond loopback ({host})")
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield attempts
+    assert not attempts, f"traffic beyond loopback: {attempts}"
+
+
+def _new_session(server: str, metadata: dict[str, Any]) -> str:
+    resp = httpx.post(f"{server}/sessions", json={"metadata": metadata}, timeout=10)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["session_id"]
+
+
+def assert_training_data(stack: Stack, sid: str, model_calls: int) -> dict[str, Any]:
+    """One committed turn per model call, no rollback, mask exactly the sampled tokens, tokens and logprobs equal to
+    what the engine received and generated (the recording proxy's view)."""
+    server, proxy = stack.server, stack.proxy
+    assert proxy is not None
+    info = httpx.get(f"{server}/sessions/{sid}", timeout=30).json()
+    assert len(info["records"]) == model_calls, [r["message"] for r in info["records"]]
+    assert info["rollbacks"] == 0 and all(r["rolled_back"] == 0 for r in info["records"])
+    calls = [c for c in proxy.generates() if c["routing_key"] == sid]
+    assert len(calls) == model_calls  # every model call reached the engine exactly once
+    sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples", json={}, timeout=30).json())[0]
+    tokens, mask, logprobs = sample.tokens, sample.loss_mask, sample.rollout_log_probs
+    expected_mask = np.zeros(len(tokens), dtype=np.uint8)
+    prev_end = 0
+    for call, record in zip(calls, info["records"], strict=True):
+        req, resp = call["request"], call["response"]
+        assert call["status"] == 200 and resp is not None
+        input_ids = np.asarray(req["input_ids"], dtype=np.int32)
+        output_ids = np.asarray(resp["output_ids"], dtype=np.int32)
+        engine_logprobs = np.asarray([e[0] for e in resp["meta_info"]["output_token_logprobs"]], dtype=np.float32)
+        start, end = len(input_ids), len(input_ids) + len(output_ids)
+        assert start >= prev_end  # TITO: each prompt extends the previous prompt + completion
+        assert (record["prompt_len"], record["completion_len"]) == (start, len(output_ids))
+        np.testing.assert_array_equal(tokens[:start], input_ids)
+        np.testing.assert_array_equal(tokens[start:end], output_ids)
+        np.testing.assert_array_equal(logprobs[start:end], engine_logprobs)
+        expected_mask[start:end] = 1
+        prev_end = end
+    assert prev_end == len(tokens)
+    np.testing.assert_array_equal(mask, expected_mask)
+    assert np.all(logprobs[mask == 0] == 0.0)
+    assert sample.metadata["rollbacks"] == 0
+    return info
+
+
+def _delete(server: str, sid: str) -> None:
+    assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
+
+
+# -- the tests ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:create_react_agent has been moved")  # langchain.agents is not a dependency
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("framework", list(FRAMEWORKS))
+def test_framework_tool_loop_training_data(stack: Stack, framework: str, stream: bool) -> None:
+    server = stack.server
+    sid = _new_session(server, {"framework": framework, "stream": stream})
+    task = Shopping()
+    final = asyncio.run(FRAMEWORKS[framework](f"{server}/sessions/{sid}/v1", task, stream))
+    task.check(final)
+    info = assert_training_data(stack, sid, model_calls=3)
+    first, second, third = (r["message"] for r in info["records"])
+    assert first["reasoning_content"] and [c["function"]["name"] for c in first["tool_calls"]] == ["lookup"] * 2
+    assert second["reasoning_content"] and [c["function"]["name"] for c in second["tool_calls"]] == ["calculator"]
+    assert third["content"] == task.answer and not third.get("tool_calls")
+    _delete(server, sid)
+
+
+def _reorder(value: Any) -> Any:
+    """The same JSON value with every object's keys in reverse order: equal in Python, different as text."""
+    if isinstance(value, dict):
+        return {k: _reorder(value[k]) for k in reversed(list(value))}
+    if isinstance(value, list):
+        return [_reorder(v) for v in value]
+    return value
+
+
+def test_two_frameworks_with_differently_ordered_tool_schemas_on_one_server(
+    stack: Stack, hf_tokenizers: dict[str, Any]
+) -> None:
+    """openai-agents sends its tool schemas; litellm then sends the very same schemas with every key order reversed
+    (equal as values). Before rendered-tools caching was keyed on what is rendered, the second client's next turn
+    got the first client's cached prefix: a 400 template_error. Each session must render its own text."""
+    server = stack.server
+    sent: list[dict[str, Any]] = []
+
+    async def capture(request: httpx.Request) -> None:
+        if request.url.path.endswith("/chat/completions"):
+            sent.append(json.loads(request.content))
+
+    a = _new_session(server, {"framework": "openai-agents"})
+    task_a = Shopping()
+    http_client = httpx.AsyncClient(event_hooks={"request": [capture]})
+    final = asyncio.run(run_openai_agents(f"{server}/sessions/{a}/v1", task_a, False, http_client=http_client))
+    task_a.check(final)
+    agents_tools = sent[0]["tools"]
+    reordered = _reorder(copy.deepcopy(agents_tools))
+    assert reordered == agents_tools and json.dumps(reordered) != json.dumps(agents_tools)
+
+    b = _new_session(server, {"framework": "litellm"})
+    task_b = Shopping(item="pear", price=7, quantity=5)
+    task_b.check(asyncio.run(run_litellm(f"{server}/sessions/{b}/v1", task_b, False, tools=reordered)))
+    tokenizer = hf_tokenizers[FAMILY]
+    for sid, tools in ((a, agents_tools), (b, reordered)):
+        info = assert_training_data(stack, sid, model_calls=3)
+        prompt = tokenizer.decode(info["token_ids"][: info["records"][0]["prompt_len"]])
+        assert all(json.dumps(t, ensure_ascii=False) in prompt for t in tools)  # each rendered in its own order
+        _delete(server, sid)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_concurrent_episodes_over_one_base_url(stack: Stack, stream: bool) -> None:
+    """verifiers-style: ONE client for the whole run at the root URL, one X-Session-ID per rollout, rollouts
+    concurrent; sessions are created on first use. Every episode gets its own trajectory: no interleaving."""
+    server = stack.server
+    items = ("apple", "pear", "plum", "fig")
+    tasks = {f"rollout-{stream:d}-{i}": Shopping(item=item, price=2 + i, quantity=3 + i)
+             for i, item in enumerate(items)}
+
+    async def rollout(client: openai.AsyncOpenAI, sid: str, task: Shopping) -> str:
+        tools = _litellm_tools()
+        messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.user}]
+        run = {"lookup": task.lookup, "calculator": task.calculator}
+        for _ in range(6):
+            kwargs: dict[str, Any] = dict(model=MODEL, messages=messages, tools=tools,
+                                          extra_headers={"X-Session-ID": sid})
+            if stream:
+                message = await _streamed_message(client, kwargs)
+            else:
+                message = (await client.chat.completions.create(**kwargs)).choices[0].message.model_dump(
+                    exclude_none=True)
+            messages.append(message)
+            if not message.get("tool_calls"):
+                return str(message["content"])
+            for call in message["tool_calls"]:
+                result = run[call["function"]["name"]](**json.loads(call["function"]["arguments"]))
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        raise AssertionError("rollout did not finish")
+
+    async def main() -> list[str]:
+        client = _client(f"{server}/v1")  # one client, one base URL, for every rollout
+        return await asyncio.gather(*(rollout(client, sid, task) for sid, task in tasks.items()))
+
+    for final, task in zip(asyncio.run(main()), tasks.values(), strict=True):
+        task.check(final)
+    for sid, task in tasks.items():
+        info = assert_training_data(stack, sid, model_calls=3)
+        assert info["session_id"] == sid
+        text = json.dumps(info["messages"])
+        assert task.item in text and not any(other in text for other in items if other != task.item)
+        _delete(server, sid)
+
+
+async def _streamed_message(client: openai.AsyncOpenAI, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Assemble an assistant message from OpenAI stream chunks (content, reasoning and tool-call deltas by index)."""
+    content, reasoning = [], []
+    calls: dict[int, dict[str, Any]] = {}
+    stream = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content.append(delta.content or "")
+            reasoning.append(getattr(delta, "reasoning_content", None) or "")
+            for tc in delta.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"id": "", "type": "function",
+                                                   "function": {"name": "", "arguments": ""}})
+                slot["id"] = tc.id or slot["id"]
+                if tc.function is not None:
+                    slot["function"]["name"] += tc.function.name or ""
+                    slot["function"]["arguments"] += tc.function.arguments or ""
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    if "".join(reasoning):
+        message["reasoning_content"] = "".join(reasoning)
+    return message
