@@ -110,3 +110,41 @@ def test_tool_loop_matches_what_the_engine_saw(stack: dict) -> None:
     assert "equal" in report or "error" in report
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
     assert_engine_baseline(stack["engine"])
+
+
+def test_an_injected_assistant_turn_is_prompt_on_every_family(stack: dict, hf_tokenizers: dict) -> None:
+    """An agent injects a canned assistant message (the model never generated it): accepted as prompt tokens with
+    loss mask 0, on every family; the tokens still equal what the engine received and generated."""
+    server, proxy = stack["server"], stack["proxy"]
+    sid = new_session(server)
+    proxy.clear()
+    url = f"{server}/sessions/{sid}/v1/chat/completions"
+    canned = "Sure. I checked the manual first; now the answer."
+    history: list[dict] = [{"role": "user", "content": "Hello [[sim: tokens 5]]"}]
+    first = httpx.post(url, json={"messages": history}, timeout=30)
+    assert first.status_code == 200, first.text
+    history += [first.json()["choices"][0]["message"], {"role": "assistant", "content": canned},
+                {"role": "user", "content": "Go on [[sim: reply Done.]]"}]
+    second = httpx.post(url, json={"messages": history}, timeout=30)
+    assert second.status_code == 200, second.text
+    assert second.json()["choices"][0]["message"]["content"] == "Done."
+    info = httpx.get(f"{server}/sessions/{sid}").json()
+    assert len(info["records"]) == 2 and info["rollbacks"] == 0
+    sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples").json())[0]
+    sent = proxy.generates()
+    assert len(sent) == 2
+    expected_mask = np.zeros(len(sample.tokens), dtype=np.uint8)
+    for call in sent:
+        start = len(call["request"]["input_ids"])
+        output_ids = call["response"]["output_ids"]
+        np.testing.assert_array_equal(sample.tokens[:start], call["request"]["input_ids"])
+        np.testing.assert_array_equal(sample.tokens[start:start + len(output_ids)], output_ids)
+        expected_mask[start:start + len(output_ids)] = 1
+    np.testing.assert_array_equal(sample.loss_mask, expected_mask)
+    # The canned text sits in the second prompt, between the two generated turns, entirely under mask 0.
+    tokenizer = hf_tokenizers[stack["family"]]
+    first_end = len(sent[0]["request"]["input_ids"]) + len(sent[0]["response"]["output_ids"])
+    between = tokenizer.decode(sample.tokens[first_end:len(sent[1]["request"]["input_ids"])].tolist())
+    assert canned in between and not expected_mask[first_end:len(sent[1]["request"]["input_ids"])].any()
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(stack["engine"])

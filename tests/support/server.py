@@ -74,6 +74,18 @@ def as_history(message: Any) -> dict[str, Any]:
     return message.model_dump(exclude_none=True)
 
 
+def sse_events(body: bytes) -> list[Any]:
+    """The JSON payloads of an SSE body (`data: {...}` events), `[DONE]` left out."""
+    import msgspec
+
+    events = []
+    for block in body.split(b"\n\n"):
+        data = block.strip()
+        if data.startswith(b"data:") and data[5:].strip() != b"[DONE]":
+            events.append(msgspec.json.decode(data[5:].strip()))
+    return events
+
+
 class RecordingProxy:
     """A loopback HTTP proxy in front of the engine that records every call, so tests can compare what the
     session server stored with what the engine actually received and generated (and in which order)."""
@@ -110,6 +122,10 @@ class RecordingProxy:
                 entry["response"] = msgspec.json.decode(resp.content)
             except msgspec.DecodeError:
                 entry["response"] = None
+                if resp.content.startswith(b"data:"):  # a streamed /generate: SGLang's chunks are cumulative,
+                    events = sse_events(resp.content)    # so the last one is the whole response
+                    entry["stream_chunks"] = len(events)
+                    entry["response"] = events[-1] if events else None
             return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
         app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])

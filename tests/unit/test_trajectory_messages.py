@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trajectory import MessageMatcher, normalize_messages, normalize_tools
 from trajectory.errors import RequestValidationError
@@ -147,3 +151,30 @@ def test_rollback_reasons():
     for request, reason in cases:
         assert m.match_detail(stored, request)[2] == reason, request
     assert set(ROLLBACK_REASONS) >= {r for _, r in cases if r}
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def _reordered(value):
+    if isinstance(value, dict):
+        return {k: _reordered(value[k]) for k in reversed(list(value))}
+    if isinstance(value, list):
+        return [_reordered(v) for v in value]
+    return value
+
+
+@settings(max_examples=200, deadline=None)
+@given(args=st.dictionaries(st.text(max_size=6), _JSON, max_size=5), indent=st.sampled_from([None, 2]))
+def test_any_reserialisation_of_the_arguments_matches(args, indent):
+    """Whatever an agent does to the arguments' text -- compact, indent, reorder keys, escape non-ASCII -- the echo
+    repeats the stored message by default (and only the identical text does under `strict`)."""
+    stored_text = json.dumps(args, ensure_ascii=False)
+    echoed_text = json.dumps(_reordered(args), separators=(",", ":") if indent is None else None, indent=indent)
+    assert MessageMatcher().equal(_args(stored_text), _args(echoed_text))
+    assert MessageMatcher("strict").equal(_args(stored_text), _args(echoed_text)) is (stored_text == echoed_text)
