@@ -12,12 +12,13 @@ import hmac
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 
 from trajectory.errors import RequestValidationError, SessionError
 
 from .errors import AdminAuthError, error_response, json_response
 from .gate import AbortReason
+from .metrics import CONTENT_TYPE
 from .state import ServerState
 
 
@@ -37,14 +38,8 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    server = _server(request)
-    text = server.metrics.render(
-        in_flight=server.gate.in_flight,
-        sessions=len(server.registry),
-        tombstones=server.registry.num_tombstones,
-        paused=server.gate.paused,
-    )
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    """Prometheus text exposition of this server's registry (see metrics.py for what is in it)."""
+    return Response(_server(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
 def _authorize(request: Request) -> None:

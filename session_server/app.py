@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -27,6 +28,7 @@ from .engine_client import EngineClient
 from .engine_sessions import EngineSessions
 from .errors import error_response, method_not_allowed, not_found
 from .gate import AbortReason, Gate
+from .metrics import LoopLagTicker, ResponseMetrics
 from .registry import Registry
 from .state import ServerState
 from .sweeper import Sweeper
@@ -40,7 +42,7 @@ def build_state(config: ServerConfig, family: ModelFamily) -> ServerState:
         config.engine_base, timeout=config.request_timeout, connections=config.engine_connections,
         hot_path=config.engine_client,
     )
-    return ServerState(
+    server = ServerState(
         config=config,
         family=family,
         registry=registry,
@@ -50,6 +52,17 @@ def build_state(config: ServerConfig, family: ModelFamily) -> ServerState:
                      inline_below_bytes=config.inline_below_bytes),
         engine_sessions=EngineSessions(engine) if config.engine_sessions else None,
     )
+    watch_state(server)
+    return server
+
+
+def watch_state(server: ServerState) -> None:
+    """Gauges of live state, read when /metrics is scraped (nothing on the hot path updates them)."""
+    gate, registry, watch = server.gate, server.registry, server.metrics.watch
+    watch("in_flight", "chats in flight", lambda: gate.in_flight)
+    watch("sessions", "live sessions", lambda: len(registry))
+    watch("tombstones", "deleted session ids remembered", lambda: registry.num_tombstones)
+    watch("paused", "1 while /admin/pause holds new chats", lambda: int(gate.paused))
 
 
 async def abort_in_flight(server: ServerState) -> None:
@@ -88,9 +101,12 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         freeze_startup_heap()
         sweeper = Sweeper(server)
         sweeper.start()
+        lag = LoopLagTicker(server.metrics)
+        lag.start()
         try:
             yield
         finally:
+            await lag.stop()
             await sweeper.stop()
             await shutdown(server)
 
@@ -114,6 +130,7 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
     ]
     return Starlette(
         routes=routes,
+        middleware=[Middleware(ResponseMetrics, routes=routes)],
         lifespan=lifespan,
         exception_handlers={404: not_found, 405: method_not_allowed, Exception: _unhandled},
     )

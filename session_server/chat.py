@@ -20,14 +20,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from trajectory import LinearTrajectory, TurnPlan
-from trajectory.errors import InvariantError, SessionError
+from trajectory.errors import InvariantError, SessionError, UpstreamError
 
 from .engine_client import EngineReply
 from .errors import (
@@ -39,6 +41,7 @@ from .errors import (
     error_response,
 )
 from .gate import AbortReason, Claim
+from .metrics import AbortCause
 from .openai_format import (
     ChatRequest,
     TurnOutput,
@@ -55,25 +58,55 @@ logger = logging.getLogger("session_server.chat")
 SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 
+_ABORT_CAUSES = {
+    AbortReason.DELETED: AbortCause.DELETE,
+    AbortReason.EXPIRED: AbortCause.EXPIRY,
+    AbortReason.PAUSED: AbortCause.PAUSE,
+    AbortReason.SHUTDOWN: AbortCause.SHUTDOWN,
+}
+
+
+@dataclass(slots=True)
+class TurnTiming:
+    """Seconds spent waiting for the engine and decoding its reply (filled in by `_generate`)."""
+
+    engine: float = 0.0
+    decode: float = 0.0
+
+
+def _aborted(err: SessionError, cause: AbortCause) -> SessionError:
+    """Tag an error as the end of an aborted chat, so the handler counts it once, by cause."""
+    err.abort_cause = cause  # type: ignore[attr-defined]
+    return err
+
+
 async def chat_completions(request: Request) -> Response:
     return await serve_chat(request, request.path_params["session_id"])
 
 
 async def serve_chat(request: Request, session_id: str) -> Response:
     """One chat on the session `session_id`, however the request addressed it (URL path or X-Session-ID)."""
+    """Responses are counted by route and status in metrics.ResponseMetrics; this counts what only a chat knows."""
     server: ServerState = request.app.state.server
     try:
         claim = server.gate.claim(session_id)
     except SessionError as err:
-        server.metrics.chat(err.status)
         return error_response(err)
+    started = time.perf_counter()
+    timing = TurnTiming()
     try:
-        response = await _turn(server, claim, request)
+        response = await _turn(server, claim, request, timing)
     except SessionError as err:
+        cause = getattr(err, "abort_cause", None)
+        if cause is not None:
+            server.metrics.abort(cause)
+        elif isinstance(err, UpstreamError):
+            server.metrics.validation_failure(err.rule)
         response = error_response(err)
     finally:
         claim.release()
-    server.metrics.chat(response.status_code)
+    if response.status_code == 200:
+        server.metrics.chat_done(time.perf_counter() - started, timing.engine)
     return response
 
 
@@ -90,7 +123,9 @@ async def read_body(request: Request, limit: int) -> bytes:
                 raise RequestTooLargeError(f"request body exceeds the limit of {limit} bytes")
             chunks.append(chunk)
     except ClientDisconnect:
-        raise ClientDisconnectedError("client disconnected while sending the request") from None
+        raise _aborted(
+            ClientDisconnectedError("client disconnected while sending the request"), AbortCause.DISCONNECT
+        ) from None
     return b"".join(chunks)
 
 
@@ -135,18 +170,21 @@ def _raise_if_aborted(claim: Claim) -> None:
     reason = claim.reason
     if reason is None:
         return
+    err: SessionError
     if reason is AbortReason.DELETED:
-        raise SessionNotFoundError(f"session {claim.session.id} was deleted during the chat")
-    if reason is AbortReason.EXPIRED:
-        raise SessionNotFoundError(f"session {claim.session.id} expired: its chat outlived the request timeout")
-    retry_after = claim.retry_after
-    if reason is AbortReason.PAUSED:
-        raise SessionPausedError("chat aborted: the server was paused; retry the same turn", retry_after)
-    raise SessionPausedError("chat aborted: the server is shutting down", retry_after)
+        err = SessionNotFoundError(f"session {claim.session.id} was deleted during the chat")
+    elif reason is AbortReason.EXPIRED:
+        err = SessionNotFoundError(f"session {claim.session.id} expired: its chat outlived the request timeout")
+    elif reason is AbortReason.PAUSED:
+        err = SessionPausedError("chat aborted: the server was paused; retry the same turn", claim.retry_after)
+    else:
+        err = SessionPausedError("chat aborted: the server is shutting down", claim.retry_after)
+    raise _aborted(err, _ABORT_CAUSES[reason])
 
 
-async def _turn(server: ServerState, claim: Claim, request: Request) -> Response:
+async def _turn(server: ServerState, claim: Claim, request: Request, timing: TurnTiming) -> Response:
     session = claim.session
+    metrics = server.metrics
     body = await _read_body_or_abort(claim, request, server.config.max_request_bytes)
     rid = uuid.uuid4().hex  # fixed length: no rid is a prefix of another (abort matches by prefix)
     engine_sessions = server.engine_sessions
@@ -156,9 +194,11 @@ async def _turn(server: ServerState, claim: Claim, request: Request) -> Response
     # (measured: /health p99 89 ms under 64-chat waves of first turns with 8 tools). So first turns always go to
     # the pool; appended turns render only the new messages and are sized by their body.
     cost = len(body) if session.trajectory.checkpoints else max(len(body), server.pool.inline_below_bytes)
+    t0 = time.perf_counter()
     chat, plan, payload = await server.pool.run_sized(
         cost, prepare_turn, body, session.trajectory, rid, routed, engine_sessions is None
     )
+    metrics.stage("prepare", time.perf_counter() - t0)
     _raise_if_aborted(claim)
     if engine_sessions is not None:
         start, session_params = await engine_sessions.begin_turn(session, plan.new_token_start)
@@ -171,21 +211,28 @@ async def _turn(server: ServerState, claim: Claim, request: Request) -> Response
 
     committed = False
     try:
-        outcome = await _run_engine(server, claim, request, rid, payload, chat)
+        outcome = await _run_engine(server, claim, request, rid, payload, chat, timing)
         if isinstance(outcome, EngineReply):  # the engine's own error: pass it through, unrecorded
             return Response(outcome.body, status_code=outcome.status, media_type=outcome.content_type)
         if outcome.message is None:
-            raise SessionPausedError("the engine aborted the request; retry the same turn", server.config.retry_after)
+            raise _aborted(
+                SessionPausedError("the engine aborted the request; retry the same turn", server.config.retry_after),
+                AbortCause.ENGINE,
+            )
+        metrics.stage("decode", timing.decode)
         _raise_if_aborted(claim)
+        t0 = time.perf_counter()
         async with session.lock:
             try:
-                session.trajectory.commit(plan, outcome.result, outcome.message)
+                record = session.trajectory.commit(plan, outcome.result, outcome.message)
             except InvariantError as err:
                 logger.error("session %s: invariant broken at commit: %s", session.id, err)
                 raise
             committed = True
+        metrics.stage("commit", time.perf_counter() - t0)
+        metrics.turn_tokens(len(plan.prompt_ids), record.cached_tokens, record.completion_len)
         if plan.rolled_back:
-            server.metrics.rollbacks_by_reason[plan.rollback_reason or "retry"] += 1
+            metrics.rollback(plan.rollback_reason or "retry")
         if engine_sessions is not None:
             engine_sessions.committed(session, len(plan.prompt_ids) + len(outcome.result.output_ids))
     finally:
@@ -208,18 +255,26 @@ def rollback_headers(plan: TurnPlan) -> dict[str, str]:
     return {ROLLBACK_HEADER: f"{plan.rolled_back}; reason={plan.rollback_reason or 'retry'}"}
 
 
-async def _generate(server: ServerState, session_id: str, payload: bytes, rid: str, chat: ChatRequest) -> Any:
+async def _generate(
+    server: ServerState, session_id: str, payload: bytes, rid: str, chat: ChatRequest, timing: TurnTiming
+) -> Any:
+    t0 = time.perf_counter()
     reply = await server.engine.generate(payload, session_id)
+    t1 = time.perf_counter()
+    timing.engine = t1 - t0
+    server.metrics.engine_seconds.observe(timing.engine)
     if not reply.ok:
         return reply
     model = chat.model or server.family.name
     # The cut is a memchr over the routed-experts megabytes (~0.1 ms); what is left to decode is what the pool-or-
     # inline choice should weigh, and it is usually small enough that a pool hop would cost more than the decode.
     split = split_routed_experts(reply.body)
-    return await server.pool.run_decode(
+    out = await server.pool.run_decode(
         len(split[0]), decode_turn, reply.body, server.family, rid, model, chat.stream, split=split,
         options=chat.options,
     )
+    timing.decode = time.perf_counter() - t1
+    return out
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -230,9 +285,10 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _run_engine(
-    server: ServerState, claim: Claim, request: Request, rid: str, payload: bytes, chat: ChatRequest
+    server: ServerState, claim: Claim, request: Request, rid: str, payload: bytes, chat: ChatRequest,
+    timing: TurnTiming,
 ) -> TurnOutput | EngineReply:
-    engine_task = asyncio.ensure_future(_generate(server, claim.session.id, payload, rid, chat))
+    engine_task = asyncio.ensure_future(_generate(server, claim.session.id, payload, rid, chat, timing))
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
     aborted = asyncio.ensure_future(claim.aborted.wait())
     try:
@@ -253,15 +309,21 @@ async def _run_engine(
         return engine_task.result()
     await _abort_engine(server, rid, engine_task)
     if disconnect in done:
-        raise ClientDisconnectedError("client disconnected during the chat; engine request aborted")
+        raise _aborted(
+            ClientDisconnectedError("client disconnected during the chat; engine request aborted"),
+            AbortCause.DISCONNECT,
+        )
     if aborted in done:
         _raise_if_aborted(claim)
-    raise EngineTimeoutError(f"engine did not answer within {server.config.request_timeout:g}s; request aborted")
+    raise _aborted(
+        EngineTimeoutError(f"engine did not answer within {server.config.request_timeout:g}s; request aborted"),
+        AbortCause.TIMEOUT,
+    )
 
 
 async def _abort_engine(server: ServerState, rid: str, engine_task: asyncio.Future[Any]) -> None:
     """Abort by rid and wait for the engine to acknowledge by finishing the request (bounded), else drop it."""
-    server.metrics.engine_aborts += 1
+    server.metrics.engine_aborts.inc()
     if not engine_task.done():
         await server.engine.abort(rid)
         await asyncio.wait((engine_task,), timeout=server.config.abort_grace)

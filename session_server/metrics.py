@@ -1,57 +1,269 @@
-"""Process counters for /metrics (Prometheus text format). Plain ints mutated on the loop: no locks needed."""
+"""What an operator scrapes at GET /metrics: prometheus_client metrics in a registry owned by one app.
+
+One registry per app (not the library's global one), so several apps can live in one test process and each /metrics
+shows only its own server. Every metric is created here, once, with bounded label values: a route label is the
+route's template (`/sessions/{session_id}`), never the raw path, so a million sessions do not make a million series.
+
+How code counts things: through the `Metrics` object on the server state, e.g.
+`server.metrics.rollback("diverged")`, `server.metrics.validation_failure(err.rule)`,
+`server.metrics.abort(AbortCause.DISCONNECT)`, `server.metrics.stage("commit", seconds)`. Responses are counted in
+exactly one place, `ResponseMetrics` (an ASGI middleware around the router): every response once, by route template,
+method and status, including the 500 of an unhandled exception and the 404/405 of paths no route knows.
+
+Cost on the hot path: children of labelled metrics are resolved once and cached in plain dicts (`labels()` takes a
+lock and builds a tuple on every call); an `inc()` or `observe()` is then a lock and an add, about a microsecond.
+Gauges of live state (sessions, in-flight chats, pause, journal queue) are read at scrape time by callbacks, so
+nothing on the hot path updates them. Event-loop lag is measured by a ticker (`LoopLagTicker`) that asks to be run
+every `interval` seconds and records how late the loop ran it: a saturated loop shows up here before the agents
+time out.
+"""
 
 from __future__ import annotations
 
-from collections import Counter
+import asyncio
+import contextlib
+import enum
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import prometheus_client
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.gc_collector import GCCollector
 
 from trajectory.messages import ROLLBACK_REASONS
 
+# `<name>_created` timestamp series double the output and nobody graphs them (process-wide switch, set once).
+prometheus_client.disable_created_metrics()
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+PREFIX = "session_server"
+
+# Seconds. Chats wait for generation (up to the request timeout); the server's own work is sub-millisecond to tens of
+# milliseconds; the loop lag of a healthy server is well below a millisecond.
+CHAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+CPU_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+STAGES = ("prepare", "decode", "commit", "journal")
+TOKEN_KINDS = ("prompt", "cached", "completion")
+
+
+class AbortCause(enum.Enum):
+    """Why a chat was cut off (its engine request aborted, nothing committed)."""
+
+    DISCONNECT = "disconnect"  # the client went away
+    DELETE = "delete"  # DELETE /sessions/{id}
+    PAUSE = "pause"  # /admin/pause with mode=abort
+    TIMEOUT = "timeout"  # the engine did not answer within --request-timeout
+    EXPIRY = "expiry"  # the idle sweep deleted the session (a chat stuck past the request timeout)
+    SHUTDOWN = "shutdown"  # SIGTERM
+    ENGINE = "engine"  # the engine aborted the request itself (its own pause, a weight update)
+
 
 class Metrics:
+    """All of one server's metrics, in its own registry."""
+
     def __init__(self) -> None:
-        self.chats_by_status: Counter[int] = Counter()
-        self.engine_aborts = 0
-        self.sessions_created = 0
-        self.sessions_deleted = 0  # by DELETE
-        self.sessions_expired = 0  # by the idle sweep
-        # Committed turns that dropped checkpoints, by reason; every reason is exported from the start (at 0).
-        self.rollbacks_by_reason: Counter[str] = Counter(dict.fromkeys(ROLLBACK_REASONS, 0))
+        self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        r = self.registry
 
-    def chat(self, status: int) -> None:
-        self.chats_by_status[status] += 1
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, labels, registry=r)
 
-    def render(self, *, in_flight: int, sessions: int, tombstones: int, paused: bool) -> str:
-        ok = sum(n for s, n in self.chats_by_status.items() if s < 400)
-        err = sum(n for s, n in self.chats_by_status.items() if s >= 400)
-        lines = [
-            "# TYPE session_server_chats_total counter",
-            f'session_server_chats_total{{result="ok"}} {ok}',
-            f'session_server_chats_total{{result="error"}} {err}',
-            "# TYPE session_server_chats_by_status_total counter",
-            *(
-                f'session_server_chats_by_status_total{{status="{s}"}} {n}'
-                for s, n in sorted(self.chats_by_status.items())
-            ),
-            "# TYPE session_server_engine_aborts_total counter",
-            f"session_server_engine_aborts_total {self.engine_aborts}",
-            "# TYPE session_server_sessions_created_total counter",
-            f"session_server_sessions_created_total {self.sessions_created}",
-            "# TYPE session_server_sessions_deleted_total counter",
-            f"session_server_sessions_deleted_total {self.sessions_deleted}",
-            "# TYPE session_server_sessions_expired_total counter",
-            f"session_server_sessions_expired_total {self.sessions_expired}",
-            "# TYPE session_server_rollbacks_total counter",
-            *(
-                f'session_server_rollbacks_total{{reason="{r}"}} {n}'
-                for r, n in sorted(self.rollbacks_by_reason.items())
-            ),
-            "# TYPE session_server_in_flight gauge",
-            f"session_server_in_flight {in_flight}",
-            "# TYPE session_server_sessions gauge",
-            f"session_server_sessions {sessions}",
-            "# TYPE session_server_tombstones gauge",
-            f"session_server_tombstones {tombstones}",
-            "# TYPE session_server_paused gauge",
-            f"session_server_paused {int(paused)}",
-        ]
-        return "\n".join(lines) + "\n"
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, labels, buckets=buckets, registry=r)
+
+        self.responses = counter(
+            "responses", "HTTP responses by route template, method and status", ("route", "method", "status")
+        )
+        self.chat_seconds = histogram(
+            "chat_seconds", "latency of successful chats, from the slot claim to the reply", CHAT_BUCKETS
+        )
+        self.engine_seconds = histogram(
+            "engine_seconds", "latency of engine /generate calls, response read included", CHAT_BUCKETS
+        )
+        self.added_seconds = histogram(
+            "added_seconds", "what the server adds to a successful chat: chat latency minus engine latency", CPU_BUCKETS
+        )
+        self.stage_seconds = histogram(
+            "stage_seconds",
+            "time in a stage of a chat: prepare (parse + TITO + encode), decode (engine response), commit, journal "
+            "(waiting for the turn's journal write)",
+            CPU_BUCKETS, ("stage",),
+        )
+        self.tokens = counter(
+            "tokens", "tokens of committed turns: prompt, cached (prefix hits), completion", ("kind",)
+        )
+        self.rollbacks = counter("rollbacks", "turns committed after rolling back history, by reason", ("reason",))
+        self.validation_failures = counter(
+            "engine_validation_failures", "engine responses refused (502), by the rule they broke", ("rule",)
+        )
+        self.aborts = counter("aborts", "chats aborted before commit, by cause", ("cause",))
+        self.engine_aborts = counter("engine_aborts", "abort_request calls sent to the engine")
+        self.sessions_created = counter("sessions_created", "sessions created")
+        self.sessions_deleted = counter("sessions_deleted", "sessions deleted by DELETE")
+        self.sessions_expired = counter("sessions_expired", "sessions deleted by the idle sweep")
+        self.loop_lag = histogram(
+            "event_loop_lag_seconds", "how late the event loop ran a ticker scheduled every interval", LAG_BUCKETS
+        )
+        self.loop_lag_last = Gauge(f"{PREFIX}_event_loop_lag_last_seconds", "the latest lag measurement", registry=r)
+
+        self._stages = {s: self.stage_seconds.labels(s) for s in STAGES}
+        self._tokens = {k: self.tokens.labels(k) for k in TOKEN_KINDS}
+        self._aborts = {c: self.aborts.labels(c.value) for c in AbortCause}
+        self._responses: dict[tuple[str, str, int], Any] = {}
+        # Every rollback reason is exported from the start (at 0), so a rate() has a series to start from.
+        self._rollbacks: dict[str, Any] = {r: self.rollbacks.labels(r) for r in ROLLBACK_REASONS}
+        self._validation: dict[str, Any] = {}
+
+    # -- gauges of live state, read at scrape time ------------------------------------------------------
+    def watch(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        """A gauge whose value is `read()` at scrape time (never updated on the hot path)."""
+        Gauge(f"{PREFIX}_{name}", doc, registry=self.registry).set_function(read)
+
+    # -- counting helpers --------------------------------------------------------------------------------
+    def response(self, route: str, method: str, status: int) -> None:
+        key = (route, method, status)
+        child = self._responses.get(key)
+        if child is None:
+            child = self._responses[key] = self.responses.labels(route, method, str(status))
+        child.inc()
+
+    def stage(self, name: str, seconds: float) -> None:
+        self._stages[name].observe(seconds)
+
+    def chat_done(self, chat_seconds: float, engine_seconds: float) -> None:
+        self.chat_seconds.observe(chat_seconds)
+        self.added_seconds.observe(max(0.0, chat_seconds - engine_seconds))
+
+    def turn_tokens(self, prompt: int, cached: int, completion: int) -> None:
+        self._tokens["prompt"].inc(prompt)
+        self._tokens["cached"].inc(cached)
+        self._tokens["completion"].inc(completion)
+
+    def rollback(self, reason: str) -> None:
+        child = self._rollbacks.get(reason)
+        if child is None:
+            child = self._rollbacks[reason] = self.rollbacks.labels(reason)
+        child.inc()
+
+    def validation_failure(self, rule: str) -> None:
+        child = self._validation.get(rule)
+        if child is None:
+            child = self._validation[rule] = self.validation_failures.labels(rule)
+        child.inc()
+
+    def abort(self, cause: AbortCause) -> None:
+        self._aborts[cause].inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# -- responses by route template: one ASGI middleware -------------------------------------------------------
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
+
+UNMATCHED = "<unmatched>"  # the route label of a path no route knows (bounded: never the raw path)
+CANCELLED = 499  # the handler was cancelled before it sent anything (nginx's "client closed request")
+
+
+class ResponseMetrics:
+    """Counts every HTTP response once, by route template, method and status.
+
+    Sits between Starlette's ServerErrorMiddleware and the router, so an unhandled exception is counted as the 500
+    the outer middleware is about to send. The route template is found through the endpoint the router matched
+    (`scope["endpoint"]`); an endpoint mounted under several templates is told apart by the route's own regex.
+    """
+
+    def __init__(self, app: ASGIApp, routes: list[Any]) -> None:
+        self.app = app
+        by_endpoint: dict[Any, list[Any]] = {}
+        for route in routes:
+            endpoint = getattr(route, "endpoint", None)
+            if endpoint is not None and all(route.path != r.path for r in by_endpoint.get(endpoint, [])):
+                by_endpoint.setdefault(endpoint, []).append(route)
+        self._single = {e: rs[0].path for e, rs in by_endpoint.items() if len(rs) == 1}
+        self._multi = {e: rs for e, rs in by_endpoint.items() if len(rs) > 1}
+
+    def route_of(self, scope: Scope) -> str:
+        endpoint = scope.get("endpoint")
+        if endpoint is None:
+            return UNMATCHED
+        path = self._single.get(endpoint)
+        if path is not None:
+            return path
+        for route in self._multi.get(endpoint, ()):
+            if route.path_regex.match(scope["path"]):
+                return route.path
+        return UNMATCHED
+
+    async def __call__(
+        self, scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        except Exception:
+            status = status or 500  # ServerErrorMiddleware answers 500 unless the response had started
+            raise
+        except BaseException:
+            status = status or CANCELLED
+            raise
+        finally:
+            server = getattr(scope["app"].state, "server", None) if "app" in scope else None
+            if server is not None:
+                server.metrics.response(self.route_of(scope), scope["method"], status)
+
+
+# -- event-loop lag --------------------------------------------------------------------------------------------
+class LoopLagTicker:
+    """Every `interval` seconds, record how much later than asked the loop woke the ticker up."""
+
+    def __init__(self, metrics: Metrics, interval: float = 0.1) -> None:
+        self._metrics = metrics
+        self._interval = interval
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="event-loop-lag")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        interval = self._interval
+        observe = self._metrics.loop_lag.observe
+        last = self._metrics.loop_lag_last.set
+        while True:
+            asked = time.perf_counter()
+            await asyncio.sleep(interval)
+            lag = max(0.0, time.perf_counter() - asked - interval)
+            observe(lag)
+            last(lag)

@@ -66,7 +66,7 @@ def resolve_session(server: ServerState, request: Request, create: bool) -> str:
         raise SessionPausedError("server is paused", server.config.retry_after)
     # Synchronous from the lookup to the insert: two first requests with one new id cannot both create it.
     registry.create_named(sid, server.new_trajectory())
-    server.metrics.sessions_created += 1
+    server.metrics.sessions_created.inc()
     return sid
 
 
@@ -76,7 +76,6 @@ async def chat_completions(request: Request) -> Response:
     try:
         sid = resolve_session(server, request, create=True)
     except SessionError as err:
-        server.metrics.chat(err.status)
         return error_response(err)
     return await serve_chat(request, sid)
 

@@ -52,7 +52,7 @@ async def create_session(request: Request) -> Response:
         if not isinstance(metadata, dict):
             return error_response(RequestValidationError("'metadata' must be an object"))
     session = server.registry.create(server.new_trajectory(), metadata)
-    server.metrics.sessions_created += 1
+    server.metrics.sessions_created.inc()
     return json_response({"session_id": session.id})
 
 
@@ -105,10 +105,10 @@ async def close_session(server: ServerState, session: Session, reason: AbortReas
     if server.registry.get(session.id) is session:
         if reason is AbortReason.EXPIRED:
             server.registry.forget(session.id, "expired after being idle")
-            server.metrics.sessions_expired += 1
+            server.metrics.sessions_expired.inc()
         else:
             server.registry.forget(session.id)
-            server.metrics.sessions_deleted += 1
+            server.metrics.sessions_deleted.inc()
 
 
 async def list_models(request: Request) -> Response:

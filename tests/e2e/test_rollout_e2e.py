@@ -267,7 +267,7 @@ def test_cancelling_a_batch_of_episodes_deletes_every_session(stack: dict) -> No
 
 def test_two_servers_share_the_load(stack: dict) -> None:
     servers = [stack["a"], stack["b"]]
-    chats_before = {url: metric(url, 'session_server_chats_total{result="ok"}') for url in servers}
+    chats_before = {url: metric(url, 'session_server_stage_seconds_count{stage="commit"}') for url in servers}
     pairs = shopping_tasks(8, seed=11)
 
     async def main() -> list[EpisodeResult]:
@@ -279,7 +279,7 @@ def test_two_servers_share_the_load(stack: dict) -> None:
     per_server = {url: [r for r in results if r.server == url] for url in servers}
     assert all(len(rs) >= 2 for rs in per_server.values()), {u: len(rs) for u, rs in per_server.items()}
     for url, rs in per_server.items():  # each server really served the turns of its own sessions
-        chats = metric(url, 'session_server_chats_total{result="ok"}') - chats_before[url]
+        chats = metric(url, 'session_server_stage_seconds_count{stage="commit"}') - chats_before[url]
         assert chats == sum(r.turns for r in rs)
 
 
