@@ -114,8 +114,8 @@ def test_rollback_and_validation_failure_are_counted(stack: Stack) -> None:
     assert bad.status_code == 502
     rule = bad.json()["error"]["rule"]
     after = scrape(server)
-    assert value(after, "session_server_rollbacks_total", reason="diverged") - value(
-        before, "session_server_rollbacks_total", reason="diverged") == 1
+    assert value(after, "session_server_rollbacks_total", reason="content") - value(
+        before, "session_server_rollbacks_total", reason="content") == 1
     assert value(after, "session_server_engine_validation_failures_total", rule=rule) - value(
         before, "session_server_engine_validation_failures_total", rule=rule) == 1
     assert responses(after, CHAT_ROUTE, "POST", 502) - responses(before, CHAT_ROUTE, "POST", 502) == 1
