@@ -7,6 +7,7 @@ Servers: "server" (defaults + --create-sessions-on-demand), "strict" (--message-
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -14,10 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
-from support.server import assert_engine_baseline, chat_url, new_session
+from support.server import assert_engine_baseline, chat_url, new_session, wait_running
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
+TOKEN_MS = 5  # per generated token: long replies stay at the engine long enough to race against
 PARAMS = {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}
 # The same tool as two clients send it: equal as Python values, different as rendered text (tojson keeps order).
 LOOKUP_A = {"type": "function", "function": {"name": "lookup", "description": "Look a key up.", "parameters": PARAMS}}
@@ -30,6 +32,7 @@ CALL = '[[sim: tool_call name=lookup args={"key": "x"}]]'
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(
         family=FAMILY,
+        sim_args=["--token-latency-ms", str(TOKEN_MS)],
         servers={"server": ["--create-sessions-on-demand"], "strict": ["--message-matcher", "strict"], "plain": []},
     ) as stack:
         yield stack
@@ -202,3 +205,29 @@ def test_paused_server_creates_nothing(stack: Stack) -> None:
         assert httpx.post(f"{server}/admin/continue").status_code == 200
     assert httpx.get(f"{server}/sessions/while-paused").status_code == 404
     assert _live_sessions(server) == 0
+
+
+def test_one_id_is_one_episode_others_run_alongside(stack: Stack) -> None:
+    """Over one base URL, a second concurrent request with the same X-Session-ID is that session's 409 (never a
+    second trajectory, never interleaved), while other ids run at the same time."""
+    server, engine = stack.server, stack.engine
+
+    async def main() -> tuple[int, int, int]:
+        async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+            def chat(sid: str, content: str) -> Any:
+                return http.post("/v1/chat/completions", headers={"X-Session-ID": sid},
+                                 json={"messages": [{"role": "user", "content": content}]})
+            owner = asyncio.ensure_future(chat("race-1", "long [[sim: tokens 400]]"))
+            await wait_running(engine, 1)
+            contender = await chat("race-1", "me too [[sim: tokens 3]]")
+            other = await chat("race-2", "another episode [[sim: tokens 3]]")
+            assert not owner.done()  # both answers came while the owner was still generating
+            return (await owner).status_code, contender.status_code, other.status_code
+
+    assert asyncio.run(main()) == (200, 409, 200)
+    for sid, contents in (("race-1", ["long [[sim: tokens 400]]"]), ("race-2", ["another episode [[sim: tokens 3]]"])):
+        info = _session(server, sid)
+        assert [m["content"] for m in info["messages"] if m["role"] == "user"] == contents
+        assert len(info["records"]) == 1
+        assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(engine)
