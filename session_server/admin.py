@@ -17,7 +17,7 @@ from starlette.responses import Response
 from trajectory.errors import RequestValidationError, SessionError
 
 from .errors import AdminAuthError, error_response, json_response
-from .gate import AbortReason
+from .lifecycle import AbortReason
 from .metrics import CONTENT_TYPE
 from .state import ServerState
 
@@ -67,10 +67,10 @@ async def pause(request: Request) -> Response:
             raise RequestValidationError("'mode' must be 'drain' or 'abort'")
     except SessionError as err:
         return error_response(err)
-    server.gate.paused = True
+    server.lifecycle.paused = True
     if mode == "abort":
-        server.gate.abort_all(AbortReason.PAUSED)
-    await server.gate.wait_idle()
+        server.lifecycle.abort_all(AbortReason.PAUSED)
+    await server.lifecycle.wait_idle()
     return json_response({"status": "paused", "mode": mode})
 
 
@@ -80,6 +80,6 @@ async def resume(request: Request) -> Response:
         _authorize(request)
     except SessionError as err:
         return error_response(err)
-    server.gate.paused = False
+    server.lifecycle.paused = False
     server.registry.touch_all()  # the pause does not count as idleness (see sweeper.py)
     return json_response({"status": "running"})

@@ -6,7 +6,6 @@ session URL handed to an agent grants chat, samples and the model list, and noth
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import logging
@@ -27,8 +26,8 @@ from .cpu_pool import CpuPool
 from .engine_client import EngineClient
 from .engine_sessions import EngineSessions
 from .errors import error_response, method_not_allowed, not_found
-from .gate import AbortReason, Gate
-from .metrics import LoopLagTicker, ResponseMetrics
+from .lifecycle import Lifecycle
+from .metrics import LoopLagTicker, Metrics, ResponseMetrics
 from .registry import Registry
 from .state import ServerState
 from .sweeper import Sweeper
@@ -42,15 +41,20 @@ def build_state(config: ServerConfig, family: ModelFamily) -> ServerState:
         config.engine_base, timeout=config.request_timeout, connections=config.engine_connections,
         hot_path=config.engine_client,
     )
+    engine_sessions = EngineSessions(engine) if config.engine_sessions else None
+    metrics = Metrics()
     server = ServerState(
         config=config,
         family=family,
         registry=registry,
-        gate=Gate(registry, config.retry_after),
+        lifecycle=Lifecycle(
+            registry, retry_after=config.retry_after, metrics=metrics, engine_sessions=engine_sessions
+        ),
         engine=engine,
         pool=CpuPool(config.cpu_workers, inline_decode=config.inline_decode,
                      inline_below_bytes=config.inline_below_bytes),
-        engine_sessions=EngineSessions(engine) if config.engine_sessions else None,
+        engine_sessions=engine_sessions,
+        metrics=metrics,
     )
     watch_state(server)
     return server
@@ -58,24 +62,15 @@ def build_state(config: ServerConfig, family: ModelFamily) -> ServerState:
 
 def watch_state(server: ServerState) -> None:
     """Gauges of live state, read when /metrics is scraped (nothing on the hot path updates them)."""
-    gate, registry, watch = server.gate, server.registry, server.metrics.watch
-    watch("in_flight", "chats in flight", lambda: gate.in_flight)
+    lifecycle, registry, watch = server.lifecycle, server.registry, server.metrics.watch
+    watch("in_flight", "chats in flight", lambda: lifecycle.in_flight)
     watch("sessions", "live sessions", lambda: len(registry))
     watch("tombstones", "deleted session ids remembered", lambda: registry.num_tombstones)
-    watch("paused", "1 while /admin/pause holds new chats", lambda: int(gate.paused))
-
-
-async def abort_in_flight(server: ServerState) -> None:
-    """First step of a graceful shutdown: refuse new chats, abort running ones at the engine, wait for them."""
-    server.gate.shutting_down = True
-    server.gate.abort_all(AbortReason.SHUTDOWN)
-    await server.gate.wait_idle()
+    watch("paused", "1 while /admin/pause holds new chats", lambda: int(lifecycle.paused))
 
 
 async def shutdown(server: ServerState) -> None:
-    await abort_in_flight(server)
-    if server.engine_sessions is not None:
-        await asyncio.gather(*(server.engine_sessions.close(s) for s in server.registry.sessions()))
+    await server.lifecycle.shutdown()
     await server.engine.aclose()
     server.pool.shutdown()
 

@@ -40,7 +40,7 @@ from .errors import (
     SessionPausedError,
     error_response,
 )
-from .gate import AbortReason, Claim
+from .lifecycle import AbortReason, Claim
 from .metrics import AbortCause
 from .openai_format import (
     ChatRequest,
@@ -89,7 +89,7 @@ async def serve_chat(request: Request, session_id: str) -> Response:
     """Responses are counted by route and status in metrics.ResponseMetrics; this counts what only a chat knows."""
     server: ServerState = request.app.state.server
     try:
-        claim = server.gate.claim(session_id)
+        claim = server.lifecycle.claim(session_id)
     except SessionError as err:
         return error_response(err)
     started = time.perf_counter()
@@ -153,7 +153,7 @@ def prepare_turn(
     hop for all the CPU work before the engine call.
 
     Runs in a worker thread without the session lock, which is safe because prepare only reads the trajectory and
-    the only writer of a trajectory is the chat holding its gate claim -- this one. Readers on the loop (GET,
+    the only writer of a trajectory is the chat holding its lifecycle claim -- this one. Readers on the loop (GET,
     samples) only read. Rendering the chat template and tokenizing are the most expensive steps of a turn; on the
     loop they would delay every other request, /health included.
     """

@@ -149,12 +149,10 @@ class _Server(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._begin_shutdown)
 
     def _begin_shutdown(self) -> None:
-        from .app import abort_in_flight
-
         app = self.config.app
         server = getattr(getattr(app, "state", None), "server", None)
         if server is not None:
-            self._shutdown_task = asyncio.ensure_future(abort_in_flight(server))
+            self._shutdown_task = asyncio.ensure_future(server.lifecycle.abort_in_flight())
             self._shutdown_task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 

@@ -21,7 +21,7 @@ from .errors import SessionNotFoundError
 if TYPE_CHECKING:
     from trajectory import LinearTrajectory
 
-    from .gate import Claim
+    from .lifecycle import Claim
 
 
 @dataclass(eq=False, slots=True)
@@ -41,7 +41,7 @@ class Session:
     created_at: float = field(default_factory=time.time)
     # Guards every read-modify of `trajectory`; never held across an await on the engine or the pool.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    claim: Claim | None = None  # the in-flight chat, owned by gate.Claim
+    claim: Claim | None = None  # the in-flight chat, owned by lifecycle.Claim
     closing: bool = False
     last_active: float = field(default_factory=time.monotonic)  # last request naming this session (idle sweep)
     engine: EngineSessionState = field(default_factory=EngineSessionState)

@@ -57,16 +57,15 @@ def resolve_session(server: ServerState, request: Request, create: bool) -> str:
         )
     registry = server.registry
     if registry.get(sid) is not None or registry.is_tombstoned(sid):
-        return sid  # the gate answers for it: live, closing (404), deleted (404 "was deleted")
+        return sid  # the lifecycle's claim answers for it: live, closing (404), deleted (404 "was deleted")
     if not (create and server.config.create_sessions_on_demand):
         raise _not_found(server, sid)
-    if server.gate.shutting_down:
+    if server.lifecycle.shutting_down:
         raise SessionPausedError("server is shutting down", server.config.retry_after)
-    if server.gate.paused:
+    if server.lifecycle.paused:
         raise SessionPausedError("server is paused", server.config.retry_after)
     # Synchronous from the lookup to the insert: two first requests with one new id cannot both create it.
-    registry.create_named(sid, server.new_trajectory())
-    server.metrics.sessions_created.inc()
+    server.lifecycle.create(server.new_trajectory(), session_id=sid)
     return sid
 
 

@@ -1,9 +1,7 @@
 """Session lifecycle routes: create, inspect, delete, and the read-only model list under a session URL.
 
-DELETE is the one place that stops someone else's chat: it marks the session closing (new chats get 404 at once),
-asks the in-flight chat to abort and waits until its handler has released the slot -- by then the engine has
-acknowledged the abort -- and only then closes the engine session and forgets the session behind a tombstone. The
-idle sweep (sweeper.py) deletes through the same `close_session`.
+Create and DELETE are thin: the session's lifecycle (create, abort the in-flight chat, close the engine session,
+forget behind a tombstone) is owned by lifecycle.py, which the idle sweep and the shutdown use as well.
 
 GET takes a snapshot of the trajectory on the loop (copies, no await) and builds the body -- token list, records, a
 mismatch report that re-renders and diffs the whole history, the JSON encode; tens of ms at 32k tokens -- on the CPU
@@ -22,7 +20,7 @@ from trajectory import LinearTrajectory
 from trajectory.errors import RequestValidationError, SessionError
 
 from .errors import EngineUnavailableError, error_response, json_response
-from .gate import AbortReason
+from .lifecycle import AbortReason
 from .registry import Session
 from .state import ServerState
 
@@ -51,8 +49,7 @@ async def create_session(request: Request) -> Response:
         metadata = obj.get("metadata") or {}
         if not isinstance(metadata, dict):
             return error_response(RequestValidationError("'metadata' must be an object"))
-    session = server.registry.create(server.new_trajectory(), metadata)
-    server.metrics.sessions_created.inc()
+    session = server.lifecycle.create(server.new_trajectory(), metadata)
     return json_response({"session_id": session.id})
 
 
@@ -89,26 +86,8 @@ async def delete_session(request: Request) -> Response:
         session = lookup(server, request.path_params["session_id"])
     except SessionError as err:
         return error_response(err)
-    await close_session(server, session, AbortReason.DELETED)
+    await server.lifecycle.close(session, AbortReason.DELETED)
     return Response(status_code=204)
-
-
-async def close_session(server: ServerState, session: Session, reason: AbortReason) -> None:
-    """Abort the in-flight chat, wait for its handler, close the engine session, forget. Safe to call twice."""
-    session.closing = True
-    claim = session.claim
-    if claim is not None:
-        claim.abort(reason)
-        await claim.done.wait()
-    if server.engine_sessions is not None:
-        await server.engine_sessions.close(session)
-    if server.registry.get(session.id) is session:
-        if reason is AbortReason.EXPIRED:
-            server.registry.forget(session.id, "expired after being idle")
-            server.metrics.sessions_expired.inc()
-        else:
-            server.registry.forget(session.id)
-            server.metrics.sessions_deleted.inc()
 
 
 async def list_models(request: Request) -> Response:

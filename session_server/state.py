@@ -11,7 +11,7 @@ from .config import ServerConfig
 from .cpu_pool import CpuPool
 from .engine_client import EngineClient
 from .engine_sessions import EngineSessions
-from .gate import Gate
+from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .registry import Registry
 
@@ -21,7 +21,7 @@ class ServerState:
     config: ServerConfig
     family: ModelFamily
     registry: Registry
-    gate: Gate
+    lifecycle: Lifecycle
     engine: EngineClient
     pool: CpuPool
     engine_sessions: EngineSessions | None

@@ -10,7 +10,7 @@ finishes sending its body is the one case the engine timeout does not cover) and
 A pause for a weight update stops the clock: nothing expires while paused, and `/admin/continue` marks every
 session active again, so a long update does not sweep away the episodes that were politely waiting for it.
 
-An expired session goes through exactly DELETE's path (`sessions.close_session`: abort the chat and wait for its
+An expired session goes through exactly DELETE's path (`Lifecycle.close`: abort the chat and wait for its
 handler, close the engine session, forget behind a tombstone that says it expired) and is counted in /metrics. The
 scan itself is plain attribute reads on the loop, a few microseconds per thousand sessions, every few seconds.
 """
@@ -22,9 +22,7 @@ import contextlib
 import logging
 import time
 
-from .gate import AbortReason
 from .registry import Session
-from .sessions import close_session
 from .state import ServerState
 
 logger = logging.getLogger("session_server.sweeper")
@@ -81,16 +79,14 @@ class Sweeper:
     async def sweep_once(self) -> int:
         server = self._server
         config = server.config
-        if server.gate.paused:  # agents are told to wait (503 Retry-After): a pause is nobody's idleness
+        if server.lifecycle.paused:  # agents are told to wait (503 Retry-After): a pause is nobody's idleness
             return 0
         expired = idle_sessions(
             server.registry.sessions(), time.monotonic(), config.session_idle_timeout, config.request_timeout
         )
         for session in expired:
             session.closing = True  # at once: from here on chats, GETs and DELETEs of these sessions get 404
-        results = await asyncio.gather(
-            *(close_session(server, s, AbortReason.EXPIRED) for s in expired), return_exceptions=True
-        )
+        results = await server.lifecycle.expire(expired)
         for session, result in zip(expired, results, strict=True):
             if isinstance(result, BaseException):
                 logger.error("session %s: expiring it failed: %r", session.id, result)

@@ -1,0 +1,166 @@
+"""Session lifecycle, in one owner: create, claim and release the in-flight slot, close (DELETE), expire, shut down.
+
+Routes, the idle sweep, the admin pause and the process shutdown all go through `Lifecycle`; nothing else mutates a
+session's slot or removes a session, so every path that ends a chat or a session is written once.
+
+The in-flight gate: at most one chat per session, decided before the request body is read. A session's trajectory
+is linear, so two concurrent turns on it cannot both be right; miles' contract is that the second one is refused at
+once with 409 (it never reads its body and never reaches the engine) rather than queued. Claiming is synchronous (no
+await between the check and the set), so on a single event loop it is race-free without a lock. The claim is a token
+object: only the handler that took it releases it (`Lifecycle.release` compares identity), and release is
+idempotent, so a cancellation-safe `finally` can always call it. Other parties (DELETE, expiry, pause-abort,
+shutdown) never release a slot; they ask the owner to stop (`Claim.abort`) and wait for `Claim.done`.
+
+Closing: DELETE marks the session closing (new chats get 404 at once), asks the in-flight chat to abort and waits
+until its handler has released the slot -- by then the engine request is aborted -- and only then closes the engine
+session and forgets the session behind a tombstone. The idle sweep expires sessions through the same path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from typing import TYPE_CHECKING, Any
+
+from .errors import SessionBusyError, SessionPausedError
+from .registry import Registry, Session
+
+if TYPE_CHECKING:
+    from trajectory import LinearTrajectory
+
+    from .engine_sessions import EngineSessions
+    from .metrics import Metrics
+
+
+class AbortReason(enum.Enum):
+    DELETED = "deleted"
+    EXPIRED = "expired"  # the idle sweep (sweeper.py) deleted the session
+    PAUSED = "paused"
+    SHUTDOWN = "shutdown"
+
+
+class Claim:
+    """Ownership of a session's single in-flight slot."""
+
+    __slots__ = ("_owner", "aborted", "done", "reason", "session", "started")
+
+    def __init__(self, owner: Lifecycle, session: Session) -> None:
+        self._owner = owner
+        self.session = session
+        self.started = time.monotonic()
+        self.reason: AbortReason | None = None
+        self.aborted = asyncio.Event()  # set by someone else who wants this chat to stop
+        self.done = asyncio.Event()  # set once, when the owner has released the slot
+
+    @property
+    def retry_after(self) -> int:
+        return self._owner.retry_after
+
+    def abort(self, reason: AbortReason) -> None:
+        """Ask the owner to abort its engine request and commit nothing. The first reason wins."""
+        if self.reason is None:
+            self.reason = reason
+            self.aborted.set()
+
+    def release(self) -> None:
+        """Free the slot (idempotent); the handler that took the claim calls it in its `finally`."""
+        self._owner.release(self)
+
+
+class Lifecycle:
+    def __init__(
+        self, registry: Registry, *, retry_after: int, metrics: Metrics,
+        engine_sessions: EngineSessions | None = None,
+    ) -> None:
+        self.registry = registry
+        self.retry_after = retry_after
+        self.paused = False
+        self.shutting_down = False
+        self._metrics = metrics
+        self._engine_sessions = engine_sessions
+        self._in_flight: set[Claim] = set()
+
+    # -- sessions ----------------------------------------------------------------------------------------
+    def create(self, trajectory: LinearTrajectory, metadata: dict[str, Any] | None = None,
+               session_id: str | None = None) -> Session:
+        """A new session (a random id, or `session_id` for on-demand creation by X-Session-ID)."""
+        if session_id is None:
+            session = self.registry.create(trajectory, metadata)
+        else:
+            session = self.registry.create_named(session_id, trajectory)
+        self._metrics.sessions_created.inc()
+        return session
+
+    async def close(self, session: Session, reason: AbortReason) -> None:
+        """Abort the in-flight chat, wait for its handler, close the engine session, forget. Safe to call twice."""
+        session.closing = True
+        claim = session.claim
+        if claim is not None:
+            claim.abort(reason)
+            await claim.done.wait()
+        if self._engine_sessions is not None:
+            await self._engine_sessions.close(session)
+        if self.registry.get(session.id) is session:
+            if reason is AbortReason.EXPIRED:
+                self.registry.forget(session.id, "expired after being idle")
+                self._metrics.sessions_expired.inc()
+            else:
+                self.registry.forget(session.id)
+                self._metrics.sessions_deleted.inc()
+
+    async def expire(self, sessions: list[Session]) -> list[BaseException | None]:
+        """The idle sweep's way out: DELETE's path for each session, concurrently; errors are returned, not raised."""
+        return await asyncio.gather(*(self.close(s, AbortReason.EXPIRED) for s in sessions), return_exceptions=True)
+
+    # -- the in-flight slot --------------------------------------------------------------------------------
+    def claim(self, session_id: str) -> Claim:
+        """404 unknown/deleted/closing, 503 paused, 409 busy -- in that order (DESIGN.md 3)."""
+        session = self.registry.require(session_id)
+        if self.shutting_down:
+            raise SessionPausedError("server is shutting down", self.retry_after)
+        if self.paused:
+            raise SessionPausedError("server is paused", self.retry_after)
+        if session.claim is not None:
+            raise SessionBusyError(f"session {session_id} already has a chat in flight")
+        claim = Claim(self, session)
+        session.claim = claim
+        self._in_flight.add(claim)
+        return claim
+
+    def release(self, claim: Claim) -> None:
+        """Free the slot. Idempotent; a no-op unless `claim` still owns its session's slot."""
+        if claim.session.claim is claim:
+            claim.session.claim = None
+            claim.session.last_active = time.monotonic()
+        self._in_flight.discard(claim)
+        claim.done.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def abort_all(self, reason: AbortReason) -> list[Claim]:
+        claims = list(self._in_flight)
+        for claim in claims:
+            claim.abort(reason)
+        return claims
+
+    async def wait_idle(self) -> None:
+        """Wait until every chat that is in flight now has released its slot."""
+        claims = list(self._in_flight)
+        if claims:
+            await asyncio.gather(*(c.done.wait() for c in claims))
+
+    # -- the process ---------------------------------------------------------------------------------------
+    async def abort_in_flight(self) -> None:
+        """First step of a graceful shutdown: refuse new chats, abort running ones at the engine, wait for them."""
+        self.shutting_down = True
+        self.abort_all(AbortReason.SHUTDOWN)
+        await self.wait_idle()
+
+    async def shutdown(self) -> None:
+        """Abort what runs, then close every engine session (sessions themselves die with the process)."""
+        await self.abort_in_flight()
+        if self._engine_sessions is not None:
+            await asyncio.gather(*(self._engine_sessions.close(s) for s in self.registry.sessions()))
