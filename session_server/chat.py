@@ -32,6 +32,7 @@ from trajectory import LinearTrajectory, TurnPlan
 from trajectory.errors import InvariantError, SessionError, UpstreamError
 
 from .engine_client import EngineReply
+from .engine_wire import encode_generate, split_routed_experts
 from .errors import (
     ClientDisconnectedError,
     EngineTimeoutError,
@@ -42,15 +43,7 @@ from .errors import (
 )
 from .lifecycle import AbortReason, Claim
 from .metrics import AbortCause
-from .openai_format import (
-    ChatRequest,
-    TurnOutput,
-    decode_turn,
-    encode_generate,
-    parse_chat_request,
-    split_routed_experts,
-    turn_tools,
-)
+from .openai_format import ChatRequest, TurnOutput, decode_turn, parse_chat_request, turn_tools
 from .state import ServerState
 
 logger = logging.getLogger("session_server.chat")
@@ -85,8 +78,9 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def serve_chat(request: Request, session_id: str) -> Response:
-    """One chat on the session `session_id`, however the request addressed it (URL path or X-Session-ID)."""
-    """Responses are counted by route and status in metrics.ResponseMetrics; this counts what only a chat knows."""
+    """One chat on the session `session_id`, however the request addressed it (URL path or X-Session-ID).
+
+    Responses are counted by route and status in metrics.ResponseMetrics; this counts what only a chat knows."""
     server: ServerState = request.app.state.server
     try:
         claim = server.lifecycle.claim(session_id)

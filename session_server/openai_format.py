@@ -1,4 +1,6 @@
-"""OpenAI chat-completion wire format <-> engine sampling params and family-parsed replies.
+"""The OpenAI side of a turn: the chat-completion request (decoded once, mapped to SGLang sampling params) and the
+client reply (built from the validated engine reply, parsed by the model family). The engine's side of the wire --
+the /generate body, the routed-experts cut, the strict decode -- is engine_wire.py.
 
 Everything here is a pure function of its arguments, so it runs on the CPU pool. The request is decoded once (msgspec,
 straight to builtins); the fields beyond messages, tools and basic sampling are honoured as SGLang's own OpenAI
@@ -16,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import orjson
 
-from trajectory import GenerateResult, ModelFamily, decode_generate_response
-from trajectory.errors import RequestValidationError, UpstreamError
+from trajectory import GenerateResult, ModelFamily
+from trajectory.errors import RequestValidationError
 from trajectory.messages import normalize_tools
 
+from .engine_wire import decode_engine_reply
 from .logprobs import openai_logprobs
 from .openai_fields import (
     MAX_INT32,
@@ -148,37 +150,6 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
     return sp
 
 
-def encode_generate(
-    prompt_ids: Any,
-    start: int,
-    sp: dict[str, Any],
-    rid: str,
-    session_params: dict[str, Any] | None,
-    routed_experts: bool = False,
-    top_logprobs: int = 0,
-) -> bytes:
-    """The /generate body of DESIGN.md 5.1. `start` > 0 sends only the tokens an engine session does not hold.
-
-    orjson writes the int32 id array straight from numpy: the prompt is the one part of the body that grows with the
-    history, and going through a Python list first costs ~5x more per token.
-    """
-    payload: dict[str, Any] = {
-        "input_ids": prompt_ids[start:],
-        "sampling_params": sp,
-        "return_logprob": True,
-        "logprob_start_len": -1,
-        "rid": rid,
-        "stream": False,
-    }
-    if session_params is not None:
-        payload["session_params"] = session_params
-    if routed_experts:
-        payload["return_routed_experts"] = True
-    if top_logprobs > 0:
-        payload["top_logprobs_num"] = top_logprobs
-    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
-
-
 @dataclass(slots=True)
 class TurnOutput:
     result: GenerateResult
@@ -191,42 +162,6 @@ def _finish_reason(result: GenerateResult, has_tool_calls: bool) -> str:
     if kind == "length":
         return "length"
     return "tool_calls" if has_tool_calls else "stop"
-
-
-_ROUTED_KEY = b'"routed_experts":'
-_JSON_SPACE = b" \t\r\n"
-
-
-def split_routed_experts(body: bytes) -> tuple[bytes, memoryview | None]:
-    """Cut the routed-experts array out of an engine body before decoding it, as raw bytes.
-
-    Why: the payload is megabytes of nested integer arrays that the server only stores for replay. Even msgspec's
-    Raw type has to scan it to find where it ends (about 3-4 ms for 1.5 MiB here, holding the GIL), while the end of
-    an array of numbers is simply the first `"` or `}` after it (numbers and brackets contain neither), which
-    bytes.find locates at memchr speed. The key cannot be forged by generated text: inside a JSON string its
-    quotes would be escaped. Anything that does not look like such an array is left in the body for the full
-    decoder. If an odd payload (say, strings inside the array) made the cut land inside it, the rest has unbalanced
-    brackets and fails to decode, and decode_turn then decodes the whole body instead: the cut never changes a verdict.
-    The payload itself is not validated (it is stored for replay, never interpreted here).
-    """
-    at = body.find(_ROUTED_KEY)
-    if at < 0:
-        return body, None
-    start = at + len(_ROUTED_KEY)
-    while start < len(body) and body[start] in _JSON_SPACE:
-        start += 1
-    if body[start : start + 1] != b"[":
-        return body, None
-    ends = [i for i in (body.find(b"}", start), body.find(b'"', start)) if i >= 0]
-    if not ends:
-        return body, None
-    end = min(ends)
-    while end > start and body[end - 1] in b" \t\r\n,":
-        end -= 1
-    if body[end - 1 : end] != b"]":
-        return body, None
-    # A view, not a copy: the record keeps the engine's bytes alive instead of duplicating megabytes.
-    return body[:start] + b"null" + body[end:], memoryview(body)[start:end]
 
 
 def system_fingerprint(family: ModelFamily, result: GenerateResult) -> str:
@@ -242,14 +177,7 @@ def decode_turn(
 
     `split` is `split_routed_experts(body)` when the caller already made the cut (to size the work that is left).
     """
-    small, routed = split if split is not None else split_routed_experts(body)
-    if routed is None:
-        result = decode_generate_response(body, family.vocab_size)
-    else:
-        try:
-            result = dataclasses.replace(decode_generate_response(small, family.vocab_size), routed_experts=routed)
-        except UpstreamError:
-            result = decode_generate_response(body, family.vocab_size)  # the cut went wrong: full strict decode
+    result = decode_engine_reply(body, family.vocab_size, split)
     if result.finish_reason.get("type") == "abort":
         return TurnOutput(result, None, b"")
     options = options or RequestOptions()

@@ -407,7 +407,7 @@ async def _sessions_are_independent_under_concurrency(stack: dict[str, str]) -> 
     ],
 )
 def test_routed_experts_are_cut_out_before_decoding(body: bytes, rest: bytes | None, raw: bytes | None) -> None:
-    from session_server.openai_format import split_routed_experts
+    from session_server.engine_wire import split_routed_experts
 
     small, cut = split_routed_experts(body)
     assert (small, None if cut is None else bytes(cut)) == (rest if rest is not None else body, raw)

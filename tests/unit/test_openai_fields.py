@@ -19,7 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from session_server.openai_format import ChatRequest, encode_generate, parse_chat_request, turn_tools
+from session_server.engine_wire import encode_generate
+from session_server.openai_format import ChatRequest, parse_chat_request, turn_tools
 from trajectory import GenerateResult, LinearTrajectory, get_family
 from trajectory.errors import RequestValidationError
 
