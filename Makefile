@@ -25,10 +25,12 @@ demo: $(STAMP) $(TOKENIZERS)/.built
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # The whole suite: lint, then every tier (tests/unit: pure, in-process; tests/e2e: real processes over loopback).
 test: $(STAMP) $(TOKENIZERS)/.built
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 # The pure tier only, in seconds: run it constantly.

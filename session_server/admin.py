@@ -19,19 +19,15 @@ from trajectory.errors import RequestValidationError, SessionError
 from .errors import AdminAuthError, error_response, json_response
 from .lifecycle import AbortReason
 from .metrics import CONTENT_TYPE
-from .state import ServerState
-
-
-def _server(request: Request) -> ServerState:
-    return request.app.state.server
+from .state import server_of
 
 
 async def health(request: Request) -> Response:
-    return json_response({"status": "ok", "instance_id": _server(request).instance_id})
+    return json_response({"status": "ok", "instance_id": server_of(request).instance_id})
 
 
 async def ready(request: Request) -> Response:
-    server = _server(request)
+    server = server_of(request)
     if await server.engine.health():
         return json_response({"status": "ready", "instance_id": server.instance_id})
     return json_response({"status": "engine_unavailable", "instance_id": server.instance_id}, status=503)
@@ -39,11 +35,11 @@ async def ready(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition of this server's registry (see metrics.py for what is in it)."""
-    return Response(_server(request).metrics.render(), media_type=CONTENT_TYPE)
+    return Response(server_of(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
 def _authorize(request: Request) -> None:
-    token = _server(request).config.admin_token
+    token = server_of(request).config.admin_token
     if token is None:
         return
     given = request.headers.get("authorization", "")
@@ -52,7 +48,7 @@ def _authorize(request: Request) -> None:
 
 
 async def pause(request: Request) -> Response:
-    server = _server(request)
+    server = server_of(request)
     try:
         _authorize(request)
         body = await request.body()
@@ -62,7 +58,7 @@ async def pause(request: Request) -> Response:
                 obj = msgspec.json.decode(body)
             except msgspec.DecodeError as exc:
                 raise RequestValidationError(f"request body is not valid JSON: {exc}") from None
-            mode = obj.get("mode", "drain") if isinstance(obj, dict) else None
+            mode = obj.get("mode", "drain") if isinstance(obj, dict) else ""
         if mode not in ("drain", "abort"):
             raise RequestValidationError("'mode' must be 'drain' or 'abort'")
     except SessionError as err:
@@ -75,7 +71,7 @@ async def pause(request: Request) -> Response:
 
 
 async def resume(request: Request) -> Response:
-    server = _server(request)
+    server = server_of(request)
     try:
         _authorize(request)
     except SessionError as err:

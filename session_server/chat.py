@@ -44,7 +44,7 @@ from .errors import (
 from .lifecycle import AbortReason, Claim
 from .metrics import AbortCause
 from .openai_format import ChatRequest, TurnOutput, decode_turn, parse_chat_request, turn_tools
-from .state import ServerState
+from .state import ServerState, server_of
 
 logger = logging.getLogger("session_server.chat")
 
@@ -81,7 +81,7 @@ async def serve_chat(request: Request, session_id: str) -> Response:
     """One chat on the session `session_id`, however the request addressed it (URL path or X-Session-ID).
 
     Responses are counted by route and status in metrics.ResponseMetrics; this counts what only a chat knows."""
-    server: ServerState = request.app.state.server
+    server = server_of(request)
     try:
         claim = server.lifecycle.claim(session_id)
     except SessionError as err:
@@ -300,7 +300,8 @@ async def _run_engine(
         disconnect.cancel()
         aborted.cancel()
     if engine_task in done:
-        return engine_task.result()
+        outcome: TurnOutput | EngineReply = engine_task.result()
+        return outcome
     await _abort_engine(server, rid, engine_task)
     if disconnect in done:
         raise _aborted(

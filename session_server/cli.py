@@ -15,11 +15,16 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
 
-from .config import MATCHERS, ServerConfig, default_cpu_workers
+from trajectory.messages import MATCHER_NAMES as MATCHERS
+
+from .config import ServerConfig, default_cpu_workers
+
+if TYPE_CHECKING:
+    from trajectory import ModelFamily
 from .cpu_pool import DEFAULT_INLINE_BELOW_BYTES
 
 PROG = "session-server"
@@ -102,7 +107,7 @@ def _fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def load_family(tokenizer_dir: str, family_name: str):  # -> trajectory.ModelFamily
+def load_family(tokenizer_dir: str, family_name: str) -> ModelFamily:
     from trajectory import family_names, get_family
 
     if family_name not in family_names():

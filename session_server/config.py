@@ -6,6 +6,7 @@ is documented (DESIGN.md 8).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ class ServerConfig:
     model_family: str
     host: str = "127.0.0.1"
     port: int = 8000
-    cpu_workers: int | None = None  # None -> default_cpu_workers()
+    cpu_workers: int = dataclasses.field(default_factory=default_cpu_workers)
     max_rollback: int = 1
     engine_sessions: bool = False
     request_timeout: float = 600.0
@@ -46,8 +47,6 @@ class ServerConfig:
     create_sessions_on_demand: bool = False
 
     def __post_init__(self) -> None:
-        if self.cpu_workers is None:
-            object.__setattr__(self, "cpu_workers", default_cpu_workers())
         problems = []
         if not self.engine_url.startswith("http://"):  # the engine sits on a private network; no TLS on the hot path
             problems.append(f"--engine-url must be an http:// URL, got {self.engine_url!r}")

@@ -41,7 +41,7 @@ from prometheus_client.gc_collector import GCCollector
 from trajectory.messages import ROLLBACK_REASONS
 
 # `<name>_created` timestamp series double the output and nobody graphs them (process-wide switch, set once).
-prometheus_client.disable_created_metrics()
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -204,10 +204,10 @@ class ResponseMetrics:
             return UNMATCHED
         path = self._single.get(endpoint)
         if path is not None:
-            return path
+            return str(path)
         for route in self._multi.get(endpoint, ()):
             if route.path_regex.match(scope["path"]):
-                return route.path
+                return str(route.path)
         return UNMATCHED
 
     async def __call__(

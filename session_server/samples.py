@@ -12,12 +12,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from trajectory import build_merged_sample, samples_to_json, samples_to_safetensors, truncate_sample
+from trajectory import Sample, build_merged_sample, samples_to_json, samples_to_safetensors, truncate_sample
 from trajectory.errors import RequestValidationError, SessionError
 
 from .errors import error_response
 from .sessions import lookup
-from .state import ServerState
+from .state import server_of
 
 OCTET_STREAM = "application/octet-stream"
 _encoder = msgspec.json.Encoder()
@@ -40,14 +40,14 @@ def _max_seq_len(body: bytes) -> int | None:
     return value
 
 
-def _encode(samples: list, max_seq_len: int | None, binary: bool) -> bytes:
+def _encode(samples: list[Sample], max_seq_len: int | None, binary: bool) -> bytes:
     if max_seq_len is not None:
         samples = [truncate_sample(s, max_seq_len) for s in samples]
     return samples_to_safetensors(samples) if binary else _encoder.encode(samples_to_json(samples))
 
 
 async def collect_samples(request: Request) -> Response:
-    server: ServerState = request.app.state.server
+    server = server_of(request)
     try:
         session = lookup(server, request.path_params["session_id"])
         max_seq_len = _max_seq_len(await request.body())

@@ -20,7 +20,7 @@ from trajectory.errors import RequestValidationError, SessionError
 
 from .chat import serve_chat
 from .errors import SessionNotFoundError, SessionPausedError, error_response
-from .state import ServerState
+from .state import ServerState, server_of
 
 SESSION_HEADER = "X-Session-ID"
 # Ids end up in URLs (/sessions/{id}/samples), logs and metrics labels: a conservative charset and length.
@@ -71,7 +71,7 @@ def resolve_session(server: ServerState, request: Request, create: bool) -> str:
 
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions: the chat of the session named by X-Session-ID (created on first use if allowed)."""
-    server: ServerState = request.app.state.server
+    server = server_of(request)
     try:
         sid = resolve_session(server, request, create=True)
     except SessionError as err:
@@ -82,7 +82,7 @@ async def chat_completions(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     """GET /v1/models: the engine's model list. A harness asks before any episode exists, so the header is
     optional here; when given it must name a live session (nothing is created by a read)."""
-    server: ServerState = request.app.state.server
+    server = server_of(request)
     try:
         sid = _header_id(request)
         if sid is not None:

@@ -22,13 +22,9 @@ from trajectory.errors import RequestValidationError, SessionError
 from .errors import EngineUnavailableError, error_response, json_response
 from .lifecycle import AbortReason
 from .registry import Session
-from .state import ServerState
+from .state import ServerState, server_of
 
 _encoder = msgspec.json.Encoder()
-
-
-def _server(request: Request) -> ServerState:
-    return request.app.state.server
 
 
 def lookup(server: ServerState, session_id: str) -> Session:
@@ -36,9 +32,9 @@ def lookup(server: ServerState, session_id: str) -> Session:
 
 
 async def create_session(request: Request) -> Response:
-    server = _server(request)
+    server = server_of(request)
     body = await request.body()
-    metadata: dict = {}
+    metadata: dict[str, Any] = {}
     if body.strip():
         try:
             obj = msgspec.json.decode(body)
@@ -54,7 +50,7 @@ async def create_session(request: Request) -> Response:
 
 
 async def get_session(request: Request) -> Response:
-    server = _server(request)
+    server = server_of(request)
     try:
         session = lookup(server, request.path_params["session_id"])
     except SessionError as err:
@@ -81,7 +77,7 @@ def _session_body(snapshot: LinearTrajectory, live: dict[str, Any]) -> bytes:
 
 
 async def delete_session(request: Request) -> Response:
-    server = _server(request)
+    server = server_of(request)
     try:
         session = lookup(server, request.path_params["session_id"])
     except SessionError as err:
@@ -92,7 +88,7 @@ async def delete_session(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     """GET /sessions/{id}/v1/models: the engine's OpenAI model list, passed through as is (read-only)."""
-    server = _server(request)
+    server = server_of(request)
     try:
         lookup(server, request.path_params["session_id"])
         reply = await server.engine.models()
@@ -107,7 +103,7 @@ async def retrieve_model(request: Request) -> Response:
     Looked up in the list rather than forwarded: the id comes from the client, and a forwarded path could be made
     to reach other engine routes (`../abort_request`); only the read-only list is ever asked of the engine.
     """
-    server = _server(request)
+    server = server_of(request)
     model_id = request.path_params["model_id"]
     try:
         lookup(server, request.path_params["session_id"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
+from starlette.requests import Request
+
 from trajectory import LinearTrajectory, ModelFamily
 
 from .config import ServerConfig
@@ -32,3 +34,9 @@ class ServerState:
         return LinearTrajectory(
             self.family, max_rollback=self.config.max_rollback, matcher=self.config.message_matcher
         )
+
+
+def server_of(request: Request) -> ServerState:
+    """The ServerState the lifespan put on the app (typed: Starlette's `app.state` is an untyped namespace)."""
+    server: ServerState = request.app.state.server
+    return server

@@ -101,10 +101,10 @@ class GenerateResult:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
-    weight_version: str | int | None = None
+    weight_version: str | None = None
     e2e_latency: float | None = None
     rid: str | None = None
-    routed_experts: bytes | None = None  # raw JSON text of the replay payload, never parsed here
+    routed_experts: bytes | memoryview | None = None  # raw JSON text of the replay payload, never parsed here
     # Per output token, the engine's top (logprob, token id) alternatives (only when they were asked for).
     top_logprobs: list[list[tuple[float, int]]] | None = None
 

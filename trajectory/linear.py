@@ -75,7 +75,7 @@ class TurnRecord:
     # The completion's last tokens, so the turn stays reconstructible after a later turn trims them.
     tail_ids: tuple[int, ...] = ()
     tail_logprobs: tuple[float, ...] = ()
-    routed_experts: bytes | None = field(default=None, repr=False)
+    routed_experts: bytes | memoryview | None = field(default=None, repr=False)  # a view into the engine body
 
     @property
     def last_completion_token(self) -> int | None:

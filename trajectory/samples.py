@@ -56,7 +56,7 @@ class Sample:
 
 
 def _status(finish_reason: dict[str, Any]) -> str:
-    return {"length": "truncated", "abort": "aborted"}.get(finish_reason.get("type"), "completed")
+    return {"length": "truncated", "abort": "aborted"}.get(str(finish_reason.get("type")), "completed")
 
 
 def build_turn_samples(traj: LinearTrajectory, max_seq_len: int | None = None) -> list[Sample]:

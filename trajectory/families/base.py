@@ -122,11 +122,11 @@ class ModelFamily(ABC):
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` with no special tokens inserted (templates already write BOS where needed)."""
         if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=False).ids
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            return list(self._backend.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int] | Any) -> str:
-        return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=False)
+        return str(self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=False))
 
     # -- chat template -----------------------------------------------------------------------------------
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -134,10 +134,10 @@ class ModelFamily(ABC):
         """`template_kwargs` are the request's `chat_template_kwargs` (e.g. Qwen3's `enable_thinking`), passed to
         the template as extra variables exactly as SGLang's OpenAI server does."""
         try:
-            return self.tokenizer.apply_chat_template(
+            return str(self.tokenizer.apply_chat_template(
                 list(messages), tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
                 **(template_kwargs or {}),
-            )
+            ))
         except Exception as exc:  # jinja raise_exception / undefined fields: the request is unrenderable
             raise TemplateError(f"chat template of family {self.name} cannot render the request: {exc}") from exc
 
@@ -210,7 +210,7 @@ class ModelFamily(ABC):
         ids = list(map(int, output_ids))
         if ids and ids[-1] in self.stop_token_ids:
             ids.pop()
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def parse_output(self, output_ids: Sequence[int] | Any) -> ParsedCompletion:
         return self.parse_completion(self.completion_text(output_ids))
