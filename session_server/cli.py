@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 
 from trajectory.messages import MATCHER_NAMES as MATCHERS
 
-from .config import ServerConfig, default_cpu_workers
+from .config import ServerConfig
+from .engine_client import ENGINE_CLIENTS
 
 if TYPE_CHECKING:
     from trajectory import ModelFamily
-from .cpu_pool import DEFAULT_INLINE_BELOW_BYTES
 
 PROG = "session-server"
 
@@ -41,27 +42,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-url", required=True, help="SGLang engine base URL (native API), e.g. http://127.0.0.1:30000")
     p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory (loaded with AutoTokenizer)")
     p.add_argument("--model-family", required=True, help="model family, e.g. qwen3 or deepseek")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    p.add_argument("--host", default=_default("host"), help="address to listen on (default %(default)s)")
     p.add_argument(
-        "--cpu-workers", type=int, default=default_cpu_workers(),
+        "--port", type=int, default=_default("port"), help="port to listen on; 0 picks a free one (default %(default)s)"
+    )
+    p.add_argument(
+        "--cpu-workers", type=int, default=_default("cpu_workers"),
         help="threads for stateless CPU work (decode/encode/serialize); default min(16, cores)",
     )
-    p.add_argument("--max-rollback", type=int, default=1, help="checkpoints a diverging request may drop (default 1)")
+    p.add_argument("--max-rollback", type=int, default=_default("max_rollback"),
+        help="checkpoints a diverging request may drop (default %(default)s)")
     p.add_argument(
         "--engine-sessions", action="store_true",
         help="one SGLang streaming session per trajectory; turns send only new tokens (engine: streaming sessions on)",
     )
     p.add_argument(
-        "--request-timeout", type=float, default=600.0,
-        help="seconds an engine call may take before it is aborted and the chat gets 504 (default 600)",
+        "--request-timeout", type=float, default=_default("request_timeout"),
+        help="seconds an engine call may take before it is aborted and the chat gets 504 (default %(default)s)",
     )
     p.add_argument(
-        "--max-request-bytes", type=int, default=16 * 1024 * 1024,
-        help="largest accepted request body; larger ones get 413 (default 16 MiB)",
+        "--max-request-bytes", type=int, default=_default("max_request_bytes"),
+        help="largest accepted request body in bytes; larger ones get 413 (default %(default)s)",
     )
     p.add_argument(
-        "--message-matcher", choices=MATCHERS, default="loose_tool_call",
+        "--message-matcher", choices=MATCHERS, default=_default("message_matcher"),
         help="how history is matched: loose_tool_call (default: tool-call arguments that are equal as JSON match, "
         "as agents re-serialise them) or strict (argument text byte for byte; any re-serialisation rolls back)",
     )
@@ -71,20 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
         "(ids: 1-128 characters of A-Z a-z 0-9 . _ : -); the client then chooses the id, so it is not a secret",
     )
     p.add_argument(
-        "--session-idle-timeout", type=float, default=3600.0,
+        "--session-idle-timeout", type=float, default=_default("session_idle_timeout"),
         help="delete a session (like DELETE) after this many seconds without a request; a chat in flight counts as "
-        "activity until it outlives --request-timeout; 0 = never (default 3600)",
+        "activity until it outlives --request-timeout; 0 = never (default %(default)s)",
     )
     p.add_argument(
-        "--tombstones", type=int, default=100_000,
+        "--tombstones", type=int, default=_default("tombstones"),
         help="ids of deleted sessions remembered so late requests get 'was deleted'; oldest forgotten first "
-        "(default 100000, about 200 bytes each)",
+        "(default %(default)s, about 200 bytes each)",
     )
-    p.add_argument("--admin-token", default=None, help="if set, /admin/* requires 'Authorization: Bearer TOKEN'")
     p.add_argument(
-        "--inline-below-bytes", type=int, default=DEFAULT_INLINE_BELOW_BYTES,
+        "--admin-token", default=_default("admin_token"), help="if set, /admin/* requires 'Authorization: Bearer TOKEN'"
+    )
+    p.add_argument(
+        "--inline-below-bytes", type=int, default=_default("inline_below_bytes"),
         help="bodies smaller than this are parsed on the event loop, larger ones on the CPU pool "
-             f"(a pool hop costs more than a small decode); 0 pools everything (default {DEFAULT_INLINE_BELOW_BYTES})",
+             "(a pool hop costs more than a small decode); 0 pools everything (default %(default)s)",
     )
     p.add_argument(
         "--inline-decode", action="store_true",
@@ -95,11 +101,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="ask the engine for routed experts (MoE routing replay); kept raw in the records, never sent to agents",
     )
     p.add_argument(
-        "--engine-client", choices=("httptools", "httpx"), default="httptools",
+        "--engine-client", choices=ENGINE_CLIENTS, default=_default("engine_client"),
         help="client for the hot POST /generate: the lean httptools pool (default) or httpx, to measure against it",
     )
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="log level")
     return p
+
+
+def _default(name: str) -> Any:
+    """A flag's default is the ServerConfig field's default: written once, in config.py."""
+    field = ServerConfig.__dataclass_fields__[name]
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Every ServerConfig field that has a flag of the same name (dashes for underscores) takes the flag's value."""
+    given = vars(args)
+    return ServerConfig(**{f.name: given[f.name] for f in dataclasses.fields(ServerConfig) if f.name in given})
 
 
 def _fail(message: str) -> NoReturn:
@@ -164,27 +184,7 @@ class _Server(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config = ServerConfig(
-            engine_url=args.engine_url,
-            tokenizer=args.tokenizer,
-            model_family=args.model_family,
-            host=args.host,
-            port=args.port,
-            cpu_workers=args.cpu_workers,
-            max_rollback=args.max_rollback,
-            engine_sessions=args.engine_sessions,
-            request_timeout=args.request_timeout,
-            max_request_bytes=args.max_request_bytes,
-            message_matcher=args.message_matcher,
-            admin_token=args.admin_token,
-            inline_decode=args.inline_decode,
-            inline_below_bytes=args.inline_below_bytes,
-            return_routed_experts=args.return_routed_experts,
-            session_idle_timeout=args.session_idle_timeout,
-            tombstones=args.tombstones,
-            engine_client=args.engine_client,
-            create_sessions_on_demand=args.create_sessions_on_demand,
-        )
+        config = config_from_args(args)
     except ValueError as exc:
         _fail(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from trajectory.messages import MATCHER_NAMES as MATCHERS
 
 from .cpu_pool import DEFAULT_INLINE_BELOW_BYTES
+from .engine_client import ENGINE_CLIENTS
 
 
 def default_cpu_workers() -> int:
@@ -64,8 +65,8 @@ class ServerConfig:
             problems.append("--session-idle-timeout must be >= 0 (0 turns the sweep off)")
         if self.max_request_bytes < 1:
             problems.append("--max-request-bytes must be >= 1")
-        if self.engine_client not in ("httptools", "httpx"):
-            problems.append("--engine-client must be httptools or httpx")
+        if self.engine_client not in ENGINE_CLIENTS:
+            problems.append(f"--engine-client must be one of {', '.join(ENGINE_CLIENTS)}")
         if self.message_matcher not in MATCHERS:
             problems.append(f"--message-matcher must be one of {', '.join(MATCHERS)}")
         if not 0 <= self.port <= 65535:

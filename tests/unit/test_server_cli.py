@@ -1,0 +1,31 @@
+"""The CLI and ServerConfig agree by construction: a flag's default is its config field's default, and every flag
+named like a config field reaches the config (nothing is parsed and then dropped)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from session_server.cli import _default, build_parser, config_from_args
+from session_server.config import ServerConfig
+
+REQUIRED = ["--engine-url", "http://127.0.0.1:1", "--tokenizer", "T", "--model-family", "qwen3"]
+
+
+def test_flag_defaults_are_the_config_defaults() -> None:
+    args = vars(build_parser().parse_args(REQUIRED))
+    shared = [f.name for f in dataclasses.fields(ServerConfig) if f.name in args]
+    assert len(shared) >= 10
+    for name in shared:
+        if name in ("engine_url", "tokenizer", "model_family"):
+            continue
+        assert args[name] == _default(name), name
+
+
+def test_every_flag_named_like_a_field_reaches_the_config() -> None:
+    args = build_parser().parse_args([*REQUIRED, "--max-rollback", "3", "--engine-sessions", "--tombstones", "7"])
+    config = config_from_args(args)
+    assert (config.max_rollback, config.engine_sessions, config.tombstones) == (3, True, 7)
+    given = vars(args)
+    for field in dataclasses.fields(ServerConfig):
+        if field.name in given:
+            assert getattr(config, field.name) == given[field.name], field.name
