@@ -103,6 +103,39 @@ def test_incremental_prompt_equals_canonical_render_when_append_stable(families,
     _check_episode(family, play(family, tools, turns), append_stable=True)
 
 
+RICH_TOOLS = [
+    {"type": "function", "function": {
+        "name": f"tool_{i}", "description": "Looks a record up <tool_call> and returns its fields.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}, "n": {"type": "integer"}},
+                       "required": ["key"]},
+    }}
+    for i in range(3)
+]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+def test_appended_turns_render_the_same_without_the_tool_schemas(families, name):
+    """`tools_only_in_preamble`: what an appended turn renders after the anchor does not depend on the tools, so
+    the schemas are not re-rendered every turn. Checked against the cut of a full render with the tools."""
+    from trajectory.families.base import _ANCHOR
+
+    family = families[name]
+    assert family.tools_only_in_preamble
+    call = {"id": "c0", "type": "function", "function": {"name": "tool_1", "arguments": '{"key": "x"}'}}
+    appended = [
+        {"role": "user", "content": "look it up"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "found", "tool_call_id": "c0"},
+        {"role": "user", "content": "thanks"},
+    ]
+    for tools in (RICH_TOOLS, None):
+        full = family.render([*_ANCHOR, *appended], tools, add_generation_prompt=True)
+        prefix = family.anchor_prefix(tools)
+        assert full.startswith(prefix)
+        expected = family.message_trailer + full[len(prefix):]
+        assert family.appended_text(appended, RICH_TOOLS, closed=True) == expected, tools
+
+
 def _state(traj: LinearTrajectory) -> dict[str, Any]:
     out = traj.to_dict()
     out.update(logprobs=traj.logprobs.tolist(), loss_mask=traj.loss_mask.tolist())

@@ -92,6 +92,10 @@ class ModelFamily(ABC):
     appendable_roles: ClassVar[frozenset[str]]
     # (begin prefix, begin suffix, end, trigger) around one tool call's JSON arguments, as SGLang's tool-call
     # detector for the family declares it (`structure_info`); used to constrain forced tool calls. None: no format.
+    # The template writes `tools` only in its preamble, never into how a later message renders. Then an appended
+    # turn is rendered without the tool schemas: the same text (tests/unit/test_trajectory_tito.py checks incremental
+    # prompts against full renders with tools), without re-rendering kilobytes of schemas on every turn.
+    tools_only_in_preamble: ClassVar[bool] = False
     tool_call_structure: ClassVar[tuple[str, str, str, str] | None] = None
 
     def __init__(self, tokenizer: Any) -> None:
@@ -189,6 +193,8 @@ class ModelFamily(ABC):
                 )
         if not appended:
             raise RequestValidationError("the request adds no message after the stored history")
+        if self.tools_only_in_preamble:
+            tools = None
         prefix = self.anchor_prefix(tools, template_kwargs)
         full = self.render([*_ANCHOR, *appended], tools, add_generation_prompt=True, template_kwargs=template_kwargs)
         if not full.startswith(prefix):

@@ -54,6 +54,7 @@ class DeepSeekFamily(ModelFamily):
     message_trailer = ""
     assistant_header = "<｜Assistant｜>"
     appendable_roles = frozenset({"user", "tool", "assistant"})
+    tools_only_in_preamble = True  # the template lists tools after the system text, before any message
     tool_call_structure = (CALLS_BEGIN + CALL_BEGIN + "function" + TOOL_SEP, "\n```json\n",
                            "\n```" + CALL_END + CALLS_END, CALLS_BEGIN)
 

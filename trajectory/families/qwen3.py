@@ -50,6 +50,7 @@ class Qwen3Family(ModelFamily):
     # An assistant message the model did not generate (a canned turn an agent injects) is appended as prompt: its
     # tokens are rendered by the template and masked out of the loss like any other appended message.
     appendable_roles = frozenset({"user", "tool", "system", "assistant"})
+    tools_only_in_preamble = True  # Qwen3's template writes tools into the first system block only
     tool_call_structure = ('<tool_call>\n{"name":"', '", "arguments":', "}\n</tool_call>", "<tool_call>")
 
     def parse_completion(self, text: str) -> ParsedCompletion:
