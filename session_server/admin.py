@@ -28,7 +28,7 @@ async def health(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     server = server_of(request)
-    if await server.engine.health():
+    if await server.engine.ready():
         return json_response({"status": "ready", "instance_id": server.instance_id})
     return json_response({"status": "engine_unavailable", "instance_id": server.instance_id}, status=503)
 

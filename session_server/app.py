@@ -40,6 +40,8 @@ def build_state(config: ServerConfig, family: ModelFamily) -> ServerState:
     engine = EngineClient(
         config.engine_base, timeout=config.request_timeout, connections=config.engine_connections,
         hot_path=config.engine_client,
+        api_key=config.engine_api_key, admin_api_key=config.engine_admin_api_key,
+        control_timeout=config.engine_control_timeout,
     )
     engine_sessions = EngineSessions(engine) if config.engine_sessions else None
     metrics = Metrics()

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from trajectory import ModelFamily
 
 PROG = "session-server"
+# Keys are better passed in the environment than on the command line, where any local user can read them (ps).
+ENGINE_API_KEY_ENV = "SESSION_SERVER_ENGINE_API_KEY"
+ENGINE_ADMIN_API_KEY_ENV = "SESSION_SERVER_ENGINE_ADMIN_API_KEY"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -103,6 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-client", choices=ENGINE_CLIENTS, default=_default("engine_client"),
         help="client for the hot POST /generate: the lean httptools pool (default) or httpx, to measure against it",
+    )
+    p.add_argument(
+        "--engine-api-key", default=os.environ.get(ENGINE_API_KEY_ENV) or None,
+        help=f"the engine's --api-key, sent as a Bearer token on /generate and session calls "
+             f"(default: ${ENGINE_API_KEY_ENV}; never logged)",
+    )
+    p.add_argument(
+        "--engine-admin-api-key", default=os.environ.get(ENGINE_ADMIN_API_KEY_ENV) or None,
+        help=f"the engine's --admin-api-key, sent on abort/pause/flush calls (default: ${ENGINE_ADMIN_API_KEY_ENV}; "
+             "never logged)",
+    )
+    p.add_argument(
+        "--engine-control-timeout", type=float, default=_default("engine_control_timeout"),
+        help="deadline in seconds of each engine control call (abort, open/close session, ready) "
+             "(default %(default)s)",
     )
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="log level")
     return p

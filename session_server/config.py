@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trajectory.messages import MATCHER_NAMES as MATCHERS
 
@@ -46,6 +46,9 @@ class ServerConfig:
     session_idle_timeout: float = 3600.0  # seconds without a request before the sweep deletes a session; 0 = never
     # Root-URL chats (X-Session-ID) may name a session that does not exist yet: create it on first use.
     create_sessions_on_demand: bool = False
+    engine_api_key: str | None = field(default=None, repr=False)  # SGLang --api-key; never logged
+    engine_admin_api_key: str | None = field(default=None, repr=False)  # SGLang --admin-api-key; never logged
+    engine_control_timeout: float = 2.0  # bound on every control call (abort, open/close session, ready)
 
     def __post_init__(self) -> None:
         problems = []
@@ -59,6 +62,8 @@ class ServerConfig:
             problems.append("--max-rollback must be >= 0")
         if self.request_timeout <= 0:
             problems.append("--request-timeout must be > 0")
+        if self.engine_control_timeout <= 0:
+            problems.append("--engine-control-timeout must be > 0")
         if self.tombstones < 0:
             problems.append("--tombstones must be >= 0")
         if self.session_idle_timeout < 0:

@@ -1,16 +1,27 @@
 """The one HTTP client to the engine (SGLang's native API, DESIGN.md 5.1).
 
 Two pools for the whole process: the hot POST /generate runs on a lean keep-alive HTTP/1.1 pool (engine_http.py,
-up to ServerConfig.engine_connections sockets), and control calls (abort, open/close session, health, models) on a small
+up to ServerConfig.engine_connections sockets), and control calls (abort, open/close session, ready, models) on a small
 httpx.AsyncClient, so an abort never queues behind a saturated generate pool. Transport failures become 502
 (EngineUnavailableError); the engine's own non-2xx answers are returned as they are, so the chat handler can pass them
-through unrecorded. Client headers are never forwarded; the only header we add is the sticky-routing key.
+through unrecorded. Client headers are never forwarded; we add only the sticky-routing key and the engine's key.
+
+Control calls get a short deadline of their own (`control_timeout`, a couple of seconds): they are what frees KV and
+slots, and a stalled engine must never hold DELETE, /ready or a timed-out chat for longer than that.
+
+Keys (SGLang's `--api-key` / `--admin-api-key`, see sglang/srt/utils/auth.py `decide_request_auth`): `/generate`,
+`/open_session`, `/close_session`, `/v1/models` and `/server_info` are NORMAL endpoints and want the api key;
+`/abort_request`, `/pause_generation`, `/continue_generation`, `/flush_cache`, `/update_weight_version` are
+ADMIN_OPTIONAL and want the admin key when the engine has one (the api key is then refused), else the api key;
+`/health*`, `/ready` and `/metrics` need no key. Keys are never logged (EngineClient's repr hides them).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import msgspec
@@ -22,6 +33,7 @@ logger = logging.getLogger("session_server.engine")
 
 _json = msgspec.json.Encoder()
 ROUTING_HEADER = "X-SMG-Routing-Key"
+DEFAULT_CONTROL_TIMEOUT = 2.0
 
 
 @dataclass(slots=True)
@@ -65,9 +77,26 @@ class _HttpxGenerate:
         await self._client.aclose()
 
 
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 class EngineClient:
-    def __init__(self, base_url: str, *, timeout: float, connections: int, hot_path: str = "httptools") -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float,
+        connections: int,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        control_timeout: float = DEFAULT_CONTROL_TIMEOUT,
+        hot_path: str = "httptools",
+    ) -> None:
         self.base_url = base_url
+        self.control_timeout = control_timeout
+        self._normal_auth = _bearer(api_key)
+        self._admin_auth = _bearer(admin_api_key or api_key)  # ADMIN_OPTIONAL: the admin key when the engine has one
         connect_timeout = min(10.0, timeout)
         self._generate: EngineHTTP | _HttpxGenerate
         if hot_path == "httpx":
@@ -79,10 +108,13 @@ class EngineClient:
         # Control calls (abort, close) must not queue behind a saturated generate pool: they are what frees it.
         self._control = httpx.AsyncClient(
             base_url=base_url,
-            timeout=httpx.Timeout(10.0),
+            timeout=httpx.Timeout(control_timeout),
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=8),
             headers={"Content-Type": "application/json"},
         )
+
+    def __repr__(self) -> str:  # never show the keys
+        return f"EngineClient({self.base_url!r})"
 
     async def aclose(self) -> None:
         self._generate.close()
@@ -91,10 +123,17 @@ class EngineClient:
         await self._control.aclose()
 
     async def _request(
-        self, client: httpx.AsyncClient, method: str, path: str, body: bytes | None = None, **kw: object
+        self, method: str, path: str, body: bytes | None = None, *, headers: dict[str, str] | None = None,
+        timeout: float | None = None,
     ) -> EngineReply:
+        limit = self.control_timeout if timeout is None else timeout
         try:
-            resp = await client.request(method, path, content=body, **kw)  # type: ignore[arg-type]
+            # httpx's timeout is per phase (connect, write, read, pool); the caller needs a bound on the whole call.
+            async with asyncio.timeout(limit):
+                resp = await self._control.request(method, path, content=body, headers=headers,
+                                                   timeout=httpx.Timeout(limit))
+        except TimeoutError as exc:
+            raise EngineUnavailableError(f"engine {method} {path} did not answer within {limit:g}s") from exc
         except httpx.TimeoutException as exc:
             raise EngineUnavailableError(f"engine {method} {path} timed out: {type(exc).__name__}") from exc
         except httpx.HTTPError as exc:
@@ -103,23 +142,34 @@ class EngineClient:
 
     async def generate(self, payload: bytes, routing_key: str) -> EngineReply:
         """POST /generate with an already encoded body (encoded off the loop), on the lean keep-alive pool."""
-        status, body, content_type = await self._generate.post("/generate", payload, {ROUTING_HEADER: routing_key})
+        headers = {ROUTING_HEADER: routing_key, **self._normal_auth}
+        status, body, content_type = await self._generate.post("/generate", payload, headers)
         return EngineReply(status, body, content_type)
 
     async def abort(self, rid: str) -> bool:
-        """POST /abort_request; True when the engine acknowledged it (SGLang always answers 200)."""
+        """POST /abort_request for exactly this rid; True when the engine acknowledged it (SGLang answers 200).
+
+        Bounded by the control timeout: a stalled engine costs the caller at most that long."""
         try:
             reply = await self._request(
-                self._control, "POST", "/abort_request", _json.encode({"rid": rid, "abort_all": False})
+                "POST", "/abort_request", _json.encode({"rid": rid, "abort_all": False}), headers=self._admin_auth
             )
         except EngineUnavailableError as exc:
             logger.warning("abort of rid %s failed: %s", rid, exc)
             return False
+        if not reply.ok:
+            logger.warning("abort of rid %s refused by the engine (%d): %r", rid, reply.status, reply.body[:200])
         return reply.ok
 
-    async def open_session(self, capacity_of_str_len: int, routing_key: str) -> str:
-        body = _json.encode({"capacity_of_str_len": capacity_of_str_len, "streaming": True})
-        reply = await self._request(self._control, "POST", "/open_session", body, headers={ROUTING_HEADER: routing_key})
+    async def open_session(self, capacity_of_str_len: int, routing_key: str, timeout: float | None = None) -> str:
+        """POST /open_session (streaming). `timeout` is the engine's idle timeout for the session (seconds): without
+        one, a session whose owner died holds its KV on the engine forever."""
+        req: dict[str, Any] = {"capacity_of_str_len": capacity_of_str_len, "streaming": True}
+        if timeout is not None:
+            req["timeout"] = timeout
+        reply = await self._request(
+            "POST", "/open_session", _json.encode(req), headers={ROUTING_HEADER: routing_key, **self._normal_auth}
+        )
         if not reply.ok:
             raise EngineUnavailableError(f"engine refused open_session ({reply.status}): {reply.body[:200]!r}")
         try:
@@ -133,20 +183,41 @@ class EngineClient:
     async def close_session(self, sid: str, routing_key: str) -> bool:
         try:
             reply = await self._request(
-                self._control, "POST", "/close_session", _json.encode({"session_id": sid}),
-                headers={ROUTING_HEADER: routing_key},
+                "POST", "/close_session", _json.encode({"session_id": sid}),
+                headers={ROUTING_HEADER: routing_key, **self._normal_auth},
             )
         except EngineUnavailableError as exc:
             logger.warning("close of engine session %s failed: %s", sid, exc)
             return False
         return reply.ok
 
-    async def health(self) -> bool:
+    async def ready(self) -> bool:
+        """SGLang's cheap readiness probe, GET /ready (200, or 503 while starting, paused or unhealthy).
+
+        Never GET /health: in real SGLang that runs a one-token generation and takes at least a second."""
         try:
-            reply = await self._request(self._control, "GET", "/health")
+            reply = await self._request("GET", "/ready")
         except EngineUnavailableError:
             return False
         return reply.ok
 
+    async def health(self) -> bool:
+        """Kept for callers of the old name: the same cheap probe as ready()."""
+        return await self.ready()
+
+    async def server_info(self) -> dict[str, Any] | None:
+        """GET /server_info as a dict, or None when the engine does not answer it."""
+        try:
+            reply = await self._request("GET", "/server_info", headers=self._normal_auth)
+        except EngineUnavailableError:
+            return None
+        if not reply.ok:
+            return None
+        try:
+            info = msgspec.json.decode(reply.body)
+        except msgspec.DecodeError:
+            return None
+        return info if isinstance(info, dict) else None
+
     async def models(self) -> EngineReply:
-        return await self._request(self._control, "GET", "/v1/models")
+        return await self._request("GET", "/v1/models", headers=self._normal_auth)

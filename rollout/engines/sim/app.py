@@ -23,6 +23,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from rollout.engines.sim import wire
+from rollout.engines.sim.auth import ApiKeyMiddleware
 from rollout.engines.sim.engine import Engine
 from rollout.engines.sim.faults import BODY_FAULTS, Fault, FaultInjector, corrupt
 from rollout.engines.sim.requests import BadRequest, GenerateInput, SimRequest, parse_generate
@@ -83,6 +84,9 @@ class SimServer:
     routed_experts_bytes: int = 0
     host: str = "127.0.0.1"
     port: int = 0
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    health_latency_s: float = 1.0  # real SGLang's GET /health runs a one-token generation: at least a second
 
     # -- /generate ------------------------------------------------------------------------------------------------
 
@@ -232,7 +236,31 @@ class SimServer:
         return Response(FLUSH_MESSAGE, status_code=200 if ok else 400, media_type="text/plain")
 
     async def health(self, request: Request) -> Response:
-        return Response(status_code=200)
+        """GET /health and /health_generate: like SGLang's `health_generate`, a one-token generation that answers
+        after at least a second (it polls the detokenizer once per second), so a caller that probes it on a hot path
+        shows up as slow. 503 while paused, where SGLang's generation would not come back."""
+        await asyncio.sleep(self.health_latency_s)
+        return Response(status_code=503 if self.engine.paused else 200)
+
+    async def ready(self, request: Request) -> Response:
+        """GET /ready: SGLang's cheap probe (`tokenizer_manager.is_ready()`: not paused and healthy), empty body."""
+        return Response(status_code=503 if self.engine.paused else 200)
+
+    async def update_weight_version(self, request: Request) -> Response:
+        """POST /update_weight_version `{"new_version", "abort_all_requests"=true}` (http_server.py
+        `update_weight_version`): requests already generating record the change, so their final meta_info carries
+        per-token `weight_versions` spans."""
+        try:
+            body = await _json_body(request)
+            if not isinstance(body, dict) or not isinstance(body.get("new_version"), str):
+                raise BadRequest("new_version must be a string")
+        except BadRequest as exc:
+            return error_response(str(exc))
+        if body.get("abort_all_requests", True):
+            self.engine.abort(None, abort_all=True)
+        self.engine.set_weight_version(body["new_version"])
+        return json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
+                              "new_version": body["new_version"]})
 
     async def model_info(self, request: Request) -> Response:
         return json_response(wire.model_info(self.engine, self.model_path, self.tokenizer_path))
@@ -281,6 +309,8 @@ class SimServer:
             Route("/flush_cache", self.flush_cache, methods=get_post),
             Route("/health", self.health, methods=["GET"]),
             Route("/health_generate", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+            Route("/update_weight_version", self.update_weight_version, methods=["POST"]),
             Route("/model_info", self.model_info, methods=["GET"]),
             Route("/get_model_info", self.model_info, methods=["GET"]),
             Route("/server_info", self.server_info, methods=["GET"]),
@@ -301,7 +331,10 @@ class SimServer:
                 reaper.cancel()
                 await self.engine.shutdown()
 
-        return Starlette(routes=self.routes(), lifespan=lifespan)
+        app = Starlette(routes=self.routes(), lifespan=lifespan)
+        if self.api_key or self.admin_api_key:
+            app.add_middleware(ApiKeyMiddleware, api_key=self.api_key, admin_api_key=self.admin_api_key)
+        return app
 
     async def _reap_forever(self) -> None:
         while True:

@@ -42,6 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routed-experts-bytes", type=int, default=0,
                    help="Size of the routed-experts payload returned with return_routed_experts (0 = none).")
     p.add_argument("--weight-version", default="default", help="weight_version reported in meta_info.")
+    p.add_argument("--api-key", default=None,
+                   help="Like SGLang's --api-key: required as 'Authorization: Bearer KEY' on every endpoint but "
+                        "/health, /ready and /metrics (and the /sim test hooks).")
+    p.add_argument("--admin-api-key", default=None,
+                   help="Like SGLang's --admin-api-key: required (instead of --api-key) on abort, pause/continue, "
+                        "flush and weight-version calls.")
+    p.add_argument("--health-latency-ms", type=float, default=1000.0,
+                   help="Time GET /health takes (real SGLang runs a one-token generation there: >= 1 s). "
+                        "GET /ready is the cheap probe.")
     p.add_argument("--log-level", default="warning", help="uvicorn log level.")
     return p
 
@@ -106,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     server = SimServer(engine=engine, faults=FaultInjector(args.seed),
                        model_path=args.model_path or f"sim-{family.name}",
                        tokenizer_path=str(Path(args.tokenizer)), routed_experts_bytes=args.routed_experts_bytes,
-                       host=host, port=port)
+                       host=host, port=port, api_key=args.api_key, admin_api_key=args.admin_api_key,
+                       health_latency_s=args.health_latency_ms / 1000.0)
     if args.routed_experts_bytes > 0:
         from rollout.engines.sim.routed_experts import payload
 

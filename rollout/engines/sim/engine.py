@@ -29,7 +29,9 @@ from rollout.engines.sim.sessions import EngineSession, KVHold, SessionRefusal
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 ABORT_MESSAGE = "Aborted"
-WAITING_ABORT_MESSAGE = "Abort before prefill"
+# A request aborted before it was scheduled comes back through TokenizerManager._handle_abort_req, whose default
+# message this is, with a reduced meta_info (no prompt_tokens / cached_tokens): see wire.queued_abort_body.
+WAITING_ABORT_MESSAGE = "Abort in waiting queue"
 _MIN_SLEEP_S = 0.01  # emit at least this much latency per wake-up, so per-token latency stays cheap to emulate
 _EMPTY = np.zeros(0, dtype=np.int32)
 _MAX_ROUTING_KEYS = 4096
@@ -58,6 +60,7 @@ class Engine:
         self.sessions: dict[str, EngineSession] = {}
         self.paused = False
         self.pause_mode: str | None = None
+        self.weight_version = config.weight_version
         self.last_routing_key: str | None = None
         self.routing_keys: dict[str, int] = {}  # X-SMG-Routing-Key -> requests seen (bounded, oldest dropped)
         self.finished_total = 0
@@ -283,11 +286,19 @@ class Engine:
         if req.state == "finished" or req.abort_message is not None:
             return
         req.abort_message = WAITING_ABORT_MESSAGE if req.state == "waiting" else message
+        req.aborted_waiting = req.state == "waiting" and req.generated == 0
         req.interrupt()
 
     def abort(self, rid: str | None, abort_all: bool = False) -> int:
-        """Abort by rid prefix (SGLang's matching) or everything; unknown rids are a no-op."""
-        hits = [r for r in self.requests.values() if abort_all or (rid and r.rid.startswith(rid))]
+        """Abort exactly one rid, or everything; unknown rids are a no-op.
+
+        Exact, as SGLang's TokenizerManager.abort_request does with one tokenizer worker (it looks the rid up in
+        rid_to_state; prefix matching happens only inside the scheduler, for requests the tokenizer never saw)."""
+        if abort_all:
+            hits = list(self.requests.values())
+        else:
+            req = self.requests.get(rid) if rid else None
+            hits = [req] if req is not None else []
         for req in hits:
             self._abort(req, ABORT_MESSAGE)
         return len(hits)
@@ -316,6 +327,16 @@ class Engine:
             if mode == "in_place":
                 break
             await asyncio.sleep(0.001)
+
+    def set_weight_version(self, version: str) -> None:
+        """Scheduler.record_weight_version_change: every live request that has output records (old version, tokens
+        so far), so its final meta_info says which version produced which tokens."""
+        if version == self.weight_version:
+            return
+        for req in self.requests.values():
+            if req.generated > 0:
+                req.weight_events.append((self.weight_version, req.generated))
+        self.weight_version = version
 
     def resume(self) -> None:
         self.paused, self.pause_mode = False, None

@@ -41,8 +41,46 @@ def _input_logprobs(req: SimRequest, start: int) -> list[list[Any]]:
     return out
 
 
+def weight_version_spans(events: list[tuple[str, int]], current: str, n_out: int) -> list[dict[str, Any]]:
+    """Per-token weight versions of a finished request: sglang/srt/utils/weight_versions.py
+    `compute_weight_version_spans` (scheduler) followed by `add_weight_versions_to_meta_info` (tokenizer manager)."""
+    spans: list[list[Any]] = []
+    for version, end in [*events, (current, n_out)]:
+        end = min(end, n_out)
+        if spans and end <= spans[-1][2]:
+            continue
+        if spans and version == spans[-1][0]:
+            spans[-1][2] = end
+            continue
+        spans.append([version, spans[-1][2] if spans else 0, end])
+    visible = [s for s in spans if s[1] < n_out or s[1] == 0]
+    return [{"version": v, "start": a, "end": min(b, n_out)} for v, a, b in visible]
+
+
+def queued_abort_body(engine: Engine, req: SimRequest) -> dict[str, Any]:
+    """A request aborted before it was scheduled (pause_generation mode abort, abort_all, a weight update):
+    sglang/srt/managers/tokenizer_manager.py `_handle_abort_req` answers HTTP 200 with this reduced meta_info --
+    no prompt_tokens, cached_tokens or retractions -- and the finish reason from scheduler.py `_make_abort_req`."""
+    spans = weight_version_spans(req.weight_events, engine.weight_version, 0)
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": {"type": "abort", "message": req.abort_message or "Abort in waiting queue"},
+        "weight_version": spans[-1]["version"],
+        "e2e_latency": (req.finished_at or req.created) - req.created,
+        "weight_versions": spans,
+    }
+    if req.inp.return_logprob:  # add_logprob_to_meta_info(..., finished=True)
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = []
+        meta["output_token_logprobs_length"] = 0
+    meta["completion_tokens"] = 0
+    return {"text": "", "output_ids": [], "meta_info": meta}
+
+
 def generate_body(engine: Engine, req: SimRequest, final: bool, routed: bytes | None) -> dict[str, Any]:
     """The `/generate` response (or one cumulative stream chunk) for a request's current progress."""
+    if final and req.aborted_waiting:
+        return queued_abort_body(engine, req)
     inp = req.inp
     out_ids = req.output_ids
     finish = req.finish_reason if final else None
@@ -50,12 +88,15 @@ def generate_body(engine: Engine, req: SimRequest, final: bool, routed: bytes | 
         "id": req.rid,
         "finish_reason": finish,
         "prompt_tokens": len(req.prompt),
-        "weight_version": engine.config.weight_version,
+        "weight_version": engine.weight_version,
         "total_retractions": req.retractions,
         "completion_tokens": len(out_ids),
         "cached_tokens": req.cached_tokens,
         "e2e_latency": ((req.finished_at or 0.0) - req.created) if final else None,
     }
+    if final:  # the scheduler attaches spans to every finished request (output_streamer.py)
+        meta["weight_versions"] = weight_version_spans(req.weight_events, engine.weight_version, len(out_ids))
+        meta["weight_version"] = meta["weight_versions"][-1]["version"]
     if inp.return_logprob:
         texts: list[str | None] = (engine.family.token_texts(out_ids) if inp.return_text_in_logprobs
                                    else [None] * len(out_ids))
@@ -78,7 +119,7 @@ def generate_body(engine: Engine, req: SimRequest, final: bool, routed: bytes | 
 
 def model_info(engine: Engine, model_path: str, tokenizer_path: str) -> dict[str, Any]:
     return {"model_path": model_path, "tokenizer_path": tokenizer_path, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": engine.config.weight_version,
+            "preferred_sampling_params": None, "weight_version": engine.weight_version,
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": engine.family.name,
             "architectures": None}
 
@@ -98,7 +139,7 @@ def server_info(engine: Engine, model_path: str, tokenizer_path: str, host: str,
         "random_seed": cfg.seed,
         "enable_streaming_session": cfg.enable_streaming_session,
         "skip_tokenizer_init": False,
-        "weight_version": cfg.weight_version,
+        "weight_version": engine.weight_version,
         "max_total_num_tokens": engine.pool.capacity,
         "max_req_input_len": min(cfg.context_length - 1, engine.pool.capacity - 1),
         "internal_states": [{
