@@ -232,7 +232,8 @@ class LaunchOptions(TypedDict, total=False):
 
 
 def _start_module(
-    module: str, args: Sequence[str], ready_pattern: re.Pattern[str], name: str, **options: Unpack[LaunchOptions]
+    module: str, args: Sequence[str], ready_pattern: re.Pattern[str], name: str, health_path: str = "/health",
+    **options: Unpack[LaunchOptions],
 ) -> RunningProcess:
     """`python -m module args` on a loopback port the OS picks (its `--port 0` ready line names the port)."""
     argv = [str(a) for a in args]
@@ -243,15 +244,17 @@ def _start_module(
     # `-m` puts the working directory first on sys.path, ahead of PYTHONPATH: `-P` keeps `python_path` first.
     flags = ["-P"] if options.get("python_path") else []
     cmd = [sys.executable, *flags, "-m", module, *argv]
-    return RunningProcess(cmd, ready_pattern=ready_pattern, name=name, **options)
+    return RunningProcess(cmd, ready_pattern=ready_pattern, name=name, health_path=health_path, **options)
 
 
 def start_sim(
     tokenizer_dir: str | Path, family: str, *extra_args: str, **options: Unpack[LaunchOptions]
 ) -> RunningProcess:
-    """`sglang-sim` on a loopback port the OS picks."""
+    """`sglang-sim` on a loopback port the OS picks, ready when its cheap `GET /ready` answers (its `/health`, like
+    SGLang's, runs a generation and takes a second)."""
     args = ["--tokenizer", str(tokenizer_dir), "--model-family", family, *extra_args]
-    return _start_module("rollout.engines.sim.cli", args, SIM_READY, f"sglang-sim[{family}]", **options)
+    return _start_module("rollout.engines.sim.cli", args, SIM_READY, f"sglang-sim[{family}]", health_path="/ready",
+                         **options)
 
 
 def start_session_server(

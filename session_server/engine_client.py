@@ -124,9 +124,9 @@ class EngineClient:
 
     async def _request(
         self, method: str, path: str, body: bytes | None = None, *, headers: dict[str, str] | None = None,
-        timeout: float | None = None,
+        deadline: float | None = None,
     ) -> EngineReply:
-        limit = self.control_timeout if timeout is None else timeout
+        limit = self.control_timeout if deadline is None else deadline
         try:
             # httpx's timeout is per phase (connect, write, read, pool); the caller needs a bound on the whole call.
             async with asyncio.timeout(limit):
@@ -144,6 +144,9 @@ class EngineClient:
         """POST /generate with an already encoded body (encoded off the loop), on the lean keep-alive pool."""
         headers = {ROUTING_HEADER: routing_key, **self._normal_auth}
         status, body, content_type = await self._generate.post("/generate", payload, headers)
+        if status in (401, 403):  # about our key, not the agent's request: never pass it through as the agent's fault
+            raise EngineUnavailableError(
+                f"engine refused the session server's credentials ({status}); check --engine-api-key")
         return EngineReply(status, body, content_type)
 
     async def abort(self, rid: str) -> bool:
@@ -161,12 +164,14 @@ class EngineClient:
             logger.warning("abort of rid %s refused by the engine (%d): %r", rid, reply.status, reply.body[:200])
         return reply.ok
 
-    async def open_session(self, capacity_of_str_len: int, routing_key: str, timeout: float | None = None) -> str:
-        """POST /open_session (streaming). `timeout` is the engine's idle timeout for the session (seconds): without
-        one, a session whose owner died holds its KV on the engine forever."""
+    async def open_session(
+        self, capacity_of_str_len: int, routing_key: str, idle_timeout: float | None = None
+    ) -> str:
+        """POST /open_session (streaming). `idle_timeout` is sent as the engine session's `timeout` (seconds):
+        without one, a session whose owner died holds its KV on the engine forever."""
         req: dict[str, Any] = {"capacity_of_str_len": capacity_of_str_len, "streaming": True}
-        if timeout is not None:
-            req["timeout"] = timeout
+        if idle_timeout is not None:
+            req["timeout"] = idle_timeout
         reply = await self._request(
             "POST", "/open_session", _json.encode(req), headers={ROUTING_HEADER: routing_key, **self._normal_auth}
         )

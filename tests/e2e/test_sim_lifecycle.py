@@ -37,14 +37,20 @@ def _post(url: str, body: dict, timeout: float = 30) -> httpx.Response:
     return httpx.post(url + "/generate", json=body, timeout=timeout)
 
 
-def test_abort_by_rid_prefix_returns_partial_output_and_frees_kv(client, pool, tok, sim_url):
+def test_abort_by_exact_rid_returns_partial_output_and_frees_kv(client, pool, tok, sim_url):
+    """SGLang's TokenizerManager.abort_request (one tokenizer worker) looks the rid up exactly in rid_to_state and
+    drops an unknown one: a prefix of a running rid aborts nothing."""
     ids = _long(tok, "abort")
     fut = pool.submit(_post, sim_url, {"input_ids": ids, "rid": "job-17-turn-1", "return_logprob": True})
     wait_for(lambda: info(client)["running_requests"] == 1)
     during = books(client)
     assert during["private"] == len(ids) + 401 - 1 - during["tree"]  # the whole reply is reserved up front
     time.sleep(0.1)
-    assert client.post("/abort_request", json={"rid": "job-17"}).status_code == 200
+    aborted = info(client)["aborted_requests"]
+    for prefix in ("job-17", "job-17-turn-", ""):
+        assert client.post("/abort_request", json={"rid": prefix}).status_code == 200
+    assert info(client)["running_requests"] == 1 and info(client)["aborted_requests"] == aborted
+    assert client.post("/abort_request", json={"rid": "job-17-turn-1"}).status_code == 200
     r = fut.result()
     assert r.status_code == 200
     meta = r.json()["meta_info"]

@@ -114,7 +114,8 @@ class RecordingProxy:
             if body:
                 entry["request"] = msgspec.json.decode(body)
             self.calls.append(entry)
-            headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "x-smg-routing-key")}
+            forwarded = ("content-type", "x-smg-routing-key", "authorization")
+            headers = {k: v for k, v in request.headers.items() if k.lower() in forwarded}
             resp = await client.request(request.method, request.url.path, content=body, headers=headers)
             entry["status"] = resp.status_code
             entry["finished"] = time.monotonic()
