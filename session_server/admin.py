@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import hmac
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from trajectory.errors import RequestValidationError, SessionError
 
+from .body import read_object
 from .errors import AdminAuthError, error_response, json_response
 from .lifecycle import AbortReason
 from .metrics import CONTENT_TYPE
@@ -51,15 +51,10 @@ async def pause(request: Request) -> Response:
     server = server_of(request)
     try:
         _authorize(request)
-        body = await request.body()
-        mode = "drain"
-        if body.strip():
-            try:
-                obj = msgspec.json.decode(body)
-            except msgspec.DecodeError as exc:
-                raise RequestValidationError(f"request body is not valid JSON: {exc}") from None
-            mode = obj.get("mode", "drain") if isinstance(obj, dict) else ""
-        if mode not in ("drain", "abort"):
+        config = server.config
+        obj = await read_object(request, config.max_request_bytes, config.body_timeout)
+        mode = obj.get("mode", "drain")
+        if not isinstance(mode, str) or mode not in ("drain", "abort"):
             raise RequestValidationError("'mode' must be 'drain' or 'abort'")
     except SessionError as err:
         return error_response(err)

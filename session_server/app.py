@@ -21,6 +21,7 @@ from trajectory import ModelFamily
 from trajectory.errors import InvariantError
 
 from . import admin, chat, samples, session_header, sessions
+from .boundary import ErrorBoundary
 from .config import ServerConfig
 from .cpu_pool import CpuPool
 from .engine_client import EngineClient
@@ -125,9 +126,14 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         Route("/v1/chat/completions", session_header.chat_completions, methods=["POST"]),
         Route("/v1/models", session_header.list_models, methods=["GET"]),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes,
-        middleware=[Middleware(ResponseMetrics, routes=routes)],
+        # ResponseMetrics counts every response once, the 500 of ErrorBoundary included; ErrorBoundary logs it once.
+        middleware=[Middleware(ResponseMetrics, routes=routes), Middleware(ErrorBoundary)],
         lifespan=lifespan,
         exception_handlers={404: not_found, 405: method_not_allowed, Exception: _unhandled},
     )
+    # No trailing-slash redirect: Starlette would answer `POST /sessions/` with a 307 to a URL built from the
+    # client's Host header. Unknown paths are a JSON 404, like any other.
+    app.router.redirect_slashes = False
+    return app

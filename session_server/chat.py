@@ -25,18 +25,18 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 
 from trajectory import LinearTrajectory, TurnPlan
 from trajectory.errors import InvariantError, SessionError, UpstreamError
 
+from . import body as body_reader
 from .engine_client import EngineReply
 from .engine_wire import encode_generate, split_routed_experts
 from .errors import (
     ClientDisconnectedError,
     EngineTimeoutError,
-    RequestTooLargeError,
     SessionNotFoundError,
     SessionPausedError,
     error_response,
@@ -104,28 +104,17 @@ async def serve_chat(request: Request, session_id: str) -> Response:
     return response
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
+async def read_body(request: Request, limit: int, deadline: float) -> bytes:
+    """body.read_body, with a vanished client counted as a disconnect abort."""
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise RequestTooLargeError(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise _aborted(
-            ClientDisconnectedError("client disconnected while sending the request"), AbortCause.DISCONNECT
-        ) from None
-    return b"".join(chunks)
+        return await body_reader.read_body(request, limit, deadline)
+    except ClientDisconnectedError as err:
+        raise _aborted(err, AbortCause.DISCONNECT) from None
 
 
-async def _read_body_or_abort(claim: Claim, request: Request, limit: int) -> bytes:
+async def _read_body_or_abort(claim: Claim, request: Request, limit: int, deadline: float) -> bytes:
     """Read the body, but let DELETE/pause/shutdown interrupt a client that sends it slowly (or never)."""
-    reading = asyncio.ensure_future(read_body(request, limit))
+    reading = asyncio.ensure_future(read_body(request, limit, deadline))
     aborted = asyncio.ensure_future(claim.aborted.wait())
     try:
         await asyncio.wait((reading, aborted), return_when=asyncio.FIRST_COMPLETED)
@@ -179,7 +168,7 @@ def _raise_if_aborted(claim: Claim) -> None:
 async def _turn(server: ServerState, claim: Claim, request: Request, timing: TurnTiming) -> Response:
     session = claim.session
     metrics = server.metrics
-    body = await _read_body_or_abort(claim, request, server.config.max_request_bytes)
+    body = await _read_body_or_abort(claim, request, server.config.max_request_bytes, server.config.body_timeout)
     rid = uuid.uuid4().hex  # fixed length: no rid is a prefix of another (abort matches by prefix)
     engine_sessions = server.engine_sessions
     routed = server.config.return_routed_experts

@@ -69,6 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest accepted request body in bytes; larger ones get 413 (default %(default)s)",
     )
     p.add_argument(
+        "--max-metadata-bytes", type=int, default=_default("max_metadata_bytes"),
+        help="largest session metadata (POST /sessions, JSON-encoded bytes); larger gets 413 (default %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=_default("body_timeout"),
+        help="seconds a request body may take to arrive in full, on every route; slower uploads get 408 "
+        "(default %(default)s)",
+    )
+    p.add_argument(
         "--message-matcher", choices=MATCHERS, default=_default("message_matcher"),
         help="how history is matched: loose_tool_call (default: tool-call arguments that are equal as JSON match, "
         "as agents re-serialise them) or strict (argument text byte for byte; any re-serialisation rolls back)",

@@ -33,6 +33,8 @@ class ServerConfig:
     engine_sessions: bool = False
     request_timeout: float = 600.0
     max_request_bytes: int = 16 * 1024 * 1024
+    max_metadata_bytes: int = 64 * 1024  # POST /sessions metadata, encoded (413 beyond)
+    body_timeout: float = 30.0  # seconds for a request body to arrive in full (408 after)
     message_matcher: str = "loose_tool_call"
     admin_token: str | None = None
     inline_decode: bool = False
@@ -68,6 +70,10 @@ class ServerConfig:
             problems.append("--tombstones must be >= 0")
         if self.session_idle_timeout < 0:
             problems.append("--session-idle-timeout must be >= 0 (0 turns the sweep off)")
+        if self.max_metadata_bytes < 0:
+            problems.append("--max-metadata-bytes must be >= 0")
+        if self.body_timeout <= 0:
+            problems.append("--body-timeout must be > 0")
         if self.max_request_bytes < 1:
             problems.append("--max-request-bytes must be >= 1")
         if self.engine_client not in ENGINE_CLIENTS:

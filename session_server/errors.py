@@ -56,6 +56,13 @@ class RequestTooLargeError(SessionError):
     code = "request_too_large"
 
 
+class RequestTimeoutError(SessionError):
+    """The request body did not arrive within the upload deadline (408; the request itself may be fine)."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class EngineTimeoutError(SessionError):
     status = 504
     code = "engine_timeout"
@@ -97,8 +104,9 @@ def json_response(payload: object, status: int = 200, headers: dict[str, str] | 
 
 def error_response(err: SessionError) -> Response:
     headers = None
-    if isinstance(err, SessionPausedError):
-        headers = {"Retry-After": str(max(1, int(err.retry_after)))}
+    retry_after = getattr(err, "retry_after", None)  # 503s that say when to come back (pause, full, drain)
+    if retry_after is not None:
+        headers = {"Retry-After": str(max(1, int(retry_after)))}
     return json_response(error_body(err), err.status, headers)
 
 

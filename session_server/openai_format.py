@@ -23,6 +23,7 @@ from trajectory import GenerateResult, ModelFamily
 from trajectory.errors import RequestValidationError
 from trajectory.messages import normalize_tools
 
+from .body import decode_object
 from .engine_wire import decode_engine_reply
 from .logprobs import openai_logprobs
 from .openai_fields import (
@@ -35,7 +36,6 @@ from .openai_fields import (
     prompt_tools,
 )
 
-_decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 
 
@@ -67,12 +67,7 @@ def parse_chat_request(body: bytes, stop_token_ids: tuple[int, ...], vocab_size:
     `messages` and `tools` are passed on raw: the trajectory's prepare, which runs right after this in the same
     step, owns their validation (one check, one set of error messages) and rejects bad ones with a 400 as well.
     """
-    try:
-        obj = _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise _bad(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise _bad("request body must be a JSON object")
+    obj = decode_object(body)
     n = obj.get("n")
     if n is not None and n != 1:
         raise _bad("only n=1 is supported: a session holds one linear trajectory")

@@ -15,7 +15,9 @@ from starlette.responses import Response
 from trajectory import Sample, build_merged_sample, samples_to_json, samples_to_safetensors, truncate_sample
 from trajectory.errors import RequestValidationError, SessionError
 
+from .body import read_object
 from .errors import error_response
+from .openai_fields import MAX_INT32
 from .sessions import lookup
 from .state import server_of
 
@@ -23,20 +25,12 @@ OCTET_STREAM = "application/octet-stream"
 _encoder = msgspec.json.Encoder()
 
 
-def _max_seq_len(body: bytes) -> int | None:
-    if not body.strip():
-        return None
-    try:
-        obj = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise RequestValidationError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise RequestValidationError("request body must be a JSON object")
+def _max_seq_len(obj: dict) -> int | None:
     value = obj.get("max_seq_len")
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise RequestValidationError("'max_seq_len' must be a positive integer")
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_INT32:
+        raise RequestValidationError(f"'max_seq_len' must be an integer in [1, {MAX_INT32}]")
     return value
 
 
@@ -50,7 +44,8 @@ async def collect_samples(request: Request) -> Response:
     server = server_of(request)
     try:
         session = lookup(server, request.path_params["session_id"])
-        max_seq_len = _max_seq_len(await request.body())
+        config = server.config
+        max_seq_len = _max_seq_len(await read_object(request, config.max_request_bytes, config.body_timeout))
     except SessionError as err:
         return error_response(err)
     async with session.lock:

@@ -19,12 +19,14 @@ from starlette.responses import Response
 from trajectory import LinearTrajectory
 from trajectory.errors import RequestValidationError, SessionError
 
-from .errors import EngineUnavailableError, error_response, json_response
+from .body import read_object
+from .errors import EngineUnavailableError, RequestTooLargeError, error_response, json_response
 from .lifecycle import AbortReason
 from .registry import Session
 from .state import ServerState, server_of
 
 _encoder = msgspec.json.Encoder()
+METADATA_ENVELOPE = 1024  # bytes of the body around the metadata object (key, braces, whitespace)
 
 
 def lookup(server: ServerState, session_id: str) -> Session:
@@ -32,20 +34,26 @@ def lookup(server: ServerState, session_id: str) -> Session:
 
 
 async def create_session(request: Request) -> Response:
+    """POST /sessions, optional body `{"metadata": {...}}`. The body is bounded by the metadata cap (plus room for
+    the envelope) as well as the request limit, and the metadata itself by its encoded size."""
     server = server_of(request)
-    body = await request.body()
-    metadata: dict[str, Any] = {}
-    if body.strip():
-        try:
-            obj = msgspec.json.decode(body)
-        except msgspec.DecodeError as exc:
-            return error_response(RequestValidationError(f"request body is not valid JSON: {exc}"))
-        if not isinstance(obj, dict):
-            return error_response(RequestValidationError("request body must be a JSON object"))
-        metadata = obj.get("metadata") or {}
+    config = server.config
+    limit = min(config.max_request_bytes, config.max_metadata_bytes + METADATA_ENVELOPE)
+    try:
+        obj = await read_object(request, limit, config.body_timeout)
+        metadata = obj.get("metadata")
+        if metadata is None:
+            metadata = {}
         if not isinstance(metadata, dict):
-            return error_response(RequestValidationError("'metadata' must be an object"))
-    session = server.lifecycle.create(server.new_trajectory(), metadata)
+            raise RequestValidationError("'metadata' must be an object")
+        size = len(_encoder.encode(metadata))
+        if size > config.max_metadata_bytes:
+            raise RequestTooLargeError(
+                f"'metadata' is {size} bytes encoded; the limit is {config.max_metadata_bytes} bytes"
+            )
+        session = server.lifecycle.create(server.new_trajectory(), metadata)
+    except SessionError as err:
+        return error_response(err)
     return json_response({"session_id": session.id})
 
 

@@ -68,7 +68,9 @@ def normalize_message(index: int, message: Any) -> Message:
     role = message.get("role")
     if role is None:
         raise RequestValidationError(f"messages[{index}] has no role")
-    role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+    if not isinstance(role, str):
+        raise RequestValidationError(f"messages[{index}].role must be a string, got {type(role).__name__}")
+    role = _ROLE_ALIASES.get(role, role)
     if role not in ROLES:
         raise RequestValidationError(f"messages[{index}] has unknown role {role!r}; expected one of {sorted(ROLES)}")
     content = message.get("content")
@@ -143,7 +145,7 @@ def _same_arguments(a: str, b: str, loose: bool) -> bool:
         return False
     try:
         return json_equal(json.loads(a), json.loads(b))
-    except ValueError:  # not JSON (a model may generate malformed arguments): only the exact text is equal
+    except (ValueError, RecursionError):  # not JSON (or nested past the parser): only the exact text is equal
         return False
 
 

@@ -33,7 +33,7 @@ def _parse_call(kind: str, name: str, arguments: str) -> ToolCall | None:
         return None
     try:
         obj = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return tool_call_from_json(name, obj)
 

@@ -21,7 +21,7 @@ _TOOL_CALL = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.DOTALL)
 def _parse_call(body: str) -> ToolCall | None:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict):
         return None

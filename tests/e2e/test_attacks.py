@@ -1,0 +1,314 @@
+"""Attacks on a running session-server (in front of sglang-sim), tried as a hostile or careless client would.
+
+Every case asserts the exact status and the one error style, and after every case: /health still answers, the
+engine's books are clean (nothing running, no KV held, no session open), and every committed turn of the module's
+witness session is exactly what its client received (a failed attack never commits or alters anything).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from support.server import TOOLS, assert_engine_baseline, chat_url, new_session
+from support.stack import Stack, StackFactory
+
+FAMILY = "qwen3"
+MAX_REQUEST_BYTES = 256 * 1024
+MAX_METADATA_BYTES = 220_000  # above the deepest attack body (200 KB), below the request limit
+BODY_TIMEOUT = 2.0
+CONTEXT_LENGTH = 4096
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(
+        family=FAMILY,
+        sim_args=["--context-length", str(CONTEXT_LENGTH)],
+        servers={"server": [
+            "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-metadata-bytes", str(MAX_METADATA_BYTES),
+            "--body-timeout", str(BODY_TIMEOUT), "--create-sessions-on-demand",
+        ]},
+    ) as stack:
+        yield stack
+
+
+class Witness:
+    """One session that chats normally between attacks; what its client received must stay what is stored."""
+
+    def __init__(self, server: str) -> None:
+        self.server = server
+        self.sid = new_session(server)
+        self.messages: list[dict[str, Any]] = [{"role": "user", "content": "witness says hello"}]
+        self.replies: list[dict[str, Any]] = []
+
+    def turn(self) -> None:
+        resp = httpx.post(chat_url(self.server, self.sid), json={"messages": self.messages, "max_tokens": 8},
+                          timeout=30)
+        assert resp.status_code == 200, resp.text
+        message = resp.json()["choices"][0]["message"]
+        self.replies.append(message)
+        self.messages = [*self.messages, {"role": "assistant", "content": message["content"]},
+                         {"role": "user", "content": f"witness turn {len(self.replies)}"}]
+
+    def check(self) -> None:
+        info = httpx.get(f"{self.server}/sessions/{self.sid}", timeout=30).json()
+        assert [r["message"] for r in info["records"]] == self.replies
+        # The stored messages are the witness's history verbatim (the last user message is not yet committed).
+        assert [m["content"] for m in info["messages"]] == [m["content"] for m in self.messages[:-1]]
+
+
+@pytest.fixture(scope="module")
+def witness(stack: Stack) -> Witness:
+    w = Witness(stack.server)
+    w.turn()
+    return w
+
+
+@pytest.fixture
+def after(stack: Stack, witness: Witness) -> Iterator[None]:
+    """Run the attack, then: /health answers, the witness still chats and matches, the engine's books are clean."""
+    yield
+    health = httpx.get(f"{stack.server}/health", timeout=5)
+    assert health.status_code == 200
+    witness.turn()
+    witness.check()
+    assert_engine_baseline(stack.engine, open_sessions=0)
+
+
+def assert_error(resp: httpx.Response, status: int, *words: str) -> dict[str, Any]:
+    assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    assert resp.headers["content-type"].startswith("application/json")
+    error = resp.json()["error"]
+    assert error["code"] == status
+    for word in words:
+        assert word in error["message"], error["message"]
+    return error
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+
+
+def json_routes(server: str) -> dict[str, tuple[str, dict[str, str]]]:
+    """Every route that reads a JSON body: name -> (url, headers). Fresh sessions for the session routes."""
+    return {
+        "chat": (chat_url(server, new_session(server)), {}),
+        "root_chat": (f"{server}/v1/chat/completions", {"X-Session-ID": f"attack-{time.monotonic_ns()}"}),
+        "create": (f"{server}/sessions", {}),
+        "samples": (f"{server}/sessions/{new_session(server)}/samples", {}),
+        "pause": (f"{server}/admin/pause", {}),
+    }
+
+
+def post_raw(url: str, body: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(url, content=body, headers={"Content-Type": "application/json", **(headers or {})}, timeout=30)
+
+
+def resume(server: str) -> None:
+    assert httpx.post(f"{server}/admin/continue", timeout=10).status_code == 200
+
+
+# -- malformed bodies: one reader, every route -----------------------------------------------------------------
+MALFORMED: dict[str, tuple[bytes, str]] = {
+    "deep_array": (b"[" * 100_000 + b"]" * 100_000, "nests deeper than"),
+    "deep_object": (b'{"a":' * 30_000 + b"1" + b"}" * 30_000, "nests deeper than"),
+    "deep_moderate": (b'{"a":' * 65 + b"1" + b"}" * 65, "nests deeper than"),
+    "invalid_utf8": (b'{"metadata": {"x": "\xff"}, "messages": [{"role": "user", "content": "\xff"}]}', "UTF-8"),
+    "encoded_surrogate": (b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}', "UTF-8"),
+    "huge_int": (b'{"max_tokens": 1000000000000000000000000000000, "max_seq_len": 1, "mode": "drain"}',
+                 "beyond 64 bits"),
+    "huge_negative_int": (b'{"x": -99999999999999999999999}', "beyond 64 bits"),
+    "not_json": (b"{'single': 'quotes'}", "not valid JSON"),
+    "trailing_garbage": (b'{"a": 1} x', "not valid JSON"),
+    "nan_constant": (b'{"a": NaN}', "not valid JSON"),
+    "array_top": (b"[1, 2]", "must be a JSON object"),
+    "string_top": (b'"hello"', "must be a JSON object"),
+    "null_top": (b"null", "must be a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_body_is_400_on_every_route(stack: Stack, after: None, case: str) -> None:
+    body, words = MALFORMED[case]
+    for route, (url, headers) in json_routes(stack.server).items():
+        if route == "pause" and case == "huge_int":
+            continue  # pause only reads `mode`; an otherwise valid body would pause the server
+        resp = post_raw(url, body, headers)
+        assert_error(resp, 400, "request body", words)
+        if route == "pause":
+            assert httpx.get(f"{stack.server}/metrics").text.count("session_server_paused 0.0") == 1
+
+
+def test_null_body_is_an_empty_object_on_optional_routes(stack: Stack, after: None) -> None:
+    """Routes whose body is optional accept an empty body; whitespace counts as empty."""
+    assert post_raw(f"{stack.server}/sessions", b"  \n").status_code == 200
+    assert post_raw(f"{stack.server}/sessions/{new_session(stack.server)}/samples", b"").status_code == 200
+
+
+WRONG_TYPES: dict[str, tuple[dict[str, Any], str]] = {
+    "role_list": ({"messages": [{"role": ["user"], "content": "x"}]}, "role must be a string"),
+    "role_object": ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "role must be a string"),
+    "role_number": ({"messages": [{"role": 1, "content": "x"}]}, "role must be a string"),
+    "messages_object": ({"messages": {"role": "user"}}, "messages"),
+    "message_string": ({"messages": ["hi"]}, "messages[0]"),
+    "content_number": ({"messages": [{"role": "user", "content": 5}]}, "content"),
+    "content_part_string": ({"messages": [{"role": "user", "content": ["x"]}]}, "content[0]"),
+    "tool_calls_string": ({"messages": [{"role": "user", "content": "x"},
+                                        {"role": "assistant", "content": "", "tool_calls": "call"}]}, "tool_calls"),
+    "tool_call_arguments_number": ({"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "type": "function",
+                                                              "function": {"name": "f", "arguments": 5}}]}]},
+        "arguments"),
+    "tools_object": ({"tools": {"type": "function"}}, "tools"),
+    "tool_function_list": ({"tools": [{"type": "function", "function": []}]}, "tools[0]"),
+    "stream_string": ({"stream": "yes"}, "stream"),
+    "max_tokens_huge": ({"max_tokens": 2**40}, "max_tokens"),
+    "max_tokens_float": ({"max_tokens": 1e30}, "max_tokens"),
+    "top_k_2_64": ({"top_k": 2**64 - 1}, "top_k"),
+    "n_two": ({"n": 2}, "n=1"),
+    "stop_number": ({"stop": 5}, "stop"),
+    "seed_huge": ({"seed": 2**63}, "seed"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_TYPES))
+def test_wrong_types_are_400(stack: Stack, after: None, case: str) -> None:
+    fields, words = WRONG_TYPES[case]
+    resp = httpx.post(chat_url(stack.server, new_session(stack.server)), json=chat_body(**fields), timeout=30)
+    assert_error(resp, 400, words)
+
+
+def test_deep_tool_schema_and_arguments_are_400_or_text(stack: Stack, after: None) -> None:
+    """A 1k-level tool schema is refused by the reader's depth limit; 1k-level tool-call arguments are a string (the
+    JSON inside is the model's business) and are compared as text, never parsed into a RecursionError."""
+    deep = '{"type": "object", "properties": {"a": ' * 1000 + '{"type": "string"}' + "}}" * 1000
+    body = ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+            '{"name": "f", "parameters": ' + deep + "}}]}")
+    resp = post_raw(chat_url(stack.server, new_session(stack.server)), body.encode())
+    assert_error(resp, 400, "nests deeper than")
+
+    sid = new_session(stack.server)
+    first = httpx.post(chat_url(stack.server, sid), json=chat_body(), timeout=30)
+    assert first.status_code == 200
+    arguments = '{"a":' * 1000 + "1" + "}" * 1000
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "add", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "2"},
+    ]
+    resp = httpx.post(chat_url(stack.server, sid), json={"messages": history, "tools": TOOLS, "max_tokens": 4},
+                      timeout=30)
+    assert resp.status_code == 200, resp.text
+    # the same history again, arguments re-serialised the same way: matched as text, no rollback
+    again = [*history, {"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "more"}]
+    resp = httpx.post(chat_url(stack.server, sid), json={"messages": again, "tools": TOOLS, "max_tokens": 4},
+                      timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert "X-Session-Rollback" not in resp.headers
+    assert httpx.delete(f"{stack.server}/sessions/{sid}").status_code == 204
+
+
+# -- sizes ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["chat", "root_chat", "create", "samples", "pause"])
+def test_body_over_the_limit_is_413_on_every_route(stack: Stack, after: None, route: str) -> None:
+    url, headers = json_routes(stack.server)[route]
+    big = b'{"pad": "' + b"x" * (MAX_REQUEST_BYTES + 10) + b'"}'
+    assert_error(post_raw(url, big, headers), 413, "exceeds the limit")
+    # chunked (no Content-Length): counted as it arrives
+    def chunks() -> Iterator[bytes]:
+        for i in range(0, len(big), 65536):
+            yield big[i:i + 65536]
+    resp = httpx.post(url, content=chunks(), headers={"Content-Type": "application/json", **headers}, timeout=30)
+    assert_error(resp, 413, "exceeds the limit")
+
+
+def test_metadata_cap(stack: Stack, after: None) -> None:
+    ok = httpx.post(f"{stack.server}/sessions", json={"metadata": {"k": "v" * 1000}}, timeout=10)
+    assert ok.status_code == 200
+    resp = httpx.post(f"{stack.server}/sessions", json={"metadata": {"k": "v" * (MAX_METADATA_BYTES + 1)}},
+                      timeout=10)
+    assert_error(resp, 413)
+    twenty_mib = b'{"metadata": {"k": "' + b"v" * (20 * 1024 * 1024) + b'"}}'
+    assert_error(post_raw(f"{stack.server}/sessions", twenty_mib), 413, "exceeds the limit")
+    assert_error(httpx.post(f"{stack.server}/sessions", json={"metadata": [1]}, timeout=10), 400, "metadata")
+
+
+def test_no_trailing_slash_redirect(stack: Stack, after: None) -> None:
+    for method, path in [("POST", "/sessions/"), ("GET", "/health/"), ("POST", "/v1/chat/completions/")]:
+        resp = httpx.request(method, f"{stack.server}{path}", headers={"Host": "evil.example"}, timeout=10)
+        assert_error(resp, 404, "no route")
+        assert "location" not in resp.headers
+
+
+# -- deadlines --------------------------------------------------------------------------------------------------
+def _stalled_upload(server: str, path: str, declared: int, sent: bytes) -> socket.socket:
+    parts = urlsplit(server)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
+        .encode() + sent
+    )
+    return sock
+
+
+def _read_status(sock: socket.socket) -> tuple[int, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), rest
+
+
+@pytest.mark.parametrize("route", ["chat", "create", "samples", "pause"])
+def test_body_upload_deadline_is_408(stack: Stack, after: None, route: str) -> None:
+    server = stack.server
+    paths = {
+        "chat": f"/sessions/{new_session(server)}/v1/chat/completions",
+        "create": "/sessions",
+        "samples": f"/sessions/{new_session(server)}/samples",
+        "pause": "/admin/pause",
+    }
+    t0 = time.monotonic()
+    sock = _stalled_upload(server, paths[route], 1000, b'{"messages": ')
+    try:
+        # /health answers while the upload stalls
+        assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+        status, _ = _read_status(sock)
+    finally:
+        sock.close()
+    assert status == 408
+    assert time.monotonic() - t0 < BODY_TIMEOUT + 10  # bounded by the deadline, not by the client
+
+
+def test_metrics_count_the_attacks(stack: Stack, after: None) -> None:
+    before = _count(stack.server, "/sessions/{session_id}/v1/chat/completions", "POST", "400")
+    resp = post_raw(chat_url(stack.server, new_session(stack.server)), b"[" * 10_000)
+    assert resp.status_code == 400
+    assert _count(stack.server, "/sessions/{session_id}/v1/chat/completions", "POST", "400") == before + 1
+    resp = httpx.post(f"{stack.server}/sessions/", timeout=10)
+    assert resp.status_code == 404
+    assert _count(stack.server, "<unmatched>", "POST", "404") >= 1
+
+
+def _count(server: str, route: str, method: str, status: str) -> float:
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    needle = f'session_server_responses_total{{method="{method}",route="{route}",status="{status}"}}'
+    for line in text.splitlines():
+        if line.startswith(needle):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
