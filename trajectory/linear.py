@@ -95,6 +95,26 @@ class TurnRecord:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class TurnDelta:
+    """Everything one commit changes, as data: what `stage` validated and `apply` (or a journal replay) makes happen.
+
+    `keep` stored tokens survive (the rest was rolled back or trimmed), then `prompt_tail` (unsampled) and the
+    completion (sampled, with its logprobs) are appended; checkpoints and records from `base_checkpoints` on are
+    replaced by this turn's; `messages` and `tools` are the whole lists after the turn.
+    """
+
+    version: int                    # the trajectory version it applies to
+    base_checkpoints: int
+    keep: int
+    prompt_tail: np.ndarray         # int32
+    output_ids: np.ndarray          # int32
+    logprobs: np.ndarray            # float32
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None
+    record: TurnRecord
+
+
 class LinearTrajectory:
     """One episode's append-only history with bounded rollback; see the module docstring for the protocol."""
 
@@ -206,6 +226,14 @@ class LinearTrajectory:
 
     def commit(self, plan: TurnPlan, result: GenerateResult, reply_message: dict[str, Any]) -> TurnRecord:
         """Apply the plan's rollback and append prompt tail + completion as a new checkpoint, atomically."""
+        return self.apply(self.stage(plan, result, reply_message))
+
+    def stage(self, plan: TurnPlan, result: GenerateResult, reply_message: dict[str, Any]) -> TurnDelta:
+        """Validate a commit and build exactly what it will change, mutating nothing.
+
+        Split from `apply` so that a journal can write the change to disk before it happens in memory (a reply is
+        never sent for a turn that is not on disk) and so a restart can replay the same deltas (trajectory.restore).
+        """
         keep = self._check_plan(plan, result)
         try:
             reply = normalize_message(len(plan.messages), reply_message)
@@ -225,18 +253,29 @@ class LinearTrajectory:
             tail_logprobs=tuple(float(x) for x in result.logprobs[-tail:]) if n_out else (),
             routed_experts=result.routed_experts,
         )
-        # Everything is validated; from here on nothing can fail halfway.
-        self._buffer.truncate(keep)
-        self._buffer.append(plan.prompt_ids[keep:], None, sampled=False)
-        self._buffer.append(result.output_ids, result.logprobs, sampled=True)
-        del self.checkpoints[plan.base_checkpoints:]
-        del self.records[plan.base_checkpoints:]
-        self.messages = [*plan.messages, reply]
-        self.tools = plan.tools
-        if plan.base_checkpoints == 0:
-            self.prompt_tools = plan.tools
-        if plan.rolled_back:
-            reason = plan.rollback_reason or "retry"
+        return TurnDelta(
+            version=self.version, base_checkpoints=plan.base_checkpoints, keep=keep,
+            prompt_tail=plan.prompt_ids[keep:], output_ids=result.output_ids, logprobs=result.logprobs,
+            messages=[*plan.messages, reply], tools=plan.tools, record=record,
+        )
+
+    def apply(self, delta: TurnDelta) -> TurnRecord:
+        """Make a staged (or journaled) turn happen. Everything was validated by `stage`: nothing fails halfway."""
+        fits = delta.base_checkpoints <= len(self.checkpoints) and delta.keep <= self.num_tokens
+        if delta.version != self.version or not fits:
+            raise InvariantError(f"delta for version {delta.version} does not fit trajectory version {self.version}")
+        record = delta.record
+        self._buffer.truncate(delta.keep)
+        self._buffer.append(delta.prompt_tail, None, sampled=False)
+        self._buffer.append(delta.output_ids, delta.logprobs, sampled=True)
+        del self.checkpoints[delta.base_checkpoints:]
+        del self.records[delta.base_checkpoints:]
+        self.messages = delta.messages
+        self.tools = delta.tools
+        if delta.base_checkpoints == 0:
+            self.prompt_tools = delta.tools
+        if record.rolled_back:
+            reason = record.rollback_reason or "retry"
             self.rollbacks = {**self.rollbacks, reason: self.rollbacks.get(reason, 0) + 1}
         self.checkpoints.append(Checkpoint(num_messages=len(self.messages), num_tokens=self._buffer.size))
         self.records.append(record)

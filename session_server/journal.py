@@ -1,0 +1,428 @@
+"""--journal PATH: every session, committed turn and deletion in SQLite, so a killed server restarts with its sessions.
+
+Why SQLite (the standard library's sqlite3, WAL mode): no server to run, atomic transactions, and a file an operator
+can open with the `sqlite3` shell. What is stored (DESIGN.md 7 Durability):
+
+    sessions    id, family, settings (max_rollback, matcher), metadata, created_at, last_active (wall clock)
+    turns       one row per committed turn, as deltas (trajectory/restore.py): appended prompt tokens, completion and
+                logprobs as blobs, messages past the unchanged prefix, tools when changed, the record, routed experts
+    tombstones  ids of deleted sessions and why, bounded like the in-memory ones (oldest pruned first)
+
+Ordering and guarantees. The chat stages its commit (validated, nothing mutated), waits for the turn's row to be
+written, then applies it in memory and replies: what a client received is on disk. A crash between the write and the
+reply leaves a turn the client never saw; its retry of the same request diverges there and rolls it back through
+the normal one-step rollback. `--journal-sync normal` (SQLite synchronous=NORMAL in WAL mode): a written turn
+survives the server process being killed (SIGKILL, OOM), not a power loss or kernel crash; `full` (synchronous=FULL)
+fsyncs the WAL on every commit and survives those too, for more write latency.
+
+Off the event loop. One writer thread owns the connection; requests queue up and the thread writes everything
+queued in one transaction (group commit: one fsync for many turns), then wakes each waiting chat. The chat awaits its
+own write only, so a slow disk is latency of chats, never a stall of /health or of other sessions' reads. Encoding a
+turn (blobs, JSON) happens on the writer thread too.
+
+Compaction. Deleting a session deletes its rows in the same transaction as its tombstone; tombstones beyond the
+bound are pruned. The database is created with auto_vacuum=INCREMENTAL and the writer returns free pages to the file
+system when many accumulate, and the WAL is truncated after checkpoints (journal_size_limit), so the file's size
+follows the live data, not the history of the run.
+
+Schema versioning: PRAGMA application_id marks the file as ours and PRAGMA user_version is the schema version; a file
+of another application, or of a newer or unknown schema, is refused with an error before anything is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from trajectory.errors import SessionError
+from trajectory.linear import TurnDelta
+from trajectory.messages import Message
+from trajectory.restore import StoredTurn, store_turn
+
+logger = logging.getLogger("session_server.journal")
+
+APPLICATION_ID = 0x534A524E  # "SJRN"
+SCHEMA_VERSION = 1
+SYNC_MODES = ("normal", "full")
+MAX_BATCH = 512  # operations per transaction
+VACUUM_FREE_PAGES = 2048  # return free pages to the file system once this many accumulate (8 MiB at 4 KiB pages)
+
+_SCHEMA = """
+CREATE TABLE sessions (
+    id TEXT PRIMARY KEY,
+    family TEXT NOT NULL,
+    settings TEXT NOT NULL,
+    metadata TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    last_active REAL NOT NULL
+);
+CREATE TABLE turns (
+    n INTEGER PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    base_checkpoints INTEGER NOT NULL,
+    keep INTEGER NOT NULL,
+    prompt_tail BLOB NOT NULL,
+    output_ids BLOB NOT NULL,
+    logprobs BLOB NOT NULL,
+    messages_kept INTEGER NOT NULL,
+    messages BLOB NOT NULL,
+    tools BLOB,
+    tools_changed INTEGER NOT NULL,
+    record BLOB NOT NULL,
+    routed_experts BLOB
+);
+CREATE UNIQUE INDEX turns_by_session ON turns (session_id, version);
+CREATE TABLE tombstones (
+    n INTEGER PRIMARY KEY,
+    id TEXT NOT NULL UNIQUE,
+    why TEXT NOT NULL,
+    deleted_at REAL NOT NULL
+);
+"""
+
+_TURN_COLUMNS = (
+    "version", "base_checkpoints", "keep", "prompt_tail", "output_ids", "logprobs", "messages_kept", "messages",
+    "tools", "tools_changed", "record", "routed_experts",
+)
+_encoder = msgspec.json.Encoder()
+
+
+class JournalError(Exception):
+    """The journal file cannot be used (wrong application, newer or unknown schema, unreadable): refuse to start."""
+
+
+class JournalUnavailableError(SessionError):
+    """A journal write failed: the change was not made (503); the client may retry."""
+
+    status = 503
+    code = "journal_unavailable"
+
+
+@dataclass(slots=True)
+class RestoredSession:
+    id: str
+    family: str
+    max_rollback: int
+    matcher: str
+    metadata: dict[str, Any]
+    created_at: float
+    last_active: float  # wall clock
+    turns: list[StoredTurn] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Restored:
+    sessions: list[RestoredSession]
+    tombstones: list[tuple[str, str]]  # (id, why), oldest first
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """What a session row holds (written with the session's first write, refreshed clocks with every turn)."""
+
+    id: str
+    family: str
+    max_rollback: int
+    matcher: str
+    metadata: dict[str, Any]
+    created_at: float
+
+
+# -- operations the writer applies -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Create:
+    info: SessionInfo
+    last_active: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    info: SessionInfo
+    delta: TurnDelta
+    prev_messages: list[Message]
+    prev_tools: list[dict[str, Any]] | None
+    last_active: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Delete:
+    session_id: str
+    why: str
+    at: float
+
+
+_Op = _Create | _Turn | _Delete
+_STOP = object()
+
+
+def _check_schema(conn: sqlite3.Connection, path: str) -> bool:
+    """True if the file is a fresh database (to be created), False if it is a journal of our schema; else raise."""
+    app = conn.execute("PRAGMA application_id").fetchone()[0]
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+    if app == 0 and version == 0 and tables == 0:
+        return True
+    if app != APPLICATION_ID:
+        raise JournalError(f"{path} is not a session-server journal (SQLite application_id {app:#x})")
+    if version > SCHEMA_VERSION:
+        raise JournalError(
+            f"{path} was written by a newer session-server (journal schema {version}; this one reads "
+            f"{SCHEMA_VERSION}): refusing to read it. Upgrade the server or start with another --journal"
+        )
+    if version != SCHEMA_VERSION:
+        raise JournalError(f"{path} has an unknown journal schema version {version} (this server reads "
+                           f"{SCHEMA_VERSION})")
+    return False
+
+
+class Journal:
+    """The journal file and its writer thread. `open()` (sync, at startup) validates and reads it; `start()` begins
+    accepting writes from the event loop; `close()` drains the queue and closes the file."""
+
+    def __init__(self, path: str | Path, sync: str = "normal", max_tombstones: int = 100_000) -> None:
+        if sync not in SYNC_MODES:
+            raise ValueError(f"--journal-sync must be one of {', '.join(SYNC_MODES)}")
+        self.path = str(path)
+        self.sync = sync
+        self.max_tombstones = max_tombstones
+        self._conn: sqlite3.Connection | None = None
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._pending = 0  # operations queued or being written (read by the metrics gauge)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._batches_since_vacuum = 0
+        self.failed_writes = 0
+
+    # -- startup -------------------------------------------------------------------------------------------
+    def open(self) -> Restored:
+        """Open (or create) the file, check its schema and read every session, turn and tombstone in it."""
+        try:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise JournalError(f"cannot open journal {self.path}: {exc}") from exc
+        try:
+            fresh = _check_schema(conn, self.path)
+            if fresh:
+                conn.execute("PRAGMA auto_vacuum = INCREMENTAL")  # must precede the first table
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise JournalError(f"journal {self.path}: SQLite refused WAL mode (got {mode})")
+            conn.execute(f"PRAGMA synchronous = {self.sync.upper()}")
+            conn.execute("PRAGMA journal_size_limit = 67108864")
+            if fresh:
+                conn.execute("BEGIN IMMEDIATE")
+                conn.executescript(_SCHEMA.replace("\n\n", "\n"))
+                conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                conn.execute("COMMIT")
+            restored = self._read(conn)
+        except sqlite3.Error as exc:
+            conn.close()
+            raise JournalError(f"cannot read journal {self.path}: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        return restored
+
+    @staticmethod
+    def _read(conn: sqlite3.Connection) -> Restored:
+        sessions: dict[str, RestoredSession] = {}
+        for sid, family, settings, metadata, created_at, last_active in conn.execute(
+            "SELECT id, family, settings, metadata, created_at, last_active FROM sessions"
+        ):
+            s = msgspec.json.decode(settings)
+            sessions[sid] = RestoredSession(
+                id=sid, family=family, max_rollback=int(s["max_rollback"]), matcher=str(s["matcher"]),
+                metadata=msgspec.json.decode(metadata), created_at=created_at, last_active=last_active,
+            )
+        cols = ", ".join(_TURN_COLUMNS)
+        for row in conn.execute(f"SELECT session_id, {cols} FROM turns ORDER BY session_id, version"):
+            session = sessions.get(row[0])
+            if session is None:
+                raise JournalError(f"journal has turns of session {row[0]} but no session row")
+            values = dict(zip(_TURN_COLUMNS, row[1:], strict=True))
+            values["tools_changed"] = bool(values["tools_changed"])
+            session.turns.append(StoredTurn(**values))
+        tombstones = [(sid, why) for sid, why in conn.execute("SELECT id, why FROM tombstones ORDER BY n")]
+        return Restored(sessions=list(sessions.values()), tombstones=tombstones)
+
+    def start(self) -> None:
+        """Begin writing: call on the event loop that will await the writes."""
+        if self._conn is None:
+            raise RuntimeError("Journal.open() first")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="journal-writer", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        """Write everything queued, checkpoint the WAL into the file and close it. Idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(_STOP)
+            await asyncio.to_thread(thread.join)
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            conn.close()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._pending
+
+    # -- writes (on the event loop) -------------------------------------------------------------------------
+    def _submit(self, op: _Op) -> asyncio.Future[None]:
+        if self._loop is None or self._thread is None:
+            raise JournalUnavailableError("the journal is not accepting writes")
+        future: asyncio.Future[None] = self._loop.create_future()
+        self._pending += 1
+        self._queue.put((op, future))
+        return future
+
+    async def _write(self, op: _Op) -> None:
+        await self._submit(op)
+
+    async def created(self, info: SessionInfo) -> None:
+        await self._write(_Create(info, time.time()))
+
+    def created_later(self, info: SessionInfo) -> None:
+        """Journal a creation without waiting (a session made on demand; its first turn writes the row anyway)."""
+        future = self._submit(_Create(info, time.time()))
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def turn(self, info: SessionInfo, delta: TurnDelta, prev_messages: list[Message],
+                   prev_tools: list[dict[str, Any]] | None) -> None:
+        await self._write(_Turn(info, delta, prev_messages, prev_tools, time.time()))
+
+    async def deleted(self, session_id: str, why: str) -> None:
+        await self._write(_Delete(session_id, why, time.time()))
+
+    # -- the writer thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            batch: list[tuple[_Op, asyncio.Future[None]]] = []
+            item = self._queue.get()
+            while True:
+                if item is _STOP:
+                    stop = True
+                else:
+                    batch.append(item)
+                if stop or len(batch) >= MAX_BATCH:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                self._write_batch(batch)
+
+    def _write_batch(self, batch: list[tuple[_Op, asyncio.Future[None]]]) -> None:
+        conn = self._conn
+        assert conn is not None
+        errors: list[BaseException | None] = [None] * len(batch)
+        failed: BaseException | None = None
+        deletes = False
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for i, (op, _) in enumerate(batch):
+                conn.execute("SAVEPOINT op")
+                try:
+                    self._apply(conn, op)
+                    conn.execute("RELEASE op")
+                except Exception as exc:  # one bad operation fails alone
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
+                    errors[i] = exc
+                deletes = deletes or isinstance(op, _Delete)
+            conn.execute("COMMIT")
+        except Exception as exc:
+            failed = exc
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        if failed is not None or any(errors):
+            self.failed_writes += sum(1 for e in errors if e) if failed is None else len(batch)
+            logger.error("journal write failed: %r", failed or next(e for e in errors if e))
+        if deletes and failed is None:
+            self._maybe_vacuum(conn)
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            self._loop.call_soon_threadsafe(self._resolve, batch, errors, failed)
+
+    def _resolve(
+        self, batch: list[tuple[_Op, asyncio.Future[None]]], errors: list[BaseException | None],
+        failed: BaseException | None,
+    ) -> None:
+        self._pending -= len(batch)
+        for (_, future), error in zip(batch, errors, strict=True):
+            if future.done():
+                continue
+            problem = failed or error
+            if problem is None:
+                future.set_result(None)
+            else:
+                future.set_exception(JournalUnavailableError(f"journal write failed: {problem}"))
+
+    def _apply(self, conn: sqlite3.Connection, op: _Op) -> None:
+        if isinstance(op, _Create):
+            self._upsert_session(conn, op.info, op.last_active)
+        elif isinstance(op, _Turn):
+            self._upsert_session(conn, op.info, op.last_active)
+            stored = store_turn(op.delta, op.prev_messages, op.prev_tools)
+            values = [getattr(stored, c) for c in _TURN_COLUMNS]
+            conn.execute(
+                f"INSERT INTO turns (session_id, {', '.join(_TURN_COLUMNS)}) "
+                f"VALUES (?, {', '.join('?' * len(_TURN_COLUMNS))})",
+                [op.info.id, *values],
+            )
+        else:
+            conn.execute("DELETE FROM turns WHERE session_id = ?", (op.session_id,))
+            conn.execute("DELETE FROM sessions WHERE id = ?", (op.session_id,))
+            conn.execute(
+                "INSERT INTO tombstones (id, why, deleted_at) VALUES (?, ?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET why = excluded.why, deleted_at = excluded.deleted_at",
+                (op.session_id, op.why, op.at),
+            )
+            conn.execute(
+                "DELETE FROM tombstones WHERE n <= (SELECT max(n) FROM tombstones) - ?", (self.max_tombstones,)
+            )
+
+    @staticmethod
+    def _upsert_session(conn: sqlite3.Connection, info: SessionInfo, last_active: float) -> None:
+        conn.execute(
+            "INSERT INTO sessions (id, family, settings, metadata, created_at, last_active) VALUES (?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET last_active = excluded.last_active",
+            (info.id, info.family,
+             _encoder.encode({"max_rollback": info.max_rollback, "matcher": info.matcher}).decode(),
+             _encoder.encode(info.metadata).decode(), info.created_at, last_active),
+        )
+
+    def _maybe_vacuum(self, conn: sqlite3.Connection) -> None:
+        self._batches_since_vacuum += 1
+        if self._batches_since_vacuum < 64:
+            return
+        self._batches_since_vacuum = 0
+        try:
+            if conn.execute("PRAGMA freelist_count").fetchone()[0] >= VACUUM_FREE_PAGES:
+                conn.execute("PRAGMA incremental_vacuum")
+        except sqlite3.Error as exc:
+            logger.warning("journal incremental vacuum failed: %r", exc)
+
+
+def wall_to_monotonic(wall: float, now_wall: Callable[[], float] = time.time,
+                      now_mono: Callable[[], float] = time.monotonic) -> float:
+    """A journaled wall-clock instant on this process's monotonic clock (the idle sweep's), never in the future."""
+    return now_mono() - max(0.0, now_wall() - wall)

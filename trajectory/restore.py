@@ -1,0 +1,122 @@
+"""A trajectory as a sequence of stored turns, and back: what a journal writes and what a restart replays.
+
+Pure (no I/O): the server's journal (session_server/journal.py) owns the database and calls these. A stored turn
+holds only what the turn changed -- the appended prompt tokens, the completion and its logprobs as little-endian
+int32/float32 blobs, the messages past the longest unchanged prefix, the tools only when they changed, the turn's
+record (and its routed experts as a separate blob) -- so a journal grows with the new tokens, never with the history.
+Replaying every stored turn of a session, in order, with `LinearTrajectory.apply` makes the same mutations the live
+commits made, so the restored trajectory is the live one exactly (tokens, logprobs, loss mask, messages, records,
+rollbacks): rolled-back turns are replayed too, then dropped by the turn that rolled them back, as they were live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from .errors import InvariantError
+from .families.base import ModelFamily
+from .linear import LinearTrajectory, TurnDelta, TurnRecord
+from .messages import Message
+
+_encoder = msgspec.json.Encoder()
+_TUPLE_FIELDS = frozenset(
+    f.name for f in dataclasses.fields(TurnRecord) if isinstance(f.default, tuple)
+)
+_RECORD_FIELDS = frozenset(f.name for f in dataclasses.fields(TurnRecord))
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTurn:
+    """One committed turn as a journal row: plain ints and bytes, nothing that needs the trajectory to read."""
+
+    version: int
+    base_checkpoints: int
+    keep: int
+    prompt_tail: bytes       # int32 little-endian
+    output_ids: bytes        # int32 little-endian
+    logprobs: bytes          # float32 little-endian
+    messages_kept: int       # leading messages of the previous list that the turn kept as they were
+    messages: bytes          # JSON list: the messages after those
+    tools: bytes | None      # JSON, only when the turn's tools differ from the previous turn's
+    tools_changed: bool
+    record: bytes            # JSON object: the TurnRecord without its routed experts
+    routed_experts: bytes | None
+
+
+def _common_prefix(old: list[Message], new: list[Message]) -> int:
+    n = 0
+    for a, b in zip(old, new, strict=False):
+        if a is not b and a != b:
+            break
+        n += 1
+    return n
+
+
+def store_turn(
+    delta: TurnDelta, prev_messages: list[Message], prev_tools: list[dict[str, Any]] | None
+) -> StoredTurn:
+    """Encode a staged turn against the lists it replaces (`prev_*`: the trajectory's before the turn)."""
+    kept = _common_prefix(prev_messages, delta.messages)
+    tools_changed = delta.tools != prev_tools
+    record = delta.record
+    return StoredTurn(
+        version=delta.version,
+        base_checkpoints=delta.base_checkpoints,
+        keep=delta.keep,
+        prompt_tail=np.ascontiguousarray(delta.prompt_tail, dtype="<i4").tobytes(),
+        output_ids=np.ascontiguousarray(delta.output_ids, dtype="<i4").tobytes(),
+        logprobs=np.ascontiguousarray(delta.logprobs, dtype="<f4").tobytes(),
+        messages_kept=kept,
+        messages=_encoder.encode(delta.messages[kept:]),
+        tools=_encoder.encode(delta.tools) if tools_changed else None,
+        tools_changed=tools_changed,
+        record=_encoder.encode(dataclasses.replace(record, routed_experts=None)),
+        routed_experts=record.routed_experts,
+    )
+
+
+def _record(raw: bytes, routed_experts: bytes | None) -> TurnRecord:
+    fields = msgspec.json.decode(raw)
+    if not isinstance(fields, dict) or not fields.keys() <= _RECORD_FIELDS:
+        raise InvariantError("stored turn record has unknown fields")
+    for name in _TUPLE_FIELDS & fields.keys():
+        fields[name] = tuple(fields[name])
+    fields["routed_experts"] = routed_experts
+    return TurnRecord(**fields)
+
+
+def load_turn(stored: StoredTurn, trajectory: LinearTrajectory) -> TurnDelta:
+    """Decode a stored turn against the trajectory it applies to (the one built from the turns before it)."""
+    if stored.messages_kept > len(trajectory.messages):
+        raise InvariantError(f"stored turn keeps {stored.messages_kept} messages of {len(trajectory.messages)}")
+    ids = np.frombuffer(stored.output_ids, dtype="<i4").astype(np.int32)
+    logprobs = np.frombuffer(stored.logprobs, dtype="<f4").astype(np.float32)
+    if len(ids) != len(logprobs):
+        raise InvariantError("stored turn has misaligned output ids and logprobs")
+    tail = msgspec.json.decode(stored.messages)
+    return TurnDelta(
+        version=stored.version,
+        base_checkpoints=stored.base_checkpoints,
+        keep=stored.keep,
+        prompt_tail=np.frombuffer(stored.prompt_tail, dtype="<i4").astype(np.int32),
+        output_ids=ids,
+        logprobs=logprobs,
+        messages=[*trajectory.messages[: stored.messages_kept], *tail],
+        tools=msgspec.json.decode(stored.tools or b"null") if stored.tools_changed else trajectory.tools,
+        record=_record(stored.record, stored.routed_experts),
+    )
+
+
+def restore_trajectory(
+    family: ModelFamily, turns: list[StoredTurn], *, max_rollback: int = 1, matcher: str = "loose_tool_call"
+) -> LinearTrajectory:
+    """Rebuild a trajectory by replaying its stored turns in order; raises InvariantError if they do not chain."""
+    trajectory = LinearTrajectory(family, max_rollback=max_rollback, matcher=matcher)
+    for stored in turns:
+        trajectory.apply(load_turn(stored, trajectory))
+    return trajectory
