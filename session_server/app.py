@@ -27,8 +27,10 @@ from .cpu_pool import CpuPool
 from .engine_client import EngineClient
 from .engine_sessions import EngineSessions
 from .errors import error_response, method_not_allowed, not_found
+from .journal import Journal, JournalError, Restored
 from .lifecycle import Lifecycle
 from .metrics import LoopLagTicker, Metrics, ResponseMetrics
+from .recovery import restore_sessions
 from .registry import Registry
 from .state import ServerState
 from .sweeper import Sweeper
@@ -36,7 +38,7 @@ from .sweeper import Sweeper
 logger = logging.getLogger("session_server")
 
 
-def build_state(config: ServerConfig, family: ModelFamily) -> ServerState:
+def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpened | None = None) -> ServerState:
     registry = Registry(config.tombstones)
     engine = EngineClient(
         config.engine_base, timeout=config.request_timeout, connections=config.engine_connections,
@@ -46,21 +48,46 @@ def build_state(config: ServerConfig, family: ModelFamily) -> ServerState:
     )
     engine_sessions = EngineSessions(engine) if config.engine_sessions else None
     metrics = Metrics()
+    journal = journaled[0] if journaled is not None else None
     server = ServerState(
         config=config,
         family=family,
         registry=registry,
         lifecycle=Lifecycle(
-            registry, retry_after=config.retry_after, metrics=metrics, engine_sessions=engine_sessions
+            registry, retry_after=config.retry_after, metrics=metrics, engine_sessions=engine_sessions,
+            journal=journal,
         ),
         engine=engine,
         pool=CpuPool(config.cpu_workers, inline_decode=config.inline_decode,
                      inline_below_bytes=config.inline_below_bytes),
         engine_sessions=engine_sessions,
         metrics=metrics,
+        journal=journal,
     )
+    if journaled is not None:
+        restored = restore_sessions(server, journaled[1])
+        if restored:
+            logger.warning("restored %d sessions from journal %s", restored, config.journal)
     watch_state(server)
     return server
+
+
+JournalOpened = tuple[Journal, Restored]
+
+
+def open_journal(config: ServerConfig, family: ModelFamily) -> JournalOpened | None:
+    """Open and read --journal before serving; a file we must not read raises JournalError (the CLI exits 2)."""
+    if config.journal is None:
+        return None
+    journal = Journal(config.journal, sync=config.journal_sync, max_tombstones=config.tombstones)
+    restored = journal.open()
+    families = {s.family for s in restored.sessions} - {family.name}
+    if families:
+        raise JournalError(
+            f"journal {config.journal} holds sessions of model family {', '.join(sorted(families))} but the server "
+            f"runs {family.name!r}: start with that family or another --journal"
+        )
+    return journal, restored
 
 
 def watch_state(server: ServerState) -> None:
@@ -70,12 +97,17 @@ def watch_state(server: ServerState) -> None:
     watch("sessions", "live sessions", lambda: len(registry))
     watch("tombstones", "deleted session ids remembered", lambda: registry.num_tombstones)
     watch("paused", "1 while /admin/pause holds new chats", lambda: int(lifecycle.paused))
+    journal = server.journal
+    watch("journal_queue_depth", "journal writes queued or being written (0 without --journal)",
+          lambda: journal.queue_depth if journal is not None else 0)
 
 
 async def shutdown(server: ServerState) -> None:
     await server.lifecycle.shutdown()
     await server.engine.aclose()
     server.pool.shutdown()
+    if server.journal is not None:
+        await server.journal.close()
 
 
 async def _unhandled(request: Request, exc: Exception) -> Response:
@@ -92,10 +124,19 @@ def freeze_startup_heap() -> None:
 
 
 def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
+    journaled = open_journal(config, family)  # before serving: a journal we cannot read stops the start
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        server = build_state(config, family)
+        try:
+            server = build_state(config, family, journaled)
+        except BaseException:
+            if journaled is not None:
+                await journaled[0].close()
+            raise
         app.state.server = server
+        if server.journal is not None:
+            server.journal.start()
         freeze_startup_heap()
         sweeper = Sweeper(server)
         sweeper.start()

@@ -132,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="deadline in seconds of each engine control call (abort, open/close session, ready) "
              "(default %(default)s)",
     )
+    p.add_argument(
+        "--journal", default=None, metavar="PATH",
+        help="keep every session, committed turn and deletion in this SQLite file (WAL); a restart on the same file "
+        "restores the sessions. A turn is on disk before its reply is sent. Default: memory only",
+    )
+    p.add_argument(
+        "--journal-sync", choices=("normal", "full"), default=_default("journal_sync"),
+        help="normal: a replied turn survives the server process being killed (SIGKILL, OOM), not a power loss or "
+        "kernel crash; full: fsync on every group commit, survives those too, at more latency per turn "
+        "(default normal)",
+    )
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="log level")
     return p
 
@@ -219,8 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     family = load_family(config.tokenizer, config.model_family)
 
     from .app import build_app
+    from .journal import JournalError
 
-    app = build_app(config, family)
+    try:
+        app = build_app(config, family)
+    except JournalError as exc:
+        _fail(str(exc))
     uv_config = uvicorn.Config(
         app,
         host=config.host,

@@ -51,6 +51,8 @@ class ServerConfig:
     engine_api_key: str | None = field(default=None, repr=False)  # SGLang --api-key; never logged
     engine_admin_api_key: str | None = field(default=None, repr=False)  # SGLang --admin-api-key; never logged
     engine_control_timeout: float = 2.0  # bound on every control call (abort, open/close session, ready)
+    journal: str | None = None  # SQLite file of sessions, turns and deletions (journal.py); None = memory only
+    journal_sync: str = "normal"  # normal: survives a killed process; full: also a power loss (fsync per commit)
 
     def __post_init__(self) -> None:
         problems = []
@@ -66,6 +68,8 @@ class ServerConfig:
             problems.append("--request-timeout must be > 0")
         if self.engine_control_timeout <= 0:
             problems.append("--engine-control-timeout must be > 0")
+        if self.journal_sync not in ("normal", "full"):
+            problems.append("--journal-sync must be 'normal' or 'full'")
         if self.tombstones < 0:
             problems.append("--tombstones must be >= 0")
         if self.session_idle_timeout < 0:

@@ -50,6 +50,8 @@ from trajectory.linear import TurnDelta
 from trajectory.messages import Message
 from trajectory.restore import StoredTurn, store_turn
 
+from .registry import Session
+
 logger = logging.getLogger("session_server.journal")
 
 APPLICATION_ID = 0x534A524E  # "SJRN"
@@ -139,6 +141,14 @@ class SessionInfo:
     metadata: dict[str, Any]
     created_at: float
 
+    @classmethod
+    def of(cls, session: Session) -> SessionInfo:
+        traj = session.trajectory
+        return cls(
+            id=session.id, family=traj.family.name, max_rollback=traj.max_rollback, matcher=traj.matcher.mode,
+            metadata=session.metadata, created_at=session.created_at,
+        )
+
 
 # -- operations the writer applies -------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -222,11 +232,10 @@ class Journal:
             conn.execute(f"PRAGMA synchronous = {self.sync.upper()}")
             conn.execute("PRAGMA journal_size_limit = 67108864")
             if fresh:
-                conn.execute("BEGIN IMMEDIATE")
-                conn.executescript(_SCHEMA.replace("\n\n", "\n"))
-                conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-                conn.execute("COMMIT")
+                conn.executescript(  # one transaction: a crash here leaves an empty file, never half a schema
+                    f"BEGIN IMMEDIATE;{_SCHEMA}PRAGMA application_id = {APPLICATION_ID};"
+                    f"PRAGMA user_version = {SCHEMA_VERSION};COMMIT;"
+                )
             restored = self._read(conn)
         except sqlite3.Error as exc:
             conn.close()
@@ -303,9 +312,10 @@ class Journal:
         future = self._submit(_Create(info, time.time()))
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    async def turn(self, info: SessionInfo, delta: TurnDelta, prev_messages: list[Message],
-                   prev_tools: list[dict[str, Any]] | None) -> None:
-        await self._write(_Turn(info, delta, prev_messages, prev_tools, time.time()))
+    def write_turn(self, info: SessionInfo, delta: TurnDelta, prev_messages: list[Message],
+                   prev_tools: list[dict[str, Any]] | None) -> asyncio.Future[None]:
+        """Queue a staged turn; the future resolves once it is on disk (JournalUnavailableError if it is not)."""
+        return self._submit(_Turn(info, delta, prev_messages, prev_tools, time.time()))
 
     async def deleted(self, session_id: str, why: str) -> None:
         await self._write(_Delete(session_id, why, time.time()))

@@ -24,12 +24,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .errors import SessionBusyError, SessionPausedError
+from .journal import SessionInfo
 from .registry import Registry, Session
 
 if TYPE_CHECKING:
     from trajectory import LinearTrajectory
 
     from .engine_sessions import EngineSessions
+    from .journal import Journal
     from .metrics import Metrics
 
 
@@ -71,7 +73,7 @@ class Claim:
 class Lifecycle:
     def __init__(
         self, registry: Registry, *, retry_after: int, metrics: Metrics,
-        engine_sessions: EngineSessions | None = None,
+        engine_sessions: EngineSessions | None = None, journal: Journal | None = None,
     ) -> None:
         self.registry = registry
         self.retry_after = retry_after
@@ -79,6 +81,7 @@ class Lifecycle:
         self.shutting_down = False
         self._metrics = metrics
         self._engine_sessions = engine_sessions
+        self.journal = journal  # --journal: creations and deletions are on disk before they are answered
         self._in_flight: set[Claim] = set()
 
     # -- sessions ----------------------------------------------------------------------------------------
@@ -89,6 +92,22 @@ class Lifecycle:
             session = self.registry.create(trajectory, metadata)
         else:
             session = self.registry.create_named(session_id, trajectory)
+            if self.journal is not None:  # not awaited: the first turn writes the session's row with it anyway
+                self.journal.created_later(SessionInfo.of(session))
+        self._metrics.sessions_created.inc()
+        return session
+
+    async def create_durably(self, trajectory: LinearTrajectory, metadata: dict[str, Any] | None = None) -> Session:
+        """POST /sessions: with a journal, the session is on disk before its id is handed out (else 503, no
+        session): a client that got an id can use it after a restart."""
+        if self.journal is None:
+            return self.create(trajectory, metadata)
+        session = self.registry.create(trajectory, metadata)
+        try:
+            await self.journal.created(SessionInfo.of(session))
+        except BaseException:
+            self.registry.discard(session.id)
+            raise
         self._metrics.sessions_created.inc()
         return session
 
@@ -101,6 +120,13 @@ class Lifecycle:
             await claim.done.wait()
         if self._engine_sessions is not None:
             await self._engine_sessions.close(session)
+        if self.registry.get(session.id) is session and self.journal is not None:
+            why = "expired after being idle" if reason is AbortReason.EXPIRED else "was deleted"
+            try:  # the tombstone is on disk before the session is gone: a restart must not bring it back
+                await self.journal.deleted(session.id, why)
+            except BaseException:
+                session.closing = False  # still there, still usable; the DELETE may be retried
+                raise
         if self.registry.get(session.id) is session:
             if reason is AbortReason.EXPIRED:
                 self.registry.forget(session.id, "expired after being idle")

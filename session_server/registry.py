@@ -75,6 +75,23 @@ class Registry:
         self._sessions[sid] = session
         return session
 
+    def restore(self, session: Session) -> None:
+        """Put back a session read from the journal (recovery.py), under its own id."""
+        if session.id in self._sessions or session.id in self._tombstones:
+            raise ValueError(f"session id {session.id!r} is taken")
+        self._sessions[session.id] = session
+
+    def restore_tombstone(self, sid: str, why: str) -> None:
+        """Put back a journaled tombstone (oldest first, so the bound evicts the same ones it would have)."""
+        self._tombstones[sid] = why
+        self._tombstones.move_to_end(sid)
+        while len(self._tombstones) > self._max_tombstones:
+            self._tombstones.popitem(last=False)
+
+    def discard(self, sid: str) -> None:
+        """Drop a session that never became visible (its creation could not be journaled): no tombstone."""
+        self._sessions.pop(sid, None)
+
     def get(self, sid: str) -> Session | None:
         return self._sessions.get(sid)
 

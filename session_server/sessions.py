@@ -51,7 +51,7 @@ async def create_session(request: Request) -> Response:
             raise RequestTooLargeError(
                 f"'metadata' is {size} bytes encoded; the limit is {config.max_metadata_bytes} bytes"
             )
-        session = server.lifecycle.create(server.new_trajectory(), metadata)
+        session = await server.lifecycle.create_durably(server.new_trajectory(), metadata)  # 503 if not journaled
     except SessionError as err:
         return error_response(err)
     return json_response({"session_id": session.id})
@@ -90,7 +90,10 @@ async def delete_session(request: Request) -> Response:
         session = lookup(server, request.path_params["session_id"])
     except SessionError as err:
         return error_response(err)
-    await server.lifecycle.close(session, AbortReason.DELETED)
+    try:
+        await server.lifecycle.close(session, AbortReason.DELETED)
+    except SessionError as err:  # the journal could not write the tombstone: the session stays
+        return error_response(err)
     return Response(status_code=204)
 
 

@@ -13,6 +13,7 @@ from .config import ServerConfig
 from .cpu_pool import CpuPool
 from .engine_client import EngineClient
 from .engine_sessions import EngineSessions
+from .journal import Journal
 from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .registry import Registry
@@ -28,6 +29,7 @@ class ServerState:
     pool: CpuPool
     engine_sessions: EngineSessions | None
     metrics: Metrics = field(default_factory=Metrics)
+    journal: Journal | None = None  # --journal
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def new_trajectory(self) -> LinearTrajectory:

@@ -76,7 +76,7 @@ def store_turn(
         tools=_encoder.encode(delta.tools) if tools_changed else None,
         tools_changed=tools_changed,
         record=_encoder.encode(dataclasses.replace(record, routed_experts=None)),
-        routed_experts=record.routed_experts,
+        routed_experts=None if record.routed_experts is None else bytes(record.routed_experts),
     )
 
 

@@ -1,0 +1,39 @@
+"""Restart on a journal: rebuild every journaled session and tombstone into a fresh registry before serving.
+
+Trajectories are rebuilt by replaying their stored turns (trajectory.restore), so GET, samples and the next chat see
+exactly what was committed. Engine sessions are not restored: a restored session starts without one and the next
+turn opens a new one and re-prefills (engine_sessions.py), as after an engine restart. Idle clocks continue from the
+journaled wall-clock time of each session's last write, so the idle sweep expires a session as it would have.
+"""
+
+from __future__ import annotations
+
+from trajectory.restore import restore_trajectory
+
+from .journal import JournalError, Restored, wall_to_monotonic
+from .registry import Session
+from .state import ServerState
+
+
+def restore_sessions(server: ServerState, restored: Restored) -> int:
+    """Put every restored session and tombstone into the server's registry; returns the number of sessions."""
+    family = server.family
+    for tomb_id, why in restored.tombstones:
+        server.registry.restore_tombstone(tomb_id, why)
+    for saved in restored.sessions:
+        if saved.family != family.name:
+            raise JournalError(
+                f"journal session {saved.id} is of model family {saved.family!r} but the server runs "
+                f"{family.name!r}: start with the journal's family or another --journal"
+            )
+        try:
+            trajectory = restore_trajectory(
+                family, saved.turns, max_rollback=saved.max_rollback, matcher=saved.matcher
+            )
+        except Exception as exc:
+            raise JournalError(f"journal session {saved.id} cannot be replayed: {exc}") from exc
+        server.registry.restore(Session(
+            id=saved.id, trajectory=trajectory, metadata=saved.metadata, created_at=saved.created_at,
+            last_active=wall_to_monotonic(saved.last_active),
+        ))
+    return len(restored.sessions)
