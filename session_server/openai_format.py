@@ -111,7 +111,9 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
     if max_tokens is not None:
         if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_INT32:
             raise _bad(f"'max_tokens' / 'max_completion_tokens' must be an integer in [1, {MAX_INT32}]")
-        sp["max_new_tokens"] = max_tokens
+    # No limit from the agent: an explicit null, as SGLang's own chat endpoint sends (up to the context length).
+    # Leaving the key out would mean SamplingParams' default of 128 tokens.
+    sp["max_new_tokens"] = max_tokens
     temperature = obj.get("temperature")
     if temperature is not None:
         if not _is_number(temperature) or not 0 <= temperature <= 1e6:

@@ -42,15 +42,27 @@ class _LogprobEntry(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
     text: str | None = None
 
 
-class _MetaInfo(msgspec.Struct):
+class _WeightSpan(msgspec.Struct, forbid_unknown_fields=True):
+    """One of `meta_info.weight_versions` (sglang/srt/utils/weight_versions.py add_weight_versions_to_meta_info):
+    output tokens [start, end) were sampled with weights `version`."""
+
+    version: str
+    start: NonNegative
+    end: NonNegative
+
+
+class _MetaInfo(msgspec.Struct, kw_only=True):
     finish_reason: _Stop | _Length | _Abort
-    prompt_tokens: NonNegative
     completion_tokens: NonNegative
+    # Required, except in the reduced meta_info of a request aborted in the engine's waiting queue
+    # (tokenizer_manager.py _handle_abort_req): checked after the finish reason is known.
+    prompt_tokens: NonNegative | None = None
     output_token_logprobs: list[_LogprobEntry]
     output_top_logprobs: list[list[_LogprobEntry] | None] | None = None  # when top_logprobs_num > 0
     cached_tokens: NonNegative = 0
     id: str | None = None
     weight_version: str | int | None = None
+    weight_versions: list[_WeightSpan] | None = None
     e2e_latency: float | None = None
     routed_experts: msgspec.Raw = msgspec.Raw(b"")
 
@@ -62,6 +74,7 @@ class _GenerateResponse(msgspec.Struct):
 
 
 _DECODER = msgspec.json.Decoder(_GenerateResponse)
+NAN_MATCHED = "NaN happened"  # schedule_batch.py Req._check_vocab_boundary_finish: a NaN sample
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
 _MISSING = re.compile(r"missing required field `(\w+)`")
 # Which DESIGN 5.3 rule a schema failure breaks, by the JSON path msgspec reports (first match wins).
@@ -107,6 +120,8 @@ class GenerateResult:
     routed_experts: bytes | memoryview | None = None  # raw JSON text of the replay payload, never parsed here
     # Per output token, the engine's top (logprob, token id) alternatives (only when they were asked for).
     top_logprobs: list[list[tuple[float, int]]] | None = None
+    # Which weights sampled which output tokens: (version, start, end) spans covering [0, completion_tokens).
+    weight_versions: tuple[tuple[str, int, int], ...] | None = None
 
 
 def _finish_reason(reason: _Stop | _Length | _Abort) -> dict[str, Any]:
@@ -128,6 +143,14 @@ def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
     meta = response.meta_info
     entries = meta.output_token_logprobs
     n = meta.completion_tokens
+    finish = meta.finish_reason
+    if meta.prompt_tokens is None and not isinstance(finish, _Abort):
+        raise UpstreamError("engine response breaks the schema: Object missing required field `prompt_tokens` - at "
+                            "`$.meta_info`", rule="meta_info")
+    if isinstance(finish, _Stop) and finish.matched == NAN_MATCHED:
+        # SGLang replaced a NaN-sampled token and finished (schedule_batch.py): not the policy's tokens.
+        raise UpstreamError("engine finished with 'NaN happened': the sampler produced NaN probabilities",
+                            rule="nan_happened")
     if len(entries) != n or len(response.output_ids) != n:
         raise UpstreamError(
             f"engine response lengths disagree: completion_tokens={n}, output_ids={len(response.output_ids)}, "
@@ -152,6 +175,7 @@ def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
             f"output_token_logprobs[{i}] token id {token_ids[i]} != output_ids[{i}] {response.output_ids[i]}",
             rule="token_mismatch",
         )
+    spans = None if meta.weight_versions is None else _weight_spans(meta.weight_versions, n)
     raw_experts = bytes(meta.routed_experts)
     top = None if meta.output_top_logprobs is None else _top_logprobs(meta.output_top_logprobs, n, vocab_size)
     return GenerateResult(
@@ -159,7 +183,7 @@ def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
         output_ids=np.array(token_ids, dtype=np.int32),
         logprobs=logprobs,
         finish_reason=_finish_reason(meta.finish_reason),
-        prompt_tokens=meta.prompt_tokens,
+        prompt_tokens=meta.prompt_tokens or 0,
         completion_tokens=n,
         cached_tokens=meta.cached_tokens,
         weight_version=None if meta.weight_version is None else str(meta.weight_version),
@@ -167,7 +191,21 @@ def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
         rid=meta.id,
         routed_experts=raw_experts if raw_experts and raw_experts != b"null" else None,
         top_logprobs=top,
+        weight_versions=spans,
     )
+
+
+def _weight_spans(spans: list[_WeightSpan], n: int) -> tuple[tuple[str, int, int], ...]:
+    """Spans must tile [0, n) in order (an empty request has one span [0, 0))."""
+    at = 0
+    for i, span in enumerate(spans):
+        if span.start != at or span.end < span.start or span.end > n or (span.end == span.start and n):
+            raise UpstreamError(f"meta_info.weight_versions[{i}] {span.version!r} [{span.start}, {span.end}) does "
+                                f"not continue the spans at {at} within {n} output tokens", rule="weight_versions")
+        at = span.end
+    if at != n or not spans:
+        raise UpstreamError(f"meta_info.weight_versions cover {at} of {n} output tokens", rule="weight_versions")
+    return tuple((s.version, s.start, s.end) for s in spans)
 
 
 def _top_logprobs(rows: list[list[_LogprobEntry] | None], n: int, vocab_size: int) -> list[list[tuple[float, int]]]:

@@ -182,7 +182,7 @@ def test_any_numeric_field_is_accepted_within_sglang_bounds_or_refused(body: dic
     sp = chat.sampling_params
     assert -2 <= sp.get("presence_penalty", 0) <= 2 and -2 <= sp.get("frequency_penalty", 0) <= 2
     assert 0 < sp.get("repetition_penalty", 1) <= 2 and 0 <= sp.get("min_p", 0) <= 1
-    assert 0 < sp.get("top_p", 1) <= 1 and 1 <= sp.get("max_new_tokens", 1) < 2**31
+    assert 0 < sp.get("top_p", 1) <= 1 and 1 <= (sp["max_new_tokens"] or 1) < 2**31  # null: up to the context
     assert -(2**63) <= sp.get("sampling_seed", 0) < 2**63 and sp.get("top_k", 1) < 2**31
     encode_generate(np.arange(2, dtype="int32"), 0, sp, "r" * 32, None)  # never overflows
 

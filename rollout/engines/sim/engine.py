@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -90,6 +91,10 @@ class Engine:
                 raise BadRequest(str(exc)) from exc
         if len(prompt) == 0:
             raise BadRequest("The input is empty.")
+        if inp.sampling.max_new_tokens is None:
+            # scheduler.py init_req_max_new_tokens: null means "until the context (or the KV pool) is full".
+            room = min(self.config.context_length, self.pool.capacity) - len(prompt) - 1
+            inp = dataclasses.replace(inp, sampling=dataclasses.replace(inp.sampling, max_new_tokens=max(0, room)))
         self._check_context(len(prompt), inp.sampling.max_new_tokens)
         plan = plan_reply(self.family, prompt, inp.sampling, self.config.seed)
         req = SimRequest(inp=inp, prompt=prompt, plan=plan, session=session)

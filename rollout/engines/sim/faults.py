@@ -17,7 +17,7 @@ import msgspec
 from rollout.engines.sim.requests import BadRequest
 
 BODY_FAULTS = ("malformed_json", "nan_logprob", "str_logprob", "bool_token", "str_token", "oob_token",
-               "length_mismatch")
+               "length_mismatch", "nan_happened")
 FAILING_FAULTS = ("http_500", *BODY_FAULTS, "drop_connection")  # each one fails the chat (502) and commits nothing
 FAULTS = (*FAILING_FAULTS, "delay")
 _NAN_MARK = "__sim_nan_logprob__"
@@ -103,6 +103,10 @@ def corrupt(body: dict[str, Any], fault: Fault, vocab_size: int) -> bytes:
         name = "length_mismatch"  # nothing to damage in an empty reply: break the count instead
     if name == "length_mismatch":
         meta["completion_tokens"] = meta["completion_tokens"] + 1
+    elif name == "nan_happened":
+        # schedule_batch.py Req._check_vocab_boundary_finish: the NaN sample's out-of-vocabulary id is replaced by
+        # a stop id and the request finishes with this reason (well-formed in every other respect).
+        meta["finish_reason"] = {"type": "stop", "matched": "NaN happened"}
     elif name in ("nan_logprob", "str_logprob"):
         if entries:
             entries[0] = [_NAN_MARK if name == "nan_logprob" else str(entries[0][0]), *entries[0][1:]]

@@ -48,7 +48,7 @@ class Script:
 class SamplingParams:
     """The subset of SGLang's sampling parameters that changes what the sim emits."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # the engine resolves a request's null to what its context leaves (Engine.submit)
     temperature: float = 1.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

@@ -145,8 +145,11 @@ def parse_sampling(raw: Any, vocab_size: int = 1 << 30) -> SamplingParams:
     stop_ids = raw.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
         raise BadRequest("stop_token_ids must be a list of integers")
-    max_new = _opt(raw, "max_new_tokens", int, 128)
-    if max_new < 0:
+    # Absent: SGLang's SamplingParams default, 128. Explicit null (what SGLang's own chat endpoint sends when the
+    # client gives no limit): up to the context length, resolved at submission (scheduler init_req_max_new_tokens).
+    max_new = None if "max_new_tokens" in raw and raw["max_new_tokens"] is None else _opt(
+        raw, "max_new_tokens", int, 128)
+    if max_new is not None and max_new < 0:
         raise BadRequest("max_new_tokens must be at least 0")
     temperature = float(_opt(raw, "temperature", float, 1.0))
     if temperature < 0:

@@ -1,0 +1,118 @@
+"""The engine wire as released SGLang 0.5.23 speaks it (issue 9 points 1, 2, 5, 7), server and sim together.
+
+Each sim shape is pinned to the SGLang source it copies (named per test); a recording proxy shows the bodies the
+server sent and the engine's answers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from support.server import chat_url, new_session, wait_engine_idle
+from support.stack import Stack, StackFactory
+
+FAMILY = "qwen3"
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(family=FAMILY, sim_args=["--token-latency-ms", "2"], proxied={"server"}) as stack:
+        yield stack
+
+
+def _metric(server: str, name: str) -> float:
+    for line in httpx.get(f"{server}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _records(server: str, sid: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{server}/sessions/{sid}", timeout=10).json()["records"]
+
+
+def test_no_max_tokens_sends_null_and_is_not_cut_at_128(stack: Stack) -> None:
+    """sampling_params.py: max_new_tokens defaults to 128 when left out; null is "up to the context"
+    (scheduler.py init_req_max_new_tokens). serving_chat.py sends null when the client gives no limit."""
+    assert stack.proxy is not None
+    stack.proxy.clear()
+    sid = new_session(stack.server)
+    r = httpx.post(chat_url(stack.server, sid), json={"messages": [{"role": "user", "content": "[[sim: tokens 300]]"}]},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    body = stack.proxy.generates()[-1]["request"]
+    assert "max_new_tokens" in body["sampling_params"] and body["sampling_params"]["max_new_tokens"] is None
+    assert r.json()["usage"]["completion_tokens"] > 128 and r.json()["choices"][0]["finish_reason"] == "stop"
+    r = httpx.post(chat_url(stack.server, new_session(stack.server)),
+                   json={"messages": [{"role": "user", "content": "[[sim: tokens 300]]"}], "max_tokens": 7})
+    assert stack.proxy.generates()[-1]["request"]["sampling_params"]["max_new_tokens"] == 7
+    assert r.json()["usage"]["completion_tokens"] == 7
+
+
+def test_sim_null_max_new_tokens_and_absent_default(stack: Stack) -> None:
+    prompt = "[[sim: tokens 300]]"
+    long = httpx.post(f"{stack.engine}/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": None}},
+                      timeout=60).json()
+    assert long["meta_info"]["finish_reason"]["type"] == "stop" and long["meta_info"]["completion_tokens"] > 300
+    short = httpx.post(f"{stack.engine}/generate", json={"text": prompt, "sampling_params": {}}, timeout=60).json()
+    assert short["meta_info"]["finish_reason"] == {"type": "length", "length": 128}
+    assert short["meta_info"]["completion_tokens"] == 128
+
+
+def test_queued_abort_is_a_503_retry_and_commits_nothing(stack: Stack) -> None:
+    """A request aborted in the engine's waiting queue (pause_generation mode abort, abort_all, a weight update)
+    comes back 200 with the reduced meta_info of tokenizer_manager.py `_handle_abort_req`."""
+    server, engine = stack.server, stack.engine
+    sid = new_session(server)
+    before = _metric(server, 'session_server_aborts_total{cause="engine"}')
+    assert httpx.post(f"{engine}/pause_generation", json={"mode": "in_place"}).status_code == 200
+    try:
+        with httpx.Client(timeout=30) as http:
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                fut = pool.submit(http.post, chat_url(server, sid),
+                                  json={"messages": [{"role": "user", "content": "queued"}]})
+                deadline = time.monotonic() + 10
+                while httpx.get(f"{engine}/server_info").json()["waiting_requests"] < 1:
+                    assert time.monotonic() < deadline, "the chat never reached the engine's queue"
+                    time.sleep(0.01)
+                assert httpx.post(f"{engine}/abort_request", json={"rid": "", "abort_all": True}).status_code == 200
+                r = fut.result()
+    finally:
+        assert httpx.post(f"{engine}/continue_generation", json={}).status_code == 200
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"]
+    assert _records(server, sid) == []
+    assert _metric(server, 'session_server_aborts_total{cause="engine"}') == before + 1
+    assert stack.proxy is not None
+    reply = stack.proxy.generates()[-1]["response"]
+    meta = reply["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert "prompt_tokens" not in meta and "cached_tokens" not in meta
+    assert reply["output_ids"] == [] and reply["text"] == "" and meta["completion_tokens"] == 0
+    # the same turn, retried, goes through
+    assert httpx.post(chat_url(server, sid), json={"messages": [{"role": "user", "content": "queued"}]},
+                      timeout=30).status_code == 200
+    wait_engine_idle(engine)
+
+
+def test_nan_happened_is_a_502_counted_by_rule(stack: Stack) -> None:
+    """schedule_batch.py Req._check_vocab_boundary_finish: a NaN sample ends the request with
+    {"type": "stop", "matched": "NaN happened"}; those tokens are not the policy's."""
+    server = stack.server
+    sid = new_session(server)
+    before = _metric(server, 'session_server_engine_validation_failures_total{rule="nan_happened"}')
+    assert httpx.post(f"{stack.engine}/sim/faults", json={"nan_happened": 1.0}).status_code == 200
+    try:
+        r = httpx.post(chat_url(server, sid), json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    finally:
+        httpx.post(f"{stack.engine}/sim/faults", json={})
+    assert r.status_code == 502 and "NaN happened" in r.text
+    assert _records(server, sid) == []
+    assert _metric(server, 'session_server_engine_validation_failures_total{rule="nan_happened"}') == before + 1
