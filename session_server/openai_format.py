@@ -108,9 +108,8 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
     max_tokens = obj.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = obj.get("max_tokens")
-    if max_tokens is not None:
-        if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_INT32:
-            raise _bad(f"'max_tokens' / 'max_completion_tokens' must be an integer in [1, {MAX_INT32}]")
+    if max_tokens is not None and (not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_INT32):
+        raise _bad(f"'max_tokens' / 'max_completion_tokens' must be an integer in [1, {MAX_INT32}]")
     # No limit from the agent: an explicit null, as SGLang's own chat endpoint sends (up to the context length).
     # Leaving the key out would mean SamplingParams' default of 128 tokens.
     sp["max_new_tokens"] = max_tokens
