@@ -8,6 +8,8 @@ first turn), decoded by trajectory.samples_from_json / samples_from_safetensors.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -25,7 +27,7 @@ OCTET_STREAM = "application/octet-stream"
 _encoder = msgspec.json.Encoder()
 
 
-def _max_seq_len(obj: dict) -> int | None:
+def _max_seq_len(obj: dict[str, Any]) -> int | None:
     value = obj.get("max_seq_len")
     if value is None:
         return None
