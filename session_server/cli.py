@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 
+from trajectory.linear import SPECIAL_TOKEN_MODES
 from trajectory.messages import MATCHER_NAMES as MATCHERS
 
 from .config import ServerConfig
@@ -76,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--body-timeout", type=float, default=_default("body_timeout"),
         help="seconds a request body may take to arrive in full, on every route; slower uploads get 408 "
         "(default %(default)s)",
+    )
+    p.add_argument(
+        "--special-tokens-in-content", choices=SPECIAL_TOKEN_MODES, default=_default("special_tokens_in_content"),
+        help="text (default): spellings of control tokens inside message text, tool arguments and schemas are "
+        "tokenized as plain text, so no message can forge chat structure; engine: they become the control tokens, "
+        "as the engine's own chat endpoint does",
     )
     p.add_argument(
         "--message-matcher", choices=MATCHERS, default=_default("message_matcher"),

@@ -10,6 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from trajectory.linear import SPECIAL_TOKEN_MODES
 from trajectory.messages import MATCHER_NAMES as MATCHERS
 
 from .cpu_pool import DEFAULT_INLINE_BELOW_BYTES
@@ -36,6 +37,7 @@ class ServerConfig:
     max_metadata_bytes: int = 64 * 1024  # POST /sessions metadata, encoded (413 beyond)
     body_timeout: float = 30.0  # seconds for a request body to arrive in full (408 after)
     message_matcher: str = "loose_tool_call"
+    special_tokens_in_content: str = "text"  # "engine": control-token spellings in message text become the tokens
     admin_token: str | None = None
     inline_decode: bool = False
     inline_below_bytes: int = DEFAULT_INLINE_BELOW_BYTES
@@ -82,6 +84,8 @@ class ServerConfig:
             problems.append("--max-request-bytes must be >= 1")
         if self.engine_client not in ENGINE_CLIENTS:
             problems.append(f"--engine-client must be one of {', '.join(ENGINE_CLIENTS)}")
+        if self.special_tokens_in_content not in SPECIAL_TOKEN_MODES:
+            problems.append(f"--special-tokens-in-content must be one of {', '.join(SPECIAL_TOKEN_MODES)}")
         if self.message_matcher not in MATCHERS:
             problems.append(f"--message-matcher must be one of {', '.join(MATCHERS)}")
         if not 0 <= self.port <= 65535:

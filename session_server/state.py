@@ -34,7 +34,8 @@ class ServerState:
 
     def new_trajectory(self) -> LinearTrajectory:
         return LinearTrajectory(
-            self.family, max_rollback=self.config.max_rollback, matcher=self.config.message_matcher
+            self.family, max_rollback=self.config.max_rollback, matcher=self.config.message_matcher,
+            special_tokens=self.config.special_tokens_in_content,
         )
 
 

@@ -115,13 +115,22 @@ class TurnDelta:
     record: TurnRecord
 
 
+SPECIAL_TOKEN_MODES: tuple[str, ...] = ("text", "engine")
+
+
 class LinearTrajectory:
     """One episode's append-only history with bounded rollback; see the module docstring for the protocol."""
 
-    def __init__(self, family: ModelFamily, max_rollback: int = 1, matcher: str = "loose_tool_call") -> None:
+    def __init__(self, family: ModelFamily, max_rollback: int = 1, matcher: str = "loose_tool_call",
+                 special_tokens: str = "text") -> None:
         if max_rollback < 0:
             raise ValueError("max_rollback must be >= 0")
+        if special_tokens not in SPECIAL_TOKEN_MODES:
+            raise ValueError(f"special_tokens must be one of {', '.join(SPECIAL_TOKEN_MODES)}")
         self.family = family
+        # "text": control-token spellings inside message text are tokenized as text (families/control.py);
+        # "engine": as the engine's own chat endpoint does (they become the control tokens).
+        self.text_only = special_tokens == "text"
         self.max_rollback = max_rollback
         self.matcher = MessageMatcher(matcher)
         self.version = 0
@@ -191,13 +200,13 @@ class LinearTrajectory:
                 f"max_rollback={self.max_rollback}"
             )
         if keep == 0:
-            prompt = first_turn_ids(self.family, msgs, tools, template_kwargs)
+            prompt = first_turn_ids(self.family, msgs, tools, template_kwargs, self.text_only)
             trim = reused = 0
         else:
             base = self.checkpoints[keep - 1]
             trim, new_ids = continuation_ids(
                 self.family, self.records[keep - 1].last_completion_token, msgs[base.num_messages:], tools,
-                template_kwargs,
+                template_kwargs, self.text_only,
             )
             reused = base.num_tokens - trim
             prompt = np.concatenate([self._buffer.ids[:reused], new_ids])
@@ -293,6 +302,7 @@ class LinearTrajectory:
         """
         snap = LinearTrajectory.__new__(LinearTrajectory)
         snap.family, snap.max_rollback, snap.matcher = self.family, self.max_rollback, self.matcher
+        snap.text_only = self.text_only
         snap.version, snap.tools, snap.prompt_tools = self.version, self.tools, self.prompt_tools
         snap.rollbacks = self.rollbacks  # replaced, never mutated, on commit
         snap.messages, snap.checkpoints, snap.records = list(self.messages), list(self.checkpoints), list(self.records)

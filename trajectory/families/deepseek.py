@@ -55,6 +55,7 @@ class DeepSeekFamily(ModelFamily):
     assistant_header = "<｜Assistant｜>"
     appendable_roles = frozenset({"user", "tool", "assistant"})
     tools_only_in_preamble = True  # the template lists tools after the system text, before any message
+    content_markup = (THINK_OPEN, THINK_CLOSE)  # the template splits an assistant's reasoning off on them
     tool_call_structure = (CALLS_BEGIN + CALL_BEGIN + "function" + TOOL_SEP, "\n```json\n",
                            "\n```" + CALL_END + CALLS_END, CALLS_BEGIN)
 

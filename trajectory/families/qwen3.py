@@ -51,6 +51,7 @@ class Qwen3Family(ModelFamily):
     # tokens are rendered by the template and masked out of the loss like any other appended message.
     appendable_roles = frozenset({"user", "tool", "system", "assistant"})
     tools_only_in_preamble = True  # Qwen3's template writes tools into the first system block only
+    content_markup = (THINK_OPEN, THINK_CLOSE)  # the template splits an assistant's reasoning off on them
     tool_call_structure = ('<tool_call>\n{"name":"', '", "arguments":', "}\n</tool_call>", "<tool_call>")
 
     def parse_completion(self, text: str) -> ParsedCompletion:

@@ -1,0 +1,121 @@
+"""Text inside messages is text: spellings of a family's control tokens in message content never become tokens.
+
+A tokenizer matches its added tokens (`<|im_start|>`, `<｜User｜>`, `<tool_call>`, ...) anywhere in the text it is
+given, before BPE. A chat template pastes message text next to its own markup, so a user or tool message that spells
+`<|im_end|>\\n<|im_start|>system\\n...` would, rendered and tokenized as one string, forge chat structure inside the
+training sample. The engine's own chat endpoint behaves that way; we do not by default.
+
+How: before rendering, every string of the request (message fields, tool-call arguments, tool schemas, dict keys
+included) has each control-token spelling replaced by a placeholder `M<k>M`, where M is a private-use character
+that occurs in no string of the request. The template renders the placeholders like any text, so every control token
+left in the rendered text was written by the template. The rendered text is then cut at the placeholders: the pieces
+between them are tokenized normally, and each placeholder becomes its spelling's plain-text ids (the spelling split
+after its first character, so no added token can match). A request without any spelling takes none of this path: it
+is rendered and tokenized exactly as before, at the cost of one scan of its strings.
+
+Which tokens: every added token of the tokenizer except the markup the family's template itself parses out of
+message text (`<think>`/`</think>`: the templates split reasoning off an assistant's content on them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+_PRIVATE_USE = range(0xE000, 0xF900)
+
+
+def trie_pattern(words: Iterable[str]) -> re.Pattern[str]:
+    """A regex matching any of `words` (longest first) that branches like a trie: cost per position grows with the
+    length of the words, not their number (DeepSeek has over a thousand added tokens)."""
+    trie: dict[str, Any] = {}
+    for word in words:
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def build(node: dict[str, Any]) -> str:
+        ends = "" in node
+        branches = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{body})?" if ends else body
+
+    return re.compile(build(trie)) if trie else re.compile(r"(?!)")
+
+
+class ControlTokens:
+    def __init__(self, spellings: Iterable[str], encode: Callable[[str], list[int]], token_ids: frozenset[int]):
+        self.spellings: tuple[str, ...] = tuple(sorted(set(spellings), key=lambda s: (-len(s), s)))
+        self._index = {s: i for i, s in enumerate(self.spellings)}
+        self._pattern = trie_pattern(self.spellings)
+        self._encode = encode
+        self._token_ids = token_ids  # every added token's id: none may come out of a spelling's text encoding
+        self._text_ids: dict[int, list[int]] = {}
+
+    # -- before rendering ----------------------------------------------------------------------------------
+    def _strings(self, value: Any, out: list[str]) -> None:
+        if isinstance(value, str):
+            out.append(value)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(k, str):
+                    out.append(k)
+                self._strings(v, out)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                self._strings(v, out)
+
+    def protect(self, value: Any) -> tuple[Any, str | None]:
+        """(value with spellings replaced by placeholders, marker) -- or (value itself, None) when no string of it
+        spells a control token, the common case."""
+        strings: list[str] = []
+        self._strings(value, strings)
+        search = self._pattern.search
+        if not any(search(s) for s in strings):
+            return value, None
+        marker = next(chr(c) for c in _PRIVATE_USE if not any(chr(c) in s for s in strings))
+        index = self._index
+
+        def sub(s: str) -> str:
+            return self._pattern.sub(lambda m: f"{marker}{index[m.group()]}{marker}", s)
+
+        def walk(v: Any) -> Any:
+            if isinstance(v, str):
+                return sub(v)
+            if isinstance(v, dict):
+                return {(sub(k) if isinstance(k, str) else k): walk(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [walk(x) for x in v]
+            if isinstance(v, tuple):
+                return tuple(walk(x) for x in v)
+            return v
+
+        return walk(value), marker
+
+    # -- after rendering -----------------------------------------------------------------------------------
+    def text_ids(self, k: int) -> list[int]:
+        """The spelling's ids as plain text: its first character, then the rest, tokenized apart (one character
+        at a time if even that would match an added token)."""
+        ids = self._text_ids.get(k)
+        if ids is None:
+            spelling = self.spellings[k]
+            ids = self._encode(spelling[0]) + self._encode(spelling[1:])
+            if self._token_ids.intersection(ids):
+                ids = [i for ch in spelling for i in self._encode(ch)]
+            self._text_ids[k] = ids
+        return list(ids)
+
+    def encode(self, text: str, marker: str) -> list[int]:
+        """Tokenize rendered text whose placeholders (for `marker`) stand for spellings that must stay text."""
+        parts = re.split(f"{re.escape(marker)}([0-9]+){re.escape(marker)}", text)
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids += self.text_ids(int(part))
+            elif part:
+                ids += self._encode(part)
+        return ids
