@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test test-fast lint bench bench-overhead bench-compare soak tokenizers clean
+.PHONY: demo test test-fast lint bench bench-overhead bench-compare soak soak-crash tokenizers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,10 @@ $(TOKENIZERS)/.built: $(STAMP) scripts/build_tokenizers.py
 
 tokenizers: $(TOKENIZERS)/.built
 
+# Extra flags: make demo DEMO_ARGS="--journal out/journal.sqlite" (the server keeps a SQLite journal; see README).
+DEMO_ARGS ?=
 demo: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) -m scripts.demo --tokenizers $(TOKENIZERS)
+	$(PY) -m scripts.demo --tokenizers $(TOKENIZERS) $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -60,6 +62,11 @@ bench-compare: bench
 
 soak: $(STAMP) $(TOKENIZERS)/.built
 	$(PY) -m scripts.soak $(SOAK_ARGS)
+
+# The journal's crash soak: chats and DELETEs with SIGKILLs of the server at random points, restarts on the same
+# journal, every received turn checked exactly. make soak-crash SOAK_ARGS="--chats 10000 --kills 20"
+soak-crash: $(STAMP) $(TOKENIZERS)/.built
+	$(PY) -m scripts.crash_soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache out

@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per-token latency of the emulated engine (default 0)")
     p.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
     p.add_argument("--out", type=Path, default=ROOT / "out", help="output folder, git-ignored (default out/)")
+    p.add_argument("--journal", type=Path, default=None,
+                   help="run the session server with --journal PATH (SQLite; inspect it with sqlite3, see README)")
     return p.parse_args(argv)
 
 
@@ -65,7 +67,9 @@ def services(args: argparse.Namespace, tokenizer: Path, log_dir: Path) -> Iterat
             extra = ["--port", str(port), "--token-latency-ms", str(args.token_latency_ms)]
             started.append(start_sim(tokenizer, args.model_family, *extra, log_dir=log_dir, wait=False))
             engine_url = f"http://{LOOPBACK}:{port}"
-        started.append(start_session_server(engine_url, tokenizer, args.model_family, log_dir=log_dir, wait=False))
+        journal = ["--journal", str(args.journal)] if args.journal is not None else []
+        started.append(start_session_server(engine_url, tokenizer, args.model_family, *journal, log_dir=log_dir,
+                                            wait=False))
         for proc in started:
             proc.wait_ready()
             print(f"{proc.name:<20} {proc.url}")
@@ -192,7 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     written = write_outputs(args.out, results, pad_id_of(tokenizer))
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("wrote " + ", ".join(str(p.relative_to(Path.cwd()) if p.is_relative_to(Path.cwd()) else p) for p in written))
+    if args.journal is not None:
+        print(journal_summary(args.journal))
     return 1 if failed else 0
+
+
+def journal_summary(path: Path) -> str:
+    """Rows and size of the server's journal (every episode deleted its session: only tombstones are left)."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        rows = {t: db.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("sessions", "turns", "tombstones")}
+    size = sum(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists())
+    return f"journal {path}: {size / 1024:.0f} KiB, " + ", ".join(f"{n} {t}" for t, n in rows.items())
 
 
 if __name__ == "__main__":
