@@ -47,6 +47,7 @@ from .metrics import AbortCause
 from .openai_format import ChatRequest, TurnOutput, decode_turn, parse_chat_request, turn_tools
 from .registry import Session
 from .state import ServerState, server_of
+from .streaming import StreamingTurn, stream_response
 
 logger = logging.getLogger("session_server.chat")
 
@@ -90,8 +91,10 @@ async def serve_chat(request: Request, session_id: str) -> Response:
         return error_response(err)
     started = time.perf_counter()
     timing = TurnTiming()
+    handed_over = False  # a streamed reply takes the claim along and releases it after its last byte
     try:
         response = await _turn(server, claim, request, timing)
+        handed_over = isinstance(response, StreamingTurn)
     except SessionError as err:
         cause = getattr(err, "abort_cause", None)
         if cause is not None:
@@ -100,8 +103,9 @@ async def serve_chat(request: Request, session_id: str) -> Response:
             server.metrics.validation_failure(err.rule)
         response = error_response(err)
     finally:
-        claim.release()
-    if response.status_code == 200:
+        if not handed_over:
+            claim.release()
+    if response.status_code == 200 and not handed_over:
         server.metrics.chat_done(time.perf_counter() - started, timing.engine)
     return response
 
@@ -146,7 +150,7 @@ def prepare_turn(
     chat = parse_chat_request(body, family.stop_token_ids, family.vocab_size)
     plan = trajectory.prepare(chat.messages, turn_tools(chat, family), chat.options.chat_template_kwargs)
     top = chat.options.top_logprobs
-    payload = (encode_generate(plan.prompt_ids, 0, chat.sampling_params, rid, None, routed_experts, top)
+    payload = (encode_generate(plan.prompt_ids, 0, chat.sampling_params, rid, None, routed_experts, top, chat.stream)
                if encode else None)
     return chat, plan, payload
 
@@ -190,9 +194,11 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
         _raise_if_aborted(claim)
         payload = await server.pool.run_sized(
             4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, chat.sampling_params, rid,
-            session_params, routed, chat.options.top_logprobs,
+            session_params, routed, chat.options.top_logprobs, chat.stream,
         )
     assert payload is not None
+    if chat.stream:
+        return stream_response(server, claim, rid, payload, chat, plan, rollback_headers(plan))
 
     committed = False
     try:

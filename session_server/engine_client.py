@@ -19,7 +19,9 @@ ADMIN_OPTIONAL and want the admin key when the engine has one (the api key is th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,11 +114,20 @@ class EngineClient:
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=8),
             headers={"Content-Type": "application/json"},
         )
+        # `stream: true` generates (SSE) on their own pool: a stream holds its connection for the whole reply.
+        self._streaming = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=httpx.Timeout(None, connect=connect_timeout),  # the streaming handler owns the deadline
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=32),
+            headers={"Content-Type": "application/json"},
+            transport=httpx.AsyncHTTPTransport(retries=0),
+        )
 
     def __repr__(self) -> str:  # never show the keys
         return f"EngineClient({self.base_url!r})"
 
     async def aclose(self) -> None:
+        await self._streaming.aclose()
         self._generate.close()
         if isinstance(self._generate, _HttpxGenerate):
             await self._generate.aclose()
@@ -148,6 +159,30 @@ class EngineClient:
             raise EngineUnavailableError(
                 f"engine refused the session server's credentials ({status}); check --engine-api-key")
         return EngineReply(status, body, content_type)
+
+    @contextlib.asynccontextmanager
+    async def stream_generate(self, payload: bytes, routing_key: str) -> AsyncIterator[httpx.Response]:
+        """POST /generate with `stream: true`; yields the open response (status and headers read, body not yet).
+
+        Leaving the block closes the connection, which SGLang (and the sim) treat as the client going away. Transport
+        failures, also while the caller reads the body, become EngineUnavailableError (502).
+        """
+        request = self._streaming.build_request("POST", "/generate", content=payload,
+                                                headers={ROUTING_HEADER: routing_key, **self._normal_auth})
+        try:
+            response = await self._streaming.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailableError(f"engine streaming /generate failed: {type(exc).__name__}: {exc}") from exc
+        if response.status_code in (401, 403):  # about our key, not the agent's request
+            await response.aclose()
+            raise EngineUnavailableError(
+                f"engine refused the session server's credentials ({response.status_code}); check --engine-api-key")
+        try:
+            yield response
+        except httpx.HTTPError as exc:
+            raise EngineUnavailableError(f"engine stream broke: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await response.aclose()
 
     async def abort(self, rid: str) -> bool:
         """POST /abort_request for exactly this rid; True when the engine acknowledged it (SGLang answers 200).

@@ -24,6 +24,7 @@ def encode_generate(
     session_params: dict[str, Any] | None,
     routed_experts: bool = False,
     top_logprobs: int = 0,
+    stream: bool = False,
 ) -> bytes:
     """The /generate body of DESIGN.md 5.1. `start` > 0 sends only the tokens an engine session does not hold.
 
@@ -36,7 +37,7 @@ def encode_generate(
         "return_logprob": True,
         "logprob_start_len": -1,
         "rid": rid,
-        "stream": False,
+        "stream": stream,
     }
     if session_params is not None:
         payload["session_params"] = session_params

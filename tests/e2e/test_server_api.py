@@ -131,11 +131,11 @@ async def _tool_loop_samples_and_delete(stack: dict[str, str]) -> None:
     assert_engine_baseline(engine)
 
 
-def test_fake_streaming_with_the_sdk(stack: dict[str, str]) -> None:
-    asyncio.run(_fake_streaming_with_the_sdk(stack))
+def test_streaming_with_the_sdk(stack: dict[str, str]) -> None:
+    asyncio.run(_streaming_with_the_sdk(stack))
 
 
-async def _fake_streaming_with_the_sdk(stack: dict[str, str]) -> None:
+async def _streaming_with_the_sdk(stack: dict[str, str]) -> None:
     http = httpx.AsyncClient(timeout=30)
     server = stack["server"]
     sid = new_session(server)
@@ -143,9 +143,11 @@ async def _fake_streaming_with_the_sdk(stack: dict[str, str]) -> None:
     messages = [{"role": "user", "content": 'go [[sim: tool_call name=add args={"a": 2, "b": 5}]]'}]
     stream = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True)
     chunks = [chunk async for chunk in stream]
-    assert len(chunks) == 1
-    delta = chunks[0].choices[0].delta
-    assert chunks[0].choices[0].finish_reason == "tool_calls"
+    assert chunks[0].choices[0].delta.role == "assistant"  # real streaming (tests/e2e/test_server_streaming.py)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0
+    delta = chunks[[bool(c.choices[0].delta.tool_calls) for c in chunks].index(True)].choices[0].delta
     assert delta.tool_calls[0].function.name == "add"
     assert json.loads(delta.tool_calls[0].function.arguments) == {"a": 2, "b": 5}
     # Errors before the stream keep their status: an unknown session is a 404, not an SSE error event.

@@ -105,6 +105,10 @@ class ModelFamily(ABC):
     # Added tokens the template itself looks for inside message text (reasoning split off an assistant's content):
     # they keep the tokenizer's meaning in content; every other added token's spelling in content is text.
     content_markup: ClassVar[tuple[str, ...]] = ()
+    # (open, close) of the reasoning block and of a tool-call block in generated text: where a streamed reply may
+    # still change meaning, so streaming holds text back around them. None: the family streams nothing early.
+    reasoning_markers: ClassVar[tuple[str, str] | None] = None
+    tool_call_markers: ClassVar[tuple[str, str] | None] = None
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -240,14 +244,15 @@ class ModelFamily(ABC):
     def parse_reply(self, text: str, tool_calls: bool = True) -> ParsedCompletion:
         """`parse_completion`, or with `tool_calls=False` (the request said `tool_choice: none` or asked for JSON)
         reasoning split off but any tool-call markup left in the content verbatim, as SGLang does when tool-call
-        parsing is inactive. `format_completion` is the exact inverse of the parser, so the reasoning block it
-        writes is exactly the prefix to cut."""
-        parsed = self.parse_completion(text)
-        if tool_calls or not parsed.tool_calls:
-            return parsed
-        head = self.format_completion("", parsed.reasoning_content, [])
-        content = text[len(head):] if text.startswith(head) else text
-        return ParsedCompletion(content=content, reasoning_content=parsed.reasoning_content)
+        parsing is inactive."""
+        if tool_calls:
+            return self.parse_completion(text)
+        reasoning, rest = self.split_reasoning(text)
+        return ParsedCompletion(content=rest, reasoning_content=reasoning)
+
+    def split_reasoning(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, the rest) of a generated text; a family without reasoning returns (None, text)."""
+        return None, text
 
     @abstractmethod
     def parse_completion(self, text: str) -> ParsedCompletion:

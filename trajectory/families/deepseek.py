@@ -56,8 +56,13 @@ class DeepSeekFamily(ModelFamily):
     appendable_roles = frozenset({"user", "tool", "assistant"})
     tools_only_in_preamble = True  # the template lists tools after the system text, before any message
     content_markup = (THINK_OPEN, THINK_CLOSE)  # the template splits an assistant's reasoning off on them
+    reasoning_markers = (THINK_OPEN, THINK_CLOSE)
+    tool_call_markers = (CALLS_BEGIN, CALLS_END)
     tool_call_structure = (CALLS_BEGIN + CALL_BEGIN + "function" + TOOL_SEP, "\n```json\n",
                            "\n```" + CALL_END + CALLS_END, CALLS_BEGIN)
+
+    def split_reasoning(self, text: str) -> tuple[str | None, str]:
+        return split_reasoning(text)
 
     def parse_completion(self, text: str) -> ParsedCompletion:
         reasoning, rest = split_reasoning(text)

@@ -52,7 +52,12 @@ class Qwen3Family(ModelFamily):
     appendable_roles = frozenset({"user", "tool", "system", "assistant"})
     tools_only_in_preamble = True  # Qwen3's template writes tools into the first system block only
     content_markup = (THINK_OPEN, THINK_CLOSE)  # the template splits an assistant's reasoning off on them
+    reasoning_markers = (THINK_OPEN, THINK_CLOSE)
+    tool_call_markers = ("<tool_call>", "</tool_call>")
     tool_call_structure = ('<tool_call>\n{"name":"', '", "arguments":', "}\n</tool_call>", "<tool_call>")
+
+    def split_reasoning(self, text: str) -> tuple[str | None, str]:
+        return split_reasoning(text)
 
     def parse_completion(self, text: str) -> ParsedCompletion:
         reasoning, rest = split_reasoning(text)

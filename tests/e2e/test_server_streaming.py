@@ -1,0 +1,248 @@
+"""Real streaming end to end: `stream: true` on the engine's /generate, OpenAI chunks to the agent as tokens arrive.
+
+The sim decodes with a per-token latency, so a reply arrives in many engine events; the tests check the chunk shapes
+the openai SDK consumes (role first, reasoning_content and content deltas, tool calls with their index, finish_reason,
+a usage chunk with empty `choices`), that the assembled message is exactly what was committed, that logprobs equal the
+recorded ones, that a failure after the first byte is an error event with nothing committed, and that a client who
+hangs up mid-stream gets its engine request aborted and its slot back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from support.server import (
+    TOOLS,
+    assert_engine_baseline,
+    chat_url,
+    engine_info,
+    new_session,
+    session_client,
+    wait_engine_idle,
+)
+from support.stack import Stack, StackFactory
+from trajectory import samples_from_json
+
+FAMILY = "qwen3"
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(
+        family=FAMILY,
+        sim_args=["--token-latency-ms", "4", "--enable-streaming-session", "--context-length", "4096"],
+        servers={"server": [], "sessions": ["--engine-sessions"]},
+    ) as stack:
+        yield stack
+
+
+def assemble(chunks: list[Any]) -> tuple[dict[str, Any], str | None, Any, list[Any]]:
+    """What an agent rebuilds from the deltas: the message, the finish reason, usage, and logprob entries."""
+    message: dict[str, Any] = {"role": None, "content": "", "reasoning_content": "", "tool_calls": {}}
+    finish, usage, logprobs = None, None, []
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta.model_dump(exclude_none=True)
+        message["role"] = delta.get("role", message["role"])
+        message["content"] += delta.get("content") or ""
+        message["reasoning_content"] += delta.get("reasoning_content") or ""
+        for call in delta.get("tool_calls") or []:
+            slot = message["tool_calls"].setdefault(call["index"], {"id": None, "name": "", "arguments": ""})
+            slot["id"] = call.get("id") or slot["id"]
+            slot["name"] += call.get("function", {}).get("name") or ""
+            slot["arguments"] += call.get("function", {}).get("arguments") or ""
+        if choice.logprobs is not None and choice.logprobs.content:
+            logprobs += choice.logprobs.content
+        finish = choice.finish_reason or finish
+    return message, finish, usage, logprobs
+
+
+async def _stream(client: openai.AsyncOpenAI, **kw: Any) -> list[Any]:
+    stream = await client.chat.completions.create(model="m", stream=True, **kw)
+    return [chunk async for chunk in stream]
+
+
+def _history(message: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+    if message["reasoning_content"]:
+        out["reasoning_content"] = message["reasoning_content"]
+    if message["tool_calls"]:
+        out["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}}
+                             for _, c in sorted(message["tool_calls"].items())]
+    return out
+
+
+@pytest.mark.parametrize("server_name", ["server", "sessions"])
+def test_streamed_tool_loop_commits_exactly_what_was_streamed(stack: Stack, server_name: str) -> None:
+    async def run() -> None:
+        server = stack.servers[server_name]
+        sid = new_session(server)
+        client = session_client(server, sid)
+        tools = [*TOOLS, LOOKUP]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": (
+            'Both. [[sim: think]] [[sim: tool_call name=add args={"a": 1, "b": 2}]] '
+            '[[sim: tool_call name=lookup args={"key": "k"}]]')}]
+        turns = []
+        chunks = await _stream(client, messages=messages, tools=tools, logprobs=True,
+                               stream_options={"include_usage": True})
+        message, finish, usage, logprobs = assemble(chunks)
+        assert chunks[0].choices[0].delta.role == "assistant" and finish == "tool_calls"
+        assert [c["name"] for _, c in sorted(message["tool_calls"].items())] == ["add", "lookup"]
+        assert sorted(message["tool_calls"]) == [0, 1]
+        assert message["reasoning_content"] and message["content"] == ""
+        # reasoning arrived in pieces, as it was generated
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.model_dump().get("reasoning_content")) > 1
+        assert chunks[-1].choices == [] and usage.completion_tokens == len(logprobs)
+        turns.append((message, usage, logprobs))
+        messages.append(_history(message))
+        for i, call in sorted(message["tool_calls"].items()):
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"result {i}"})
+        messages[-1]["content"] += " [[sim: tokens 30]]"
+        chunks = await _stream(client, messages=messages, tools=tools, logprobs=True,
+                               stream_options={"include_usage": True})
+        message, finish, usage, logprobs = assemble(chunks)
+        assert finish == "stop" and len(message["content"].split()) > 5
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # many content deltas
+        turns.append((message, usage, logprobs))
+
+        async with httpx.AsyncClient(timeout=30) as http:
+            info = (await http.get(f"{server}/sessions/{sid}")).json()
+            sample = samples_from_json((await http.post(f"{server}/sessions/{sid}/samples")).json())[0]
+            assert (await http.delete(f"{server}/sessions/{sid}")).status_code == 204
+        assert len(info["records"]) == 2 and all(r["rolled_back"] == 0 for r in info["records"])
+        for (streamed, usage, _), record in zip(turns, info["records"], strict=True):
+            stored = record["message"]
+            assert (stored.get("content") or "") == streamed["content"]
+            assert (stored.get("reasoning_content") or "") == streamed["reasoning_content"]
+            stored_calls = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+                            for c in stored.get("tool_calls") or []]
+            assert stored_calls == [(c["id"], c["name"], c["arguments"])
+                                    for _, c in sorted(streamed["tool_calls"].items())]
+            assert record["completion_len"] == usage.completion_tokens
+        streamed_lps = [lp.logprob for _, _, lps in turns for lp in lps]
+        np.testing.assert_array_equal(np.asarray(streamed_lps, dtype=np.float32),
+                                      sample.rollout_log_probs[sample.loss_mask == 1])
+        assert int(sample.loss_mask.sum()) == sum(u.completion_tokens for _, u, _ in turns)
+        assert_engine_baseline(stack.engine, open_sessions=0)
+
+    asyncio.run(run())
+
+
+def test_deltas_arrive_while_the_engine_is_still_generating(stack: Stack) -> None:
+    async def run() -> None:
+        client = session_client(stack.server, new_session(stack.server))
+        stream = await client.chat.completions.create(
+            model="m", stream=True, messages=[{"role": "user", "content": "Long. [[sim: tokens 400]]"}])
+        seen_running = None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content and seen_running is None:
+                seen_running = engine_info(stack.engine)["running_requests"]
+        assert seen_running == 1  # the first words reached the agent before the engine had finished
+
+    asyncio.run(run())
+
+
+def test_disconnect_mid_stream_aborts_the_engine_and_commits_nothing(stack: Stack) -> None:
+    async def run() -> None:
+        sid = new_session(stack.server)
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "Long. [[sim: tokens 1500]]"}]}
+        async with httpx.AsyncClient(timeout=30) as http:
+            async with http.stream("POST", chat_url(stack.server, sid), json=body) as resp:
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    if '"content"' in line and '"content":""' not in line:
+                        break  # real content arrived: hang up now
+            info = wait_engine_idle(stack.engine)
+            assert info["aborted_requests"] >= 1
+            # the slot is free at once and nothing was committed: the same turn can be retried immediately
+            retry = await http.post(chat_url(stack.server, sid), json={**body, "stream": False, "max_tokens": 5})
+            assert retry.status_code == 200, retry.text
+            records = (await http.get(f"{stack.server}/sessions/{sid}")).json()["records"]
+            assert len(records) == 1 and records[0]["completion_len"] == 5
+            metrics = (await http.get(f"{stack.server}/metrics")).text
+            assert 'session_server_aborts_total{cause="disconnect"}' in metrics
+            assert (await http.delete(f"{stack.server}/sessions/{sid}")).status_code == 204
+        assert_engine_baseline(stack.engine)
+
+    asyncio.run(run())
+
+
+def test_failure_after_the_first_byte_is_an_error_event_and_commits_nothing(stack: Stack) -> None:
+    async def run() -> None:
+        sid = new_session(stack.server)
+        client = session_client(stack.server, sid)
+        async with httpx.AsyncClient(timeout=10) as http:
+            assert (await http.post(f"{stack.engine}/sim/faults", json={"oob_token": 1.0})).status_code == 200
+        try:
+            got: list[Any] = []
+            with pytest.raises(openai.APIError, match="token id"):
+                stream = await client.chat.completions.create(
+                    model="m", stream=True, messages=[{"role": "user", "content": "Hi. [[sim: tokens 30]]"}])
+                async for chunk in stream:
+                    got.append(chunk)
+            assert got and got[0].choices[0].delta.role == "assistant"  # the stream had started
+        finally:
+            async with httpx.AsyncClient(timeout=10) as http:
+                await http.post(f"{stack.engine}/sim/faults", json={})
+        async with httpx.AsyncClient(timeout=30) as http:
+            assert (await http.get(f"{stack.server}/sessions/{sid}")).json()["records"] == []
+            assert (await http.delete(f"{stack.server}/sessions/{sid}")).status_code == 204
+        assert_engine_baseline(stack.engine)
+
+    asyncio.run(run())
+
+
+def test_errors_before_the_first_byte_keep_their_status(stack: Stack) -> None:
+    async def run() -> None:
+        sid = new_session(stack.server)
+        client = session_client(stack.server, sid)
+        # the engine refuses (context too long) inside its SSE stream: the agent still gets a real 400
+        with pytest.raises(openai.BadRequestError, match="context length"):
+            await _stream(client, messages=[{"role": "user", "content": "x"}], max_tokens=5000)
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            await _stream(client, messages=[{"role": "user", "content": "x"}], tool_choice="required")
+        with pytest.raises(openai.NotFoundError):
+            await _stream(session_client(stack.server, "f" * 32), messages=[{"role": "user", "content": "x"}])
+        async with httpx.AsyncClient(timeout=30) as http:
+            assert (await http.get(f"{stack.server}/sessions/{sid}")).json()["records"] == []
+            assert (await http.delete(f"{stack.server}/sessions/{sid}")).status_code == 204
+        assert_engine_baseline(stack.engine)
+
+    asyncio.run(run())
+
+
+def test_a_streaming_chat_holds_its_slot_until_the_last_byte(stack: Stack) -> None:
+    async def run() -> None:
+        sid = new_session(stack.server)
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "Long. [[sim: tokens 300]]"}]}
+        async with httpx.AsyncClient(timeout=30) as http:
+            async with http.stream("POST", chat_url(stack.server, sid), json=body) as resp:
+                lines = resp.aiter_lines()
+                first = await lines.__anext__()
+                assert first.startswith("data:")
+                busy = await http.post(chat_url(stack.server, sid), json={**body, "stream": False})
+                assert busy.status_code == 409  # the gate still holds the streaming chat
+                rest = [line async for line in lines]
+            assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+            finals = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+            assert finals[-1]["choices"][0]["finish_reason"] == "length" or finals[-1]["choices"][0][
+                "finish_reason"] == "stop"
+            assert (await http.delete(f"{stack.server}/sessions/{sid}")).status_code == 204
+        assert_engine_baseline(stack.engine)
+
+    asyncio.run(run())
