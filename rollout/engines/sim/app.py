@@ -148,8 +148,8 @@ class SimServer:
                 await asyncio.sleep(fault.delay)
             try:
                 req = self.engine.submit(inp)
-            except BadRequest as exc:
-                yield b"data: " + wire.encode(wire.native_error(str(exc))) + b"\n\n"
+            except BadRequest as exc:  # SGLang reports a refused streamed request inside the stream, with HTTP 200
+                yield b"data: " + wire.encode(wire.stream_error(str(exc))) + b"\n\n"
                 yield b"data: [DONE]\n\n"
                 return
             sent = 0

@@ -28,6 +28,11 @@ def native_error(message: str) -> dict[str, Any]:
     return {"error": {"message": message}}
 
 
+def stream_error(message: str, code: int = 400) -> dict[str, Any]:
+    """The error event of a streamed /generate (http_server.py `stream_results`)."""
+    return {"error": {"message": message, "type": "invalid_request_error", "code": code, "retryable": False}}
+
+
 def _input_logprobs(req: SimRequest, start: int) -> list[list[Any]]:
     """Input-token logprobs from `logprob_start_len` on (the first prompt token has none, as in SGLang)."""
     if start < 0:
