@@ -105,7 +105,7 @@ async def serve_chat(request: Request, session_id: str) -> Response:
     finally:
         if not handed_over:
             claim.release()
-    if response.status_code == 200 and not handed_over:
+    if not handed_over and response.status_code == 200:
         server.metrics.chat_done(time.perf_counter() - started, timing.engine)
     return response
 
