@@ -474,16 +474,40 @@ class Episode:
         result = ChatResult(resp.status_code, text=resp.text[:300], retry_after=resp.headers.get("retry-after"))
         if resp.status_code == 200:
             if mode == "stream":
-                chunks = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
-                if len(chunks) != 2 or chunks[1] != "[DONE]":
-                    self.soak.violation("bad_sse", f"{self.sid}: {resp.text[:200]}")
-                    return result
-                delta = json.loads(chunks[0])["choices"][0]["delta"]
-                for call in delta.get("tool_calls") or []:
-                    call.pop("index", None)
-                result.message = delta
+                return self.assemble_stream(resp.text, result)
             else:
                 result.message = resp.json()["choices"][0]["message"]
+        return result
+
+    def assemble_stream(self, text: str, result: ChatResult) -> ChatResult:
+        """The message an agent rebuilds from the SSE deltas; an error event (a failure after the first byte) makes
+        the result that error's status, with nothing committed."""
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        calls: dict[int, dict[str, Any]] = {}
+        finished = False
+        for raw in events:
+            if raw == "[DONE]":
+                break
+            event = json.loads(raw)
+            if "error" in event:
+                error = event["error"]
+                return ChatResult(int(error.get("code") or 500), text=raw[:300],
+                                  retry_after=str(error["retry_after"]) if "retry_after" in error else None)
+            for choice in event.get("choices") or []:
+                delta = choice.get("delta") or {}
+                message["content"] += delta.get("content") or ""
+                if delta.get("reasoning_content"):
+                    message["reasoning_content"] = message.get("reasoning_content", "") + delta["reasoning_content"]
+                for call in delta.get("tool_calls") or []:
+                    calls[call["index"]] = {k: v for k, v in call.items() if k != "index"}
+                finished = finished or choice.get("finish_reason") is not None
+        if not finished or events[-1:] != ["[DONE]"]:
+            self.soak.violation("bad_sse", f"{self.sid}: {text[:200]}")
+            return result
+        if calls:
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+        result.message = message
         return result
 
     async def send_sdk(self, messages: list[dict[str, Any]]) -> ChatResult:

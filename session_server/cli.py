@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         "as agents re-serialise them) or strict (argument text byte for byte; any re-serialisation rolls back)",
     )
     p.add_argument(
+        "--engine-incremental-streaming", action="store_true",
+        help="the engine runs with SGLang's --incremental-streaming-output (stream events are deltas); default: "
+        "SGLang's cumulative events",
+    )
+    p.add_argument(
         "--create-sessions-on-demand", action="store_true",
         help="a chat at the root URL (POST /v1/chat/completions) whose X-Session-ID names no session creates it "
         "(ids: 1-128 characters of A-Z a-z 0-9 . _ : -); the client then chooses the id, so it is not a secret",

@@ -55,6 +55,8 @@ class ServerConfig:
     engine_control_timeout: float = 2.0  # bound on every control call (abort, open/close session, ready)
     journal: str | None = None  # SQLite file of sessions, turns and deletions (journal.py); None = memory only
     journal_sync: str = "normal"  # normal: survives a killed process; full: also a power loss (fsync per commit)
+    # The engine runs with SGLang's --incremental-streaming-output: stream events carry deltas, not the reply so far.
+    engine_incremental_streaming: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -101,6 +101,8 @@ class StreamingTurn:
         self.t_start = time.perf_counter()
         self.engine_seconds = 0.0
         self._settled = False
+        self._acc: dict[str, Any] | None = (
+            {"text": "", "output_ids": []} if server.config.engine_incremental_streaming else None)
         self._total_tokens = 0
 
     # -- ASGI -----------------------------------------------------------------------------------------------------
@@ -238,7 +240,10 @@ class StreamingTurn:
                                         "headers": response.raw_headers})
                 await self._send(send, {"type": "http.response.body", "body": response.body})
                 return
-            await self._event(send, {"error": {"message": err.message, "type": err.code, "code": err.status}})
+            error: dict[str, Any] = {"message": err.message, "type": err.code, "code": err.status}
+            if isinstance(err, SessionPausedError):
+                error["retry_after"] = max(1, int(err.retry_after))
+            await self._event(send, {"error": error})
             await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
         except _Gone:
             pass
@@ -273,14 +278,41 @@ class StreamingTurn:
                 if "error" in event:
                     await self._engine_error(send, raw, event["error"])
                     return
+                event = self._cumulative(event)
                 meta = event.get("meta_info")
                 if isinstance(meta, dict) and meta.get("finish_reason") is not None:
-                    final = raw
+                    final = raw if self._acc is None else _encoder.encode(event)
                     break
                 await self._progress(send, event)
         if final is None:
             raise UpstreamError("engine stream ended without a final event", rule="stream_incomplete")
         await self._finish(send, final)
+
+    def _cumulative(self, event: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's default events are already cumulative. With --engine-incremental-streaming they are deltas
+        (text, output_ids, and the per-output-token meta lists), summed here into the cumulative shape, so the final
+        one is a complete /generate body for the strict decoder. A cumulative server meeting delta events would
+        commit garbage, so the counts are cross-checked and a mismatch names the flag."""
+        meta = event.get("meta_info")
+        ids = event.get("output_ids")
+        if not isinstance(meta, dict) or not isinstance(ids, list):
+            return event  # malformed: the final decode (or its absence) reports it
+        if self._acc is None:
+            count = meta.get("completion_tokens")
+            if isinstance(count, int) and count != len(ids):
+                raise UpstreamError(
+                    f"engine stream event holds {len(ids)} of {count} output ids: the engine streams deltas "
+                    "(SGLang --incremental-streaming-output); start the session server with "
+                    "--engine-incremental-streaming", rule="stream_shape")
+            return event
+        acc = self._acc
+        acc["text"] += event.get("text") or ""
+        acc["output_ids"] += ids
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            if isinstance(meta.get(key), list):
+                acc[key] = acc.get(key, []) + meta[key]
+        full_meta = {**meta, **{k: acc[k] for k in ("output_token_logprobs", "output_top_logprobs") if k in acc}}
+        return {**event, "text": acc["text"], "output_ids": list(acc["output_ids"]), "meta_info": full_meta}
 
     async def _engine_error(self, send: Send, raw: bytes, error: Any) -> None:
         code = error.get("code") if isinstance(error, dict) else None

@@ -246,3 +246,48 @@ def test_a_streaming_chat_holds_its_slot_until_the_last_byte(stack: Stack) -> No
         assert_engine_baseline(stack.engine)
 
     asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def incremental(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(
+        family=FAMILY, sim_args=["--token-latency-ms", "2", "--incremental-streaming-output"],
+        servers={"server": ["--engine-incremental-streaming"], "cumulative": []},
+    ) as stack:
+        yield stack
+
+
+def test_incremental_engine_streams_are_summed_or_refused_with_the_flag_named(incremental: Stack) -> None:
+    """SGLang with --incremental-streaming-output sends deltas; the server with --engine-incremental-streaming
+    sums them and commits the same turn as from cumulative events; a server without the flag refuses them (502
+    naming the flag) instead of committing a fragment."""
+    async def run() -> None:
+        ask = [{"role": "user", "content": 'Go. [[sim: think]] [[sim: tool_call name=add args={"a": 1, "b": 2}]]'}]
+        sid = new_session(incremental.server)
+        chunks = await _stream(session_client(incremental.server, sid), messages=ask, tools=TOOLS, logprobs=True,
+                               stream_options={"include_usage": True})
+        message, finish, usage, logprobs = assemble(chunks)
+        assert finish == "tool_calls" and message["reasoning_content"]
+        assert [c["name"] for c in message["tool_calls"].values()] == ["add"]
+        async with httpx.AsyncClient(timeout=30) as http:
+            info = (await http.get(f"{incremental.server}/sessions/{sid}")).json()
+            sample = samples_from_json((await http.post(f"{incremental.server}/sessions/{sid}/samples")).json())[0]
+        record = info["records"][0]
+        assert record["completion_len"] == usage.completion_tokens == len(logprobs)
+        assert record["message"]["reasoning_content"] == message["reasoning_content"]
+        np.testing.assert_array_equal(np.asarray([lp.logprob for lp in logprobs], dtype=np.float32),
+                                      sample.rollout_log_probs[sample.loss_mask == 1])
+        plain = await session_client(incremental.server, new_session(incremental.server)).chat.completions.create(
+            model="m", messages=ask, tools=TOOLS)
+        assert plain.choices[0].message.model_dump()["reasoning_content"] == message["reasoning_content"]
+
+        cumulative = incremental.servers["cumulative"]
+        sid = new_session(cumulative)
+        with pytest.raises(openai.APIError, match="--engine-incremental-streaming"):
+            await _stream(session_client(cumulative, sid),
+                          messages=[{"role": "user", "content": "Hi [[sim: tokens 40]]"}])
+        async with httpx.AsyncClient(timeout=30) as http:
+            assert (await http.get(f"{cumulative}/sessions/{sid}")).json()["records"] == []
+        assert_engine_baseline(incremental.engine)
+
+    asyncio.run(run())

@@ -141,7 +141,8 @@ class SimServer:
         return Response(raw, media_type=JSON)
 
     async def _stream(self, inp: GenerateInput, fault: Fault | None) -> AsyncIterator[bytes]:
-        """SSE with cumulative chunks, SGLang style; on disconnect Starlette cancels us and we abort."""
+        """SSE with cumulative chunks (or deltas with --incremental-streaming-output), SGLang style; on disconnect
+        Starlette cancels us and we abort."""
         req: SimRequest | None = None
         try:
             if fault is not None and fault.delay > 0:
@@ -153,16 +154,25 @@ class SimServer:
                 yield b"data: [DONE]\n\n"
                 return
             sent = 0
+            tokens_sent = text_sent = 0
+            deltas = self.engine.config.incremental_streaming_output
             while True:
                 req.progress.clear()
                 if req.state == "finished":
                     break
                 if req.generated != sent:
                     sent = req.generated
-                    yield b"data: " + wire.encode(wire.generate_body(self.engine, req, False, None)) + b"\n\n"
+                    body = wire.generate_body(self.engine, req, False, None)
+                    if deltas:
+                        text = body["text"].rstrip("\ufffd")  # SGLang holds back an incomplete character
+                        body = wire.incremental({**body, "text": text}, tokens_sent, text_sent)
+                        tokens_sent, text_sent = sent, len(text)
+                    yield b"data: " + wire.encode(body) + b"\n\n"
                     continue
                 await req.progress.wait()
             body = wire.generate_body(self.engine, req, final=True, routed=self._routed(inp))
+            if deltas:
+                body = wire.incremental(body, tokens_sent, text_sent)
             if fault is not None and fault.name in BODY_FAULTS:
                 yield b"data: " + corrupt(body, fault, self.engine.family.vocab_size) + b"\n\n"
             elif fault is not None and fault.name == "drop_connection":

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-latency-ms", type=float, default=1000.0,
                    help="Time GET /health takes (real SGLang runs a one-token generation there: >= 1 s). "
                         "GET /ready is the cheap probe.")
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="Stream deltas (text, output_ids, logprobs of new tokens only), as SGLang's flag of that name; "
+                        "default: cumulative events.")
     p.add_argument("--log-level", default="warning", help="uvicorn log level.")
     return p
 
@@ -108,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
                           token_latency_ms=args.token_latency_ms, prefill_latency_ms=args.prefill_latency_ms,
                           seed=args.seed,
                           enable_streaming_session=args.enable_streaming_session,
-                          weight_version=args.weight_version)
+                          weight_version=args.weight_version,
+                          incremental_streaming_output=args.incremental_streaming_output)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     engine = Engine(config, family)

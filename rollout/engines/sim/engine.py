@@ -47,6 +47,7 @@ class EngineConfig:
     seed: int = 0
     enable_streaming_session: bool = False
     weight_version: str = "default"
+    incremental_streaming_output: bool = False  # SGLang's --incremental-streaming-output
 
 
 class Engine:

@@ -122,6 +122,19 @@ def generate_body(engine: Engine, req: SimRequest, final: bool, routed: bytes | 
     return {"text": text, "output_ids": out_ids.tolist(), "meta_info": meta}
 
 
+_SLICED_META = ("output_token_logprobs", "output_top_logprobs")  # tokenizer_manager's incremental keys we emit
+
+
+def incremental(body: dict[str, Any], tokens_sent: int, text_sent: int) -> dict[str, Any]:
+    """A cumulative body cut to what is new since the previous event (SGLang with --incremental-streaming-output:
+    text, output_ids and the per-output-token meta lists are deltas; counts such as completion_tokens are not)."""
+    meta = dict(body["meta_info"])
+    for key in _SLICED_META:
+        if isinstance(meta.get(key), list):
+            meta[key] = meta[key][tokens_sent:]
+    return {"text": body["text"][text_sent:], "output_ids": body["output_ids"][tokens_sent:], "meta_info": meta}
+
+
 def model_info(engine: Engine, model_path: str, tokenizer_path: str) -> dict[str, Any]:
     return {"model_path": model_path, "tokenizer_path": tokenizer_path, "is_generation": True,
             "preferred_sampling_params": None, "weight_version": engine.weight_version,
@@ -143,6 +156,7 @@ def server_info(engine: Engine, model_path: str, tokenizer_path: str, host: str,
         "page_size": 1,
         "random_seed": cfg.seed,
         "enable_streaming_session": cfg.enable_streaming_session,
+        "incremental_streaming_output": cfg.incremental_streaming_output,
         "skip_tokenizer_init": False,
         "weight_version": engine.weight_version,
         "max_total_num_tokens": engine.pool.capacity,
