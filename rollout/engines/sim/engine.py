@@ -97,7 +97,10 @@ class Engine:
             room = min(self.config.context_length, self.pool.capacity) - len(prompt) - 1
             inp = dataclasses.replace(inp, sampling=dataclasses.replace(inp.sampling, max_new_tokens=max(0, room)))
         self._check_context(len(prompt), inp.sampling.max_new_tokens)
-        plan = plan_reply(self.family, prompt, inp.sampling, self.config.seed)
+        try:
+            plan = plan_reply(self.family, prompt, inp.sampling, self.config.seed)
+        except ValueError as exc:  # a constraint the sim cannot satisfy (ConstraintError) or a bias banning every word
+            raise BadRequest(str(exc)) from exc
         req = SimRequest(inp=inp, prompt=prompt, plan=plan, session=session)
         if len(req.kv_tokens) > self.pool.capacity:
             raise BadRequest(f"Input length ({len(prompt)} tokens) plus the reply exceeds the maximum number of "
