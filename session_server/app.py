@@ -46,7 +46,7 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
         api_key=config.engine_api_key, admin_api_key=config.engine_admin_api_key,
         control_timeout=config.engine_control_timeout,
     )
-    engine_sessions = EngineSessions(engine) if config.engine_sessions else None
+    engine_sessions = EngineSessions(engine, config.session_idle_timeout) if config.engine_sessions else None
     metrics = Metrics()
     journal = journaled[0] if journaled is not None else None
     server = ServerState(

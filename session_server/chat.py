@@ -33,6 +33,7 @@ from trajectory.errors import InvariantError, SessionError, UpstreamError
 
 from . import body as body_reader
 from .engine_client import EngineReply
+from .engine_sessions import engine_session_gone
 from .engine_wire import encode_generate, split_routed_experts
 from .errors import (
     ClientDisconnectedError,
@@ -203,6 +204,21 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
     committed = False
     try:
         outcome = await _run_engine(server, claim, request, rid, payload, chat, timing)
+        if (engine_sessions is not None and isinstance(outcome, EngineReply)
+                and engine_session_gone(outcome.status, outcome.body)):
+            # The engine lost the session (restarted, or its idle timeout closed it): the turn never ran there.
+            # Reopen and resend the whole prompt once; the agent never sees the engine's 400.
+            logger.info("session %s: engine session gone (%r); reopening", session.id, outcome.body[:120])
+            metrics.engine_session_reopens.inc()
+            engine_sessions.forget(session)
+            _raise_if_aborted(claim)
+            start, session_params = await engine_sessions.begin_turn(session, plan.new_token_start)
+            _raise_if_aborted(claim)
+            payload = await server.pool.run_sized(
+                4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, chat.sampling_params,
+                rid, session_params, routed, chat.options.top_logprobs,
+            )
+            outcome = await _run_engine(server, claim, request, rid, payload, chat, timing)
         if isinstance(outcome, EngineReply):  # the engine's own error: pass it through, unrecorded
             return Response(outcome.body, status_code=outcome.status, media_type=outcome.content_type)
         if outcome.message is None:

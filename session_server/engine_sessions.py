@@ -17,11 +17,27 @@ from .registry import Session
 logger = logging.getLogger("session_server.engine_sessions")
 
 CAPACITY_OF_STR_LEN = 1 << 20
+# The engine session's own idle timeout (OpenSessionReqInput.timeout) is ours plus this margin: long enough that the
+# engine never closes a session we still use between two turns, short enough that a crashed session server's
+# engine sessions (and their KV) do not outlive it by much. Without any idle timeout of ours, a day.
+ENGINE_TIMEOUT_MARGIN = 60.0
+NO_IDLE_TIMEOUT_ENGINE_TIMEOUT = 24 * 3600.0
+
+# SGLang's 400 messages for a session the engine does not hold (scheduler.py handle_generate_request): after an
+# engine restart, or once the engine's own idle timeout closed it.
+_GONE = (b"does not exist", b"close was requested for session")
+
+
+def engine_session_gone(status: int, body: bytes) -> bool:
+    """Whether an engine 400 says the streaming session named in the request is gone (reopen and resend)."""
+    return status == 400 and b"session" in body and any(marker in body for marker in _GONE)
 
 
 class EngineSessions:
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, idle_timeout: float = 0.0) -> None:
         self._engine = engine
+        self.engine_timeout = (idle_timeout + ENGINE_TIMEOUT_MARGIN if idle_timeout > 0
+                               else NO_IDLE_TIMEOUT_ENGINE_TIMEOUT)
 
     async def begin_turn(self, session: Session, new_token_start: int) -> tuple[int, dict[str, Any]]:
         """Return (first prompt index to send, session_params), opening or replacing the engine session as needed."""
@@ -30,7 +46,7 @@ class EngineSessions:
             return new_token_start, {"id": st.sid}
         if st.sid is not None:
             await self.close(session)
-        st.sid = await self._engine.open_session(CAPACITY_OF_STR_LEN, session.id)
+        st.sid = await self._engine.open_session(CAPACITY_OF_STR_LEN, session.id, self.engine_timeout)
         st.tokens = 0
         st.dirty = False
         return 0, {"id": st.sid}
@@ -39,6 +55,13 @@ class EngineSessions:
     def committed(session: Session, total_tokens: int) -> None:
         session.engine.tokens = total_tokens
         session.engine.dirty = False
+
+    @staticmethod
+    def forget(session: Session) -> None:
+        """The engine no longer holds the session (restart, its idle timeout): drop it without a close call, so the
+        next begin_turn opens a fresh one and sends the whole prompt."""
+        st = session.engine
+        st.sid, st.tokens, st.dirty = None, 0, False
 
     @staticmethod
     def mark_dirty(session: Session) -> None:

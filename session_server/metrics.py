@@ -111,6 +111,9 @@ class Metrics:
         )
         self.aborts = counter("aborts", "chats aborted before commit, by cause", ("cause",))
         self.engine_aborts = counter("engine_aborts", "abort_request calls sent to the engine")
+        self.engine_session_reopens = counter(
+            "engine_session_reopens", "turns resent in a reopened engine session after the engine lost the old one"
+        )
         self.sessions_created = counter("sessions_created", "sessions created")
         self.sessions_deleted = counter("sessions_deleted", "sessions deleted by DELETE")
         self.sessions_expired = counter("sessions_expired", "sessions deleted by the idle sweep")
