@@ -25,6 +25,7 @@ from .boundary import ErrorBoundary
 from .config import ServerConfig
 from .cpu_pool import CpuPool
 from .engine_client import EngineClient
+from .engine_drain import EngineDrains
 from .engine_sessions import EngineSessions
 from .errors import error_response, method_not_allowed, not_found
 from .journal import Journal, JournalError, Restored
@@ -49,13 +50,14 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
     engine_sessions = EngineSessions(engine, config.session_idle_timeout) if config.engine_sessions else None
     metrics = Metrics()
     journal = journaled[0] if journaled is not None else None
+    drains = EngineDrains(engine, metrics, config.abort_grace)
     server = ServerState(
         config=config,
         family=family,
         registry=registry,
         lifecycle=Lifecycle(
             registry, retry_after=config.retry_after, metrics=metrics, engine_sessions=engine_sessions,
-            journal=journal,
+            journal=journal, drains=drains, drain_wait=config.engine_control_timeout,
         ),
         engine=engine,
         pool=CpuPool(config.cpu_workers, inline_decode=config.inline_decode,
@@ -63,6 +65,7 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
         engine_sessions=engine_sessions,
         metrics=metrics,
         journal=journal,
+        drains=drains,
     )
     if journaled is not None:
         restored = restore_sessions(server, journaled[1])
@@ -104,6 +107,8 @@ def watch_state(server: ServerState) -> None:
 
 async def shutdown(server: ServerState) -> None:
     await server.lifecycle.shutdown()
+    if server.drains is not None:
+        await server.drains.wait_all()  # every engine abort sent (each drain is bounded) before the client closes
     await server.engine.aclose()
     server.pool.shutdown()
     if server.journal is not None:

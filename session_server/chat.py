@@ -18,7 +18,6 @@ handler that owns it, exactly once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -38,6 +37,7 @@ from .engine_wire import encode_generate, split_routed_experts
 from .errors import (
     ClientDisconnectedError,
     EngineTimeoutError,
+    SessionBusyError,
     SessionNotFoundError,
     SessionPausedError,
     error_response,
@@ -87,7 +87,7 @@ async def serve_chat(request: Request, session_id: str) -> Response:
     Responses are counted by route and status in metrics.ResponseMetrics; this counts what only a chat knows."""
     server = server_of(request)
     try:
-        claim = server.lifecycle.claim(session_id)
+        claim = await _claim(server, session_id)
     except SessionError as err:
         return error_response(err)
     started = time.perf_counter()
@@ -109,6 +109,29 @@ async def serve_chat(request: Request, session_id: str) -> Response:
     if not handed_over and response.status_code == 200:
         server.metrics.chat_done(time.perf_counter() - started, timing.engine)
     return response
+
+
+SETTLE_LOOP_TURNS = 16
+
+
+async def _claim(server: ServerState, session_id: str) -> Claim:
+    """Claim the slot; on 409, first let the event loop run what is already pending, once.
+
+    An agent that loses its connection and retries the same turn at once must not get 409 for its own dead request.
+    The old connection's EOF reaches the loop no later than the retry's bytes (the client closed it first), but the
+    old handler needs a few loop turns to see it (receive -> the disconnect watcher -> release). Those turns are run
+    here -- a bounded number of `sleep(0)`, never a timed wait -- so a slot held by a chat whose client is already
+    gone is free by the time the retry is decided; a slot held by a live chat still gets its immediate 409.
+    """
+    try:
+        return server.lifecycle.claim(session_id)
+    except SessionBusyError:
+        for _ in range(SETTLE_LOOP_TURNS):
+            await asyncio.sleep(0)
+            session = server.registry.get(session_id)
+            if session is None or session.claim is None:
+                break
+        return server.lifecycle.claim(session_id)
 
 
 async def read_body(request: Request, limit: int, deadline: float) -> bytes:
@@ -191,6 +214,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
     metrics.stage("prepare", time.perf_counter() - t0)
     _raise_if_aborted(claim)
     if engine_sessions is not None:
+        await _settle_previous(server, claim)  # the old request must be out of its streaming session first
         start, session_params = await engine_sessions.begin_turn(session, plan.new_token_start)
         _raise_if_aborted(claim)
         payload = await server.pool.run_sized(
@@ -198,6 +222,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
             session_params, routed, chat.options.top_logprobs, chat.stream,
         )
     assert payload is not None
+    await _settle_previous(server, claim)
     if chat.stream:
         return stream_response(server, claim, rid, payload, chat, plan, rollback_headers(plan))
 
@@ -301,6 +326,23 @@ def rollback_headers(plan: TurnPlan) -> dict[str, str]:
     return {ROLLBACK_HEADER: f"{plan.rolled_back}; reason={plan.rollback_reason or 'retry'}"}
 
 
+def _remaining(server: ServerState, claim: Claim) -> float:
+    """Seconds left of the chat's --request-timeout, counted from the claim: the total the client waits."""
+    return claim.started + server.config.request_timeout - time.monotonic()
+
+
+async def _settle_previous(server: ServerState, claim: Claim) -> None:
+    """Wait (bounded) until this session's previously aborted engine request has ended, so the engine never runs
+    two requests of one session at once (engine_drain.py)."""
+    if server.drains is None or server.drains.pending(claim.session.id) is None:
+        return
+    if not await server.drains.settle(claim.session.id, _remaining(server, claim)):
+        raise _aborted(EngineTimeoutError(
+            f"the session's previous engine request was still being aborted after "
+            f"{server.config.request_timeout:g}s; nothing was sent"), AbortCause.TIMEOUT)
+    _raise_if_aborted(claim)
+
+
 async def _generate(
     server: ServerState, session_id: str, payload: bytes, rid: str, chat: ChatRequest, timing: TurnTiming
 ) -> Any:
@@ -340,13 +382,12 @@ async def _run_engine(
     try:
         done, _ = await asyncio.wait(
             (engine_task, disconnect, aborted),
-            timeout=server.config.request_timeout,
+            timeout=max(0.0, _remaining(server, claim)),
             return_when=asyncio.FIRST_COMPLETED,
         )
     except asyncio.CancelledError:
-        # The handler itself is being cancelled: still abort the engine request before giving up the slot.
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(asyncio.ensure_future(_abort_engine(server, rid, engine_task)))
+        # The handler itself is being cancelled: the engine request is still aborted (in the background).
+        _abort_engine(server, claim, rid, engine_task)
         raise
     finally:
         disconnect.cancel()
@@ -354,7 +395,7 @@ async def _run_engine(
     if engine_task in done:
         outcome: TurnOutput | EngineReply = engine_task.result()
         return outcome
-    await _abort_engine(server, rid, engine_task)
+    _abort_engine(server, claim, rid, engine_task)
     if disconnect in done:
         raise _aborted(
             ClientDisconnectedError("client disconnected during the chat; engine request aborted"),
@@ -368,14 +409,10 @@ async def _run_engine(
     )
 
 
-async def _abort_engine(server: ServerState, rid: str, engine_task: asyncio.Future[Any]) -> None:
-    """Abort by rid and wait for the engine to acknowledge by finishing the request (bounded), else drop it."""
-    server.metrics.engine_aborts.inc()
-    if not engine_task.done():
-        await server.engine.abort(rid)
-        await asyncio.wait((engine_task,), timeout=server.config.abort_grace)
-    if not engine_task.done():
-        engine_task.cancel()  # closes the connection; the engine aborts on disconnect as well
-        await asyncio.wait((engine_task,))
-    if not engine_task.cancelled():
-        engine_task.exception()  # retrieved: an error of an abandoned request is not worth a warning
+def _abort_engine(server: ServerState, claim: Claim, rid: str, engine_task: asyncio.Future[Any]) -> None:
+    """Abort by rid and let the engine end the request in the background (engine_drain.py): the client's answer
+    and the slot never wait for the engine."""
+    if server.drains is not None:
+        server.drains.start(claim.session.id, rid, engine_task)
+    else:  # no lifespan state (unit use): at least close the connection
+        engine_task.cancel()

@@ -52,7 +52,7 @@ class ServerConfig:
     create_sessions_on_demand: bool = False
     engine_api_key: str | None = field(default=None, repr=False)  # SGLang --api-key; never logged
     engine_admin_api_key: str | None = field(default=None, repr=False)  # SGLang --admin-api-key; never logged
-    engine_control_timeout: float = 2.0  # bound on every control call (abort, open/close session, ready)
+    engine_control_timeout: float = 1.0  # bound on every control call (abort, open/close session, ready)
     journal: str | None = None  # SQLite file of sessions, turns and deletions (journal.py); None = memory only
     journal_sync: str = "normal"  # normal: survives a killed process; full: also a power loss (fsync per commit)
     # The engine runs with SGLang's --incremental-streaming-output: stream events carry deltas, not the reply so far.

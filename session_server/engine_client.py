@@ -6,7 +6,7 @@ httpx.AsyncClient, so an abort never queues behind a saturated generate pool. Tr
 (EngineUnavailableError); the engine's own non-2xx answers are returned as they are, so the chat handler can pass them
 through unrecorded. Client headers are never forwarded; we add only the sticky-routing key and the engine's key.
 
-Control calls get a short deadline of their own (`control_timeout`, a couple of seconds): they are what frees KV and
+Control calls get a short deadline of their own (`control_timeout`, a second by default): they are what frees KV and
 slots, and a stalled engine must never hold DELETE, /ready or a timed-out chat for longer than that.
 
 Keys (SGLang's `--api-key` / `--admin-api-key`, see sglang/srt/utils/auth.py `decide_request_auth`): `/generate`,
@@ -35,7 +35,7 @@ logger = logging.getLogger("session_server.engine")
 
 _json = msgspec.json.Encoder()
 ROUTING_HEADER = "X-SMG-Routing-Key"
-DEFAULT_CONTROL_TIMEOUT = 2.0
+DEFAULT_CONTROL_TIMEOUT = 1.0
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ from .registry import Registry, Session
 if TYPE_CHECKING:
     from trajectory import LinearTrajectory
 
+    from .engine_drain import EngineDrains
     from .engine_sessions import EngineSessions
     from .journal import Journal
     from .metrics import Metrics
@@ -74,6 +75,7 @@ class Lifecycle:
     def __init__(
         self, registry: Registry, *, retry_after: int, metrics: Metrics,
         engine_sessions: EngineSessions | None = None, journal: Journal | None = None,
+        drains: EngineDrains | None = None, drain_wait: float = 1.0,
     ) -> None:
         self.registry = registry
         self.retry_after = retry_after
@@ -83,6 +85,8 @@ class Lifecycle:
         self._engine_sessions = engine_sessions
         self.journal = journal  # --journal: creations and deletions are on disk before they are answered
         self._in_flight: set[Claim] = set()
+        self._drains = drains  # aborted engine requests ending in the background (engine_drain.py)
+        self._drain_wait = drain_wait
 
     # -- sessions ----------------------------------------------------------------------------------------
     def create(self, trajectory: LinearTrajectory, metadata: dict[str, Any] | None = None,
@@ -119,6 +123,10 @@ class Lifecycle:
             claim.abort(reason)
             await claim.done.wait()
         if self._engine_sessions is not None:
+            if self._drains is not None:
+                # Abort before close, as long as the engine answers; a stalled engine delays DELETE by this bound
+                # at most (the close is bounded by the control timeout too), never by the abort's full grace.
+                await self._drains.settle(session.id, self._drain_wait)
             await self._engine_sessions.close(session)
         if self.registry.get(session.id) is session and self.journal is not None:
             why = "expired after being idle" if reason is AbortReason.EXPIRED else "was deleted"

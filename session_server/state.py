@@ -12,6 +12,7 @@ from trajectory import LinearTrajectory, ModelFamily
 from .config import ServerConfig
 from .cpu_pool import CpuPool
 from .engine_client import EngineClient
+from .engine_drain import EngineDrains
 from .engine_sessions import EngineSessions
 from .journal import Journal
 from .lifecycle import Lifecycle
@@ -30,6 +31,7 @@ class ServerState:
     engine_sessions: EngineSessions | None
     metrics: Metrics = field(default_factory=Metrics)
     journal: Journal | None = None  # --journal
+    drains: EngineDrains | None = None  # aborted engine requests ending in the background (engine_drain.py)
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def new_trajectory(self) -> LinearTrajectory:

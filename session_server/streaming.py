@@ -134,7 +134,9 @@ class StreamingTurn:
         disconnect = asyncio.ensure_future(self._wait_disconnect(receive))
         aborted = asyncio.ensure_future(self.claim.aborted.wait())
         try:
-            done, _ = await asyncio.wait((pump, disconnect, aborted), timeout=self.server.config.request_timeout,
+            # --request-timeout is the total the client waits, counted from the claim (chat.py _remaining).
+            remaining = self.claim.started + self.server.config.request_timeout - time.monotonic()
+            done, _ = await asyncio.wait((pump, disconnect, aborted), timeout=max(0.0, remaining),
                                          return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             with contextlib.suppress(asyncio.CancelledError):
@@ -190,6 +192,10 @@ class StreamingTurn:
         if pump.done():
             if not pump.cancelled():
                 pump.exception()
+            return
+        drains = self.server.drains
+        if drains is not None:  # the engine ends it in the background; the client and the slot do not wait
+            drains.start(self.claim.session.id, self.rid, pump)
             return
         self.server.metrics.engine_aborts.inc()
         await self.server.engine.abort(self.rid)
