@@ -101,6 +101,7 @@ class StreamingTurn:
         self.t_start = time.perf_counter()
         self.engine_seconds = 0.0
         self._settled = False
+        self._abandoned = False  # handed to the engine drain: whatever the engine still sends is never committed
         self._acc: dict[str, Any] | None = (
             {"text": "", "output_ids": []} if server.config.engine_incremental_streaming else None)
         self._total_tokens = 0
@@ -195,6 +196,7 @@ class StreamingTurn:
             return
         drains = self.server.drains
         if drains is not None:  # the engine ends it in the background; the client and the slot do not wait
+            self._abandoned = True
             drains.start(self.claim.session.id, self.rid, pump)
             return
         self.server.metrics.engine_aborts.inc()
@@ -393,6 +395,8 @@ class StreamingTurn:
             raise UpstreamError("engine stream logprobs changed between events", rule="stream_logprobs")
         if claim.reason is not None:
             raise _abort_error(claim)
+        if self._abandoned:
+            raise _Gone("the chat ended before the engine finished; nothing is committed")
         session = claim.session
         t0 = time.perf_counter()
         async with session.lock:
