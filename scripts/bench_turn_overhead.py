@@ -299,6 +299,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-arg", action="append", default=[], help="extra session-server argument (repeatable)")
     p.add_argument("--server-src", default=None, help="run session-server from this source tree (a patched copy)")
     p.add_argument("--engine-arg", action="append", default=[])
+    p.add_argument(
+        "--journal", choices=("off", "normal", "full", "both"), default="off",
+        help="also run part 1 with --journal (sync normal, full, or both), side by side with the plain run in this "
+        "one invocation, and report the journal's per-turn cost (default off)",
+    )
     p.add_argument("--skip-server", action="store_true", help="only the in-process TITO part")
     p.add_argument("--skip-tito", action="store_true", help="only the end-to-end part")
     p.add_argument("--profile", default=None, help="py-spy the server during part 1 (.svg, or .txt for stacks)")
@@ -351,6 +356,50 @@ def summarize_e2e(e2e: dict[str, Any], figs: Figures, args: argparse.Namespace) 
     return by_turn
 
 
+def part1(
+    args: argparse.Namespace, server_cpu: int | None, engine_cpu: int | None, log_dir: Path, server_args: list[str],
+    profile: bool, pin_note: str,
+) -> tuple[Figures, dict[str, Any]]:
+    """One end-to-end run (part 1) against a fresh sim and session server started with `server_args`."""
+    figs = Figures()
+    extra: dict[str, Any] = {}
+    engine_args = ["--routed-experts-bytes", str(args.routed_experts_bytes),
+                   "--token-latency-ms", str(args.token_latency_ms), *args.engine_arg]
+    kv = max(1 << 20, 4 * args.sessions * args.turns * (args.reply_tokens + 2 * args.user_words + 64))
+    if not any(a.startswith("--kv-capacity-tokens") for a in args.engine_arg):
+        engine_args += ["--kv-capacity-tokens", str(kv)]
+    sim, server = start_pair(
+        tokenizer=args.tokenizer, family=args.model_family, engine_cpu=engine_cpu, server_cpu=server_cpu,
+        log_dir=log_dir, engine_args=engine_args, server_args=server_args, server_src=args.server_src,
+    )
+    try:
+        if engine_cpu is not None:
+            os.sched_setaffinity(0, {engine_cpu})  # the sequential driver shares the engine's core
+        extra["pinning"] = {"note": pin_note, "session-server": affinity(server.pid),
+                            "sglang-sim": affinity(sim.pid), "benchmark": affinity(os.getpid())}
+        profiler: list[Any] = []
+
+        def begin_profile() -> None:  # after the warm-up (the first chat compiles the chat template)
+            if profile and args.profile:
+                profiler.append(start_profiler(server.pid, args.profile, 3600, rate=1000))
+                time.sleep(1.0)  # py-spy attaches
+
+        def end_profile() -> None:  # only the turns are profiled, not the GETs and the replay
+            for p in profiler:
+                if p is not None:
+                    p.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+                    p.communicate(timeout=60)
+
+        e2e = run_async(end_to_end(server.url, sim.url, server.pid, args, begin_profile, end_profile))
+    finally:
+        server.stop()
+        sim.stop()
+        os.sched_setaffinity(0, all_cpus())  # part 2 runs unpinned
+    extra["by_turn"] = summarize_e2e(e2e, figs, args)
+    extra["error_samples"] = e2e["errors"][:8]
+    return figs, extra
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     figs = Figures()
@@ -361,41 +410,25 @@ def main(argv: list[str] | None = None) -> int:
         server_cpu, engine_cpu, pin_note = pinning_plan(args.server_cpu, args.engine_cpu)
         log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench-overhead-"))
         log_dir.mkdir(parents=True, exist_ok=True)
-        engine_args = ["--routed-experts-bytes", str(args.routed_experts_bytes),
-                       "--token-latency-ms", str(args.token_latency_ms), *args.engine_arg]
-        kv = max(1 << 20, 4 * args.sessions * args.turns * (args.reply_tokens + 2 * args.user_words + 64))
-        if not any(a.startswith("--kv-capacity-tokens") for a in args.engine_arg):
-            engine_args += ["--kv-capacity-tokens", str(kv)]
-        sim, server = start_pair(
-            tokenizer=args.tokenizer, family=args.model_family, engine_cpu=engine_cpu, server_cpu=server_cpu,
-            log_dir=log_dir, engine_args=engine_args, server_args=args.server_arg, server_src=args.server_src,
-        )
-        try:
-            if engine_cpu is not None:
-                os.sched_setaffinity(0, {engine_cpu})  # the sequential driver shares the engine's core
-            extra["pinning"] = {"note": pin_note, "session-server": affinity(server.pid),
-                                "sglang-sim": affinity(sim.pid), "benchmark": affinity(os.getpid())}
-            profiler: list[Any] = []
-
-            def begin_profile() -> None:  # after the warm-up (the first chat compiles the chat template)
-                if args.profile:
-                    profiler.append(start_profiler(server.pid, args.profile, 3600, rate=1000))
-                    time.sleep(1.0)  # py-spy attaches
-
-            def end_profile() -> None:  # only the turns are profiled, not the GETs and the replay
-                for p in profiler:
-                    if p is not None:
-                        p.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-                        p.communicate(timeout=60)
-
-            e2e = run_async(end_to_end(server.url, sim.url, server.pid, args, begin_profile, end_profile))
-        finally:
-            server.stop()
-            sim.stop()
-            os.sched_setaffinity(0, all_cpus())  # part 2 runs unpinned
-        extra["by_turn"] = summarize_e2e(e2e, figs, args)
-        extra["error_samples"] = e2e["errors"][:8]
-        errors = len(e2e["errors"])
+        syncs = {"off": [], "normal": ["normal"], "full": ["full"], "both": ["normal", "full"]}[args.journal]
+        # The journal variants first, then the plain run (whose figures are the report's main ones): same machine,
+        # same sim settings, one after the other.
+        for sync in syncs:
+            journal = log_dir / f"journal-{sync}.sqlite"
+            jfigs, _ = part1(args, server_cpu, engine_cpu, log_dir,
+                             [*args.server_arg, "--journal", str(journal), "--journal-sync", sync], False, pin_note)
+            jv = jfigs.values
+            for key in ("server_cpu_per_turn_mean_ms", "server_cpu_per_turn_p50_ms", "added_latency_p50_ms",
+                        "added_latency_p99_ms", "errors"):
+                figs.add(f"journal_{sync}_{key}", jv.get(key), "ms" if key != "errors" else "count", "lower")
+            figs.add(f"journal_{sync}_file_bytes", sum(
+                p.stat().st_size for p in (journal, Path(f"{journal}-wal")) if p.exists()), "bytes")
+            errors += int(jv.get("errors") or 0)
+        pfigs, pextra = part1(args, server_cpu, engine_cpu, log_dir, args.server_arg, True, pin_note)
+        figs.values.update(pfigs.values)
+        figs.meta.update(pfigs.meta)
+        extra.update(pextra)
+        errors += int(pfigs.values.get("errors") or 0)
     if not args.skip_tito:
         tito = tito_in_process(args)
         for row in tito["sizes"]:
@@ -428,6 +461,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  server RSS      {fmt(v['server_rss_delta_bytes_per_token'])} B per stored token "
               f"({v['stored_tokens']} tokens stored); GET /sessions/{{id}} at the end: "
               f"{fmt(v['get_session_cpu_ms'])} ms CPU p50")
+        for sync in ("normal", "full"):
+            if f"journal_{sync}_server_cpu_per_turn_mean_ms" in v:
+                print(f"  --journal ({sync}) server CPU/turn mean "
+                      f"{fmt(v[f'journal_{sync}_server_cpu_per_turn_mean_ms'])} ms vs "
+                      f"{fmt(v['server_cpu_per_turn_mean_ms'])} ms without (same run); added latency p50 "
+                      f"{fmt(v[f'journal_{sync}_added_latency_p50_ms'])} ms, p99 "
+                      f"{fmt(v[f'journal_{sync}_added_latency_p99_ms'])} ms; file "
+                      f"{(v[f'journal_{sync}_file_bytes'] or 0) / 1024:.0f} KiB")
         if v["server_runqueue_wait_frac"] > 0.05:
             print(f"  NOTE            the server waited for a CPU {100 * v['server_runqueue_wait_frac']:.0f}% of the "
                   "time (other load on the machine): latencies are not representative, CPU figures still are")

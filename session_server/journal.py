@@ -390,7 +390,10 @@ class Journal:
         if isinstance(op, _Create):
             self._upsert_session(conn, op.info, op.last_active)
         elif isinstance(op, _Turn):
-            self._upsert_session(conn, op.info, op.last_active)
+            # The row usually exists (POST /sessions wrote it): refresh the clock without re-encoding the rest.
+            if not conn.execute("UPDATE sessions SET last_active = ? WHERE id = ?",
+                                (op.last_active, op.info.id)).rowcount:
+                self._upsert_session(conn, op.info, op.last_active)
             stored = store_turn(op.delta, op.prev_messages, op.prev_tools)
             values = [getattr(stored, c) for c in _TURN_COLUMNS]
             conn.execute(
