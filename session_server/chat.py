@@ -27,10 +27,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from trajectory import LinearTrajectory, TurnPlan, TurnRecord
-from trajectory.errors import InvariantError, SessionError, UpstreamError
+from trajectory import LinearTrajectory, TurnPlan
+from trajectory.errors import SessionError, UpstreamError
 
 from . import body as body_reader
+from .commit import commit_turn
 from .engine_client import EngineReply
 from .engine_sessions import engine_session_gone
 from .engine_wire import encode_generate, split_routed_experts
@@ -42,11 +43,9 @@ from .errors import (
     SessionPausedError,
     error_response,
 )
-from .journal import SessionInfo
 from .lifecycle import AbortReason, Claim
 from .metrics import AbortCause
 from .openai_format import ChatRequest, TurnOutput, decode_turn, parse_chat_request, turn_tools
-from .registry import Session
 from .state import ServerState, server_of
 from .streaming import StreamingTurn, stream_response
 
@@ -254,15 +253,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
         metrics.stage("decode", timing.decode)
         _raise_if_aborted(claim)
         t0 = time.perf_counter()
-        if server.journal is None:
-            async with session.lock:
-                try:
-                    record = session.trajectory.commit(plan, outcome.result, outcome.message)
-                except InvariantError as err:
-                    logger.error("session %s: invariant broken at commit: %s", session.id, err)
-                    raise
-        else:
-            record = await _commit_journaled(server, session, plan, outcome)
+        record = await commit_turn(server, session, plan, outcome.result, outcome.message)
         committed = True
         metrics.stage("commit", time.perf_counter() - t0)
         metrics.turn_tokens(len(plan.prompt_ids), record.cached_tokens, record.completion_len)
@@ -277,42 +268,6 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
     if chat.stream:
         return Response(outcome.reply, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     return Response(outcome.reply, media_type="application/json", headers=headers)
-
-
-async def _commit_journaled(server: ServerState, session: Session, plan: TurnPlan, outcome: TurnOutput) -> TurnRecord:
-    """Stage the commit, write it to the journal, then apply it: the reply is sent only for a turn on disk.
-
-    The apply runs in the write's done-callback, so a handler cancelled while waiting (shutdown) still applies a turn
-    that reached the disk: memory never falls behind the journal. The callback is synchronous, like every other
-    holder of the session lock, so it cannot interleave with a reader's snapshot.
-    """
-    journal = server.journal
-    assert journal is not None and outcome.message is not None
-    trajectory = session.trajectory
-    async with session.lock:
-        try:
-            delta = trajectory.stage(plan, outcome.result, outcome.message)
-        except InvariantError as err:
-            logger.error("session %s: invariant broken at commit: %s", session.id, err)
-            raise
-        prev_messages, prev_tools = trajectory.messages, trajectory.tools
-
-    def apply(written: asyncio.Future[None]) -> None:
-        if written.cancelled() or written.exception() is not None:
-            return
-        try:
-            trajectory.apply(delta)
-        except InvariantError:
-            logger.exception("session %s: journaled turn does not apply", session.id)
-
-    started = time.perf_counter()
-    written = journal.write_turn(SessionInfo.of(session), delta, prev_messages, prev_tools)
-    written.add_done_callback(apply)
-    await asyncio.shield(written)
-    server.metrics.stage("journal", time.perf_counter() - started)
-    if trajectory.version != delta.version + 1:
-        raise InvariantError(f"session {session.id}: journaled turn was not applied")
-    return delta.record
 
 
 ROLLBACK_HEADER = "X-Session-Rollback"

@@ -34,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 from trajectory import TurnPlan
 from trajectory.errors import InvariantError, SessionError, UpstreamError
 
+from .commit import commit_turn
 from .engine_wire import split_routed_experts
 from .errors import (
     ClientDisconnectedError,
@@ -399,13 +400,8 @@ class StreamingTurn:
             raise _Gone("the chat ended before the engine finished; nothing is committed")
         session = claim.session
         t0 = time.perf_counter()
-        async with session.lock:
-            try:
-                record = session.trajectory.commit(self.plan, result, out.message)
-            except InvariantError as err:
-                logger.error("session %s: invariant broken at commit: %s", session.id, err)
-                raise
-            self.committed = True
+        record = await commit_turn(server, session, self.plan, result, out.message)
+        self.committed = True
         self._total_tokens = len(self.plan.prompt_ids) + len(result.output_ids)
         server.metrics.stage("commit", time.perf_counter() - t0)
         server.metrics.turn_tokens(len(self.plan.prompt_ids), record.cached_tokens, record.completion_len)

@@ -108,6 +108,31 @@ def test_restart_restores_sessions_deletions_and_continues(stack: Stack, tmp_pat
     assert_engine_baseline(stack.engine)
 
 
+def test_streamed_turns_are_journaled(stack: Stack, tmp_path: Path) -> None:
+    """`stream: true` commits through the same journaled path: restored exactly, and the session continues."""
+    journal = tmp_path / "journal.sqlite"
+    proc = start(stack, journal)
+    sid = new_session(proc.url)
+    history: list[dict[str, Any]] = []
+    for i in range(3):
+        history.append({"role": "user", "content": f"stream {i} [[sim: tokens {5 + i}]]"})
+        resp = chat(proc.url, sid, history, stream=i != 1)
+        assert resp.status_code == 200 and "error" not in resp.text, resp.text
+        history = httpx.get(f"{proc.url}/sessions/{sid}").json()["messages"]
+    before = session_state(proc.url, sid)
+    assert len(before["info"]["records"]) == 3
+    assert proc.stop() == 0
+    proc = start(stack, journal)
+    try:
+        assert session_state(proc.url, sid) == before
+        history.append({"role": "user", "content": "one more [[sim: tokens 2]]"})
+        assert chat(proc.url, sid, history, stream=True).status_code == 200
+        assert len(httpx.get(f"{proc.url}/sessions/{sid}").json()["records"]) == 4
+        assert httpx.delete(f"{proc.url}/sessions/{sid}").status_code == 204
+    finally:
+        assert proc.stop() == 0
+
+
 def test_journal_of_a_newer_schema_or_another_family_is_refused(stack: Stack, tmp_path: Path) -> None:
     newer = tmp_path / "newer.sqlite"
     proc = start(stack, newer)

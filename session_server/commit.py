@@ -1,0 +1,63 @@
+"""Committing a turn: the one place a chat (plain or streamed) changes a trajectory.
+
+Without a journal: `LinearTrajectory.commit` under the session lock. With `--journal`: stage the commit (validated,
+nothing mutated), write it to the journal, then apply it -- the reply is sent only for a turn that is on disk. The
+apply runs in the write's done-callback, so a handler cancelled while it waits (shutdown) still applies a turn that
+reached the disk: memory never falls behind the journal. The callback is synchronous, like every other holder of
+the session lock, so it cannot interleave with a reader's snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from trajectory import GenerateResult, TurnPlan, TurnRecord
+from trajectory.errors import InvariantError
+
+from .journal import SessionInfo
+from .registry import Session
+from .state import ServerState
+
+logger = logging.getLogger("session_server.commit")
+
+
+async def commit_turn(
+    server: ServerState, session: Session, plan: TurnPlan, result: GenerateResult, message: dict[str, Any]
+) -> TurnRecord:
+    """Commit (and journal, with --journal) one turn; InvariantError (500) or JournalUnavailableError (503)."""
+    trajectory = session.trajectory
+    journal = server.journal
+    if journal is None:
+        async with session.lock:
+            try:
+                return trajectory.commit(plan, result, message)
+            except InvariantError as err:
+                logger.error("session %s: invariant broken at commit: %s", session.id, err)
+                raise
+    async with session.lock:
+        try:
+            delta = trajectory.stage(plan, result, message)
+        except InvariantError as err:
+            logger.error("session %s: invariant broken at commit: %s", session.id, err)
+            raise
+        prev_messages, prev_tools = trajectory.messages, trajectory.tools
+
+    def apply(written: asyncio.Future[None]) -> None:
+        if written.cancelled() or written.exception() is not None:
+            return
+        try:
+            trajectory.apply(delta)
+        except InvariantError:
+            logger.exception("session %s: journaled turn does not apply", session.id)
+
+    started = time.perf_counter()
+    written = journal.write_turn(SessionInfo.of(session), delta, prev_messages, prev_tools)
+    written.add_done_callback(apply)
+    await asyncio.shield(written)
+    server.metrics.stage("journal", time.perf_counter() - started)
+    if trajectory.version != delta.version + 1:
+        raise InvariantError(f"session {session.id}: journaled turn was not applied")
+    return delta.record
