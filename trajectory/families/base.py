@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import RequestValidationError, TemplateError, TokenizationError
-from .control import ControlTokens
+from .control import ControlTokens, trie_pattern
+from .segments import MIN_SEGMENT_CHARS, SegmentCache
 
 # The anchor conversation: plain text, no reasoning, no tool calls, so every template renders it the
 # same way whatever follows it, unless the template is genuinely not append-stable.
@@ -112,6 +113,7 @@ class ModelFamily(ABC):
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._segments: SegmentCache | None = None  # set below, once the added tokens are known
         # The Rust tokenizer directly: half the cost of the transformers wrapper, same ids (tested).
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.vocab_size: int = len(tokenizer)
@@ -129,6 +131,11 @@ class ModelFamily(ABC):
             (t.content for t in added.values() if t.content not in self.content_markup), self.encode,
             frozenset(added),
         )
+        # Long repeated segments between added-token spellings (the tool preamble) are tokenized once (segments.py).
+        # Only where the tokenizer splits at them before anything else: non-normalized, no whitespace stripping.
+        boundaries = [t for t in added.values() if not t.normalized]
+        if boundaries and not any(t.lstrip or t.rstrip for t in boundaries):
+            self._segments = SegmentCache(trie_pattern(t.content for t in boundaries), self._encode_text)
         # A completion that ended on a non-template stop token has that token replaced by `eos_token`.
         self.max_trim_tokens: int = 1 if self.extra_stop_tokens else 0
         self._anchor_lock = threading.Lock()
@@ -143,6 +150,11 @@ class ModelFamily(ABC):
     # -- text <-> ids ------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` with no special tokens inserted (templates already write BOS where needed)."""
+        if len(text) >= 2 * MIN_SEGMENT_CHARS and self._segments is not None:
+            return self._segments.encode(text)
+        return self._encode_text(text)
+
+    def _encode_text(self, text: str) -> list[int]:
         if self._backend is not None:
             if len(text) > _BATCH_ENCODE_CHARS:  # encode_batch tokenizes with the GIL released; encode holds it
                 return list(self._backend.encode_batch([text], add_special_tokens=False)[0].ids)
