@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.server import assert_engine_baseline, chat_url, new_session, wait_running
+from support.server import assert_engine_baseline, chat_url, new_session, sse_events, wait_running
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
@@ -231,3 +231,20 @@ def test_one_id_is_one_episode_others_run_alongside(stack: Stack) -> None:
         assert len(info["records"]) == 1
         assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
     assert_engine_baseline(engine)
+
+
+def test_a_streamed_turn_that_rolls_back_says_so_before_the_first_byte(stack: Stack) -> None:
+    strict = stack["strict"]
+    sid = new_session(strict)
+    history = _tool_turns(strict, sid, [LOOKUP_A], compact=True)
+    body = {"model": "m", "messages": history, "tools": [LOOKUP_A], "stream": True}
+    with httpx.stream("POST", chat_url(strict, sid), json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["x-session-rollback"] == "1; reason=tool_call_arguments"
+        text = resp.read().decode()
+    assert text.rstrip().endswith("data: [DONE]")
+    content = "".join(c["delta"].get("content") or "" for e in sse_events(text.encode()) for c in e["choices"])
+    assert content == "It is 42."
+    info = _session(strict, sid)
+    assert info["rollbacks_by_reason"] == {"tool_call_arguments": 1} and len(info["records"]) == 1
+    assert httpx.delete(f"{strict}/sessions/{sid}").status_code == 204
