@@ -109,6 +109,8 @@ async def shutdown(server: ServerState) -> None:
     await server.lifecycle.shutdown()
     if server.drains is not None:
         await server.drains.wait_all()  # every engine abort sent (each drain is bounded) before the client closes
+    if server.engine_sessions is not None:
+        await server.engine_sessions.aclose()
     await server.engine.aclose()
     server.pool.shutdown()
     if server.journal is not None:

@@ -200,11 +200,15 @@ class EngineClient:
         return reply.ok
 
     async def open_session(
-        self, capacity_of_str_len: int, routing_key: str, idle_timeout: float | None = None
+        self, capacity_of_str_len: int, routing_key: str, idle_timeout: float | None = None,
+        session_id: str | None = None,
     ) -> str:
         """POST /open_session (streaming). `idle_timeout` is sent as the engine session's `timeout` (seconds):
-        without one, a session whose owner died holds its KV on the engine forever."""
+        without one, a session whose owner died holds its KV on the engine forever. `session_id` names the session
+        ourselves, so one whose open timed out can still be closed (the engine may open it later)."""
         req: dict[str, Any] = {"capacity_of_str_len": capacity_of_str_len, "streaming": True}
+        if session_id is not None:
+            req["session_id"] = session_id
         if idle_timeout is not None:
             req["timeout"] = idle_timeout
         reply = await self._request(

@@ -6,10 +6,10 @@ a long GC, a network partition) must not hold the client's answer (504 at exactl
 (an agent's immediate retry must not get 409 for its own dead request), DELETE or shutdown for longer than the
 bounded steps below. So the handler hands the engine task to `EngineDrains.start` and returns at once.
 
-A drain: POST /abort_request (bounded by the engine client's control timeout), then wait up to `grace` for the
-engine to end the request (it answers with finish_reason abort), then close the connection (SGLang aborts a request
-whose client went away). Every step is bounded, so a drain ends within control timeout + grace whatever the engine
-does.
+A drain: POST /abort_request (bounded by the engine client's control timeout); if the engine acknowledged it, wait
+up to `grace` for the engine to end the request (it answers with finish_reason abort); then close the connection
+(SGLang aborts a request whose client went away). Every step is bounded, so a drain ends within control timeout +
+grace whatever the engine does.
 
 Why the next turn waits for it: with engine sessions a streaming session accepts one request at a time, and in any
 mode a resent turn must not run next to its own aborted copy. So the session's next chat waits (bounded by the same
@@ -54,8 +54,9 @@ class EngineDrains:
 
     async def _drain(self, rid: str, engine_task: asyncio.Future[Any]) -> None:
         try:
-            if not engine_task.done():
-                await self._engine.abort(rid)
+            # An acknowledged abort ends the request within moments; an abort the engine did not take (timeout,
+            # refused) is not worth waiting for: closing the connection is then the only signal left.
+            if not engine_task.done() and await self._engine.abort(rid):
                 await asyncio.wait((engine_task,), timeout=self._grace)
         finally:
             if not engine_task.done():

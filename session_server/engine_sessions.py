@@ -8,10 +8,14 @@ tokens are therefore identical with and without the flag; only the engine's pref
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import secrets
+import time
 from typing import Any
 
 from .engine_client import EngineClient
+from .errors import EngineUnavailableError
 from .registry import Session
 
 logger = logging.getLogger("session_server.engine_sessions")
@@ -21,6 +25,7 @@ CAPACITY_OF_STR_LEN = 1 << 20
 # engine never closes a session we still use between two turns, short enough that a crashed session server's
 # engine sessions (and their KV) do not outlive it by much. Without any idle timeout of ours, a day.
 ENGINE_TIMEOUT_MARGIN = 60.0
+ORPHAN_WAIT = 60.0
 NO_IDLE_TIMEOUT_ENGINE_TIMEOUT = 24 * 3600.0
 
 # SGLang's 400 messages for a session the engine does not hold (scheduler.py handle_generate_request): after an
@@ -36,6 +41,7 @@ def engine_session_gone(status: int, body: bytes) -> bool:
 class EngineSessions:
     def __init__(self, engine: EngineClient, idle_timeout: float = 0.0) -> None:
         self._engine = engine
+        self._orphans: set[asyncio.Task[None]] = set()
         self.engine_timeout = (idle_timeout + ENGINE_TIMEOUT_MARGIN if idle_timeout > 0
                                else NO_IDLE_TIMEOUT_ENGINE_TIMEOUT)
 
@@ -46,7 +52,13 @@ class EngineSessions:
             return new_token_start, {"id": st.sid}
         if st.sid is not None:
             await self.close(session)
-        st.sid = await self._engine.open_session(CAPACITY_OF_STR_LEN, session.id, self.engine_timeout)
+        sid = f"{session.id}-{secrets.token_hex(4)}"
+        try:
+            st.sid = await self._engine.open_session(CAPACITY_OF_STR_LEN, session.id, self.engine_timeout, sid)
+        except EngineUnavailableError:
+            # A timed-out open may still be carried out once the engine moves again: close that id later.
+            self._close_orphan(sid, session.id)
+            raise
         st.tokens = 0
         st.dirty = False
         return 0, {"id": st.sid}
@@ -55,6 +67,26 @@ class EngineSessions:
     def committed(session: Session, total_tokens: int) -> None:
         session.engine.tokens = total_tokens
         session.engine.dirty = False
+
+    def _close_orphan(self, sid: str, routing_key: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._orphan_closer(sid, routing_key))
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+
+    async def _orphan_closer(self, sid: str, routing_key: str) -> None:
+        """Once the engine answers again (it then has read the earlier open), close the session it may have opened.
+        Bounded: after ORPHAN_WAIT s the engine's own idle timeout (sent with the open) reclaims it instead."""
+        deadline = time.monotonic() + ORPHAN_WAIT
+        while time.monotonic() < deadline:
+            if await self._engine.ready():
+                await self._engine.close_session(sid, routing_key)
+                return
+            await asyncio.sleep(0.5)
+        logger.warning("engine session %s may be open; the engine's idle timeout will close it", sid)
+
+    async def aclose(self) -> None:
+        for task in list(self._orphans):
+            task.cancel()
 
     @staticmethod
     def forget(session: Session) -> None:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -87,6 +87,8 @@ class SimServer:
     api_key: str | None = None
     admin_api_key: str | None = None
     health_latency_s: float = 1.0  # real SGLang's GET /health runs a one-token generation: at least a second
+    # rid -> its abort, while a delay fault holds the request
+    delayed: dict[str, asyncio.Event] = field(default_factory=dict)
 
     # -- /generate ------------------------------------------------------------------------------------------------
 
@@ -112,8 +114,13 @@ class SimServer:
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(request.receive, on_disconnect))
         try:
             if fault is not None and fault.delay > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(gone.wait(), fault.delay)
+                # A delayed request is already known by its rid (as in SGLang's rid_to_state): an abort ends it.
+                self.delayed[inp.rid] = gone
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(gone.wait(), fault.delay)
+                finally:
+                    self.delayed.pop(inp.rid, None)
             if gone.is_set():
                 return Response(status_code=499)
             try:
@@ -196,6 +203,9 @@ class SimServer:
         rid = body.get("rid") if isinstance(body, dict) else None
         abort_all = bool(body.get("abort_all", False)) if isinstance(body, dict) else False
         self.engine.abort(rid if isinstance(rid, str) else None, abort_all=abort_all)
+        for delayed_rid, gone in list(self.delayed.items()):
+            if abort_all or delayed_rid == rid:
+                gone.set()
         return Response(status_code=200)
 
     async def open_session(self, request: Request) -> Response:
