@@ -6,6 +6,10 @@ Needs a GPU machine with sglang installed (`pip install '.[sglang]'`). The flags
   session, so a turn prefills only its new tokens (DESIGN.md 5.2). Harmless without `--engine-sessions`.
 - `--enable-return-routed-experts` (with `--routed-experts`): MoE routing replay; the session server keeps the
   payload in its records and never sends it to agents.
+- `--api-key` / `--admin-api-key` (with `--keys`): the engine wants `Authorization: Bearer` on every call; the
+  session server sends the api key on /generate and sessions and the admin key on abort/pause (SGLang's auth
+  levels). The keys are read from the environment of both processes and never printed: set ENGINE_API_KEY and
+  ENGINE_ADMIN_API_KEY before running the printed commands.
 - the tokenizer stays enabled (no `--skip-tokenizer-init`): the session server sends `input_ids` either way, but
   reads the reply `text` and relies on the engine for `stop` strings.
 
@@ -37,6 +41,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--context-length", type=int, default=None, help="override the model's context length")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="GPU memory fraction for weights + KV")
     p.add_argument("--routed-experts", action="store_true", help="return MoE routed experts (routing replay)")
+    p.add_argument("--keys", action="store_true",
+                   help="protect the engine with --api-key/--admin-api-key from $ENGINE_API_KEY/$ENGINE_ADMIN_API_KEY")
     p.add_argument("--model-family", default="qwen3", help="session-server model family (default qwen3)")
     p.add_argument("--session-port", type=int, default=8000, help="port in the printed session-server command")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit (works without sglang)")
@@ -54,25 +60,36 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
         cmd += ["--mem-fraction-static", str(args.mem_fraction_static)]
     if args.routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if args.keys:  # expanded by the shell that runs the printed command (or by main() below): never printed
+        cmd += ["--api-key", "$ENGINE_API_KEY", "--admin-api-key", "$ENGINE_ADMIN_API_KEY"]
     return cmd + extra
 
 
 def session_server_command(args: argparse.Namespace) -> list[str]:
-    return [
+    env = (["SESSION_SERVER_ENGINE_API_KEY=$ENGINE_API_KEY",
+            "SESSION_SERVER_ENGINE_ADMIN_API_KEY=$ENGINE_ADMIN_API_KEY"] if args.keys else [])
+    return env + [
         "session-server",
         "--engine-url", f"http://{args.host}:{args.port}",
         "--tokenizer", args.model_path,
         "--model-family", args.model_family,
         "--port", str(args.session_port),
         "--engine-sessions",
-    ]  # fmt: skip
+    ] + (["--return-routed-experts"] if args.routed_experts else [])  # fmt: skip
+
+
+def _shell(cmd: list[str]) -> str:
+    """Quote for a POSIX shell but leave `$VAR` references for the shell to expand (keys stay out of the text)."""
+    return " ".join(f'"{c}"' if "$" in c and "=" not in c else
+                    (c.split("=", 1)[0] + '="' + c.split("=", 1)[1] + '"' if "$" in c else shlex.quote(c))
+                    for c in cmd)
 
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
     cmd = sglang_command(args, extra)
-    print("engine:         " + shlex.join(cmd))
-    print("session server: " + shlex.join(session_server_command(args)))
+    print("engine:         " + _shell(cmd))
+    print("session server: " + _shell(session_server_command(args)))
     print(f"demo:           python scripts/demo.py --engine-url http://{args.host}:{args.port} "
           f"--tokenizer {shlex.quote(args.model_path)} --model-family {args.model_family}")
     if args.dry_run:
@@ -84,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.keys:
+        missing = [k for k in ("ENGINE_API_KEY", "ENGINE_ADMIN_API_KEY") if not os.environ.get(k)]
+        if missing:
+            print(f"error: --keys needs {' and '.join(missing)} in the environment", file=sys.stderr)
+            return 2
+        cmd = [os.path.expandvars(c) for c in cmd]
     sys.stdout.flush()
     os.execv(cmd[0], cmd)  # the engine replaces this process: signals and exit code are its own
 

@@ -25,7 +25,7 @@ IDLE = 100
 @pytest.fixture(scope="module")
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(
-        family=FAMILY, sim_args=["--enable-streaming-session"],
+        family=FAMILY, sim_args=["--enable-streaming-session", "--token-latency-ms", "2"],
         servers={"server": ["--engine-sessions", "--session-idle-timeout", str(IDLE)]}, proxied={"server"},
     ) as stack:
         yield stack
@@ -88,3 +88,34 @@ def test_engine_restart_is_survived_without_a_400(stack: Stack) -> None:
         assert httpx.get(f"{stack.engine}/server_info").json()["open_sessions"] == 0
     finally:
         stack.procs[0] = new  # the stack stops the engine that is running at teardown
+
+
+def test_immediate_retry_after_a_disconnect_is_never_409_nor_concurrent(stack: Stack) -> None:
+    """Issue 9 point 9: the slot is free as soon as the client is gone; the retry waits (bounded) for its dead
+    request to end on the engine, so the engine never runs two requests of the session at once."""
+    import asyncio
+
+    from support.server import wait_running
+
+    assert stack.proxy is not None
+    sid = new_session(stack.server)
+    history = _turns(stack.server, sid, [], 1)
+    history.append({"role": "user", "content": "long [[sim: tokens 3000]]"})
+    body = {"messages": history, "max_tokens": 100}
+    stack.proxy.clear()
+
+    async def main() -> int:
+        async with httpx.AsyncClient(timeout=30) as first:
+            task = asyncio.ensure_future(first.post(chat_url(stack.server, sid), json={**body, "max_tokens": 4000}))
+            await wait_running(stack.engine)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        async with httpx.AsyncClient(timeout=30) as second:  # at once, on a new connection
+            return (await second.post(chat_url(stack.server, sid), json=body)).status_code
+
+    assert asyncio.run(main()) == 200
+    generates = stack.proxy.generates()
+    assert len(generates) == 2
+    assert generates[1]["started"] >= generates[0]["finished"]  # never two requests of the session at once
+    assert httpx.delete(f"{stack.server}/sessions/{sid}").status_code == 204

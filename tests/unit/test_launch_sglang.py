@@ -1,0 +1,44 @@
+"""scripts/launch_sglang.py --dry-run prints real SGLang 0.5.23 launch flags for each feature the server uses."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _sglang_fields() -> set[str]:
+    """ServerArgs field names (each is the CLI flag with dashes): sglang/srt/arg_groups/field_order.py."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations
+    text = (Path(next(iter(spec.submodule_search_locations))) / "srt" / "arg_groups" / "field_order.py").read_text()
+    return set(re.findall(r'^\s+"(\w+)",', text, flags=re.M))
+
+
+def _dry_run(*args: str) -> dict[str, str]:
+    out = subprocess.run([sys.executable, "-m", "scripts.launch_sglang", "--model-path", "/m", "--dry-run", *args],
+                         capture_output=True, text=True, check=True, cwd=ROOT, env={"ENGINE_API_KEY": "secret-1"})
+    return {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in out.stdout.splitlines()}
+
+
+def test_every_feature_flag_is_a_real_sglang_flag() -> None:
+    fields = _sglang_fields()
+    lines = _dry_run("--routed-experts", "--keys")
+    engine = lines["engine"]
+    for flag in ("--enable-streaming-session", "--enable-return-routed-experts", "--api-key", "--admin-api-key"):
+        assert flag in engine.split()
+    for flag in re.findall(r"(?<=\s)--([a-z0-9-]+)", engine):
+        assert flag.replace("-", "_") in fields, flag
+    server = lines["session server"]
+    assert "--engine-sessions" in server and "--return-routed-experts" in server
+    assert "SESSION_SERVER_ENGINE_API_KEY=" in server and "secret-1" not in engine + server  # keys never printed
+
+
+def test_plain_launch_has_no_keys_or_routing() -> None:
+    lines = _dry_run()
+    assert "--api-key" not in lines["engine"] and "--enable-return-routed-experts" not in lines["engine"]
+    assert "--return-routed-experts" not in lines["session server"]
