@@ -66,8 +66,8 @@ async def _episode(server: str, engine: str) -> None:
         r = await http.post(chat_url(server, sid), json={"messages": history, "tools": TOOLS, "stream": True})
         assert r.status_code == 200, r.text
         history.append({"role": "user", "content": "again [[sim: tokens 5]]"})
-        r = await http.post(chat_url(server, sid), json={"messages": history[:2] + [
-            {"role": "user", "content": "retry [[sim: tokens 3]]"}]})  # a divergent history: a rollback
+        retry = [*history[:2], {"role": "user", "content": "retry [[sim: tokens 3]]"}]  # diverges: a rollback
+        r = await http.post(chat_url(server, sid), json={"messages": retry})
         assert r.status_code in (200, 400), r.text
         long = {"messages": [{"role": "user", "content": "long [[sim: tokens 3000]]"}], "max_tokens": 4000}
         other = new_session(server)
@@ -118,9 +118,8 @@ def test_every_engine_request_passes_sglangs_own_schema(stack: Stack, mode: str)
 
 def test_the_oracle_refuses_what_sglang_refuses() -> None:
     """The checks above can fail: SGLang's schema rejects what its HTTP server answers with 400."""
-    from transformers import AutoTokenizer
-
     from conftest import TOKENIZER_CACHE
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_CACHE / FAMILY)
     good = {"input_ids": [1, 2], "rid": "r", "sampling_params": {"max_new_tokens": None}}

@@ -138,10 +138,10 @@ def sglang_root() -> str:
     """The installed sglang package directory (found without importing it)."""
     module = sys.modules.get("sglang")
     if module is not None and getattr(module, "__path__", None):
-        return str(list(module.__path__)[0])
+        return str(next(iter(module.__path__)))
     spec = importlib.util.find_spec("sglang")
     assert spec is not None and spec.submodule_search_locations, "sglang==0.5.23 (--no-deps) is a test dependency"
-    return str(list(spec.submodule_search_locations)[0])
+    return str(next(iter(spec.submodule_search_locations)))
 
 
 def import_sglang_schema(name: str) -> types.ModuleType:
