@@ -51,9 +51,6 @@ from .streaming import StreamingTurn, stream_response
 
 logger = logging.getLogger("session_server.chat")
 
-SSE_HEADERS = {"Cache-Control": "no-cache"}
-
-
 _ABORT_CAUSES = {
     AbortReason.DELETED: AbortCause.DELETE,
     AbortReason.EXPIRED: AbortCause.EXPIRY,
@@ -265,8 +262,6 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
         if engine_sessions is not None and not committed:
             engine_sessions.mark_dirty(session)
     headers = rollback_headers(plan)
-    if chat.stream:
-        return Response(outcome.reply, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     return Response(outcome.reply, media_type="application/json", headers=headers)
 
 
@@ -313,7 +308,7 @@ async def _generate(
     # inline choice should weigh, and it is usually small enough that a pool hop would cost more than the decode.
     split = split_routed_experts(reply.body)
     out = await server.pool.run_decode(
-        len(split[0]), decode_turn, reply.body, server.family, rid, model, chat.stream, split=split,
+        len(split[0]), decode_turn, reply.body, server.family, rid, model, split=split,
         options=chat.options,
     )
     timing.decode = time.perf_counter() - t1

@@ -166,10 +166,11 @@ def system_fingerprint(family: ModelFamily, result: GenerateResult) -> str:
 
 
 def decode_turn(
-    body: bytes, family: ModelFamily, rid: str, model: str, stream: bool, created: int | None = None,
+    body: bytes, family: ModelFamily, rid: str, model: str, created: int | None = None,
     split: tuple[bytes, memoryview | None] | None = None, options: RequestOptions | None = None,
 ) -> TurnOutput:
-    """Strictly validate the engine reply (502 on any rule), parse it with the family, encode the client reply.
+    """Strictly validate the engine reply (502 on any rule), parse it with the family, encode the client reply
+    (a streamed chat uses the same validation and parse; streaming.py writes its own chunks).
 
     `split` is `split_routed_experts(body)` when the caller already made the cut (to size the work that is left).
     """
@@ -191,32 +192,15 @@ def decode_turn(
     logprobs = (openai_logprobs(family.tokenizer, result.output_ids, result.logprobs, result.top_logprobs,
                                 options.top_logprobs) if options.logprobs else None)
     fingerprint = system_fingerprint(family, result)
-    if not stream:
-        reply = _encoder.encode(
-            {
-                "id": f"chatcmpl-{rid}",
-                "object": "chat.completion",
-                "created": created,
-                "model": model,
-                "system_fingerprint": fingerprint,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
-                "usage": usage,
-            }
-        )
-    else:
-        delta = dict(message)
-        if tool_calls:
-            delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(tool_calls)]
-        chunk = _encoder.encode(
-            {
-                "id": f"chatcmpl-{rid}",
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "system_fingerprint": fingerprint,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
-                "usage": usage,
-            }
-        )
-        reply = b"data: " + chunk + b"\n\ndata: [DONE]\n\n"
+    reply = _encoder.encode(
+        {
+            "id": f"chatcmpl-{rid}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
+            "usage": usage,
+        }
+    )
     return TurnOutput(result, message, reply)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -380,8 +381,8 @@ class StreamingTurn:
         t0 = time.perf_counter()
         split = split_routed_experts(raw)
         out: TurnOutput = await server.pool.run_decode(
-            len(split[0]), decode_turn, raw, self.family, self.rid, self.model, False, split=split,
-            options=chat.options,
+            len(split[0]), decode_turn, raw, self.family, self.rid, self.model, split=split,
+            options=dataclasses.replace(chat.options, logprobs=False),  # the chunks carry their own logprobs
         )
         server.metrics.stage("decode", time.perf_counter() - t0)
         if out.message is None:

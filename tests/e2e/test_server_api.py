@@ -426,6 +426,6 @@ def test_an_odd_routed_experts_payload_is_still_decoded_strictly(hf_tokenizers: 
             "output_token_logprobs": [[-0.5, 11, None]], "cached_tokens": 0}
     for experts in ([[1, 2], [3]], [[1], "x"], [{"a": 1}]):
         body = msgspec.json.encode({"text": "a", "output_ids": [11], "meta_info": {**meta, "routed_experts": experts}})
-        out = decode_turn(body, family, "r" * 32, "m", False)
+        out = decode_turn(body, family, "r" * 32, "m")
         assert msgspec.json.decode(bytes(out.result.routed_experts)) == experts
         assert b"routed_experts" not in out.reply
