@@ -210,3 +210,25 @@ def test_enable_thinking_changes_the_prompt_and_keeps_tito_prefixes(qwen3: Any) 
     tail_off = qwen3.decode(n_off.prompt_ids[n_off.new_token_start:])
     assert tail_off == tail_plain + "<think>\n\n</think>\n\n"
     assert tail_plain.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("body", [
+    {"tools": TOOLS, "tool_choice": "required"},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}},
+    {"tools": TOOLS, "parallel_tool_calls": False},
+    {"tools": TOOLS, "tool_choice": "none", "presence_penalty": -2, "frequency_penalty": 2, "min_p": 1},
+    {"response_format": {"type": "json_object"}, "repetition_penalty": 2, "logit_bias": {"0": -100, "151668": 100}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}, "seed": -(2**63)},
+    {"stop": ["\n\n", "END"], "top_k": -1, "top_p": 1e-9, "temperature": 0, "max_tokens": 2**31 - 1},
+])
+def test_sglangs_own_sampling_params_accept_what_the_fields_become(body: dict[str, Any], qwen3: Any) -> None:
+    """SGLang 0.5.23's SamplingParams(**sp).normalize(tokenizer).verify(vocab): the scheduler-side checks (bounds,
+    one grammar at most, logit_bias ids in the vocabulary) -- a TypeError or ValueError there is SGLang's 400."""
+    from support.sglang_real import import_sglang_schema
+
+    sampling = import_sglang_schema("sglang.srt.sampling.sampling_params")
+    chat, _ = _parse(body, qwen3)
+    params = sampling.SamplingParams(**chat.sampling_params)
+    params.normalize(qwen3.tokenizer)
+    params.verify(qwen3.vocab_size)
