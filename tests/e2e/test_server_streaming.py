@@ -291,3 +291,42 @@ def test_incremental_engine_streams_are_summed_or_refused_with_the_flag_named(in
         assert_engine_baseline(incremental.engine)
 
     asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def deepseek(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(family="deepseek", sim_args=["--token-latency-ms", "2"]) as stack:
+        yield stack
+
+
+def test_deepseek_streams_reasoning_and_special_token_tool_calls(deepseek: Stack) -> None:
+    """The non-ChatML family: `<think>` reasoning and `<｜tool▁calls▁begin｜>` calls stream as deltas and assemble to
+    exactly the committed message; the tool loop continues on the streamed history without a rollback."""
+    async def run() -> None:
+        sid = new_session(deepseek.server)
+        client = session_client(deepseek.server, sid)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": (
+            'Go. [[sim: think]] [[sim: tool_call name=add args={"a": 4, "b": 5}]] '
+            '[[sim: tool_call name=lookup args={"key": "z"}]]')}]
+        tools = [*TOOLS, LOOKUP]
+        message, finish, _, _ = assemble(await _stream(client, messages=messages, tools=tools))
+        assert finish == "tool_calls" and message["reasoning_content"]
+        assert [c["name"] for _, c in sorted(message["tool_calls"].items())] == ["add", "lookup"]
+        messages.append(_history(message))
+        for _, call in sorted(message["tool_calls"].items()):
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": "done"})
+        messages[-1]["content"] += " [[sim: tokens 20]]"
+        second, finish, _, _ = assemble(await _stream(client, messages=messages, tools=tools))
+        assert finish == "stop" and second["content"]
+        async with httpx.AsyncClient(timeout=30) as http:
+            info = (await http.get(f"{deepseek.server}/sessions/{sid}")).json()
+            assert (await http.delete(f"{deepseek.server}/sessions/{sid}")).status_code == 204
+        assert [r["rolled_back"] for r in info["records"]] == [0, 0]
+        stored = info["records"][0]["message"]
+        assert stored["reasoning_content"] == message["reasoning_content"]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in stored["tool_calls"]] == [
+            (c["name"], c["arguments"]) for _, c in sorted(message["tool_calls"].items())]
+        assert info["records"][1]["message"]["content"] == second["content"]
+        assert_engine_baseline(deepseek.engine)
+
+    asyncio.run(run())
