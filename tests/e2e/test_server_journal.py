@@ -276,8 +276,14 @@ def test_sigkill_at_random_points_loses_no_received_turn(stack: Stack, tmp_path:
         async def run(victim: RunningProcess, stop: asyncio.Event = stop) -> None:
             tasks = [asyncio.create_task(agent(victim.url, sid, received[sid], rng, stop, histories[sid]))
                      for sid in sids]
-            await asyncio.sleep(rng.uniform(0.3, 1.5))
-            victim.proc.send_signal(signal.SIGKILL)  # mid-chat, mid-commit or mid-write: wherever it is
+            # Kill once the round has produced replies (a count, not a time: the machine may be slow), at a random
+            # moment after that: mid-chat, mid-commit or mid-write, wherever the server is.
+            target = sum(len(r) for r in received.values()) + rng.randint(len(sids), 3 * len(sids))
+            deadline = time.monotonic() + 120
+            while sum(len(r) for r in received.values()) < target and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(rng.uniform(0, 0.05))
+            victim.proc.send_signal(signal.SIGKILL)
             await asyncio.gather(*tasks)
 
         asyncio.run(run(proc))
