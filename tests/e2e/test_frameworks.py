@@ -7,7 +7,8 @@ answer. Three model calls, so the session must hold exactly three committed turn
 on exactly the sampled tokens, and tokens equal to the `input_ids` the engine received and the `output_ids` (and
 logprobs) it generated -- read from a recording proxy between the server and the sim, not from the server's records.
 
-Frameworks: openai-agents 0.24, langchain-openai 1.7 + langgraph 1.2, pydantic-ai 2.62, litellm 1.83 (its own
+Each framework runs on qwen3 plain and streaming, and streaming on deepseek (the non-ChatML family). Frameworks:
+openai-agents 0.24, langchain-openai 1.7 + langgraph 1.2, pydantic-ai 2.62, litellm 1.83 (its own
 completion API in the loop it documents). verifiers 0.4 is not installed (it would downgrade openai 3.x to 2.x in
 the shared environment); its pattern -- one client for the whole run, one `X-Session-ID` per rollout at the root
 URL -- is reproduced with the openai client.
@@ -19,6 +20,7 @@ Nothing may leave loopback: telemetry is switched off through each framework's o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import ipaddress
 import json
@@ -243,11 +245,21 @@ FRAMEWORKS: dict[str, Callable[..., Awaitable[str]]] = {
 
 # -- fixtures and checks ---------------------------------------------------------------------------------------------
 
+def _stack(stack_factory: StackFactory, family: str) -> contextlib.AbstractContextManager[Stack]:
+    # A per-token latency, so a streamed reply reaches the server (and the agent) in many chunks, as from a GPU.
+    return stack_factory(family=family, sim_args=["--token-latency-ms", "2"],
+                         servers={"server": ["--create-sessions-on-demand"]}, proxied={"server"})
+
+
 @pytest.fixture(scope="module")
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
-    # A per-token latency, so a streamed reply reaches the server (and the agent) in many chunks, as from a GPU.
-    with stack_factory(family=FAMILY, sim_args=["--token-latency-ms", "2"],
-                       servers={"server": ["--create-sessions-on-demand"]}, proxied={"server"}) as s:
+    with _stack(stack_factory, FAMILY) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def deepseek_stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    with _stack(stack_factory, "deepseek") as s:
         yield s
 
 
@@ -350,6 +362,17 @@ def _delete(server: str, sid: str) -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize("framework", list(FRAMEWORKS))
 def test_framework_tool_loop_training_data(stack: Stack, framework: str, stream: bool) -> None:
+    _tool_loop(stack, framework, stream)
+
+
+@pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
+@pytest.mark.parametrize("framework", list(FRAMEWORKS))
+def test_framework_streaming_tool_loop_on_deepseek(deepseek_stack: Stack, framework: str) -> None:
+    """The non-ChatML family too (its own tool-call and reasoning markup, parsed from streamed deltas)."""
+    _tool_loop(deepseek_stack, framework, stream=True)
+
+
+def _tool_loop(stack: Stack, framework: str, stream: bool) -> None:
     server = stack.server
     sid = _new_session(server, {"framework": framework, "stream": stream})
     task = Shopping()
@@ -397,7 +420,7 @@ def test_two_frameworks_with_differently_ordered_tool_schemas_on_one_server(
     b = _new_session(server, {"framework": "litellm"})
     task_b = Shopping(item="pear", price=7, quantity=5)
     task_b.check(asyncio.run(run_litellm(f"{server}/sessions/{b}/v1", task_b, False, tools=reordered)))
-    tokenizer = hf_tokenizers[FAMILY]
+    tokenizer = hf_tokenizers[stack.family]
     for sid, tools in ((a, agents_tools), (b, reordered)):
         info = assert_training_data(stack, sid, model_calls=3)
         prompt = tokenizer.decode(info["token_ids"][: info["records"][0]["prompt_len"]])
