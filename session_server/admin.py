@@ -2,12 +2,13 @@
 
 /health must stay cheap and never touch the engine: it is what a load balancer (and the responsiveness benchmark)
 polls while chats are in flight. Pause has two modes: `drain` refuses new chats (503 + Retry-After) and waits for the
-in-flight ones to finish; `abort` also aborts them at the engine, so they return 503 and commit nothing, and the
-agents retry the same turn after `continue`.
+in-flight ones to finish, for at most --drain-timeout seconds, then aborts the rest; `abort` aborts them at once. An
+aborted chat returns 503 + Retry-After and commits nothing, and its agent retries the same turn after `continue`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.requests import Request
@@ -58,11 +59,18 @@ async def pause(request: Request) -> Response:
             raise RequestValidationError("'mode' must be 'drain' or 'abort'")
     except SessionError as err:
         return error_response(err)
-    server.lifecycle.paused = True
-    if mode == "abort":
-        server.lifecycle.abort_all(AbortReason.PAUSED)
-    await server.lifecycle.wait_idle()
-    return json_response({"status": "paused", "mode": mode})
+    lifecycle = server.lifecycle
+    lifecycle.paused = True
+    aborted = len(lifecycle.abort_all(AbortReason.PAUSED)) if mode == "abort" else 0
+    try:
+        # A drain waits for running chats, but not forever: a client that never finishes its body or an engine
+        # that never answers must not hold a weight update. Past the deadline the rest are aborted (503 +
+        # Retry-After, nothing committed) like mode=abort.
+        await asyncio.wait_for(lifecycle.wait_idle(), config.drain_timeout)
+    except TimeoutError:
+        aborted = len(lifecycle.abort_all(AbortReason.PAUSED))
+        await lifecycle.wait_idle()
+    return json_response({"status": "paused", "mode": mode, "aborted": aborted})
 
 
 async def resume(request: Request) -> Response:

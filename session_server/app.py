@@ -6,6 +6,7 @@ session URL handed to an agent grants chat, samples and the model list, and noth
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -35,6 +36,7 @@ from .recovery import restore_sessions
 from .registry import Registry
 from .state import ServerState
 from .sweeper import Sweeper
+from .turn_limits import learn_prompt_limit
 
 logger = logging.getLogger("session_server")
 
@@ -58,6 +60,7 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
         lifecycle=Lifecycle(
             registry, retry_after=config.retry_after, metrics=metrics, engine_sessions=engine_sessions,
             journal=journal, drains=drains, drain_wait=config.engine_control_timeout,
+            max_sessions=config.max_sessions,
         ),
         engine=engine,
         pool=CpuPool(config.cpu_workers, inline_decode=config.inline_decode,
@@ -100,6 +103,9 @@ def watch_state(server: ServerState) -> None:
     watch("sessions", "live sessions", lambda: len(registry))
     watch("tombstones", "deleted session ids remembered", lambda: registry.num_tombstones)
     watch("paused", "1 while /admin/pause holds new chats", lambda: int(lifecycle.paused))
+    config = server.config
+    watch("max_sessions", "--max-sessions (0: unbounded)", lambda: config.max_sessions)
+    watch("max_session_tokens", "--max-session-tokens (0: unbounded)", lambda: config.max_session_tokens)
     journal = server.journal
     watch("journal_queue_depth", "journal writes queued or being written (0 without --journal)",
           lambda: journal.queue_depth if journal is not None else 0)
@@ -149,9 +155,13 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         sweeper.start()
         lag = LoopLagTicker(server.metrics)
         lag.start()
+        limit_task = asyncio.ensure_future(learn_prompt_limit(server))
         try:
             yield
         finally:
+            limit_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await limit_task
             await lag.stop()
             await sweeper.stop()
             await shutdown(server)

@@ -38,6 +38,7 @@ from .engine_wire import encode_generate, split_routed_experts
 from .errors import (
     ClientDisconnectedError,
     EngineTimeoutError,
+    LimitExceededError,
     SessionBusyError,
     SessionNotFoundError,
     SessionPausedError,
@@ -48,8 +49,12 @@ from .metrics import AbortCause
 from .openai_format import ChatRequest, TurnOutput, decode_turn, parse_chat_request, turn_tools
 from .state import ServerState, server_of
 from .streaming import StreamingTurn, stream_response
+from .turn_limits import TurnLimits
 
 logger = logging.getLogger("session_server.chat")
+
+NO_LIMITS = TurnLimits()
+
 
 _ABORT_CAUSES = {
     AbortReason.DELETED: AbortCause.DELETE,
@@ -96,6 +101,8 @@ async def serve_chat(request: Request, session_id: str) -> Response:
         cause = getattr(err, "abort_cause", None)
         if cause is not None:
             server.metrics.abort(cause)
+        elif isinstance(err, LimitExceededError):
+            server.metrics.refused(err.limit)
         elif isinstance(err, UpstreamError):
             server.metrics.validation_failure(err.rule)
         response = error_response(err)
@@ -156,7 +163,8 @@ async def _read_body_or_abort(claim: Claim, request: Request, limit: int, deadli
 
 
 def prepare_turn(
-    body: bytes, trajectory: LinearTrajectory, rid: str, routed_experts: bool, encode: bool
+    body: bytes, trajectory: LinearTrajectory, rid: str, routed_experts: bool, encode: bool,
+    limits: TurnLimits = NO_LIMITS,
 ) -> tuple[ChatRequest, TurnPlan, bytes | None]:
     """Decode the request, build the TITO prompt, and (without engine sessions) encode the engine request: one pool
     hop for all the CPU work before the engine call.
@@ -168,7 +176,9 @@ def prepare_turn(
     """
     family = trajectory.family
     chat = parse_chat_request(body, family.stop_token_ids, family.vocab_size)
+    limits.before_render(chat.messages, family)
     plan = trajectory.prepare(chat.messages, turn_tools(chat, family), chat.options.chat_template_kwargs)
+    limits.after_render(plan, chat.sampling_params)
     top = chat.options.top_logprobs
     payload = (encode_generate(plan.prompt_ids, 0, chat.sampling_params, rid, None, routed_experts, top, chat.stream)
                if encode else None)
@@ -205,7 +215,8 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
     cost = len(body) if session.trajectory.checkpoints else max(len(body), server.pool.inline_below_bytes)
     t0 = time.perf_counter()
     chat, plan, payload = await server.pool.run_sized(
-        cost, prepare_turn, body, session.trajectory, rid, routed, engine_sessions is None
+        cost, prepare_turn, body, session.trajectory, rid, routed, engine_sessions is None,
+        TurnLimits(server.prompt_token_limit, server.config.max_session_tokens),
     )
     metrics.stage("prepare", time.perf_counter() - t0)
     _raise_if_aborted(claim)

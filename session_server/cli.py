@@ -26,6 +26,7 @@ from trajectory.messages import MATCHER_NAMES as MATCHERS
 
 from .config import ServerConfig
 from .engine_client import ENGINE_CLIENTS
+from .http_limits import limited_httptools
 
 if TYPE_CHECKING:
     from trajectory import ModelFamily
@@ -76,6 +77,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--body-timeout", type=float, default=_default("body_timeout"),
         help="seconds a request body may take to arrive in full, on every route; slower uploads get 408 "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--max-header-bytes", type=int, default=_default("max_header_bytes"),
+        help="largest request line + headers of one request; larger gets 431 and the connection is closed "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--max-sessions", type=int, default=_default("max_sessions"),
+        help="live sessions the server holds; POST /sessions (and on-demand creation) beyond gets 503 with "
+        "Retry-After; 0 = unbounded (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-session-tokens", type=int, default=_default("max_session_tokens"),
+        help="tokens one session may hold (prompt + completion): a turn whose prompt reaches it is a 400, and "
+        "generation is capped to what is left; 0 = unbounded (default %(default)s)",
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=_default("drain_timeout"),
+        help="POST /admin/pause (drain) waits this many seconds for running chats, then aborts the rest (they get "
+        "503 + Retry-After), so a weight update can always proceed (default %(default)s)",
+    )
+    p.add_argument(
+        "--shutdown-timeout", type=float, default=_default("shutdown_timeout"),
+        help="on SIGTERM, seconds to wait for open connections (e.g. a half-sent body) before closing them "
         "(default %(default)s)",
     )
     p.add_argument(
@@ -253,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         host=config.host,
         port=config.port,
         loop="uvloop",
-        http="httptools",
+        http=limited_httptools(config.max_header_bytes),  # httptools with a header-size limit (431)
         lifespan="on",
         workers=1,
         access_log=False,
@@ -262,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         date_header=True,
         backlog=4096,
         timeout_keep_alive=30,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=config.shutdown_timeout,
+        h11_max_incomplete_event_size=config.max_header_bytes,
     )
     _Server(uv_config).run()
     return 0

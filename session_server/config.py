@@ -36,6 +36,11 @@ class ServerConfig:
     max_request_bytes: int = 16 * 1024 * 1024
     max_metadata_bytes: int = 64 * 1024  # POST /sessions metadata, encoded (413 beyond)
     body_timeout: float = 30.0  # seconds for a request body to arrive in full (408 after)
+    max_header_bytes: int = 64 * 1024  # request line + headers of one request (431 beyond)
+    max_sessions: int = 0  # live sessions; POST /sessions beyond gets 503 + Retry-After; 0 = unbounded
+    max_session_tokens: int = 0  # tokens one session may hold (prompt + completion); 0 = unbounded
+    drain_timeout: float = 60.0  # /admin/pause drain: seconds to wait for chats before aborting them (503)
+    shutdown_timeout: float = 5.0  # SIGTERM: seconds uvicorn waits for open connections before closing them
     message_matcher: str = "loose_tool_call"
     special_tokens_in_content: str = "text"  # "engine": control-token spellings in message text become the tokens
     admin_token: str | None = None
@@ -80,6 +85,16 @@ class ServerConfig:
             problems.append("--session-idle-timeout must be >= 0 (0 turns the sweep off)")
         if self.max_metadata_bytes < 0:
             problems.append("--max-metadata-bytes must be >= 0")
+        if self.max_header_bytes < 1024:
+            problems.append("--max-header-bytes must be >= 1024")
+        if self.max_sessions < 0:
+            problems.append("--max-sessions must be >= 0 (0 = unbounded)")
+        if self.max_session_tokens < 0:
+            problems.append("--max-session-tokens must be >= 0 (0 = unbounded)")
+        if self.drain_timeout <= 0:
+            problems.append("--drain-timeout must be > 0")
+        if self.shutdown_timeout < 0:
+            problems.append("--shutdown-timeout must be >= 0")
         if self.body_timeout <= 0:
             problems.append("--body-timeout must be > 0")
         if self.max_request_bytes < 1:

@@ -15,7 +15,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from trajectory.errors import SessionError, UpstreamError
+from trajectory.errors import RequestValidationError, SessionError, UpstreamError
 
 
 class SessionNotFoundError(SessionError):
@@ -40,6 +40,27 @@ class SessionPausedError(SessionError):
 
     status = 503
     code = "session_paused"
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class LimitExceededError(RequestValidationError):
+    """A request over a token limit (the engine's context, --max-session-tokens): a 400 that names the limit."""
+
+    code = "limit_exceeded"
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit  # the label of metrics' limit_refusals
+
+
+class TooManySessionsError(SessionError):
+    """--max-sessions live sessions exist; the client should retry after `retry_after` seconds (503)."""
+
+    status = 503
+    code = "too_many_sessions"
 
     def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)

@@ -23,7 +23,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any
 
-from .errors import SessionBusyError, SessionPausedError
+from .errors import SessionBusyError, SessionPausedError, TooManySessionsError
 from .journal import SessionInfo
 from .registry import Registry, Session
 
@@ -75,9 +75,10 @@ class Lifecycle:
     def __init__(
         self, registry: Registry, *, retry_after: int, metrics: Metrics,
         engine_sessions: EngineSessions | None = None, journal: Journal | None = None,
-        drains: EngineDrains | None = None, drain_wait: float = 1.0,
+        drains: EngineDrains | None = None, drain_wait: float = 1.0, max_sessions: int = 0,
     ) -> None:
         self.registry = registry
+        self.max_sessions = max_sessions  # 0: unbounded
         self.retry_after = retry_after
         self.paused = False
         self.shutting_down = False
@@ -92,6 +93,7 @@ class Lifecycle:
     def create(self, trajectory: LinearTrajectory, metadata: dict[str, Any] | None = None,
                session_id: str | None = None) -> Session:
         """A new session (a random id, or `session_id` for on-demand creation by X-Session-ID)."""
+        self._check_capacity()
         if session_id is None:
             session = self.registry.create(trajectory, metadata)
         else:
@@ -106,6 +108,7 @@ class Lifecycle:
         session): a client that got an id can use it after a restart."""
         if self.journal is None:
             return self.create(trajectory, metadata)
+        self._check_capacity()
         session = self.registry.create(trajectory, metadata)
         try:
             await self.journal.created(SessionInfo.of(session))
@@ -114,6 +117,16 @@ class Lifecycle:
             raise
         self._metrics.sessions_created.inc()
         return session
+
+    def _check_capacity(self) -> None:
+        """--max-sessions: a full server refuses new sessions with 503 + Retry-After (the idle sweep and DELETEs
+        make room); sessions never pile up unbounded until memory runs out."""
+        if self.max_sessions and len(self.registry) >= self.max_sessions:
+            self._metrics.refused("sessions")
+            raise TooManySessionsError(
+                f"the server holds its maximum of {self.max_sessions} sessions (--max-sessions); delete finished "
+                "sessions or retry later", self.retry_after,
+            )
 
     async def close(self, session: Session, reason: AbortReason) -> None:
         """Abort the in-flight chat, wait for its handler, close the engine session, forget. Safe to call twice."""

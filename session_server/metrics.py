@@ -55,6 +55,7 @@ LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 
 STAGES = ("prepare", "decode", "commit", "journal")
 TOKEN_KINDS = ("prompt", "cached", "completion")
+LIMITS = ("sessions", "session_tokens", "context")
 
 
 class AbortCause(enum.Enum):
@@ -114,6 +115,10 @@ class Metrics:
         self.engine_session_reopens = counter(
             "engine_session_reopens", "turns resent in a reopened engine session after the engine lost the old one"
         )
+        self.limit_refusals = counter(
+            "limit_refusals", "requests refused by a configured limit: sessions (--max-sessions, 503), session_tokens "
+            "(--max-session-tokens, 400), context (a prompt that cannot fit the engine's context, 400)", ("limit",),
+        )
         self.sessions_created = counter("sessions_created", "sessions created")
         self.sessions_deleted = counter("sessions_deleted", "sessions deleted by DELETE")
         self.sessions_expired = counter("sessions_expired", "sessions deleted by the idle sweep")
@@ -125,6 +130,7 @@ class Metrics:
         self._stages = {s: self.stage_seconds.labels(s) for s in STAGES}
         self._tokens = {k: self.tokens.labels(k) for k in TOKEN_KINDS}
         self._aborts = {c: self.aborts.labels(c.value) for c in AbortCause}
+        self._refusals = {k: self.limit_refusals.labels(k) for k in LIMITS}
         self._responses: dict[tuple[str, str, int], Any] = {}
         # Every rollback reason is exported from the start (at 0), so a rate() has a series to start from.
         self._rollbacks: dict[str, Any] = {r: self.rollbacks.labels(r) for r in ROLLBACK_REASONS}
@@ -166,6 +172,9 @@ class Metrics:
         if child is None:
             child = self._validation[rule] = self.validation_failures.labels(rule)
         child.inc()
+
+    def refused(self, limit: str) -> None:
+        self._refusals[limit].inc()
 
     def abort(self, cause: AbortCause) -> None:
         self._aborts[cause].inc()

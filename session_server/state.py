@@ -33,6 +33,7 @@ class ServerState:
     journal: Journal | None = None  # --journal
     drains: EngineDrains | None = None  # aborted engine requests ending in the background (engine_drain.py)
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    prompt_token_limit: int | None = None  # the engine's largest input, once learned (turn_limits.py)
 
     def new_trajectory(self) -> LinearTrajectory:
         return LinearTrajectory(

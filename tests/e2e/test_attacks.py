@@ -24,6 +24,10 @@ MAX_REQUEST_BYTES = 256 * 1024
 MAX_METADATA_BYTES = 220_000  # above the deepest attack body (200 KB), below the request limit
 BODY_TIMEOUT = 2.0
 CONTEXT_LENGTH = 4096
+MAX_HEADER_BYTES = 32 * 1024
+DRAIN_TIMEOUT = 1.0
+MAX_SESSIONS = 3
+MAX_SESSION_TOKENS = 120
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +35,16 @@ def stack(stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(
         family=FAMILY,
         sim_args=["--context-length", str(CONTEXT_LENGTH)],
-        servers={"server": [
-            "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-metadata-bytes", str(MAX_METADATA_BYTES),
-            "--body-timeout", str(BODY_TIMEOUT), "--create-sessions-on-demand",
-        ]},
+        servers={
+            "server": [
+                "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-metadata-bytes", str(MAX_METADATA_BYTES),
+                "--body-timeout", str(BODY_TIMEOUT), "--create-sessions-on-demand",
+                "--max-header-bytes", str(MAX_HEADER_BYTES), "--drain-timeout", str(DRAIN_TIMEOUT),
+            ],
+            # a small server for the count limits (the main one accumulates the attacks' sessions)
+            "small": ["--max-sessions", str(MAX_SESSIONS), "--max-session-tokens", str(MAX_SESSION_TOKENS),
+                      "--create-sessions-on-demand"],
+        },
     ) as stack:
         yield stack
 
@@ -341,3 +351,148 @@ def test_special_token_spellings_in_messages_stay_text(stack: Stack, after: None
                                  record["prompt_len"]]
     assert appended.count(im_start) == 2
     assert httpx.delete(f"{stack.server}/sessions/{sid}").status_code == 204
+
+
+# -- limits: headers, sessions, tokens, context ---------------------------------------------------------------------
+def _send_huge_header(server: str, size: int) -> tuple[int, bytes]:
+    parts = urlsplit(server)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        chunk = b"a" * 65536
+        sent = 0
+        try:
+            while sent < size:
+                sock.sendall(chunk)
+                sent += len(chunk)
+            sock.sendall(b"\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server closed the connection after answering 431
+        return _read_status(sock)
+    finally:
+        sock.close()
+
+
+def test_64_mib_header_is_431_and_health_stays_up(stack: Stack, after: None) -> None:
+    status, body = _send_huge_header(stack.server, 64 * 1024 * 1024)
+    assert status == 431
+    assert b"request_headers_too_large" in body
+    long_url = httpx.get(f"{stack.server}/health?{'q' * (MAX_HEADER_BYTES + 1)}", timeout=10)
+    assert long_url.status_code == 431
+    # a normal request with headers just under the limit still works
+    ok = httpx.get(f"{stack.server}/health", headers={"X-Pad": "p" * (MAX_HEADER_BYTES // 2)}, timeout=10)
+    assert ok.status_code == 200
+
+
+def test_max_sessions_is_503_with_retry_after(stack: Stack) -> None:
+    small = stack["small"]
+    sids = [new_session(small) for _ in range(MAX_SESSIONS)]
+    full = httpx.post(f"{small}/sessions", timeout=10)
+    error = assert_error(full, 503, "--max-sessions")
+    assert error["type"] == "too_many_sessions" and full.headers["retry-after"] == "1"
+    # on-demand creation through the root URL is bounded the same way
+    root = httpx.post(f"{small}/v1/chat/completions", json=chat_body(), headers={"X-Session-ID": "one-more"},
+                      timeout=10)
+    assert_error(root, 503, "--max-sessions")
+    metrics = httpx.get(f"{small}/metrics", timeout=10).text
+    assert f"session_server_max_sessions {float(MAX_SESSIONS)}" in metrics
+    assert 'session_server_limit_refusals_total{limit="sessions"} 2.0' in metrics
+    assert httpx.delete(f"{small}/sessions/{sids[0]}").status_code == 204
+    sids[0] = new_session(small)  # room again
+    for sid in sids:
+        assert httpx.delete(f"{small}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(stack.engine)
+
+
+def test_max_session_tokens_caps_generation_then_refuses(stack: Stack) -> None:
+    small = stack["small"]
+    sid = new_session(small)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "count " * 20}]
+    refused = None
+    for _ in range(10):
+        resp = httpx.post(chat_url(small, sid), json={"messages": messages, "max_tokens": 60}, timeout=30)
+        if resp.status_code != 200:
+            refused = resp
+            break
+        messages += [resp.json()["choices"][0]["message"], {"role": "user", "content": "more " * 10}]
+        info = httpx.get(f"{small}/sessions/{sid}", timeout=10).json()
+        assert info["num_tokens"] <= MAX_SESSION_TOKENS  # generation was capped to what was left
+    assert refused is not None
+    assert_error(refused, 400, "--max-session-tokens")
+    metrics = httpx.get(f"{small}/metrics", timeout=10).text
+    assert 'session_server_limit_refusals_total{limit="session_tokens"}' in metrics
+    assert f"session_server_max_session_tokens {float(MAX_SESSION_TOKENS)}" in metrics
+    assert httpx.delete(f"{small}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(stack.engine)
+
+
+def test_prompt_beyond_the_context_is_400_before_rendering(stack: Stack, after: None) -> None:
+    """~200 KB of words (~40k tokens) against a 4096-token engine: refused from the bound, without tokenizing;
+    the engine never sees it."""
+    words = "lorem ipsum dolor sit amet " * 7000
+    before = httpx.get(f"{stack.engine}/server_info", timeout=10).json()["finished_requests"]
+    resp = httpx.post(chat_url(stack.server, new_session(stack.server)),
+                      json={"messages": [{"role": "user", "content": words}], "max_tokens": 4}, timeout=30)
+    error = assert_error(resp, 400, "engine accepts at most")
+    assert error["type"] == "limit_exceeded"
+    assert httpx.get(f"{stack.engine}/server_info", timeout=10).json()["finished_requests"] == before
+    assert 'session_server_limit_refusals_total{limit="context"}' in httpx.get(f"{stack.server}/metrics").text
+
+
+def test_health_answers_while_the_largest_accepted_prompt_is_processed(stack: Stack, after: None) -> None:
+    """The largest body the server accepts, as one prompt without spaces (the cheap bound lets it through, so it is
+    rendered and tokenized for real): /health keeps answering meanwhile. Timing figures are for the report only."""
+    blob = "x" * (MAX_REQUEST_BYTES - 200)
+    url = chat_url(stack.server, new_session(stack.server))
+    with httpx.Client(timeout=60) as client:
+        import threading
+        result: dict[str, Any] = {}
+
+        def send() -> None:
+            result["resp"] = client.post(url, json={"messages": [{"role": "user", "content": blob}], "max_tokens": 1})
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        answered = 0
+        while sender.is_alive():
+            assert httpx.get(f"{stack.server}/health", timeout=10).status_code == 200
+            answered += 1
+        sender.join()
+    assert result["resp"].status_code in (200, 400), result["resp"].text
+    assert answered >= 1
+
+
+# -- deadlines: drain and shutdown ------------------------------------------------------------------------------
+def test_drain_has_a_deadline_and_aborts_a_stalled_upload(stack: Stack, after: None) -> None:
+    """A chat whose body never finishes cannot hold /admin/pause: after --drain-timeout it is aborted (503 +
+    Retry-After) and the pause returns; the weight update can proceed."""
+    server = stack.server
+    sock = _stalled_upload(server, f"/sessions/{new_session(server)}/v1/chat/completions", 1000, b'{"messages": ')
+    try:
+        time.sleep(0.3)  # the chat has claimed its slot and is reading the body
+        t0 = time.monotonic()
+        paused = httpx.post(f"{server}/admin/pause", json={"mode": "drain"}, timeout=30)
+        waited = time.monotonic() - t0
+        assert paused.status_code == 200 and paused.json()["aborted"] == 1, paused.text
+        assert waited < BODY_TIMEOUT  # the drain deadline, not the body deadline, ended it
+        status, _ = _read_status(sock)
+        assert status == 503
+    finally:
+        sock.close()
+        resume(server)
+
+
+def test_sigterm_with_a_half_sent_body_exits_within_the_shutdown_timeout(stack_factory: StackFactory) -> None:
+    with stack_factory(family=FAMILY, servers={"server": ["--shutdown-timeout", "1"]}) as small:
+        proc = next(p for p in small.procs if p.name == "server")
+        sock = _stalled_upload(small.server, "/sessions", 1000, b'{"metadata": ')
+        try:
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            proc.proc.terminate()
+            code = proc.proc.wait(timeout=30)
+            elapsed = time.monotonic() - t0
+        finally:
+            sock.close()
+        assert code == 0
+        assert elapsed < 10, elapsed  # 1 s of grace plus the lifespan's own shutdown, not uvicorn's old 30 s

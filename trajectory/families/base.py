@@ -125,6 +125,8 @@ class ModelFamily(ABC):
         self.special_token_ids: frozenset[int] = frozenset(
             {*getattr(tokenizer, "added_tokens_decoder", {}), *self.stop_token_ids}
         )
+        # No token covers more characters than its vocabulary entry has bytes (bounds.py: prompts refused unrendered).
+        self.max_token_chars: int = max(map(len, tokenizer.get_vocab()), default=1)
         # Spellings of added tokens inside message text stay text (control.py), except the template's own markup.
         added = getattr(tokenizer, "added_tokens_decoder", {})
         self.control = ControlTokens(
