@@ -42,7 +42,8 @@ def _verbatim_texts(messages: Any) -> list[str]:
     if not isinstance(messages, list):
         return texts
     for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in _VERBATIM_ROLES:
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in _VERBATIM_ROLES:
             continue
         content = message.get("content")
         if isinstance(content, str):

@@ -55,3 +55,10 @@ def test_the_bound_is_tight_enough_to_refuse_a_huge_prompt(families) -> None:
         assert min_prompt_tokens([{"role": "user", "content": text}], family.max_token_chars, 32_768) > 32_768
     # counting stops early: the cost is bounded by the limit, not by the text
     assert min_tokens(text, 128, 10) == 11 or min_tokens(text, 128, 10) > 10
+
+
+def test_malformed_messages_count_as_nothing() -> None:
+    """The bound runs before validation: any shape is counted or skipped, never an exception."""
+    for messages in (None, "x", [1, None, "m"], [{"role": ["user"], "content": "a b"}], [{"role": {"a": 1}}],
+                     [{"role": "user", "content": 5}], [{"role": "user", "content": [1, {"text": 2}, {"text": "a b"}]}]):
+        assert min_prompt_tokens(messages, 128, 100) in (0, 1)
