@@ -4,6 +4,7 @@ the operator's `engine` mode restores the tokenizer's own behaviour."""
 
 from __future__ import annotations
 
+import unicodedata
 from collections import Counter
 from typing import Any
 
@@ -85,8 +86,9 @@ def test_no_content_adds_a_control_token_on_the_first_turn(families, name: str, 
     messages = data.draw(conversation(name, crafted_text(name)))
     ids = first_turn_ids(family, messages, TOOLS)
     assert control_counts(family, ids) == control_counts(family, first_turn_ids(family, neutral(messages), TOOLS))
-    # the text is kept: the ids decode to exactly what the template renders
-    assert family.decode(ids) == family.render(messages, TOOLS, add_generation_prompt=True)
+    # the text is kept: the ids decode to what the template renders (up to the tokenizer's NFC normalizer)
+    rendered = family.render(messages, TOOLS, add_generation_prompt=True)
+    assert unicodedata.normalize("NFC", family.decode(ids)) == unicodedata.normalize("NFC", rendered)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek"])
