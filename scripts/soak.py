@@ -6,8 +6,9 @@ mix: a normal turn (raw httpx, the openai SDK, or `stream: true`), a client disc
 cancelled after a random delay), a concurrent second chat on a busy session (must be 409), a DELETE during the
 chat, a hostile request before the turn (deep nesting, invalid UTF-8, a 70-bit integer, a list role, a deep tool
 schema: 400; a body over the limit: 413; a body that stalls: 408; an 80 KB header: 431), a turn whose user text
-spells control tokens (it must succeed and be stored as sent), plus retries of the same turn after every failure. Meanwhile a pauser pauses the server (`abort` or `drain`)
-and a fault switch turns random engine faults on and off (`POST /sim/faults`).
+spells control tokens (it must succeed and be stored as sent), plus retries of the same turn after every failure.
+Meanwhile a pauser pauses the server (`abort` or `drain`) and a fault switch turns random engine faults on and off
+(`POST /sim/faults`).
 
 Invariants, checked as the soak runs:
 - every status is in the allowed set for its action (a 500 must be the engine's injected one, a 502 needs faults on,

@@ -60,5 +60,6 @@ def test_the_bound_is_tight_enough_to_refuse_a_huge_prompt(families) -> None:
 def test_malformed_messages_count_as_nothing() -> None:
     """The bound runs before validation: any shape is counted or skipped, never an exception."""
     for messages in (None, "x", [1, None, "m"], [{"role": ["user"], "content": "a b"}], [{"role": {"a": 1}}],
-                     [{"role": "user", "content": 5}], [{"role": "user", "content": [1, {"text": 2}, {"text": "a b"}]}]):
+                     [{"role": "user", "content": 5}],
+                     [{"role": "user", "content": [1, {"text": 2}, {"text": "a b"}]}]):
         assert min_prompt_tokens(messages, 128, 100) in (0, 1)
