@@ -170,12 +170,12 @@ async def run_langgraph(base_url: str, task: Shopping, stream: bool) -> str:
     return str(final["messages"][-1].content)
 
 
-async def run_pydantic_ai(base_url: str, task: Shopping, stream: bool) -> str:
+async def run_pydantic_ai(base_url: str, task: Shopping, stream: bool, client: openai.AsyncOpenAI | None = None) -> str:
     from pydantic_ai import Agent, AgentRunResultEvent
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=_client(base_url)))
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=client or _client(base_url)))
     agent = Agent(model, system_prompt=SYSTEM, model_settings={"temperature": 0.7})
 
     @agent.tool_plain(description=LOOKUP_DOC)
@@ -245,15 +245,15 @@ FRAMEWORKS: dict[str, Callable[..., Awaitable[str]]] = {
 
 # -- fixtures and checks ---------------------------------------------------------------------------------------------
 
-def _stack(stack_factory: StackFactory, family: str) -> contextlib.AbstractContextManager[Stack]:
+def _stack(stack_factory: StackFactory, family: str, **servers: list[str]) -> contextlib.AbstractContextManager[Stack]:
     # A per-token latency, so a streamed reply reaches the server (and the agent) in many chunks, as from a GPU.
     return stack_factory(family=family, sim_args=["--token-latency-ms", "2"],
-                         servers={"server": ["--create-sessions-on-demand"]}, proxied={"server"})
+                         servers={"server": ["--create-sessions-on-demand"], **servers}, proxied={"server"})
 
 
 @pytest.fixture(scope="module")
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
-    with _stack(stack_factory, FAMILY) as s:
+    with _stack(stack_factory, FAMILY, strict=["--message-matcher", "strict"]) as s:
         yield s
 
 
@@ -494,3 +494,32 @@ async def _streamed_message(client: openai.AsyncOpenAI, kwargs: dict[str, Any]) 
     if "".join(reasoning):
         message["reasoning_content"] = "".join(reasoning)
     return message
+
+
+def test_a_framework_that_reserialises_arguments_rolls_back_visibly_under_strict(stack: Stack) -> None:
+    """pydantic-ai echoes tool-call arguments compacted. The default matcher keeps every turn (the tool loop test);
+    under `--message-matcher strict` each echo rolls the previous turn back -- and that is never silent: the reply
+    header, the metric by reason and the session's records all say so."""
+    strict = stack["strict"]
+    replies: list[httpx.Response] = []
+
+    async def keep(response: httpx.Response) -> None:
+        replies.append(response)
+
+    def metric() -> int:
+        prefix = 'session_server_rollbacks_total{reason="tool_call_arguments"}'
+        line = next(x for x in httpx.get(f"{strict}/metrics").text.splitlines() if x.startswith(prefix))
+        return int(float(line.rsplit(" ", 1)[1]))
+
+    before = metric()
+    sid = _new_session(strict, {"framework": "pydantic-ai", "matcher": "strict"})
+    task = Shopping()
+    client = _client(f"{strict}/sessions/{sid}/v1", http_client=httpx.AsyncClient(event_hooks={"response": [keep]}))
+    task.check(asyncio.run(run_pydantic_ai(f"{strict}/sessions/{sid}/v1", task, False, client=client)))
+    assert [r.headers.get("x-session-rollback") for r in replies] == [
+        None, "1; reason=tool_call_arguments", "1; reason=tool_call_arguments"]
+    assert metric() == before + 2
+    info = httpx.get(f"{strict}/sessions/{sid}").json()
+    assert info["rollbacks"] == 2 and info["rollbacks_by_reason"] == {"tool_call_arguments": 2}
+    assert len(info["records"]) == 1 and info["records"][0]["rollback_reason"] == "tool_call_arguments"
+    _delete(strict, sid)
