@@ -12,6 +12,9 @@ For the benchmarks, a child can be pinned to a set of cores (`cpus`, set in the 
 and run with source trees first on its PYTHONPATH (`python_path`, e.g. a patched copy of the server to measure
 against the installed code).
 
+`start_router` launches the real `sglang-router` (its Python launcher, a Rust server) in front of sims: it cannot take
+`--port 0`, so it gets a port that was free a moment ago, and it is ready once it reports every worker registered.
+
 The demo, the tests (tests/support/stack.py) and the benchmarks all launch through this module.
 """
 
@@ -268,3 +271,44 @@ def start_session_server(
     """`session-server` in front of `engine_url`, on a loopback port the OS picks."""
     args = ["--engine-url", engine_url, "--tokenizer", str(tokenizer_dir), "--model-family", family, *extra_args]
     return _start_module("session_server.cli", args, SERVER_READY, name, **options)
+
+
+def start_router(
+    worker_urls: Sequence[str], *extra_args: str, policy: str = "manual", **options: Unpack[LaunchOptions]
+) -> RunningProcess:
+    """The real `sglang-router` (`python -m sglang_router.launch_router`) in front of `worker_urls`, on loopback.
+
+    The router registers each worker's tokenizer from the `model_path` the worker reports, so sims behind it must
+    be started with `--model-path <tokenizer dir>`. Ready when `/get_server_info` counts every worker."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "sglang_router.launch_router", "--host", LOOPBACK, "--port", str(port),
+        "--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn", *extra_args,
+    ]
+    wait = options.pop("wait", True)
+    proc = RunningProcess(cmd, url=f"http://{LOOPBACK}:{port}", name="sglang-router", wait=False, **options)
+    if wait:
+        wait_router(proc, len(worker_urls), options.get("startup_timeout", 60.0))
+    return proc
+
+
+def wait_router(proc: RunningProcess, workers: int, timeout: float = 60.0) -> RunningProcess:
+    """Block until the router answers and has registered `workers` workers; a failed router is stopped."""
+    deadline = time.monotonic() + timeout
+    try:
+        proc.wait_ready()
+        while True:
+            try:
+                info = httpx.get(proc.url + "/get_server_info", timeout=2.0).json()
+                if info.get("workers_count") == workers:
+                    return proc
+            except (httpx.TransportError, ValueError):
+                pass
+            if proc.proc.poll() is not None:
+                raise ProcessCrashed(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{proc.name} did not register {workers} workers in {timeout}s:\n{proc.tail()}")
+            time.sleep(0.1)
+    except BaseException:
+        proc.stop()
+        raise

@@ -28,10 +28,12 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
+    """Probes every engine worker now: 200 while at least one can take sessions ("ready", or "degraded" when some
+    failed), 503 when none can; the body lists each worker's health and live sessions."""
     server = server_of(request)
-    if await server.engine.ready():
-        return json_response({"status": "ready", "instance_id": server.instance_id})
-    return json_response({"status": "engine_unavailable", "instance_id": server.instance_id}, status=503)
+    ok = await server.engine.health()
+    body = {**server.engine.status(), "instance_id": server.instance_id}
+    return json_response(body, status=200 if ok else 503)
 
 
 async def metrics(request: Request) -> Response:

@@ -27,6 +27,7 @@ from .config import ServerConfig
 from .cpu_pool import CpuPool
 from .engine_client import EngineClient
 from .engine_drain import EngineDrains
+from .engine_pool import EnginePool
 from .engine_sessions import EngineSessions
 from .errors import error_response, method_not_allowed, not_found
 from .journal import Journal, JournalError, Restored
@@ -43,12 +44,7 @@ logger = logging.getLogger("session_server")
 
 def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpened | None = None) -> ServerState:
     registry = Registry(config.tombstones)
-    engine = EngineClient(
-        config.engine_base, timeout=config.request_timeout, connections=config.engine_connections,
-        hot_path=config.engine_client,
-        api_key=config.engine_api_key, admin_api_key=config.engine_admin_api_key,
-        control_timeout=config.engine_control_timeout,
-    )
+    engine = build_engines(config)
     engine_sessions = EngineSessions(engine, config.session_idle_timeout) if config.engine_sessions else None
     metrics = Metrics()
     journal = journaled[0] if journaled is not None else None
@@ -61,6 +57,7 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
             registry, retry_after=config.retry_after, metrics=metrics, engine_sessions=engine_sessions,
             journal=journal, drains=drains, drain_wait=config.engine_control_timeout,
             max_sessions=config.max_sessions,
+            engines=engine,
         ),
         engine=engine,
         pool=CpuPool(config.cpu_workers, inline_decode=config.inline_decode,
@@ -74,6 +71,7 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
         restored = restore_sessions(server, journaled[1])
         if restored:
             logger.warning("restored %d sessions from journal %s", restored, config.journal)
+    engine.on_move = metrics.sessions_moved.inc
     watch_state(server)
     return server
 
@@ -96,6 +94,22 @@ def open_journal(config: ServerConfig, family: ModelFamily) -> JournalOpened | N
     return journal, restored
 
 
+def build_engines(config: ServerConfig) -> EnginePool:
+    """One EngineClient per --engine-url, behind the placement pool (engine_pool.py)."""
+    clients = [
+        EngineClient(
+            url, timeout=config.request_timeout, connections=config.engine_connections,
+            hot_path=config.engine_client,
+            api_key=config.engine_api_key, admin_api_key=config.engine_admin_api_key,
+            control_timeout=config.engine_control_timeout,
+        )
+        for url in config.engine_bases
+    ]
+    # /ready and /health need no key; /v1/loads and /get_server_info are SGLang NORMAL endpoints (the api key).
+    probe_headers = {"Authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else None
+    return EnginePool(clients, health_interval=config.engine_health_interval, probe_headers=probe_headers)
+
+
 def watch_state(server: ServerState) -> None:
     """Gauges of live state, read when /metrics is scraped (nothing on the hot path updates them)."""
     lifecycle, registry, watch = server.lifecycle, server.registry, server.metrics.watch
@@ -109,6 +123,9 @@ def watch_state(server: ServerState) -> None:
     journal = server.journal
     watch("journal_queue_depth", "journal writes queued or being written (0 without --journal)",
           lambda: journal.queue_depth if journal is not None else 0)
+    workers = server.engine.workers
+    watch("engines", "engine workers configured (--engine-url)", lambda: len(workers))
+    watch("engines_healthy", "engine workers passing their health checks", lambda: sum(w.healthy for w in workers))
 
 
 async def shutdown(server: ServerState) -> None:
@@ -156,6 +173,7 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         lag = LoopLagTicker(server.metrics)
         lag.start()
         limit_task = asyncio.ensure_future(learn_prompt_limit(server))
+        server.engine.start()
         try:
             yield
         finally:

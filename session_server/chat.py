@@ -220,6 +220,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
     )
     metrics.stage("prepare", time.perf_counter() - t0)
     _raise_if_aborted(claim)
+    server.engine.place(session)  # its worker, or a healthy one if its worker failed (engine_pool.py)
     if engine_sessions is not None:
         await _settle_previous(server, claim)  # the old request must be out of its streaming session first
         start, session_params = await engine_sessions.begin_turn(session, plan.new_token_start)

@@ -45,7 +45,17 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Token-in-token-out session server between OpenAI-chat agents and SGLang.")
-    p.add_argument("--engine-url", required=True, help="SGLang engine base URL (native API), e.g. http://127.0.0.1:30000")
+    p.add_argument(
+        "--engine-url", required=True, action="append",
+        help="SGLang engine base URL (native API), e.g. http://127.0.0.1:30000; repeat it for data-parallel workers "
+        "(the server places each session on one; give the engines themselves, not a router in front of them)",
+    )
+    p.add_argument(
+        "--engine-health-interval", type=float, default=_default("engine_health_interval"),
+        help="seconds between readiness/load probes of each engine (GET /ready, /v1/loads); an engine that fails "
+        "takes no new sessions and its sessions move on their next turn; 0 = probe only on /ready and failures "
+        "(default %(default)s)",
+    )
     p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory (loaded with AutoTokenizer)")
     p.add_argument("--model-family", required=True, help="model family, e.g. qwen3 or deepseek")
     p.add_argument("--host", default=_default("host"), help="address to listen on (default %(default)s)")
@@ -195,13 +205,31 @@ def _default(name: str) -> Any:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Every ServerConfig field that has a flag of the same name (dashes for underscores) takes the flag's value."""
-    given = vars(args)
+    given = dict(vars(args))
+    urls = given.get("engine_url")
+    if isinstance(urls, list):  # --engine-url repeats: the first is engine_url, all of them engine_urls
+        given["engine_url"], given["engine_urls"] = urls[0], tuple(urls)
     return ServerConfig(**{f.name: given[f.name] for f in dataclasses.fields(ServerConfig) if f.name in given})
 
 
 def _fail(message: str) -> NoReturn:
     sys.stderr.write(f"{PROG}: error: {message}\n")
     raise SystemExit(2)
+
+
+def refuse_routers(config: ServerConfig) -> None:
+    """Exit with a clear error when an --engine-url is a router and a flag needs what routers do not forward."""
+    if not (config.engine_sessions or config.return_routed_experts):
+        return
+    from .app import build_engines
+    from .engine_pool import startup_refusal
+
+    refusal = asyncio.run(startup_refusal(
+        build_engines(config), engine_sessions=config.engine_sessions,
+        return_routed_experts=config.return_routed_experts,
+    ))
+    if refusal is not None:
+        _fail(refusal)
 
 
 def load_family(tokenizer_dir: str, family_name: str) -> ModelFamily:
@@ -265,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         _fail(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    refuse_routers(config)
     family = load_family(config.tokenizer, config.model_family)
 
     from .app import build_app

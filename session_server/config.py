@@ -62,11 +62,19 @@ class ServerConfig:
     journal_sync: str = "normal"  # normal: survives a killed process; full: also a power loss (fsync per commit)
     # The engine runs with SGLang's --incremental-streaming-output: stream events carry deltas, not the reply so far.
     engine_incremental_streaming: bool = False
+    # Data-parallel workers (--engine-url repeated); empty means just engine_url. See engine_pool.py.
+    engine_urls: tuple[str, ...] = ()
+    engine_health_interval: float = 5.0  # seconds between readiness/load probes of each engine; 0 = only on demand
 
     def __post_init__(self) -> None:
         problems = []
-        if not self.engine_url.startswith("http://"):  # the engine sits on a private network; no TLS on the hot path
-            problems.append(f"--engine-url must be an http:// URL, got {self.engine_url!r}")
+        for url in self.engine_urls or (self.engine_url,):
+            if not url.startswith("http://"):  # the engine sits on a private network; no TLS on the hot path
+                problems.append(f"--engine-url must be an http:// URL, got {url!r}")
+        if len(set(self.engine_bases)) != len(self.engine_bases):
+            problems.append("--engine-url names the same engine twice")
+        if self.engine_health_interval < 0:
+            problems.append("--engine-health-interval must be >= 0 (0 probes only on /ready and failures)")
         if self.cpu_workers < 1:
             problems.append("--cpu-workers must be >= 1")
         if self.inline_below_bytes < 0:
@@ -113,3 +121,8 @@ class ServerConfig:
     @property
     def engine_base(self) -> str:
         return self.engine_url.rstrip("/")
+
+    @property
+    def engine_bases(self) -> tuple[str, ...]:
+        """Every engine worker's base URL, in the order given."""
+        return tuple(u.rstrip("/") for u in (self.engine_urls or (self.engine_url,)))

@@ -6,10 +6,10 @@ a long GC, a network partition) must not hold the client's answer (504 at exactl
 (an agent's immediate retry must not get 409 for its own dead request), DELETE or shutdown for longer than the
 bounded steps below. So the handler hands the engine task to `EngineDrains.start` and returns at once.
 
-A drain: POST /abort_request (bounded by the engine client's control timeout); if the engine acknowledged it, wait
-up to `grace` for the engine to end the request (it answers with finish_reason abort); then close the connection
-(SGLang aborts a request whose client went away). Every step is bounded, so a drain ends within control timeout +
-grace whatever the engine does.
+A drain: POST /abort_request to the session's worker (bounded by the engine client's control timeout); if the
+engine acknowledged it, wait up to `grace` for the engine to end the request (it answers with finish_reason abort);
+then close the connection (SGLang aborts a request whose client went away). Every step is bounded, so a drain ends
+within control timeout + grace whatever the engine does.
 
 Why the next turn waits for it: with engine sessions a streaming session accepts one request at a time, and in any
 mode a resent turn must not run next to its own aborted copy. So the session's next chat waits (bounded by the same
@@ -22,14 +22,14 @@ import asyncio
 import logging
 from typing import Any
 
-from .engine_client import EngineClient
+from .engine_pool import EnginePool
 from .metrics import Metrics
 
 logger = logging.getLogger("session_server.engine_drain")
 
 
 class EngineDrains:
-    def __init__(self, engine: EngineClient, metrics: Metrics, grace: float) -> None:
+    def __init__(self, engine: EnginePool, metrics: Metrics, grace: float) -> None:
         self._engine = engine
         self._metrics = metrics
         self._grace = grace
@@ -39,7 +39,7 @@ class EngineDrains:
     def start(self, session_id: str, rid: str, engine_task: asyncio.Future[Any]) -> asyncio.Task[None]:
         """Abort `rid` and let its engine task end, in the background; the session's next chat waits for it."""
         self._metrics.engine_aborts.inc()
-        task = asyncio.get_running_loop().create_task(self._drain(rid, engine_task), name=f"drain-{rid}")
+        task = asyncio.get_running_loop().create_task(self._drain(session_id, rid, engine_task), name=f"drain-{rid}")
         self._by_session[session_id] = task
         self._all.add(task)
         task.add_done_callback(lambda t: self._forget(session_id, t))
@@ -52,11 +52,12 @@ class EngineDrains:
         if not task.cancelled() and task.exception() is not None:
             logger.warning("drain failed: %r", task.exception())
 
-    async def _drain(self, rid: str, engine_task: asyncio.Future[Any]) -> None:
+    async def _drain(self, session_id: str, rid: str, engine_task: asyncio.Future[Any]) -> None:
         try:
             # An acknowledged abort ends the request within moments; an abort the engine did not take (timeout,
-            # refused) is not worth waiting for: closing the connection is then the only signal left.
-            if not engine_task.done() and await self._engine.abort(rid):
+            # refused, a router's 404) is not worth waiting for: closing the connection is then the only signal left.
+            # The abort goes to the session's worker (engine_pool.py).
+            if not engine_task.done() and await self._engine.abort(rid, session_id):
                 await asyncio.wait((engine_task,), timeout=self._grace)
         finally:
             if not engine_task.done():

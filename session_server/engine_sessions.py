@@ -14,7 +14,7 @@ import secrets
 import time
 from typing import Any
 
-from .engine_client import EngineClient
+from .engine_pool import EnginePool
 from .errors import EngineUnavailableError
 from .registry import Session
 
@@ -39,7 +39,7 @@ def engine_session_gone(status: int, body: bytes) -> bool:
 
 
 class EngineSessions:
-    def __init__(self, engine: EngineClient, idle_timeout: float = 0.0) -> None:
+    def __init__(self, engine: EnginePool, idle_timeout: float = 0.0) -> None:
         self._engine = engine
         self._orphans: set[asyncio.Task[None]] = set()
         self.engine_timeout = (idle_timeout + ENGINE_TIMEOUT_MARGIN if idle_timeout > 0

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from trajectory import LinearTrajectory
 
     from .engine_drain import EngineDrains
+    from .engine_pool import EnginePool
     from .engine_sessions import EngineSessions
     from .journal import Journal
     from .metrics import Metrics
@@ -76,6 +77,7 @@ class Lifecycle:
         self, registry: Registry, *, retry_after: int, metrics: Metrics,
         engine_sessions: EngineSessions | None = None, journal: Journal | None = None,
         drains: EngineDrains | None = None, drain_wait: float = 1.0, max_sessions: int = 0,
+        engines: EnginePool | None = None,
     ) -> None:
         self.registry = registry
         self.max_sessions = max_sessions  # 0: unbounded
@@ -85,6 +87,7 @@ class Lifecycle:
         self._metrics = metrics
         self._engine_sessions = engine_sessions
         self.journal = journal  # --journal: creations and deletions are on disk before they are answered
+        self._engines = engines  # placement: a closed session no longer counts against its worker
         self._in_flight: set[Claim] = set()
         self._drains = drains  # aborted engine requests ending in the background (engine_drain.py)
         self._drain_wait = drain_wait
@@ -148,6 +151,8 @@ class Lifecycle:
             except BaseException:
                 session.closing = False  # still there, still usable; the DELETE may be retried
                 raise
+        if self._engines is not None:
+            self._engines.forget(session.id)
         if self.registry.get(session.id) is session:
             if reason is AbortReason.EXPIRED:
                 self.registry.forget(session.id, "expired after being idle")

@@ -122,6 +122,9 @@ class Metrics:
         self.sessions_created = counter("sessions_created", "sessions created")
         self.sessions_deleted = counter("sessions_deleted", "sessions deleted by DELETE")
         self.sessions_expired = counter("sessions_expired", "sessions deleted by the idle sweep")
+        self.sessions_moved = counter(
+            "engine_sessions_moved", "sessions moved to another engine worker because theirs failed its health checks"
+        )
         self.loop_lag = histogram(
             "event_loop_lag_seconds", "how late the event loop ran a ticker scheduled every interval", LAG_BUCKETS
         )

@@ -11,8 +11,8 @@ from trajectory import LinearTrajectory, ModelFamily
 
 from .config import ServerConfig
 from .cpu_pool import CpuPool
-from .engine_client import EngineClient
 from .engine_drain import EngineDrains
+from .engine_pool import EnginePool
 from .engine_sessions import EngineSessions
 from .journal import Journal
 from .lifecycle import Lifecycle
@@ -26,7 +26,7 @@ class ServerState:
     family: ModelFamily
     registry: Registry
     lifecycle: Lifecycle
-    engine: EngineClient
+    engine: EnginePool  # one or more workers; the session-keyed EngineClient API (engine_pool.py)
     pool: CpuPool
     engine_sessions: EngineSessions | None
     metrics: Metrics = field(default_factory=Metrics)

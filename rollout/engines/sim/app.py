@@ -289,6 +289,12 @@ class SimServer:
         return json_response(wire.server_info(self.engine, self.model_path, self.tokenizer_path, self.host,
                                               self.port))
 
+    async def v1_loads(self, request: Request) -> Response:
+        return json_response(wire.v1_loads(self.engine))
+
+    async def get_load(self, request: Request) -> Response:
+        return json_response(wire.get_load(self.engine))
+
     async def models(self, request: Request) -> Response:
         return json_response(wire.models_list(self.engine, self.model_path))
 
@@ -335,6 +341,8 @@ class SimServer:
             Route("/get_model_info", self.model_info, methods=["GET"]),
             Route("/server_info", self.server_info, methods=["GET"]),
             Route("/get_server_info", self.server_info, methods=["GET"]),
+            Route("/v1/loads", self.v1_loads, methods=["GET"]),
+            Route("/get_load", self.get_load, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"]),
             Route("/sim/faults", self.sim_faults, methods=get_post),

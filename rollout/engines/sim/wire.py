@@ -6,6 +6,8 @@ makes it reviewable against SGLang's `http_server.py`/`io_struct.py` in one read
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -178,6 +180,58 @@ def server_info(engine: Engine, model_path: str, tokenizer_path: str, host: str,
         "last_routing_key": engine.last_routing_key,
         **counts,
     }
+
+
+def load_snapshot(engine: Engine) -> dict[str, Any]:
+    """One DP rank's core load, the flat fields of SGLang 0.5.23's `LoadSnapshot` (managers/load_snapshot.py,
+    `to_dict(include={"core"})`): what `/v1/loads` lists per rank."""
+    counts = engine.counts()
+    capacity = engine.pool.capacity
+    used = counts["kv_used_tokens"]
+    return {
+        "timestamp": time.time(),
+        "dp_rank": 0,
+        "num_running_reqs": counts["running_requests"],
+        "num_waiting_reqs": counts["waiting_requests"],
+        "num_waiting_uncached_tokens": 0,
+        "num_used_tokens": used,
+        "num_total_tokens": used,
+        "num_active_tokens": used,
+        "num_prealloc_ready_tokens": 0,
+        "max_total_num_tokens": capacity,
+        "max_running_requests": 0,
+        "token_usage": used / capacity if capacity else 0.0,
+        "gen_throughput": 0.0,
+        "cache_hit_rate": 0.0,
+        "utilization": used / capacity if capacity else 0.0,
+        "total_prefill_uncached_tokens": 0,
+        "total_prefill_busy_us": 0,
+        "decode_moments": None,
+    }
+
+
+def v1_loads(engine: Engine) -> dict[str, Any]:
+    """SGLang 0.5.23's `GET /v1/loads` (entrypoints/v1_loads.py `get_loads`): the envelope and one rank."""
+    return {
+        "timestamp": datetime.now(UTC).isoformat(),
+        "version": SIM_VERSION,
+        "accelerator": "cpu",
+        "num_accelerators": 1,
+        "loads": [load_snapshot(engine)],
+    }
+
+
+def get_load(engine: Engine) -> list[dict[str, Any]]:
+    """`GET /get_load`, the per-rank list older SGLang served (`GetLoadReqOutput`: dp_rank, num_reqs,
+    num_waiting_reqs, num_tokens) and that sglang-router 0.3.2 still polls on its workers. SGLang 0.5.23 itself
+    serves only `/v1/loads`; the sim answers both so it can stand behind the real router."""
+    counts = engine.counts()
+    return [{
+        "dp_rank": 0,
+        "num_reqs": counts["running_requests"] + counts["waiting_requests"],
+        "num_waiting_reqs": counts["waiting_requests"],
+        "num_tokens": counts["kv_used_tokens"],
+    }]
 
 
 def models_list(engine: Engine, model_path: str) -> dict[str, Any]:

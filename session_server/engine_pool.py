@@ -1,0 +1,370 @@
+"""Placement over data-parallel engines: `--engine-url` given several times, one EngineClient per worker.
+
+Why the server, not a router, owns placement: this server knows every session and every call that belongs to it;
+SGLang's own `sglang-router` (0.3.2) does not. Measured with the real router in front of `sglang-sim` workers: it
+answers 404 to `/abort_request`, `/open_session`, `/close_session`, `/pause_generation` and `/continue_generation`
+(so an abort is a no-op, engine sessions cannot work, and KV is held until the connection drops), it rebuilds the
+`/generate` body and drops `return_routed_experts`, and only `--policy manual` with `X-SMG-Routing-Key` keeps a
+session on one worker. Here each session is placed on one worker when it first needs the engine -- the healthy worker
+with the fewest live sessions, ties broken by the worker's load -- and every call of that session (`/generate`,
+`/abort_request`, `open_session`/`close_session`) goes straight to that worker, so aborts, engine sessions and routed
+experts keep working. The pool duck-types EngineClient's session-keyed API (the routing key *is* the session id), so
+the chat handler and EngineSessions do not know whether there is one worker or many.
+
+Health: a background probe (`--engine-health-interval`) asks each worker's cheap `GET /ready` (falling back to
+`/health` where `/ready` is 404, e.g. a router) and its load (`GET /v1/loads`, SGLang 0.5.23; `GET /get_load` on
+older engines and the router's view). A failing worker takes no new sessions; a transport failure on `/generate`
+probes the worker at once, so a dead worker is noticed on the first failed turn rather than at the next tick. A
+session whose worker is down moves on its next turn (`place`): the trajectory is re-prefilled on the new worker and
+its engine session, if any, is reopened there (the old one died with its worker); moves are counted in /metrics.
+
+Behind a router (one URL whose `/get_server_info` says `router_manager`, or whose `/open_session` is 404), the
+features the router breaks are refused at startup with an error that says why (`detect_refusals`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+
+from .engine_client import EngineClient, EngineReply
+from .errors import EngineUnavailableError
+from .registry import Session
+
+logger = logging.getLogger("session_server.engine_pool")
+
+PROBE_TIMEOUT = 2.0
+
+
+@dataclass(eq=False)
+class Worker:
+    """One engine URL and what the pool knows about it."""
+
+    url: str
+    client: EngineClient
+    healthy: bool = True  # optimistic until the first probe: a fresh server must not refuse its first sessions
+    sessions: int = 0  # live sessions placed here
+    load: int = 0  # running + waiting requests at the last probe (tie-break only)
+    is_router: bool = False
+    ready_path: str = "/ready"
+    probing: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.url, "healthy": self.healthy, "sessions": self.sessions, "load": self.load,
+                "router": self.is_router}
+
+
+def _total_load(body: Any) -> int | None:
+    """Running + waiting requests from SGLang 0.5.23's `/v1/loads` ({"loads": [LoadSnapshot...]}), or `num_reqs`
+    from the legacy `/get_load` list ([{"num_reqs", "num_waiting_reqs", "num_tokens"}] per DP rank)."""
+    ranks = body.get("loads") if isinstance(body, dict) else body
+    if not isinstance(ranks, list):
+        return None
+    total = 0
+    for rank in ranks:
+        if not isinstance(rank, dict):
+            return None
+        keys = ("num_running_reqs", "num_waiting_reqs") if "num_running_reqs" in rank else ("num_reqs",)
+        for key in keys:
+            value = rank.get(key, 0)
+            if isinstance(value, int) and not isinstance(value, bool):
+                total += value
+    return total
+
+
+class EnginePool:
+    """The session-keyed engine API over one or more workers (see the module docstring)."""
+
+    def __init__(
+        self,
+        clients: Iterable[EngineClient],
+        *,
+        health_interval: float = 5.0,
+        probe_headers: dict[str, str] | None = None,
+        on_move: Callable[[], None] | None = None,
+    ) -> None:
+        self.workers = [Worker(c.base_url, c) for c in clients]
+        if not self.workers:
+            raise ValueError("an engine pool needs at least one engine URL")
+        self.health_interval = health_interval
+        self.moved = 0
+        self.on_move = on_move
+        self._placement: dict[str, Worker] = {}
+        self._probe = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT), headers=probe_headers or {})
+        self._loop_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()
+
+    @property
+    def base_url(self) -> str:
+        return self.workers[0].url
+
+    # -- placement ------------------------------------------------------------------------------------------
+    def worker_of(self, session_id: str) -> Worker | None:
+        return self._placement.get(session_id)
+
+    def _choose(self) -> Worker:
+        candidates = [w for w in self.workers if w.healthy] or self.workers  # none healthy: the call will say so
+        return min(candidates, key=lambda w: (w.sessions, w.load))
+
+    def _assign(self, session_id: str, worker: Worker) -> None:
+        old = self._placement.get(session_id)
+        if old is worker:
+            return
+        if old is not None:
+            old.sessions -= 1
+        self._placement[session_id] = worker
+        worker.sessions += 1
+
+    def place(self, session: Session) -> Worker:
+        """The worker for this session's next turn: its own, or a new one if it has none or its worker is down.
+
+        A move forgets the engine session (it lived on the old worker): the next turn opens a fresh one on the new
+        worker with the full prompt, which is exactly a re-prefill. Called at the start of every turn."""
+        worker = self._placement.get(session.id)
+        if worker is not None and (worker.healthy or not any(w.healthy for w in self.workers)):
+            return worker
+        new = self._choose()
+        if worker is not None and new is not worker:
+            self.moved += 1
+            if self.on_move is not None:
+                self.on_move()
+            logger.warning("session %s moves from engine %s (unhealthy) to %s", session.id, worker.url, new.url)
+            sid = session.engine.sid
+            session.engine.sid, session.engine.tokens, session.engine.dirty = None, 0, False
+            if sid is not None:  # best effort: if the old worker was only slow, do not leave its session behind
+                self._background(worker.client.close_session(sid, session.id))
+        self._assign(session.id, new)
+        return new
+
+    def _client(self, session_id: str) -> Worker:
+        worker = self._placement.get(session_id)
+        if worker is None:  # a call before place() (e.g. close of a session that never chatted): place it now
+            worker = self._choose()
+            self._assign(session_id, worker)
+        return worker
+
+    def forget(self, session_id: str) -> None:
+        """The session is gone (DELETE, idle sweep): it no longer counts against its worker. Idempotent."""
+        worker = self._placement.pop(session_id, None)
+        if worker is not None:
+            worker.sessions -= 1
+
+    # -- the session-keyed engine API (EngineClient's, routed by session id) ---------------------------------
+    async def generate(self, payload: bytes, routing_key: str) -> EngineReply:
+        worker = self._client(routing_key)
+        try:
+            return await worker.client.generate(payload, routing_key)
+        except EngineUnavailableError:
+            self._probe_soon(worker)  # a dead worker is noticed on its first failed turn, not at the next tick
+            raise
+
+    @contextlib.asynccontextmanager
+    async def stream_generate(self, payload: bytes, routing_key: str) -> AsyncIterator[httpx.Response]:
+        """Streaming POST /generate on the session's worker (EngineClient.stream_generate)."""
+        worker = self._client(routing_key)
+        try:
+            async with worker.client.stream_generate(payload, routing_key) as response:
+                yield response
+        except EngineUnavailableError:
+            self._probe_soon(worker)
+            raise
+
+    async def abort(self, rid: str, routing_key: str | None = None) -> bool:
+        """Abort `rid` on the session's worker (on every worker when the session is unknown). False when no worker
+        acknowledged it (e.g. a router's 404): the caller then closes the /generate connection at once."""
+        if routing_key is not None and routing_key in self._placement:
+            targets = [self._placement[routing_key]]
+        else:
+            targets = self.workers
+        results = await asyncio.gather(*(w.client.abort(rid) for w in targets))  # each failure logs a warning
+        return any(results)
+
+    async def open_session(
+        self, capacity_of_str_len: int, routing_key: str, idle_timeout: float | None = None,
+        session_id: str | None = None,
+    ) -> str:
+        worker = self._client(routing_key)
+        return await worker.client.open_session(capacity_of_str_len, routing_key, idle_timeout, session_id)
+
+    async def close_session(self, sid: str, routing_key: str) -> bool:
+        """Close on the session's worker; a session no longer placed (an orphaned open closed after DELETE) is
+        closed on every worker, since only one can hold it and the others answer that it does not exist."""
+        worker = self._placement.get(routing_key)
+        if worker is not None:
+            return await worker.client.close_session(sid, routing_key)
+        results = await asyncio.gather(*(w.client.close_session(sid, routing_key) for w in self.workers))
+        return any(results)
+
+    async def models(self) -> EngineReply:
+        healthy = [w for w in self.workers if w.healthy] or self.workers
+        last: EngineUnavailableError | None = None
+        for worker in healthy:
+            try:
+                return await worker.client.models()
+            except EngineUnavailableError as exc:
+                last = exc
+        assert last is not None
+        raise last
+
+    async def server_info(self) -> dict[str, Any] | None:
+        """The first answering worker's /server_info (data-parallel workers serve the same model and limits)."""
+        for worker in sorted(self.workers, key=lambda w: not w.healthy):
+            info = await worker.client.server_info()
+            if info is not None:
+                return info
+        return None
+
+    async def health(self) -> bool:
+        """Probe every worker now; True when at least one can take sessions."""
+        await asyncio.gather(*(self.probe(w) for w in self.workers))
+        return any(w.healthy for w in self.workers)
+
+    ready = health
+
+    def status(self) -> dict[str, Any]:
+        healthy = sum(w.healthy for w in self.workers)
+        state = "ready" if healthy == len(self.workers) else "degraded" if healthy else "engine_unavailable"
+        return {"status": state, "engines": [w.describe() for w in self.workers]}
+
+    # -- probing --------------------------------------------------------------------------------------------
+    async def _get(self, worker: Worker, path: str) -> httpx.Response:
+        return await self._probe.get(worker.url + path)
+
+    async def probe(self, worker: Worker) -> None:
+        """Readiness (cheap GET /ready, /health where /ready is 404) and load of one worker; never raises."""
+        try:
+            resp = await self._get(worker, worker.ready_path)
+            if resp.status_code == 404 and worker.ready_path == "/ready":
+                worker.ready_path = "/health"
+                resp = await self._get(worker, worker.ready_path)
+            ok = resp.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok != worker.healthy:
+            log = logger.info if ok else logger.warning
+            log("engine %s is %s", worker.url, "healthy again" if ok else "unhealthy: it takes no new sessions")
+        worker.healthy = ok
+        if ok:
+            load = await self._load(worker)
+            if load is not None:
+                worker.load = load
+
+    async def _load(self, worker: Worker) -> int | None:
+        for path in ("/v1/loads?include=core", "/get_load"):
+            try:
+                resp = await self._get(worker, path)
+            except httpx.HTTPError:
+                return None
+            if resp.status_code == 200:
+                try:
+                    return _total_load(msgspec.json.decode(resp.content))
+                except msgspec.DecodeError:
+                    return None
+        return None
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _probe_soon(self, worker: Worker) -> None:
+        if worker.probing is None or worker.probing.done():
+            worker.probing = asyncio.ensure_future(self.probe(worker))
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            await asyncio.gather(*(self.probe(w) for w in self.workers))
+
+    def start(self) -> None:
+        if self.health_interval > 0 and self._loop_task is None:
+            self._loop_task = asyncio.ensure_future(self._run())
+
+    async def aclose(self) -> None:
+        tasks = [t for t in (self._loop_task, *(w.probing for w in self.workers), *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.gather(*(w.client.aclose() for w in self.workers))
+        await self._probe.aclose()
+
+    # -- routers --------------------------------------------------------------------------------------------
+    async def detect_routers(self, *, open_session_probe: bool) -> list[str]:
+        """Mark and return the workers that are routers: `/get_server_info` says `router_manager`, or (when engine
+        sessions are wanted and `/get_server_info` is not an engine's) `/open_session` is 404. Unreachable workers
+        are skipped (logged): the refusal is a startup courtesy, the engines may come up later."""
+        found = []
+        for worker in self.workers:
+            try:
+                resp = await self._get(worker, "/get_server_info")
+            except httpx.HTTPError as exc:
+                logger.warning("engine %s unreachable at startup (%s); router detection skipped", worker.url, exc)
+                continue
+            info: Any = None
+            with contextlib.suppress(msgspec.DecodeError):
+                info = msgspec.json.decode(resp.content)
+            if resp.status_code == 200 and isinstance(info, dict):
+                is_router = "router_manager" in info  # SGLang answers its server args; sglang-router this key
+            else:  # not an SGLang engine's answer: does it serve the session routes at all? (side-effect free
+                # on real engines, which never get here)
+                is_router = open_session_probe and await self._open_session_is_missing(worker)
+            worker.is_router = is_router
+            if is_router:
+                found.append(worker.url)
+        return found
+
+    async def _open_session_is_missing(self, worker: Worker) -> bool:
+        try:
+            sid = await worker.client.open_session(1024, "session-server-startup-probe")
+        except EngineUnavailableError as exc:
+            return "(404)" in str(exc)
+        await worker.client.close_session(sid, "session-server-startup-probe")
+        return False
+
+
+ROUTER_REFUSALS = {
+    "engine_sessions": (
+        "--engine-sessions needs /open_session and /close_session on the engine, and a router answers them 404 "
+        "(sglang-router 0.3.2 does not forward them)"
+    ),
+    "return_routed_experts": (
+        "--return-routed-experts needs the engine to see return_routed_experts, and a router rebuilds the /generate "
+        "body without it (sglang-router 0.3.2 drops the field)"
+    ),
+}
+
+
+def router_refusal(routers: list[str], *, engine_sessions: bool, return_routed_experts: bool) -> str | None:
+    """The startup error for features a router in front of the engines would silently break, or None."""
+    if not routers:
+        return None
+    wanted = [flag for flag, on in (("engine_sessions", engine_sessions),
+                                    ("return_routed_experts", return_routed_experts)) if on]
+    if not wanted:
+        return None
+    reasons = "; ".join(ROUTER_REFUSALS[f] for f in wanted)
+    return (
+        f"--engine-url {', '.join(routers)} is a router, not an SGLang engine: {reasons}. Give each engine's own URL "
+        "with --engine-url (repeat the flag for several): the session server places sessions itself"
+    )
+
+
+async def startup_refusal(pool: EnginePool, *, engine_sessions: bool, return_routed_experts: bool) -> str | None:
+    """Run once before serving: the error to exit with when a router stands where an engine should, else None.
+    Closes the pool (it was built for this check only)."""
+    try:
+        if not (engine_sessions or return_routed_experts):
+            return None
+        routers = await pool.detect_routers(open_session_probe=engine_sessions)
+    finally:
+        await pool.aclose()
+    return router_refusal(routers, engine_sessions=engine_sessions, return_routed_experts=return_routed_experts)

@@ -1,0 +1,158 @@
+"""Two `--engine-url` workers (data-parallel sims) behind one session server that places sessions itself.
+
+Proven here: sessions spread over the workers by live-session count and stay on theirs (every /generate and engine
+session of a session reaches one worker); an abort goes to the worker that runs the request and is acknowledged there;
+engine sessions live on the session's worker; and when a worker dies its sessions move on their next turn
+(re-prefilled, engine session reopened on the survivor), counted in /metrics, with nothing left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollout.processes import RunningProcess, start_session_server, start_sim
+from support.server import assert_engine_baseline, chat_url, engine_info, new_session, start_parallel
+from support.sim import wait_for
+
+FAMILY = "qwen3"
+TOKEN_MS = 5
+LONG_CHAT = {"messages": [{"role": "user", "content": "slow [[sim: tokens 3000]]"}]}  # 15 s unless aborted
+
+
+@dataclass
+class Fleet:
+    sims: list[RunningProcess]
+    server: str
+    procs: list[RunningProcess] = field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.sims]
+
+
+@contextlib.contextmanager
+def fleet(tok: Path, logs: Path, *server_args: str) -> Iterator[Fleet]:
+    sim_args = ["--enable-streaming-session", "--token-latency-ms", str(TOKEN_MS)]
+    procs: list[RunningProcess] = []
+    try:
+        procs += start_parallel(*(
+            (lambda wait, i=i: start_sim(tok, FAMILY, *sim_args, log_path=logs / f"sim{i}.log", wait=wait))
+            for i in range(2)
+        ))
+        urls = [flag for p in procs for flag in ("--engine-url", p.url)]
+        server = start_session_server(urls[1], tok, FAMILY, *urls[2:], *server_args, log_dir=logs)
+        procs.append(server)
+        yield Fleet(procs[:2], server.url, procs)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def two(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with fleet(tokenizer_dirs[FAMILY], tmp_path_factory.mktemp("fleet"), "--engine-sessions") as f:
+        yield f
+
+
+def _chat(server: str, sid: str, history: list[dict[str, str]], text: str) -> httpx.Response:
+    history.append({"role": "user", "content": f"{text} [[sim: tokens 3]]"})
+    r = httpx.post(chat_url(server, sid), json={"messages": history}, timeout=60)
+    if r.status_code == 200:
+        history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    else:
+        history.pop()
+    return r
+
+
+def _metric(server: str, name: str) -> float:
+    for line in httpx.get(f"{server}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_sessions_spread_by_count_and_stay_on_their_worker(two: Fleet) -> None:
+    sessions = [new_session(two.server) for _ in range(4)]
+    histories: dict[str, list[dict[str, str]]] = {sid: [] for sid in sessions}
+    for turn in range(3):
+        for sid in sessions:
+            assert _chat(two.server, sid, histories[sid], f"turn {turn}").status_code == 200
+    infos = [engine_info(u) for u in two.urls]
+    # Fewest live sessions first: two each; each session id reached one worker only, with its one engine session.
+    assert [i["routing_keys"] for i in infos] == [2, 2], infos
+    assert [i["open_sessions"] for i in infos] == [2, 2], infos
+    assert [i["finished_requests"] for i in infos] == [6, 6], infos
+    ready = httpx.get(f"{two.server}/ready", timeout=10).json()
+    assert ready["status"] == "ready"
+    assert [(e["url"], e["healthy"], e["sessions"]) for e in ready["engines"]] == [(u, True, 2) for u in two.urls]
+    for sid in sessions:
+        assert httpx.delete(f"{two.server}/sessions/{sid}").status_code == 204
+    assert [e["sessions"] for e in httpx.get(f"{two.server}/ready").json()["engines"]] == [0, 0]
+    for url in two.urls:
+        assert_engine_baseline(url)
+
+
+def test_abort_goes_to_the_worker_running_the_request(two: Fleet) -> None:
+    sid = new_session(two.server)
+    aborted0 = [engine_info(u)["aborted_requests"] for u in two.urls]
+
+    def running() -> list[int]:
+        return [engine_info(u)["running_requests"] for u in two.urls]
+
+    async def main() -> tuple[int, int, float]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            chat = asyncio.ensure_future(http.post(chat_url(two.server, sid), json=LONG_CHAT))
+            await asyncio.to_thread(wait_for, lambda: any(running()), 20)
+            t0 = time.monotonic()
+            deleted = await http.delete(f"{two.server}/sessions/{sid}")
+            return deleted.status_code, (await chat).status_code, time.monotonic() - t0
+
+    deleted, status, took = asyncio.run(main())
+    assert (deleted, status) == (204, 404)
+    assert took < 2.5, took  # acknowledged by the engine, not dropped after the 5 s grace
+    aborted = [engine_info(u)["aborted_requests"] - a for u, a in zip(two.urls, aborted0, strict=True)]
+    assert sorted(aborted) == [0, 1], aborted
+    for url in two.urls:
+        assert_engine_baseline(url)
+
+
+def test_a_dead_worker_s_sessions_move_on_their_next_turn(
+    tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    logs = tmp_path_factory.mktemp("fleet-kill")
+    with fleet(tokenizer_dirs[FAMILY], logs, "--engine-sessions", "--engine-health-interval", "0.2") as f:
+        sessions = [new_session(f.server) for _ in range(4)]
+        histories: dict[str, list[dict[str, str]]] = {sid: [] for sid in sessions}
+        for sid in sessions:
+            assert _chat(f.server, sid, histories[sid], "first").status_code == 200
+        assert [engine_info(u)["open_sessions"] for u in f.urls] == [2, 2]
+        survivor, victim = f.sims
+        victim.proc.kill()
+        victim.proc.wait(10)
+        wait_for(lambda: httpx.get(f"{f.server}/ready", timeout=10).json()["status"] == "degraded", 10)
+        ready = httpx.get(f"{f.server}/ready", timeout=10)
+        assert ready.status_code == 200  # one worker left: still serving
+        assert [e["healthy"] for e in ready.json()["engines"]] == [True, False]
+        for sid in sessions:
+            r = _chat(f.server, sid, histories[sid], "second")
+            assert r.status_code == 200, r.text
+        info = engine_info(survivor.url)
+        assert info["open_sessions"] == 4, info  # the moved sessions reopened theirs on the survivor
+        assert _metric(f.server, "session_server_engine_sessions_moved_total") == 2
+        assert _metric(f.server, "session_server_engines_healthy") == 1
+        for sid in sessions:
+            got = httpx.get(f"{f.server}/sessions/{sid}", timeout=30).json()
+            assert len(got["records"]) == 2  # the trajectory is intact across the move
+        new = new_session(f.server)
+        assert _chat(f.server, new, [], "fresh").status_code == 200  # placed on the healthy worker
+        for sid in [*sessions, new]:
+            assert httpx.delete(f"{f.server}/sessions/{sid}").status_code == 204
+        assert_engine_baseline(survivor.url)

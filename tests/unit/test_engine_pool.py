@@ -1,0 +1,167 @@
+"""EnginePool's placement rules and routing, with in-process fake workers (no sockets): which worker a session gets,
+when it moves, where its calls go, and how loads and router refusals are read."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rollout.engines.sim.wire import get_load, v1_loads
+from session_server.engine_client import EngineReply
+from session_server.engine_pool import EnginePool, _total_load, router_refusal
+from session_server.registry import EngineSessionState
+
+
+class FakeClient:
+    def __init__(self, url: str, *, abort_ok: bool = True) -> None:
+        self.base_url = url
+        self.calls: list[tuple[str, Any]] = []
+        self.abort_ok = abort_ok
+
+    async def generate(self, payload: bytes, routing_key: str) -> EngineReply:
+        self.calls.append(("generate", routing_key))
+        return EngineReply(200, b"{}", "application/json")
+
+    async def abort(self, rid: str) -> bool:
+        self.calls.append(("abort", rid))
+        return self.abort_ok
+
+    async def open_session(self, capacity: int, routing_key: str, idle_timeout: float | None = None,
+                           session_id: str | None = None) -> str:
+        self.calls.append(("open_session", routing_key))
+        return f"sid-{self.base_url}"
+
+    async def close_session(self, sid: str, routing_key: str) -> bool:
+        self.calls.append(("close_session", sid))
+        return True
+
+    async def aclose(self) -> None:
+        pass
+
+
+class FakeSession:
+    def __init__(self, sid: str) -> None:
+        self.id = sid
+        self.engine = EngineSessionState()
+
+
+def _pool(n: int, **kw: Any) -> tuple[EnginePool, list[FakeClient]]:
+    clients = [FakeClient(f"http://w{i}", **kw) for i in range(n)]
+    return EnginePool(clients, health_interval=0), clients  # type: ignore[arg-type]
+
+
+def test_fewest_live_sessions_then_load() -> None:
+    pool, _ = _pool(3)
+    pool.workers[0].load, pool.workers[1].load, pool.workers[2].load = 5, 1, 3
+    placed = [pool.place(FakeSession(f"s{i}")).url for i in range(6)]  # type: ignore[arg-type]
+    assert placed == ["http://w1", "http://w2", "http://w0"] * 2
+    pool.forget("s1")
+    pool.forget("s1")  # idempotent
+    assert [w.sessions for w in pool.workers] == [2, 2, 1]  # s1 was on w2
+    assert pool.place(FakeSession("s6")).url == "http://w2"  # type: ignore[arg-type]
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 9)), min_size=1, max_size=40), st.integers(1, 4))
+def test_live_session_counts_stay_balanced(ops: list[tuple[bool, int]], n: int) -> None:
+    """Whatever the sequence of new sessions and deletions, counts match the placement and differ by at most
+    the deletions' imbalance: a new session always goes to a least-loaded healthy worker."""
+    pool, _ = _pool(n)
+    live: set[str] = set()
+    for i, (create, k) in enumerate(ops):
+        if create or not live:
+            before = min(w.sessions for w in pool.workers)
+            worker = pool.place(FakeSession(f"n{i}"))  # type: ignore[arg-type]
+            assert worker.sessions == before + 1
+            live.add(f"n{i}")
+        else:
+            victim = sorted(live)[k % len(live)]
+            pool.forget(victim)
+            live.discard(victim)
+        assert sum(w.sessions for w in pool.workers) == len(live)
+
+
+def test_unhealthy_worker_takes_no_new_sessions_and_its_sessions_move() -> None:
+    async def main() -> None:  # on a loop, as in the server: the move closes the old engine session in the background
+        pool, clients = _pool(2)
+        moved: list[int] = []
+        pool.on_move = lambda: moved.append(1)
+        a, b = FakeSession("a"), FakeSession("b")
+        assert pool.place(a).url == "http://w0"  # type: ignore[arg-type]
+        assert pool.place(b).url == "http://w1"  # type: ignore[arg-type]
+        b.engine.sid, b.engine.tokens = "old-sid", 42
+        pool.workers[1].healthy = False
+        assert pool.place(FakeSession("c")).url == "http://w0"  # type: ignore[arg-type]
+        assert pool.place(a).url == "http://w0"  # type: ignore[arg-type]  # unaffected
+        assert pool.place(b).url == "http://w0"  # type: ignore[arg-type]  # moved on its next turn
+        assert (b.engine.sid, b.engine.tokens, b.engine.dirty) == (None, 0, False)  # reopened on the new worker
+        assert pool.moved == 1 and moved == [1]
+        assert [w.sessions for w in pool.workers] == [3, 0]
+        await asyncio.gather(*pool._tasks)
+        assert ("close_session", "old-sid") in clients[1].calls  # best effort on the old worker
+
+    asyncio.run(main())
+
+
+def test_no_healthy_worker_keeps_sessions_where_they_are() -> None:
+    pool, _ = _pool(2)
+    s = FakeSession("s")
+    first = pool.place(s)  # type: ignore[arg-type]
+    for w in pool.workers:
+        w.healthy = False
+    assert pool.place(s) is first  # type: ignore[arg-type]
+    assert pool.moved == 0
+
+
+def test_every_call_of_a_session_goes_to_its_worker() -> None:
+    pool, clients = _pool(2)
+    pool.place(FakeSession("x"))  # type: ignore[arg-type]
+    pool.place(FakeSession("y"))  # type: ignore[arg-type]
+
+    async def calls() -> bool:
+        await pool.generate(b"{}", "y")
+        await pool.open_session(10, "y")
+        await pool.close_session("sid", "y")
+        return await pool.abort("rid-y", "y")
+
+    assert asyncio.run(calls())
+    assert clients[0].calls == []
+    assert [c[0] for c in clients[1].calls] == ["generate", "open_session", "close_session", "abort"]
+
+
+def test_abort_of_an_unknown_session_reaches_every_worker_and_reports_refusal() -> None:
+    pool, clients = _pool(2, abort_ok=False)
+    assert asyncio.run(pool.abort("rid")) is False
+    assert [c.calls for c in clients] == [[("abort", "rid")], [("abort", "rid")]]
+
+
+class _Counts:
+    """Just enough of the sim's Engine for wire.v1_loads / wire.get_load."""
+
+    class pool:
+        capacity = 100
+
+    def counts(self) -> dict[str, int]:
+        return {"running_requests": 3, "waiting_requests": 2, "kv_used_tokens": 40}
+
+
+def test_loads_from_both_shapes() -> None:
+    engine: Any = _Counts()
+    assert _total_load(v1_loads(engine)) == 5  # SGLang 0.5.23 /v1/loads
+    assert _total_load(get_load(engine)) == 5  # legacy /get_load: num_reqs counts running and waiting
+    assert _total_load({"loads": "nope"}) is None
+    assert _total_load([1]) is None
+
+
+@pytest.mark.parametrize(
+    ("sessions", "experts", "needle"),
+    [(True, False, "--engine-sessions"), (False, True, "--return-routed-experts"), (True, True, "; ")],
+)
+def test_router_refusal_says_why(sessions: bool, experts: bool, needle: str) -> None:
+    msg = router_refusal(["http://r"], engine_sessions=sessions, return_routed_experts=experts)
+    assert msg is not None and "http://r is a router" in msg and needle in msg
+    assert router_refusal([], engine_sessions=True, return_routed_experts=True) is None
+    assert router_refusal(["http://r"], engine_sessions=False, return_routed_experts=False) is None
