@@ -43,10 +43,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message}\n")
 
 
+class _EngineUrls(argparse.Action):
+    """--engine-url repeats (data-parallel workers): the first is `engine_url`, all of them `engine_urls`."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        urls = (*(getattr(namespace, "engine_urls", None) or ()), values)
+        namespace.engine_urls = urls
+        namespace.engine_url = urls[0]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Token-in-token-out session server between OpenAI-chat agents and SGLang.")
     p.add_argument(
-        "--engine-url", required=True, action="append",
+        "--engine-url", required=True, action=_EngineUrls,
         help="SGLang engine base URL (native API), e.g. http://127.0.0.1:30000; repeat it for data-parallel workers "
         "(the server places each session on one; give the engines themselves, not a router in front of them)",
     )
@@ -205,10 +215,7 @@ def _default(name: str) -> Any:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Every ServerConfig field that has a flag of the same name (dashes for underscores) takes the flag's value."""
-    given = dict(vars(args))
-    urls = given.get("engine_url")
-    if isinstance(urls, list):  # --engine-url repeats: the first is engine_url, all of them engine_urls
-        given["engine_url"], given["engine_urls"] = urls[0], tuple(urls)
+    given = vars(args)
     return ServerConfig(**{f.name: given[f.name] for f in dataclasses.fields(ServerConfig) if f.name in given})
 
 

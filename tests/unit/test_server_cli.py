@@ -16,7 +16,7 @@ def test_flag_defaults_are_the_config_defaults() -> None:
     shared = [f.name for f in dataclasses.fields(ServerConfig) if f.name in args]
     assert len(shared) >= 10
     for name in shared:
-        if name in ("engine_url", "tokenizer", "model_family"):
+        if name in ("engine_url", "engine_urls", "tokenizer", "model_family"):
             continue
         assert args[name] == _default(name), name
 
@@ -29,3 +29,10 @@ def test_every_flag_named_like_a_field_reaches_the_config() -> None:
     for field in dataclasses.fields(ServerConfig):
         if field.name in given:
             assert getattr(config, field.name) == given[field.name], field.name
+
+
+def test_engine_url_repeats_for_data_parallel_workers() -> None:
+    args = build_parser().parse_args([*REQUIRED, "--engine-url", "http://127.0.0.1:2/"])
+    config = config_from_args(args)
+    assert config.engine_url == "http://127.0.0.1:1"
+    assert config.engine_bases == ("http://127.0.0.1:1", "http://127.0.0.1:2")
