@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout.engines.sim.wire import get_load, v1_loads
@@ -65,6 +65,7 @@ def test_fewest_live_sessions_then_load() -> None:
     assert pool.place(FakeSession("s6")).url == "http://w2"  # type: ignore[arg-type]
 
 
+@settings(deadline=None)  # the shared 2-core machine, not the code, sets the pace
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 9)), min_size=1, max_size=40), st.integers(1, 4))
 def test_live_session_counts_stay_balanced(ops: list[tuple[bool, int]], n: int) -> None:
     """Whatever the sequence of new sessions and deletions, counts match the placement and differ by at most
@@ -165,3 +166,26 @@ def test_router_refusal_says_why(sessions: bool, experts: bool, needle: str) -> 
     assert msg is not None and "http://r is a router" in msg and needle in msg
     assert router_refusal([], engine_sessions=True, return_routed_experts=True) is None
     assert router_refusal(["http://r"], engine_sessions=False, return_routed_experts=False) is None
+
+
+def _sglang_struct_fields(relpath: str, cls: str) -> list[str]:
+    """Field names of a class in the installed SGLang 0.5.23 source, read with ast (importing sglang needs GPU deps)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse((Path(spec.origin).parent / relpath).read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    return [s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+
+
+def test_sim_load_snapshot_has_sglangs_core_fields() -> None:
+    """The sim's /v1/loads rank is SGLang's LoadSnapshot "core" (srt/managers/load_snapshot.py `_CORE_KEYS`: every
+    field but the sections), in its order."""
+    sections = {"memory", "speculative", "lora", "disaggregation", "queues"}
+    core = [f for f in _sglang_struct_fields("srt/managers/load_snapshot.py", "LoadSnapshot") if f not in sections]
+    engine: Any = _Counts()
+    assert list(v1_loads(engine)["loads"][0]) == core
+    assert set(v1_loads(engine)) == {"timestamp", "version", "accelerator", "num_accelerators", "loads"}
