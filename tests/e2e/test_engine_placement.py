@@ -124,6 +124,30 @@ def test_abort_goes_to_the_worker_running_the_request(two: Fleet) -> None:
         assert_engine_baseline(url)
 
 
+def test_pause_abort_reaches_every_worker(two: Fleet) -> None:
+    sessions = [new_session(two.server) for _ in range(2)]  # one on each worker (both are empty)
+    aborted0 = [engine_info(u)["aborted_requests"] for u in two.urls]
+
+    async def main() -> tuple[list[int], int]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            chats = [asyncio.ensure_future(http.post(chat_url(two.server, sid), json=LONG_CHAT)) for sid in sessions]
+            await asyncio.to_thread(
+                wait_for, lambda: all(engine_info(u)["running_requests"] == 1 for u in two.urls), 20
+            )
+            paused = await http.post(f"{two.server}/admin/pause", json={"mode": "abort"})
+            statuses = [(await c).status_code for c in chats]
+            assert (await http.post(f"{two.server}/admin/continue")).status_code == 200
+            return statuses, paused.status_code
+
+    statuses, paused = asyncio.run(main())
+    assert paused == 200 and statuses == [503, 503]
+    assert [engine_info(u)["aborted_requests"] - a for u, a in zip(two.urls, aborted0, strict=True)] == [1, 1]
+    for sid in sessions:
+        assert httpx.delete(f"{two.server}/sessions/{sid}").status_code == 204
+    for url in two.urls:
+        assert_engine_baseline(url)
+
+
 def test_a_dead_worker_s_sessions_move_on_their_next_turn(
     tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
