@@ -237,8 +237,9 @@ class EnginePool:
     async def _get(self, worker: Worker, path: str) -> httpx.Response:
         return await self._probe.get(worker.url + path)
 
-    async def probe(self, worker: Worker) -> None:
-        """Readiness (cheap GET /ready, /health where /ready is 404) and load of one worker; never raises."""
+    async def probe(self, worker: Worker, *, load: bool = False) -> None:
+        """Readiness (cheap GET /ready, /health where /ready is 404) of one worker, and its load when asked (the
+        periodic probe, and only when there are workers to choose between); never raises."""
         try:
             resp = await self._get(worker, worker.ready_path)
             if resp.status_code == 404 and worker.ready_path == "/ready":
@@ -251,10 +252,10 @@ class EnginePool:
             log = logger.info if ok else logger.warning
             log("engine %s is %s", worker.url, "healthy again" if ok else "unhealthy: it takes no new sessions")
         worker.healthy = ok
-        if ok:
-            load = await self._load(worker)
-            if load is not None:
-                worker.load = load
+        if ok and load and len(self.workers) > 1:
+            current = await self._load(worker)
+            if current is not None:
+                worker.load = current
 
     async def _load(self, worker: Worker) -> int | None:
         for path in ("/v1/loads?include=core", "/get_load"):
@@ -281,7 +282,7 @@ class EnginePool:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval)
-            await asyncio.gather(*(self.probe(w) for w in self.workers))
+            await asyncio.gather(*(self.probe(w, load=True) for w in self.workers))
 
     def start(self) -> None:
         if self.health_interval > 0 and self._loop_task is None:
