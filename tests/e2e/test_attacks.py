@@ -7,6 +7,7 @@ witness session is exactly what its client received (a failed attack never commi
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Iterator
@@ -496,3 +497,91 @@ def test_sigterm_with_a_half_sent_body_exits_within_the_shutdown_timeout(stack_f
             sock.close()
         assert code == 0
         assert elapsed < 10, elapsed  # 1 s of grace plus the lifespan's own shutdown, not uvicorn's old 30 s
+
+
+# -- routes, methods, paths, floods ---------------------------------------------------------------------------------
+def test_wrong_types_on_the_small_routes(stack: Stack, after: None) -> None:
+    server = stack.server
+    sid = new_session(server)
+    for body, words in [({"max_seq_len": "10"}, "max_seq_len"), ({"max_seq_len": 0}, "max_seq_len"),
+                        ({"max_seq_len": 2**40}, "max_seq_len"), ({"max_seq_len": True}, "max_seq_len")]:
+        assert_error(httpx.post(f"{server}/sessions/{sid}/samples", json=body, timeout=10), 400, words)
+    for body in ({"mode": 1}, {"mode": ["drain"]}, {"mode": "later"}, {"mode": None}):
+        assert_error(httpx.post(f"{server}/admin/pause", json=body, timeout=10), 400, "mode")
+    assert "session_server_paused 0.0" in httpx.get(f"{server}/metrics").text
+    for body in ({"metadata": "x"}, {"metadata": [1]}, {"metadata": 5}):
+        assert_error(httpx.post(f"{server}/sessions", json=body, timeout=10), 400, "metadata")
+
+
+def test_every_route_refuses_other_methods_with_json_405(stack: Stack, after: None) -> None:
+    server = stack.server
+    sid = new_session(server)
+    routes = {
+        "/health": "GET", "/ready": "GET", "/metrics": "GET", "/admin/pause": "POST", "/admin/continue": "POST",
+        "/sessions": "POST", f"/sessions/{sid}/v1/chat/completions": "POST", f"/sessions/{sid}/samples": "POST",
+        f"/sessions/{sid}/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/models": "GET",
+    }
+    for path, allowed in routes.items():
+        for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+            if method == allowed or (path == f"/sessions/{sid}" and method in ("GET", "DELETE")):
+                continue
+            resp = httpx.request(method, f"{server}{path}", timeout=10)
+            assert_error(resp, 405, "not allowed")
+    assert_error(httpx.put(f"{server}/sessions/{sid}", timeout=10), 405, "not allowed")
+
+
+def _raw_post(server: str, path: str) -> tuple[int, bytes]:
+    parts = urlsplit(server)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        data = b""
+        while chunk := sock.recv(65536):  # Connection: close -- read to the end
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), rest
+
+
+def test_path_tricks_reach_nothing(stack: Stack, after: None) -> None:
+    """Engine paths under a session URL, traversal, encoded slashes, doubled slashes: JSON 404, never the engine."""
+    server = stack.server
+    sid = new_session(server)
+    before = httpx.get(f"{stack.engine}/server_info", timeout=10).json()["finished_requests"]
+    for path in [f"/sessions/{sid}/generate", f"/sessions/{sid}/v1/../../abort_request",
+                 f"/sessions/{sid}/abort_request", f"/sessions/{sid}/v1/chat/completions/",
+                 f"//sessions/{sid}/samples", f"/sessions/{sid}/v1/pause_generation", "/generate", "/flush_cache",
+                 "/sessions/../admin/pause", "/%2e%2e/admin/pause",
+                 f"/sessions/{sid}/./v1/../../../admin/pause"]:
+        status, body = _raw_post(server, path)  # raw: an HTTP client would normalise the dots away itself
+        assert status in (404, 405), (path, status)
+        assert body.startswith(b'{"error"'), (path, body[:100])
+    # an encoded slash is decoded by the HTTP server (ASGI paths are decoded): the same route as the plain path
+    assert httpx.post(f"{server}/sessions/{sid}%2Fsamples", json={}, timeout=10).status_code == 200
+    # traversal inside the model id is looked up in the list, never forwarded
+    resp = httpx.get(f"{server}/sessions/{sid}/v1/models/..%2F..%2Fabort_request", timeout=10)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"  # OpenAI's own shape
+    assert httpx.get(f"{stack.engine}/server_info", timeout=10).json()["finished_requests"] == before
+    assert httpx.get(f"{server}/metrics").text.count("session_server_paused 0.0") == 1
+
+
+def test_floods_are_bounded(stack: Stack) -> None:
+    """64 concurrent creations against --max-sessions 3: exactly 3 sessions, the rest 503 + Retry-After; 32
+    concurrent chats on one session: one runs, the rest 409 without reaching the engine."""
+    small = stack["small"]
+
+    async def flood() -> tuple[list[int], list[int]]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            creates = await asyncio.gather(*(client.post(f"{small}/sessions") for _ in range(64)))
+            sid = next(r.json()["session_id"] for r in creates if r.status_code == 200)
+            chats = await asyncio.gather(*(client.post(chat_url(small, sid), json=chat_body()) for _ in range(32)))
+            for r in creates:
+                if r.status_code == 200:
+                    await client.delete(f"{small}/sessions/{r.json()['session_id']}")
+            return [r.status_code for r in creates], [r.status_code for r in chats]
+
+    creates, chats = asyncio.run(flood())
+    assert creates.count(200) == MAX_SESSIONS and creates.count(503) == 64 - MAX_SESSIONS
+    assert set(chats) <= {200, 409} and chats.count(200) >= 1
+    assert httpx.get(f"{small}/health", timeout=5).status_code == 200
+    assert_engine_baseline(stack.engine)
