@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         date_header=True,
         backlog=4096,
         timeout_keep_alive=30,
-        timeout_graceful_shutdown=config.shutdown_timeout,
+        timeout_graceful_shutdown=math.ceil(config.shutdown_timeout),  # uvicorn takes whole seconds
         h11_max_incomplete_event_size=config.max_header_bytes,
     )
     _Server(uv_config).run()
