@@ -72,6 +72,10 @@ async def pause(request: Request) -> Response:
     except TimeoutError:
         aborted = len(lifecycle.abort_all(AbortReason.PAUSED))
         await lifecycle.wait_idle()
+    if server.drains is not None:
+        # Aborted chats answer at once and their engine requests end in the background (engine_drain.py); the
+        # pause returns once those have ended too (each drain is bounded), so the engine is quiet for the update.
+        await server.drains.wait_all()
     return json_response({"status": "paused", "mode": mode, "aborted": aborted})
 
 
