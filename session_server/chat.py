@@ -180,8 +180,8 @@ def prepare_turn(
     plan = trajectory.prepare(chat.messages, turn_tools(chat, family), chat.options.chat_template_kwargs)
     limits.after_render(plan, chat.sampling_params)
     top = chat.options.top_logprobs
-    payload = (encode_generate(plan.prompt_ids, 0, chat.sampling_params, rid, None, routed_experts, top, chat.stream)
-               if encode else None)
+    payload = (encode_generate(plan.prompt_ids, 0, chat.sampling_params, rid, None, routed_experts, top, chat.stream,
+                               plan.routed_experts_start) if encode else None)
     return chat, plan, payload
 
 
@@ -227,7 +227,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
         _raise_if_aborted(claim)
         payload = await server.pool.run_sized(
             4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, chat.sampling_params, rid,
-            session_params, routed, chat.options.top_logprobs, chat.stream,
+            session_params, routed, chat.options.top_logprobs, chat.stream, plan.routed_experts_start,
         )
     assert payload is not None
     await _settle_previous(server, claim)
@@ -249,7 +249,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
             _raise_if_aborted(claim)
             payload = await server.pool.run_sized(
                 4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, chat.sampling_params,
-                rid, session_params, routed, chat.options.top_logprobs,
+                rid, session_params, routed, chat.options.top_logprobs, False, plan.routed_experts_start,
             )
             outcome = await _run_engine(server, claim, request, rid, payload, chat, timing)
         if isinstance(outcome, EngineReply):  # the engine's own error: pass it through, unrecorded

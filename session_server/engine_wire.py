@@ -25,6 +25,7 @@ def encode_generate(
     routed_experts: bool = False,
     top_logprobs: int = 0,
     stream: bool = False,
+    routed_experts_start: int = 0,
 ) -> bytes:
     """The /generate body of DESIGN.md 5.1. `start` > 0 sends only the tokens an engine session does not hold.
 
@@ -43,6 +44,9 @@ def encode_generate(
         payload["session_params"] = session_params
     if routed_experts:
         payload["return_routed_experts"] = True
+        # Positions [routed_experts_start, ...) only: earlier ones are in the trajectory's records already (the
+        # engine would otherwise resend the whole prompt's routing every turn: quadratic over a trajectory).
+        payload["routed_experts_start_len"] = routed_experts_start
     if top_logprobs > 0:
         payload["top_logprobs_num"] = top_logprobs
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -53,7 +57,10 @@ _JSON_SPACE = b" \t\r\n"
 
 
 def split_routed_experts(body: bytes) -> tuple[bytes, memoryview | None]:
-    """Cut the routed-experts array out of an engine body before decoding it, as raw bytes.
+    """Cut the routed-experts payload out of an engine body before decoding it, as raw bytes.
+
+    Released SGLang sends a base64 string (int32 [rows, layers, top_k]); base64 holds no `"` or `\\`, so the string
+    ends at the next quote and the cut is two memchr calls. The legacy nested-list shape is cut as below.
 
     Why: the payload is megabytes of nested integer arrays that the server only stores for replay. Even msgspec's
     Raw type has to scan it to find where it ends (about 3-4 ms for 1.5 MiB here, holding the GIL), while the end of
@@ -70,6 +77,12 @@ def split_routed_experts(body: bytes) -> tuple[bytes, memoryview | None]:
     start = at + len(_ROUTED_KEY)
     while start < len(body) and body[start] in _JSON_SPACE:
         start += 1
+    if body[start : start + 1] == b'"':
+        # SGLang's shape: a base64 string (no `"` or `\\` inside), so its end is the next quote.
+        end = body.find(b'"', start + 1)
+        if end < 0:
+            return body, None
+        return body[:start] + b"null" + body[end + 1 :], memoryview(body)[start + 1 : end]
     if body[start : start + 1] != b"[":
         return body, None
     ends = [i for i in (body.find(b"}", start), body.find(b'"', start)) if i >= 0]

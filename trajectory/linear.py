@@ -50,6 +50,7 @@ class TurnPlan:
     trimmed: int                    # stored tail tokens replaced (a non-template stop token)
     version: int                    # trajectory version the plan was built against
     rollback_reason: str | None = None  # why the request left the stored history (see messages.ROLLBACK_REASONS)
+    routed_experts_start: int = 0   # first position whose routed experts the records do not hold yet
 
     @property
     def num_new_tokens(self) -> int:
@@ -76,6 +77,15 @@ class TurnRecord:
     tail_ids: tuple[int, ...] = ()
     tail_logprobs: tuple[float, ...] = ()
     routed_experts: bytes | memoryview | None = field(default=None, repr=False)  # a view into the engine body
+    # SGLang's routed experts are base64 int32 [rows, layers, top_k] for positions [start, start + rows): the
+    # routing of every token fed to the model this turn from `routed_experts_start` on (trajectory/routed_experts.py).
+    routed_experts_start: int = 0
+    # (version, start, end) of the weights that sampled completion tokens [start, end) (SGLang's weight_versions).
+    weight_versions: tuple[tuple[str, int, int], ...] | None = None
+
+    @property
+    def routed_experts_rows(self) -> int:
+        return max(0, self.prompt_len + self.completion_len - 1 - self.routed_experts_start)
 
     @property
     def last_completion_token(self) -> int | None:
@@ -91,7 +101,11 @@ class TurnRecord:
             "routed_experts_bytes": len(self.routed_experts or b""),
         }
         if include_routed_experts:
-            out["routed_experts"] = msgspec.json.decode(self.routed_experts) if self.routed_experts else None
+            raw = bytes(self.routed_experts) if self.routed_experts else b""
+            # SGLang's base64 string is returned as it came (with the position it starts at); a legacy JSON list
+            # payload is decoded.
+            out["routed_experts"] = (None if not raw else msgspec.json.decode(raw) if raw[:1] == b"[" else
+                                     {"start": self.routed_experts_start, "base64": raw.decode("ascii")})
         return out
 
 
@@ -213,7 +227,16 @@ class LinearTrajectory:
         prompt.flags.writeable = False
         return TurnPlan(prompt_ids=prompt, messages=msgs, tools=tools, base_checkpoints=keep, rolled_back=dropped,
                         new_token_start=reused, trimmed=trim, version=self.version,
-                        rollback_reason=reason if dropped else None)
+                        rollback_reason=reason if dropped else None,
+                        routed_experts_start=min(self.routed_experts_covered(keep), reused))
+
+    def routed_experts_covered(self, turns: int | None = None) -> int:
+        """How many leading positions the first `turns` records' routed experts cover without a gap."""
+        covered = 0
+        for record in self.records[:turns]:
+            if record.routed_experts is not None and record.routed_experts_start <= covered:
+                covered = max(covered, record.routed_experts_start + record.routed_experts_rows)
+        return covered
 
     def _check_plan(self, plan: TurnPlan, result: GenerateResult) -> int:
         """Validate everything before mutating; returns how many stored tokens the commit keeps."""
@@ -261,6 +284,8 @@ class LinearTrajectory:
             tail_ids=tuple(int(t) for t in result.output_ids[-tail:]) if n_out else (),
             tail_logprobs=tuple(float(x) for x in result.logprobs[-tail:]) if n_out else (),
             routed_experts=result.routed_experts,
+            routed_experts_start=plan.routed_experts_start if result.routed_experts is not None else 0,
+            weight_versions=result.weight_versions,
         )
         return TurnDelta(
             version=self.version, base_checkpoints=plan.base_checkpoints, keep=keep,

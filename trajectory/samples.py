@@ -8,6 +8,7 @@ Decoders validate dtypes and shapes: a sample that reaches a trainer is well-for
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 from collections.abc import Sequence
@@ -33,6 +34,9 @@ class Sample:
     response_length: int
     status: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    # int32 [len(tokens), values per token]: SGLang's routed experts of each token fed to the model (its layers x
+    # top_k expert ids, flattened), -1 where the engine reported none (the last token, turns without them).
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = None
@@ -53,6 +57,45 @@ class Sample:
             raise ValueError(f"sample.status {self.status!r} is not one of {STATUSES}")
         if not isinstance(self.metadata, dict):
             raise ValueError("sample.metadata must be a dict")
+        r = self.routed_experts
+        if r is not None and (not isinstance(r, np.ndarray) or r.dtype != np.int32 or r.ndim != 2
+                              or len(r) != len(self.tokens)):
+            raise ValueError("sample.routed_experts must be an int32 [len(tokens), k] array")
+
+
+def assemble_routed_experts(traj: LinearTrajectory) -> np.ndarray | None:
+    """The records' routed experts (base64 int32 rows from `routed_experts_start`) on the trajectory's positions."""
+    n = traj.num_tokens
+    out: np.ndarray | None = None
+    for record in traj.records:
+        raw = bytes(record.routed_experts) if record.routed_experts else b""
+        rows = record.routed_experts_rows
+        if not raw or raw[:1] == b"[" or rows == 0:
+            continue  # none, or a legacy JSON payload (kept in the record as it came)
+        values = np.frombuffer(base64.b64decode(raw, validate=True), dtype=np.int32)
+        if values.size % rows:
+            raise ValueError(f"turn {record.rid}: {values.size} routed-expert values do not make {rows} rows")
+        per_token = values.size // rows
+        if out is None:
+            out = np.full((n, per_token), -1, dtype=np.int32)
+        elif out.shape[1] != per_token:
+            raise ValueError(f"turn {record.rid}: {per_token} routed-expert values per token, earlier {out.shape[1]}")
+        start = record.routed_experts_start
+        end = min(n, start + rows)
+        if end > start:
+            out[start:end] = values.reshape(rows, per_token)[: end - start]
+    return out
+
+
+def weight_version_spans(traj: LinearTrajectory) -> list[list[Any]]:
+    """[version, start, end) spans on the trajectory's positions of the weights that sampled each token."""
+    spans: list[list[Any]] = []
+    for record in traj.records:
+        own = record.weight_versions or ((record.weight_version, 0, record.completion_len),)
+        for version, a, b in own:
+            if b > a:
+                spans.append([version, record.prompt_len + a, record.prompt_len + b])
+    return spans
 
 
 def _status(finish_reason: dict[str, Any]) -> str:
@@ -87,7 +130,9 @@ def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) 
         response_length=traj.num_tokens - records[0].prompt_len, status=_status(records[-1].finish_reason),
         metadata={"num_turns": len(records), "turns": [[r.prompt_len, r.completion_len] for r in records],
                   "rids": [r.rid for r in records], "weight_versions": [r.weight_version for r in records],
-                  "rollbacks": sum(traj.rollbacks.values()), "rollbacks_by_reason": dict(traj.rollbacks)},
+                  "rollbacks": sum(traj.rollbacks.values()), "rollbacks_by_reason": dict(traj.rollbacks),
+                  "weight_version_spans": weight_version_spans(traj)},
+        routed_experts=assemble_routed_experts(traj),
     )
     return truncate_sample(sample, max_seq_len) if max_seq_len is not None else sample
 
@@ -110,6 +155,7 @@ def truncate_sample(sample: Sample, max_seq_len: int) -> Sample:
         tokens=sample.tokens[:cut].copy(), loss_mask=sample.loss_mask[:cut].copy(),
         rollout_log_probs=sample.rollout_log_probs[:cut].copy(), response_length=max(0, cut - prompt_len),
         status="truncated", metadata={**sample.metadata, "truncated_from": n},
+        routed_experts=None if sample.routed_experts is None else sample.routed_experts[:cut].copy(),
     )
 
 
@@ -118,7 +164,8 @@ def samples_to_json(samples: Sequence[Sample]) -> list[dict[str, Any]]:
     return [
         {"tokens": s.tokens.tolist(), "loss_mask": s.loss_mask.tolist(),
          "rollout_log_probs": s.rollout_log_probs.tolist(), "response_length": s.response_length,
-         "status": s.status, "metadata": s.metadata}
+         "status": s.status, "metadata": s.metadata,
+         **({} if s.routed_experts is None else {"routed_experts": s.routed_experts.tolist()})}
         for s in samples
     ]
 
@@ -146,8 +193,17 @@ def samples_from_json(data: Any) -> list[Sample]:
         if missing:
             raise ValueError(f"samples[{i}] is missing {sorted(missing)}")
         arrays = {name: _json_array(i, name, item[name], dtype) for name, dtype in _ARRAYS}
+        routed = item.get("routed_experts")
+        if routed is not None:
+            try:
+                routed = np.asarray(routed, dtype=np.int64)
+            except (TypeError, ValueError):
+                raise ValueError(f"samples[{i}].routed_experts must be a list of integer rows") from None
+            if routed.ndim != 2 or (routed.size and (routed.min() < -(2**31) or routed.max() >= 2**31)):
+                raise ValueError(f"samples[{i}].routed_experts must be rows of int32 values")
+            routed = routed.astype(np.int32)
         out.append(Sample(**arrays, response_length=item["response_length"], status=item["status"],
-                          metadata=item.get("metadata") or {}))
+                          metadata=item.get("metadata") or {}, routed_experts=routed))
     return out
 
 
@@ -155,6 +211,8 @@ def samples_from_json(data: Any) -> list[Sample]:
 def samples_to_safetensors(samples: Sequence[Sample]) -> bytes:
     """One payload: `{i}.tokens` int32, `{i}.loss_mask` uint8, `{i}.rollout_log_probs` float32 + JSON metadata."""
     tensors = {f"{i}.{name}": getattr(s, name) for i, s in enumerate(samples) for name, _ in _ARRAYS}
+    tensors.update({f"{i}.routed_experts": s.routed_experts for i, s in enumerate(samples)
+                    if s.routed_experts is not None})
     meta = [{"response_length": s.response_length, "status": s.status, "metadata": s.metadata} for s in samples]
     return st_save(tensors, metadata={"format": _FORMAT, "samples": json.dumps(meta, ensure_ascii=False)})
 
@@ -178,10 +236,13 @@ def samples_from_safetensors(data: bytes) -> list[Sample]:
         raise ValueError(f"safetensors payload format is {meta.get('format')!r}, expected {_FORMAT!r}")
     entries = json.loads(meta.get("samples", "[]"))
     expected = {f"{i}.{name}" for i in range(len(entries)) for name, _ in _ARRAYS}
+    expected |= {k for k in tensors if k.endswith(".routed_experts") and k.split(".", 1)[0].isdigit()
+                 and int(k.split(".", 1)[0]) < len(entries)}
     if set(tensors) != expected:
         raise ValueError(f"safetensors tensors {sorted(set(tensors) ^ expected)[:4]} do not match the metadata")
     return [
         Sample(**{name: tensors[f"{i}.{name}"] for name, _ in _ARRAYS}, response_length=entry["response_length"],
-               status=entry["status"], metadata=entry.get("metadata") or {})
+               status=entry["status"], metadata=entry.get("metadata") or {},
+               routed_experts=tensors.get(f"{i}.routed_experts"))
         for i, entry in enumerate(entries)
     ]

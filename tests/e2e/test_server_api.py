@@ -30,14 +30,13 @@ from trajectory import samples_from_json, samples_from_safetensors
 FAMILY = "qwen3"
 MAX_REQUEST_BYTES = 64 * 1024
 CONTEXT_LENGTH = 2048
-ROUTED_EXPERTS_BYTES = 50_000
 
 
 @pytest.fixture(scope="module")
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(
         family=FAMILY,
-        sim_args=["--context-length", str(CONTEXT_LENGTH), "--routed-experts-bytes", str(ROUTED_EXPERTS_BYTES)],
+        sim_args=["--context-length", str(CONTEXT_LENGTH), "--routed-experts-layers", "48"],
         servers={"server": ["--max-request-bytes", str(MAX_REQUEST_BYTES), "--return-routed-experts"]},
     ) as stack:
         yield stack
@@ -104,7 +103,8 @@ async def _tool_loop_samples_and_delete(stack: dict[str, str]) -> None:
     assert info["num_tokens"] == third.usage.prompt_tokens + third.usage.completion_tokens
     # The heavy replay payload is kept in the records, never sent to the agent.
     assert all("routed_experts" not in record for record in info["records"])
-    assert all(record["routed_experts_bytes"] > ROUTED_EXPERTS_BYTES // 2 for record in info["records"])
+    # base64 int32 [positions, 48 layers, 8 experts] of the positions this turn added (routed_experts_start_len)
+    assert all(record["routed_experts_bytes"] > 48 * 8 * 4 for record in info["records"])
     assert "routed_experts" not in first.model_dump_json()
 
     as_json = samples_from_json((await http.post(f"{server}/sessions/{sid}/samples")).json())
@@ -401,6 +401,10 @@ async def _sessions_are_independent_under_concurrency(stack: dict[str, str]) -> 
         (b'{"meta_info":{"x":2,"routed_experts": [[1,2],[3]] ,"y":"z"}}',
          b'{"meta_info":{"x":2,"routed_experts": null ,"y":"z"}}', b"[[1,2],[3]]"),
         (b'{"meta_info":{"routed_experts":[[[1]]]}}', b'{"meta_info":{"routed_experts":null}}', b"[[[1]]]"),
+        (b'{"meta_info":{"routed_experts":"AQAAAAIAAAA=","id":"r"}}', b'{"meta_info":{"routed_experts":null,"id":"r"}}',
+         b"AQAAAAIAAAA="),  # SGLang's shape: a base64 string
+        (b'{"meta_info":{"routed_experts": "AQAA"}}', b'{"meta_info":{"routed_experts": null}}', b"AQAA"),
+        (b'{"meta_info":{"routed_experts":"AQAA', None, None),  # truncated: left to the full decoder
         (b'{"meta_info":{"routed_experts":null}}', None, None),  # nothing to cut
         (b'{"meta_info":{"routed_experts":[["a"]]}}', None, None),  # not numbers: left to the full decoder
         (b'{"meta_info":{"routed_experts":[[1,2],[3]', None, None),  # truncated: left to the full decoder

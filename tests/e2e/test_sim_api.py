@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 
 import httpx
-import msgspec
+import numpy as np
 import pytest
 
 from rollout.processes import start_sim
@@ -21,7 +22,8 @@ META_KEYS = {"id", "finish_reason", "prompt_tokens", "weight_version", "completi
 @pytest.fixture(scope="module", params=FAMILIES)
 def sim(request, tokenizer_dirs, hf_tokenizers):
     family = request.param
-    args = ("--routed-experts-bytes", "20000", "--context-length", "4096", "--kv-capacity-tokens", "20000")
+    args = ("--routed-experts-layers", "4", "--routed-experts-top-k", "2", "--context-length", "4096",
+            "--kv-capacity-tokens", "20000")
     with start_sim(tokenizer_dirs[family], family, *args) as proc, httpx.Client(base_url=proc.url, timeout=30) as c:
         yield family, c, hf_tokenizers[family]
         assert_baseline(c)
@@ -215,9 +217,20 @@ def test_routing_key_recorded_and_routed_experts(client, sim):
                     headers={"X-SMG-Routing-Key": "session-abc"})
     assert info(client)["routing_keys"] == before + 1
     assert info(client)["last_routing_key"] == "session-abc"
-    experts = r.json()["meta_info"]["routed_experts"]
-    assert isinstance(experts, list) and isinstance(experts[0][0][0], int)
-    assert 15000 < len(msgspec.json.encode(experts)) < 25000
+    # SGLang's shape (detokenizer_manager.py _b64_encode_per_request, batch_result_processor.py
+    # _maybe_collect_routed_experts): base64 int32 [seqlen - 1 - routed_experts_start_len, layers, top_k].
+    body = r.json()
+    experts = np.frombuffer(base64.b64decode(body["meta_info"]["routed_experts"]), dtype=np.int32)
+    seqlen = len(ids) + len(body["output_ids"])
+    assert experts.size == (seqlen - 1) * 4 * 2 and experts.min() >= 0
+    tail = client.post("/generate", json={"input_ids": ids, "return_routed_experts": True,
+                                          "routed_experts_start_len": len(ids)}).json()
+    rest = np.frombuffer(base64.b64decode(tail["meta_info"]["routed_experts"]), dtype=np.int32)
+    assert rest.size == (len(tail["output_ids"]) - 1) * 8
+    assert np.array_equal(rest, experts[len(ids) * 8:][: rest.size])  # the same routing for the same tokens
+    bad = client.post("/generate", json={"input_ids": ids, "return_routed_experts": True,
+                                         "routed_experts_start_len": len(ids) + 1})
+    assert bad.status_code == 400 and "routed_experts_start_len" in bad.text
     plain = client.post("/generate", json={"input_ids": ids}).json()
     assert "routed_experts" not in plain["meta_info"]
 

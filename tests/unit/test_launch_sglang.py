@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from support.sglang_real import sglang_root
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sglang_fields() -> set[str]:
     """ServerArgs field names (each is the CLI flag with dashes): sglang/srt/arg_groups/field_order.py."""
-    spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.submodule_search_locations
-    text = (Path(next(iter(spec.submodule_search_locations))) / "srt" / "arg_groups" / "field_order.py").read_text()
+    text = (Path(sglang_root()) / "srt" / "arg_groups" / "field_order.py").read_text()
     return set(re.findall(r'^\s+"(\w+)",', text, flags=re.M))
 
 

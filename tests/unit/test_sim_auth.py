@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from rollout.engines.sim.auth import ADMIN_OPTIONAL_PATHS, allowed
+from support.sglang_real import sglang_root
 
-_spec = importlib.util.find_spec("sglang")
-assert _spec is not None and _spec.submodule_search_locations, "sglang==0.5.23 (--no-deps) is a test dependency"
-SGLANG = Path(next(iter(_spec.submodule_search_locations)))
+SGLANG = Path(sglang_root())
 
 
 def _load_auth():  # type: ignore[no-untyped-def]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -81,7 +82,8 @@ class SimServer:
     faults: FaultInjector
     model_path: str
     tokenizer_path: str
-    routed_experts_bytes: int = 0
+    routed_experts_layers: int = 0  # 0: the engine was not launched with --enable-return-routed-experts
+    routed_experts_top_k: int = 8
     host: str = "127.0.0.1"
     port: int = 0
     api_key: str | None = None
@@ -131,13 +133,16 @@ class SimServer:
             await req.done.wait()
         finally:
             watcher.cancel()
-        body = wire.generate_body(self.engine, req, final=True, routed=self._routed(inp))
+        body = wire.generate_body(self.engine, req, final=True, routed=self._routed(req))
         return self._encode_final(body, fault)
 
-    def _routed(self, inp: GenerateInput) -> bytes | None:
-        if self.routed_experts_bytes > 0 and inp.return_routed_experts:
-            return routed_payload(self.routed_experts_bytes)
-        return None
+    def _routed(self, req: SimRequest) -> str | None:
+        inp = req.inp
+        if self.routed_experts_layers <= 0 or not inp.return_routed_experts or req.aborted_waiting:
+            return None
+        sequence = np.concatenate([req.prompt, req.output_ids])
+        return routed_payload(sequence, inp.routed_experts_start_len, self.routed_experts_layers,
+                              self.routed_experts_top_k)
 
     def _encode_final(self, body: dict[str, Any], fault: Fault | None) -> Response:
         if fault is not None and fault.name in BODY_FAULTS:
@@ -177,7 +182,7 @@ class SimServer:
                     yield b"data: " + wire.encode(body) + b"\n\n"
                     continue
                 await req.progress.wait()
-            body = wire.generate_body(self.engine, req, final=True, routed=self._routed(inp))
+            body = wire.generate_body(self.engine, req, final=True, routed=self._routed(req))
             if deltas:
                 body = wire.incremental(body, tokens_sent, text_sent)
             if fault is not None and fault.name in BODY_FAULTS:

@@ -19,6 +19,7 @@ import uvicorn
 from rollout.engines.sim.app import SimServer
 from rollout.engines.sim.engine import Engine, EngineConfig
 from rollout.engines.sim.faults import FaultInjector
+from rollout.engines.sim.routed_experts import layers_for_bytes
 
 READY_PREFIX = "sglang-sim ready on "
 
@@ -39,8 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="Engine seed; replies are a function of seed and prompt.")
     p.add_argument("--enable-streaming-session", action="store_true",
                    help="Allow open_session with streaming=true (session-aware KV slots).")
+    p.add_argument("--routed-experts-layers", type=int, default=0,
+                   help="Like SGLang's --enable-return-routed-experts for a model with this many layers: "
+                        "return_routed_experts gets base64 int32 [tokens, layers, top_k] (0 = off).")
+    p.add_argument("--routed-experts-top-k", type=int, default=8, help="Experts per token (num_experts_per_tok).")
     p.add_argument("--routed-experts-bytes", type=int, default=0,
-                   help="Size of the routed-experts payload returned with return_routed_experts (0 = none).")
+                   help="Shortcut for benchmarks: enable routed experts with the layers that make a 1k-token "
+                        "sequence's payload about this many bytes.")
     p.add_argument("--weight-version", default="default", help="weight_version reported in meta_info.")
     p.add_argument("--api-key", default=None,
                    help="Like SGLang's --api-key: required as 'Authorization: Bearer KEY' on every endpoint but "
@@ -118,13 +124,12 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(config, family)
     server = SimServer(engine=engine, faults=FaultInjector(args.seed),
                        model_path=args.model_path or f"sim-{family.name}",
-                       tokenizer_path=str(Path(args.tokenizer)), routed_experts_bytes=args.routed_experts_bytes,
+                       tokenizer_path=str(Path(args.tokenizer)), routed_experts_layers=(args.routed_experts_layers or
+                                              (layers_for_bytes(args.routed_experts_bytes, args.routed_experts_top_k)
+                                               if args.routed_experts_bytes > 0 else 0)),
+                       routed_experts_top_k=args.routed_experts_top_k,
                        host=host, port=port, api_key=args.api_key, admin_api_key=args.admin_api_key,
                        health_latency_s=args.health_latency_ms / 1000.0)
-    if args.routed_experts_bytes > 0:
-        from rollout.engines.sim.routed_experts import payload
-
-        payload(args.routed_experts_bytes)  # build once before serving
     uv_config = uvicorn.Config(server.app(), loop="uvloop", http="httptools", log_level=args.log_level,
                                access_log=False, timeout_graceful_shutdown=2)
     uv = _Server(uv_config)

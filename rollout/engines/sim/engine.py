@@ -92,6 +92,10 @@ class Engine:
                 raise BadRequest(str(exc)) from exc
         if len(prompt) == 0:
             raise BadRequest("The input is empty.")
+        start_len = inp.routed_experts_start_len
+        if inp.return_routed_experts and not 0 <= start_len <= len(prompt):  # scheduler.py handle_generate_request
+            raise BadRequest(f"routed_experts_start_len={start_len} is outside [0, {len(prompt)}] (the number of "
+                             "input tokens).")
         if inp.sampling.max_new_tokens is None:
             # scheduler.py init_req_max_new_tokens: null means "until the context (or the KV pool) is full".
             room = min(self.config.context_length, self.pool.capacity) - len(prompt) - 1

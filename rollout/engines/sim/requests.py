@@ -52,6 +52,7 @@ class GenerateInput:
     stream: bool = False
     session_params: SessionParams | None = None
     return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     routing_key: str | None = None
 
 
@@ -213,7 +214,8 @@ def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> Gener
         top_logprobs_num=_opt(body, "top_logprobs_num", int, 0),
         return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
         stream=bool(body.get("stream", False)), session_params=session,
-        return_routed_experts=bool(body.get("return_routed_experts", False)), routing_key=routing_key)
+        return_routed_experts=bool(body.get("return_routed_experts", False)),
+        routed_experts_start_len=_opt(body, "routed_experts_start_len", int, 0), routing_key=routing_key)
 
 
 @dataclass(eq=False)

@@ -84,7 +84,7 @@ def queued_abort_body(engine: Engine, req: SimRequest) -> dict[str, Any]:
     return {"text": "", "output_ids": [], "meta_info": meta}
 
 
-def generate_body(engine: Engine, req: SimRequest, final: bool, routed: bytes | None) -> dict[str, Any]:
+def generate_body(engine: Engine, req: SimRequest, final: bool, routed: str | None) -> dict[str, Any]:
     """The `/generate` response (or one cumulative stream chunk) for a request's current progress."""
     if final and req.aborted_waiting:
         return queued_abort_body(engine, req)
@@ -119,7 +119,7 @@ def generate_body(engine: Engine, req: SimRequest, final: bool, routed: bytes | 
                 [[lp, t, s]] + [[lp - 1.0 - j, (t + 1 + j) % vocab, None] for j in range(k - 1)]
                 for lp, t, s in zip(lps, ids, texts, strict=True)]
     if final and routed is not None:
-        meta["routed_experts"] = msgspec.Raw(routed)
+        meta["routed_experts"] = routed  # base64 of int32 [rows, layers, top_k] (routed_experts.py)
     text = output_text(engine.family, out_ids, finish, inp.sampling)
     return {"text": text, "output_ids": out_ids.tolist(), "meta_info": meta}
 
