@@ -86,6 +86,8 @@ def _record(raw: bytes, routed_experts: bytes | None) -> TurnRecord:
         raise InvariantError("stored turn record has unknown fields")
     for name in _TUPLE_FIELDS & fields.keys():
         fields[name] = tuple(fields[name])
+    if fields.get("weight_versions") is not None:  # JSON arrays back to the record's (version, start, end) tuples
+        fields["weight_versions"] = tuple(tuple(span) for span in fields["weight_versions"])
     fields["routed_experts"] = routed_experts
     return TurnRecord(**fields)
 
