@@ -20,12 +20,13 @@ from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
 IDLE = 100
+SIM_ARGS = ("--enable-streaming-session", "--token-latency-ms", "2")
 
 
 @pytest.fixture(scope="module")
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(
-        family=FAMILY, sim_args=["--enable-streaming-session", "--token-latency-ms", "2"],
+        family=FAMILY, sim_args=SIM_ARGS,
         servers={"server": ["--engine-sessions", "--session-idle-timeout", str(IDLE)]}, proxied={"server"},
     ) as stack:
         yield stack
@@ -79,7 +80,7 @@ def test_engine_restart_is_survived_without_a_400(stack: Stack) -> None:
     old = stack.procs[0]
     port = old.port
     old.stop()
-    new = start_sim(stack.tok, FAMILY, "--enable-streaming-session", "--port", str(port), log_dir=stack.logs)
+    new = start_sim(stack.tok, FAMILY, *SIM_ARGS, "--port", str(port), log_dir=stack.logs)
     try:
         _turns(stack.server, sid, history, 2)
         info = httpx.get(f"{stack.engine}/server_info").json()
