@@ -148,10 +148,18 @@ def import_sglang_schema(name: str) -> types.ModuleType:
     """Import one of SGLang's schema modules (io_struct, sampling_params) without SGLang's package __init__ (which
     loads the language frontend and patches transformers) and with the heavy modules above faked."""
     root = sglang_root()
+    return _import_schema(name, root)
+
+
+def _import_schema(name: str, root: str) -> types.ModuleType:
     for pkg, path in (("sglang", root), ("sglang.srt", f"{root}/srt"), ("sglang.srt.utils", f"{root}/srt/utils")):
         if pkg not in sys.modules:
             module = _FakeModule(pkg)
             module.__path__ = [path]
+            # A real spec, so importlib.util.find_spec("sglang") elsewhere in the test session still finds it.
+            module.__spec__ = importlib.machinery.ModuleSpec(pkg, None, origin=f"{path}/__init__.py",
+                                                             is_package=True)
+            module.__spec__.submodule_search_locations = [path]
             sys.modules[pkg] = module
     for heavy in HEAVY_SGLANG_MODULES:
         if heavy not in sys.modules:
