@@ -221,8 +221,10 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
     metrics.stage("prepare", time.perf_counter() - t0)
     _raise_if_aborted(claim)
     server.engine.place(session)  # its worker, or a healthy one if its worker failed (engine_pool.py)
+    # The session's previous, aborted engine request must have ended first (with engine sessions: left its
+    # streaming session) -- once, before anything of this turn reaches the engine.
+    await _settle_previous(server, claim)
     if engine_sessions is not None:
-        await _settle_previous(server, claim)  # the old request must be out of its streaming session first
         start, session_params = await engine_sessions.begin_turn(session, plan.new_token_start)
         _raise_if_aborted(claim)
         payload = await server.pool.run_sized(
@@ -230,7 +232,6 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
             session_params, routed, chat.options.top_logprobs, chat.stream, plan.routed_experts_start,
         )
     assert payload is not None
-    await _settle_previous(server, claim)
     if chat.stream:
         return stream_response(server, claim, rid, payload, chat, plan, rollback_headers(plan))
 

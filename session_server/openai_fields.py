@@ -50,11 +50,12 @@ _UNSUPPORTED = {
 }
 
 
-def _bad(msg: str) -> RequestValidationError:
+def bad_request(msg: str) -> RequestValidationError:
+    """A 400 about one request field (openai_format.py shares these two helpers)."""
     return RequestValidationError(msg)
 
 
-def _is_int(v: object) -> bool:
+def is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -63,9 +64,9 @@ def _number(obj: Mapping[str, Any], key: str, lo: float, hi: float, *, lo_open: 
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or abs(v) > 1e300:
-        raise _bad(f"'{key}' must be a finite number")
+        raise bad_request(f"'{key}' must be a finite number")
     if (v <= lo if lo_open else v < lo) or v > hi:
-        raise _bad(f"'{key}' must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+        raise bad_request(f"'{key}' must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
     return float(v)
 
 
@@ -98,10 +99,10 @@ class RequestOptions:
 def refuse_unsupported(obj: Mapping[str, Any]) -> None:
     for key, why in _UNSUPPORTED.items():
         if obj.get(key) is not None:
-            raise _bad(f"'{key}': {why}")
+            raise bad_request(f"'{key}': {why}")
     modalities = obj.get("modalities")
     if modalities is not None and modalities != ["text"]:
-        raise _bad("'modalities': only [\"text\"] is supported")
+        raise bad_request("'modalities': only [\"text\"] is supported")
 
 
 def _tool_choice(raw: Any) -> ToolChoice:
@@ -109,20 +110,20 @@ def _tool_choice(raw: Any) -> ToolChoice:
         return ToolChoice("auto")
     if isinstance(raw, str):
         if raw not in ("auto", "none", "required"):
-            raise _bad(f"'tool_choice' must be 'auto', 'none', 'required' or a function object, got {raw!r}")
+            raise bad_request(f"'tool_choice' must be 'auto', 'none', 'required' or a function object, got {raw!r}")
         return ToolChoice(raw)
     if isinstance(raw, dict):
         fn = raw.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if raw.get("type", "function") != "function" or not isinstance(name, str) or not name:
-            raise _bad("'tool_choice' object must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            raise bad_request("'tool_choice' object must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
         return ToolChoice("function", name)
-    raise _bad("'tool_choice' must be a string or an object")
+    raise bad_request("'tool_choice' must be a string or an object")
 
 
 def _check_schema(schema: Any, field: str) -> None:
     if not isinstance(schema, dict):
-        raise _bad(f"'{field}' must be a JSON Schema object")
+        raise bad_request(f"'{field}' must be a JSON Schema object")
     try:
         from jsonschema import Draft202012Validator
         from jsonschema.exceptions import SchemaError
@@ -131,16 +132,16 @@ def _check_schema(schema: Any, field: str) -> None:
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
-        raise _bad(f"'{field}' is not a valid JSON Schema: {exc.message}") from None
+        raise bad_request(f"'{field}' is not a valid JSON Schema: {exc.message}") from None
     except RecursionError:
-        raise _bad(f"'{field}' is too deeply nested or contains a cycle") from None
+        raise bad_request(f"'{field}' is too deeply nested or contains a cycle") from None
 
 
 def _response_format(raw: Any) -> tuple[str, Any]:
     if raw is None:
         return "text", None
     if not isinstance(raw, dict):
-        raise _bad("'response_format' must be an object")
+        raise bad_request("'response_format' must be an object")
     kind = raw.get("type")
     if kind == "text":
         return "text", None
@@ -149,29 +150,29 @@ def _response_format(raw: Any) -> tuple[str, Any]:
     if kind == "json_schema":
         spec = raw.get("json_schema")
         if not isinstance(spec, dict):
-            raise _bad("'response_format.json_schema' must be an object with a 'schema'")
+            raise bad_request("'response_format.json_schema' must be an object with a 'schema'")
         if not isinstance(spec.get("name", "schema"), str):
-            raise _bad("'response_format.json_schema.name' must be a string")
+            raise bad_request("'response_format.json_schema.name' must be a string")
         schema = spec.get("schema")
         if schema is None:
-            raise _bad("'response_format.json_schema.schema' is required for a json_schema response format")
+            raise bad_request("'response_format.json_schema.schema' is required for a json_schema response format")
         _check_schema(schema, "response_format.json_schema.schema")
         return "json_schema", schema
-    raise _bad(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
 def _template_kwargs(raw: Any) -> dict[str, Any] | None:
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise _bad("'chat_template_kwargs' must be an object")
+        raise bad_request("'chat_template_kwargs' must be an object")
     for key in raw:
         if key in _RESERVED_TEMPLATE_KWARGS:
-            raise _bad(f"'chat_template_kwargs.{key}' may not be set by a request")
+            raise bad_request(f"'chat_template_kwargs.{key}' may not be set by a request")
     try:
         json.dumps(raw, allow_nan=False)
     except ValueError:
-        raise _bad("'chat_template_kwargs' must be plain JSON") from None
+        raise bad_request("'chat_template_kwargs' must be plain JSON") from None
     return dict(raw) or None
 
 
@@ -179,25 +180,25 @@ def parse_options(obj: Mapping[str, Any]) -> RequestOptions:
     refuse_unsupported(obj)
     logprobs = obj.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
-        raise _bad("'logprobs' must be a boolean")
+        raise bad_request("'logprobs' must be a boolean")
     top = obj.get("top_logprobs")
     if top is not None:
-        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise _bad(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if top and not logprobs:
-            raise _bad("'top_logprobs' requires 'logprobs': true")
+            raise bad_request("'top_logprobs' requires 'logprobs': true")
     parallel = obj.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise _bad("'parallel_tool_calls' must be a boolean")
+        raise bad_request("'parallel_tool_calls' must be a boolean")
     fmt, schema = _response_format(obj.get("response_format"))
     stream_options = obj.get("stream_options")
     include_usage = False
     if stream_options is not None:
         if not isinstance(stream_options, dict):
-            raise _bad("'stream_options' must be an object")
+            raise bad_request("'stream_options' must be an object")
         include_usage = stream_options.get("include_usage") or False
         if not isinstance(include_usage, bool):
-            raise _bad("'stream_options.include_usage' must be a boolean")
+            raise bad_request("'stream_options.include_usage' must be a boolean")
     return RequestOptions(
         logprobs=bool(logprobs), top_logprobs=top or 0, tool_choice=_tool_choice(obj.get("tool_choice")),
         parallel_tool_calls=parallel is not False, response_format=fmt, json_schema=schema,
@@ -220,18 +221,18 @@ def penalty_params(obj: Mapping[str, Any], sp: dict[str, Any], vocab_size: int |
     if bias is None:
         return
     if not isinstance(bias, dict):
-        raise _bad("'logit_bias' must be an object of token id -> bias")
+        raise bad_request("'logit_bias' must be an object of token id -> bias")
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise _bad(f"'logit_bias' may have at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        raise bad_request(f"'logit_bias' may have at most {MAX_LOGIT_BIAS_ENTRIES} entries")
     out: dict[str, float] = {}
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
-            raise _bad(f"'logit_bias' keys must be token ids, got {key!r}")
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}")
         token = int(key)
         if vocab_size is not None and token >= vocab_size:
-            raise _bad(f"'logit_bias' token id {token} is outside the vocabulary [0, {vocab_size})")
+            raise bad_request(f"'logit_bias' token id {token} is outside the vocabulary [0, {vocab_size})")
         if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
-            raise _bad(f"'logit_bias[{key}]' must be a number in [-100, 100]")
+            raise bad_request(f"'logit_bias[{key}]' must be a number in [-100, 100]")
         out[str(token)] = float(value)
     if out:
         sp["logit_bias"] = out
@@ -258,12 +259,12 @@ def check_tool_choice(tools: list[dict[str, Any]] | None, options: RequestOption
     """serving_chat `_validate_request`: a forced choice needs tools, a named one a tool of that name."""
     choice = options.tool_choice
     if choice.mode == "required" and not tools:
-        raise _bad("'tool_choice': tools cannot be empty if tool choice is set to required")
+        raise bad_request("'tool_choice': tools cannot be empty if tool choice is set to required")
     if choice.mode == "function":
         if not tools:
-            raise _bad("'tool_choice': tools cannot be empty if tool choice is set to a specific tool")
+            raise bad_request("'tool_choice': tools cannot be empty if tool choice is set to a specific tool")
         if choice.name not in _tool_names(tools):
-            raise _bad(f"'tool_choice': tool {choice.name!r} not found in tools list")
+            raise bad_request(f"'tool_choice': tool {choice.name!r} not found in tools list")
     for i, tool in enumerate(tools or []):
         params = tool["function"].get("parameters")
         if params is not None:
@@ -299,7 +300,7 @@ def tool_call_constraint(
     chosen = [t for t in tools if choice.mode != "function" or t["function"]["name"] == choice.name]
     if call_format is None:
         if not forced:
-            raise _bad("'parallel_tool_calls': false cannot be enforced for this model family")
+            raise bad_request("'parallel_tool_calls': false cannot be enforced for this model family")
         items: dict[str, Any] = {"type": "object", "anyOf": [
             {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                             "parameters": _params_schema(t)},
@@ -347,8 +348,8 @@ def constrain(
         return
     if "json_schema" in sp:
         if options.tool_choice.mode in ("required", "function"):
-            raise _bad("'tool_choice' 'required' or a named tool cannot be combined with 'response_format': the "
+            raise bad_request("'tool_choice' 'required' or a named tool cannot be combined with 'response_format': the "
                        "tool-call constraint and the output constraint cannot both be honored")
-        raise _bad("'parallel_tool_calls': false cannot be combined with 'response_format'")
+        raise bad_request("'parallel_tool_calls': false cannot be combined with 'response_format'")
     key, value = constraint
     sp[key] = value

@@ -20,7 +20,6 @@ from typing import Any
 import msgspec
 
 from trajectory import GenerateResult, ModelFamily
-from trajectory.errors import RequestValidationError
 from trajectory.messages import normalize_tools
 
 from .body import decode_object
@@ -29,8 +28,10 @@ from .logprobs import openai_logprobs
 from .openai_fields import (
     MAX_INT32,
     RequestOptions,
+    bad_request,
     check_tool_choice,
     constrain,
+    is_int,
     parse_options,
     penalty_params,
     prompt_tools,
@@ -49,14 +50,6 @@ class ChatRequest:
     options: RequestOptions = dataclasses.field(default_factory=RequestOptions)
 
 
-def _bad(msg: str) -> RequestValidationError:
-    return RequestValidationError(msg)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v: object) -> bool:
     return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
 
@@ -70,12 +63,12 @@ def parse_chat_request(body: bytes, stop_token_ids: tuple[int, ...], vocab_size:
     obj = decode_object(body)
     n = obj.get("n")
     if n is not None and n != 1:
-        raise _bad("only n=1 is supported: a session holds one linear trajectory")
+        raise bad_request("only n=1 is supported: a session holds one linear trajectory")
     stream = obj.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean")
+        raise bad_request("'stream' must be a boolean")
     model = obj.get("model")
     options = parse_options(obj)
     sp = sampling_params(obj, stop_token_ids)
@@ -108,40 +101,40 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
     max_tokens = obj.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = obj.get("max_tokens")
-    if max_tokens is not None and (not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_INT32):
-        raise _bad(f"'max_tokens' / 'max_completion_tokens' must be an integer in [1, {MAX_INT32}]")
+    if max_tokens is not None and (not is_int(max_tokens) or not 1 <= max_tokens <= MAX_INT32):
+        raise bad_request(f"'max_tokens' / 'max_completion_tokens' must be an integer in [1, {MAX_INT32}]")
     # No limit from the agent: an explicit null, as SGLang's own chat endpoint sends (up to the context length).
     # Leaving the key out would mean SamplingParams' default of 128 tokens.
     sp["max_new_tokens"] = max_tokens
     temperature = obj.get("temperature")
     if temperature is not None:
         if not _is_number(temperature) or not 0 <= temperature <= 1e6:
-            raise _bad("'temperature' must be a number in [0, 1e6]")
+            raise bad_request("'temperature' must be a number in [0, 1e6]")
         sp["temperature"] = float(temperature)
     top_p = obj.get("top_p")
     if top_p is not None:
         if not _is_number(top_p) or not 0 < top_p <= 1:
-            raise _bad("'top_p' must be a number in (0, 1]")
+            raise bad_request("'top_p' must be a number in (0, 1]")
         sp["top_p"] = float(top_p)
     top_k = obj.get("top_k")
     if top_k is not None:
-        if not _is_int(top_k) or (top_k < 1 and top_k != -1) or top_k > MAX_INT32:
-            raise _bad(f"'top_k' must be an integer in [1, {MAX_INT32}] or -1")
+        if not is_int(top_k) or (top_k < 1 and top_k != -1) or top_k > MAX_INT32:
+            raise bad_request(f"'top_k' must be an integer in [1, {MAX_INT32}] or -1")
         sp["top_k"] = top_k
     stop = obj.get("stop")
     if stop is not None:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise _bad("'stop' must be a non-empty string or a list of them")
+            raise bad_request("'stop' must be a non-empty string or a list of them")
         if len(stop) > 32:  # SGLang's MAX_STOP_COUNT
-            raise _bad("'stop' may have at most 32 entries")
+            raise bad_request("'stop' may have at most 32 entries")
         if stop:
             sp["stop"] = stop
     seed = obj.get("seed")
     if seed is not None:
-        if not _is_int(seed) or not -(2**63) <= seed < 2**63:
-            raise _bad("'seed' must be a 64-bit integer")
+        if not is_int(seed) or not -(2**63) <= seed < 2**63:
+            raise bad_request("'seed' must be a 64-bit integer")
         sp["sampling_seed"] = seed
     return sp
 
