@@ -32,21 +32,22 @@ from trajectory.errors import SessionError, UpstreamError
 
 from . import body as body_reader
 from .commit import commit_turn
-from .engine_client import EngineReply
 from .engine_sessions import engine_session_gone
 from .engine_wire import encode_generate, split_routed_experts
 from .errors import (
     ClientDisconnectedError,
+    EngineAbortedError,
+    EngineRefusedError,
     EngineTimeoutError,
     LimitExceededError,
+    RequestTimeoutError,
     SessionBusyError,
-    SessionNotFoundError,
-    SessionPausedError,
     error_response,
 )
-from .lifecycle import AbortReason, Claim
+from .lifecycle import Claim, tag_abort
 from .metrics import AbortCause
 from .openai_format import ChatRequest, TurnOutput, decode_turn, parse_chat_request, turn_tools
+from .race import Ending, race
 from .state import ServerState, server_of
 from .streaming import StreamingTurn, stream_response
 from .turn_limits import TurnLimits
@@ -56,26 +57,12 @@ logger = logging.getLogger("session_server.chat")
 NO_LIMITS = TurnLimits()
 
 
-_ABORT_CAUSES = {
-    AbortReason.DELETED: AbortCause.DELETE,
-    AbortReason.EXPIRED: AbortCause.EXPIRY,
-    AbortReason.PAUSED: AbortCause.PAUSE,
-    AbortReason.SHUTDOWN: AbortCause.SHUTDOWN,
-}
-
-
 @dataclass(slots=True)
 class TurnTiming:
     """Seconds spent waiting for the engine and decoding its reply (filled in by `_generate`)."""
 
     engine: float = 0.0
     decode: float = 0.0
-
-
-def _aborted(err: SessionError, cause: AbortCause) -> SessionError:
-    """Tag an error as the end of an aborted chat, so the handler counts it once, by cause."""
-    err.abort_cause = cause  # type: ignore[attr-defined]
-    return err
 
 
 async def chat_completions(request: Request) -> Response:
@@ -142,63 +129,52 @@ async def read_body(request: Request, limit: int, deadline: float) -> bytes:
     try:
         return await body_reader.read_body(request, limit, deadline)
     except ClientDisconnectedError as err:
-        raise _aborted(err, AbortCause.DISCONNECT) from None
+        raise tag_abort(err, AbortCause.DISCONNECT) from None
 
 
 async def _read_body_or_abort(claim: Claim, request: Request, limit: int, deadline: float) -> bytes:
     """Read the body, but let DELETE/pause/shutdown interrupt a client that sends it slowly (or never)."""
     reading = asyncio.ensure_future(read_body(request, limit, deadline))
-    aborted = asyncio.ensure_future(claim.aborted.wait())
-    try:
-        await asyncio.wait((reading, aborted), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        aborted.cancel()
-        if not reading.done():
-            reading.cancel()
-    if claim.reason is not None:
-        if reading.done() and not reading.cancelled():
-            reading.exception()  # retrieved: the abort reason is what the client hears
-        _raise_if_aborted(claim)
-    return reading.result()
+    if await race(reading, None, claim, deadline + 1.0) is Ending.FINISHED:  # read_body keeps the deadline itself
+        return reading.result()
+    reading.cancel()
+    await asyncio.wait((reading,))
+    if not reading.cancelled():
+        reading.exception()  # retrieved: the abort reason is what the client hears
+    claim.raise_if_aborted()
+    raise RequestTimeoutError(f"request body was not received within {deadline:g}s (upload deadline)")
 
 
 def prepare_turn(
-    body: bytes, trajectory: LinearTrajectory, rid: str, routed_experts: bool, encode: bool,
-    limits: TurnLimits = NO_LIMITS,
-) -> tuple[ChatRequest, TurnPlan, bytes | None]:
-    """Decode the request, build the TITO prompt, and (without engine sessions) encode the engine request: one pool
-    hop for all the CPU work before the engine call.
+    body: bytes, trajectory: LinearTrajectory, limits: TurnLimits = NO_LIMITS
+) -> tuple[ChatRequest, TurnPlan]:
+    """Decode the request and build the TITO prompt: the CPU work of a turn before the engine call, in one step.
 
-    Runs in a worker thread without the session lock, which is safe because prepare only reads the trajectory and
-    the only writer of a trajectory is the chat holding its lifecycle claim -- this one. Readers on the loop (GET,
-    samples) only read. Rendering the chat template and tokenizing are the most expensive steps of a turn; on the
-    loop they would delay every other request, /health included.
+    Runs in a worker thread without the session lock when it is large, which is safe because prepare only reads the
+    trajectory and the only writer of a trajectory is the chat holding its lifecycle claim -- this one. Readers on
+    the loop (GET, samples) only read. Rendering the chat template and tokenizing are the most expensive steps of a
+    turn; on the loop they would delay every other request, /health included.
     """
     family = trajectory.family
     chat = parse_chat_request(body, family.stop_token_ids, family.vocab_size)
     limits.before_render(chat.messages, family)
     plan = trajectory.prepare(chat.messages, turn_tools(chat, family), chat.options.chat_template_kwargs)
     limits.after_render(plan, chat.sampling_params)
-    top = chat.options.top_logprobs
-    payload = (encode_generate(plan.prompt_ids, 0, chat.sampling_params, rid, None, routed_experts, top, chat.stream,
-                               plan.routed_experts_start) if encode else None)
-    return chat, plan, payload
+    return chat, plan
 
 
-def _raise_if_aborted(claim: Claim) -> None:
-    reason = claim.reason
-    if reason is None:
-        return
-    err: SessionError
-    if reason is AbortReason.DELETED:
-        err = SessionNotFoundError(f"session {claim.session.id} was deleted during the chat")
-    elif reason is AbortReason.EXPIRED:
-        err = SessionNotFoundError(f"session {claim.session.id} expired: its chat outlived the request timeout")
-    elif reason is AbortReason.PAUSED:
-        err = SessionPausedError("chat aborted: the server was paused; retry the same turn", claim.retry_after)
-    else:
-        err = SessionPausedError("chat aborted: the server is shutting down", claim.retry_after)
-    raise _aborted(err, _ABORT_CAUSES[reason])
+async def engine_payload(server: ServerState, claim: Claim, chat: ChatRequest, plan: TurnPlan, rid: str) -> bytes:
+    """The /generate body of this turn, built in one place: the whole prompt, or with engine sessions only what the
+    session's engine-side KV does not hold yet (which `begin_turn` opens or reopens as needed)."""
+    start, session_params = 0, None
+    if server.engine_sessions is not None:
+        start, session_params = await server.engine_sessions.begin_turn(claim.session, plan.new_token_start)
+        claim.raise_if_aborted()
+    return await server.pool.run_sized(
+        4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, chat.sampling_params, rid,
+        session_params, server.config.return_routed_experts, chat.options.top_logprobs, chat.stream,
+        plan.routed_experts_start,
+    )
 
 
 async def _turn(server: ServerState, claim: Claim, request: Request, timing: TurnTiming) -> Response:
@@ -207,75 +183,56 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
     body = await _read_body_or_abort(claim, request, server.config.max_request_bytes, server.config.body_timeout)
     rid = uuid.uuid4().hex  # fixed length: no rid is a prefix of another (abort matches by prefix)
     engine_sessions = server.engine_sessions
-    routed = server.config.return_routed_experts
     # A first turn renders the whole conversation (tool schemas included) and tokenizes it: milliseconds of CPU
     # however small its body, and a burst of them run inline would hold the loop for all of them back to back
     # (measured: /health p99 89 ms under 64-chat waves of first turns with 8 tools). So first turns always go to
     # the pool; appended turns render only the new messages and are sized by their body.
     cost = len(body) if session.trajectory.checkpoints else max(len(body), server.pool.inline_below_bytes)
     t0 = time.perf_counter()
-    chat, plan, payload = await server.pool.run_sized(
-        cost, prepare_turn, body, session.trajectory, rid, routed, engine_sessions is None,
+    chat, plan = await server.pool.run_sized(
+        cost, prepare_turn, body, session.trajectory,
         TurnLimits(server.prompt_token_limit, server.config.max_session_tokens),
     )
     metrics.stage("prepare", time.perf_counter() - t0)
-    _raise_if_aborted(claim)
+    claim.raise_if_aborted()
     server.engine.place(session)  # its worker, or a healthy one if its worker failed (engine_pool.py)
     # The session's previous, aborted engine request must have ended first (with engine sessions: left its
     # streaming session) -- once, before anything of this turn reaches the engine.
     await _settle_previous(server, claim)
-    if engine_sessions is not None:
-        start, session_params = await engine_sessions.begin_turn(session, plan.new_token_start)
-        _raise_if_aborted(claim)
-        payload = await server.pool.run_sized(
-            4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, chat.sampling_params, rid,
-            session_params, routed, chat.options.top_logprobs, chat.stream, plan.routed_experts_start,
-        )
-    assert payload is not None
+    payload = await engine_payload(server, claim, chat, plan, rid)
     if chat.stream:
         return stream_response(server, claim, rid, payload, chat, plan, rollback_headers(plan))
 
     committed = False
     try:
-        outcome = await _run_engine(server, claim, request, rid, payload, chat, timing)
-        if (engine_sessions is not None and isinstance(outcome, EngineReply)
-                and engine_session_gone(outcome.status, outcome.body)):
+        try:
+            out = await _run_engine(server, claim, request, rid, payload, chat, timing)
+        except EngineRefusedError as refused:
+            if engine_sessions is None or not engine_session_gone(refused.engine_status, refused.body):
+                raise
             # The engine lost the session (restarted, or its idle timeout closed it): the turn never ran there.
             # Reopen and resend the whole prompt once; the agent never sees the engine's 400.
-            logger.info("session %s: engine session gone (%r); reopening", session.id, outcome.body[:120])
+            logger.info("session %s: engine session gone (%r); reopening", session.id, refused.body[:120])
             metrics.engine_session_reopens.inc()
             engine_sessions.forget(session)
-            _raise_if_aborted(claim)
-            start, session_params = await engine_sessions.begin_turn(session, plan.new_token_start)
-            _raise_if_aborted(claim)
-            payload = await server.pool.run_sized(
-                4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, chat.sampling_params,
-                rid, session_params, routed, chat.options.top_logprobs, False, plan.routed_experts_start,
-            )
-            outcome = await _run_engine(server, claim, request, rid, payload, chat, timing)
-        if isinstance(outcome, EngineReply):  # the engine's own error: pass it through, unrecorded
-            return Response(outcome.body, status_code=outcome.status, media_type=outcome.content_type)
-        if outcome.message is None:
-            raise _aborted(
-                SessionPausedError("the engine aborted the request; retry the same turn", server.config.retry_after),
-                AbortCause.ENGINE,
-            )
+            claim.raise_if_aborted()
+            payload = await engine_payload(server, claim, chat, plan, rid)
+            out = await _run_engine(server, claim, request, rid, payload, chat, timing)
         metrics.stage("decode", timing.decode)
-        _raise_if_aborted(claim)
+        claim.raise_if_aborted()
         t0 = time.perf_counter()
-        record = await commit_turn(server, session, plan, outcome.result, outcome.message)
+        record = await commit_turn(server, session, plan, out.result, out.message)
         committed = True
         metrics.stage("commit", time.perf_counter() - t0)
         metrics.turn_tokens(len(plan.prompt_ids), record.cached_tokens, record.completion_len)
         if plan.rolled_back:
             metrics.rollback(plan.rollback_reason or "retry")
         if engine_sessions is not None:
-            engine_sessions.committed(session, len(plan.prompt_ids) + len(outcome.result.output_ids))
+            engine_sessions.committed(session, len(plan.prompt_ids) + len(out.result.output_ids))
     finally:
         if engine_sessions is not None and not committed:
             engine_sessions.mark_dirty(session)
-    headers = rollback_headers(plan)
-    return Response(outcome.reply, media_type="application/json", headers=headers)
+    return Response(out.reply, media_type="application/json", headers=rollback_headers(plan))
 
 
 ROLLBACK_HEADER = "X-Session-Rollback"
@@ -300,73 +257,62 @@ async def _settle_previous(server: ServerState, claim: Claim) -> None:
     if server.drains is None or server.drains.pending(claim.session.id) is None:
         return
     if not await server.drains.settle(claim.session.id, _remaining(server, claim)):
-        raise _aborted(EngineTimeoutError(
+        raise tag_abort(EngineTimeoutError(
             f"the session's previous engine request was still being aborted after "
             f"{server.config.request_timeout:g}s; nothing was sent"), AbortCause.TIMEOUT)
-    _raise_if_aborted(claim)
+    claim.raise_if_aborted()
 
 
 async def _generate(
     server: ServerState, session_id: str, payload: bytes, rid: str, chat: ChatRequest, timing: TurnTiming
-) -> Any:
+) -> TurnOutput:
+    """The engine call and the strict decode of its reply; the engine's own error is EngineRefusedError, an abort on
+    its side EngineAbortedError (503, retry the turn)."""
     t0 = time.perf_counter()
     reply = await server.engine.generate(payload, session_id)
     t1 = time.perf_counter()
     timing.engine = t1 - t0
     server.metrics.engine_seconds.observe(timing.engine)
     if not reply.ok:
-        return reply
+        raise EngineRefusedError(reply.status, reply.body, reply.content_type)
     model = chat.model or server.family.name
     # The cut is a memchr over the routed-experts megabytes (~0.1 ms); what is left to decode is what the pool-or-
     # inline choice should weigh, and it is usually small enough that a pool hop would cost more than the decode.
     split = split_routed_experts(reply.body)
-    out = await server.pool.run_decode(
-        len(split[0]), decode_turn, reply.body, server.family, rid, model, split=split,
-        options=chat.options,
-    )
+    try:
+        out = await server.pool.run_decode(
+            len(split[0]), decode_turn, reply.body, server.family, rid, model, split=split, options=chat.options,
+        )
+    except EngineAbortedError as err:
+        err.retry_after = server.config.retry_after
+        raise tag_abort(err, AbortCause.ENGINE) from None
     timing.decode = time.perf_counter() - t1
     return out
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def _run_engine(
     server: ServerState, claim: Claim, request: Request, rid: str, payload: bytes, chat: ChatRequest,
     timing: TurnTiming,
-) -> TurnOutput | EngineReply:
+) -> TurnOutput:
+    """The engine call raced against the client, the claim and the deadline (race.py). Every way out that is not a
+    finished call aborts the engine request by our rid and commits nothing."""
     engine_task = asyncio.ensure_future(_generate(server, claim.session.id, payload, rid, chat, timing))
-    disconnect = asyncio.ensure_future(_wait_disconnect(request))
-    aborted = asyncio.ensure_future(claim.aborted.wait())
     try:
-        done, _ = await asyncio.wait(
-            (engine_task, disconnect, aborted),
-            timeout=max(0.0, _remaining(server, claim)),
-            return_when=asyncio.FIRST_COMPLETED,
-        )
+        ending = await race(engine_task, request.receive, claim, _remaining(server, claim))
     except asyncio.CancelledError:
         # The handler itself is being cancelled: the engine request is still aborted (in the background).
         _abort_engine(server, claim, rid, engine_task)
         raise
-    finally:
-        disconnect.cancel()
-        aborted.cancel()
-    if engine_task in done:
-        outcome: TurnOutput | EngineReply = engine_task.result()
-        return outcome
+    if ending is Ending.FINISHED:
+        return engine_task.result()
     _abort_engine(server, claim, rid, engine_task)
-    if disconnect in done:
-        raise _aborted(
+    if ending is Ending.DISCONNECTED:
+        raise tag_abort(
             ClientDisconnectedError("client disconnected during the chat; engine request aborted"),
             AbortCause.DISCONNECT,
         )
-    if aborted in done:
-        _raise_if_aborted(claim)
-    raise _aborted(
+    claim.raise_if_aborted()
+    raise tag_abort(
         EngineTimeoutError(f"engine did not answer within {server.config.request_timeout:g}s; request aborted"),
         AbortCause.TIMEOUT,
     )

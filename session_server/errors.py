@@ -46,6 +46,26 @@ class SessionPausedError(SessionError):
         self.retry_after = retry_after
 
 
+class EngineAbortedError(SessionPausedError):
+    """The engine ended the request itself (its own pause, a weight update, an abort in its queue): nothing was
+    generated that could be committed, and the same turn can be retried (503)."""
+
+    code = "engine_aborted"
+
+
+class EngineRefusedError(SessionError):
+    """The engine's own non-2xx reply (e.g. a prompt longer than its context): the agent gets it as it came, with the
+    engine's status and body, and nothing is recorded."""
+
+    code = "engine_refused"
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"engine answered HTTP {status}")
+        self.engine_status = status
+        self.body = body
+        self.content_type = content_type
+
+
 class LimitExceededError(RequestValidationError):
     """A request over a token limit (the engine's context, --max-session-tokens): a 400 that names the limit."""
 
@@ -124,6 +144,8 @@ def json_response(payload: object, status: int = 200, headers: dict[str, str] | 
 
 
 def error_response(err: SessionError) -> Response:
+    if isinstance(err, EngineRefusedError):
+        return Response(err.body, status_code=err.engine_status, media_type=err.content_type)
     headers = None
     retry_after = getattr(err, "retry_after", None)  # 503s that say when to come back (pause, full, drain)
     if retry_after is not None:

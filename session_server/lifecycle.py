@@ -21,10 +21,14 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .errors import SessionBusyError, SessionPausedError, TooManySessionsError
+from trajectory.errors import SessionError
+
+from .errors import SessionBusyError, SessionNotFoundError, SessionPausedError, TooManySessionsError
 from .journal import SessionInfo
+from .metrics import AbortCause
 from .registry import Registry, Session
 
 if TYPE_CHECKING:
@@ -44,10 +48,24 @@ class AbortReason(enum.Enum):
     SHUTDOWN = "shutdown"
 
 
+ABORT_CAUSES = {
+    AbortReason.DELETED: AbortCause.DELETE,
+    AbortReason.EXPIRED: AbortCause.EXPIRY,
+    AbortReason.PAUSED: AbortCause.PAUSE,
+    AbortReason.SHUTDOWN: AbortCause.SHUTDOWN,
+}
+
+
+def tag_abort(err: SessionError, cause: AbortCause) -> SessionError:
+    """Mark an error as the end of an aborted chat, so the handler counts it once, by cause (metrics.abort)."""
+    err.abort_cause = cause  # type: ignore[attr-defined]
+    return err
+
+
 class Claim:
     """Ownership of a session's single in-flight slot."""
 
-    __slots__ = ("_owner", "aborted", "done", "reason", "session", "started")
+    __slots__ = ("_on_abort", "_owner", "aborted", "done", "reason", "session", "started")
 
     def __init__(self, owner: Lifecycle, session: Session) -> None:
         self._owner = owner
@@ -56,6 +74,7 @@ class Claim:
         self.reason: AbortReason | None = None
         self.aborted = asyncio.Event()  # set by someone else who wants this chat to stop
         self.done = asyncio.Event()  # set once, when the owner has released the slot
+        self._on_abort: list[Callable[[], object]] = []
 
     @property
     def retry_after(self) -> int:
@@ -66,10 +85,46 @@ class Claim:
         if self.reason is None:
             self.reason = reason
             self.aborted.set()
+            for callback in self._on_abort:
+                callback()
+
+    def on_abort(self, callback: Callable[[], object]) -> Callable[[], None]:
+        """Call `callback` when the claim is aborted (at once if it already is); returns the unsubscribe. Cheaper
+        than a task waiting on `aborted` for every stage of every chat."""
+        if self.reason is not None:
+            callback()
+            return _nothing
+        self._on_abort.append(callback)
+        return lambda: self._on_abort.remove(callback) if callback in self._on_abort else None
+
+    def abort_error(self) -> SessionError | None:
+        """What the agent hears when its chat was aborted by someone else (tagged with the cause); None if not."""
+        reason = self.reason
+        if reason is None:
+            return None
+        err: SessionError
+        if reason is AbortReason.DELETED:
+            err = SessionNotFoundError(f"session {self.session.id} was deleted during the chat")
+        elif reason is AbortReason.EXPIRED:
+            err = SessionNotFoundError(f"session {self.session.id} expired: its chat outlived the request timeout")
+        elif reason is AbortReason.PAUSED:
+            err = SessionPausedError("chat aborted: the server was paused; retry the same turn", self.retry_after)
+        else:
+            err = SessionPausedError("chat aborted: the server is shutting down", self.retry_after)
+        return tag_abort(err, ABORT_CAUSES[reason])
+
+    def raise_if_aborted(self) -> None:
+        err = self.abort_error()
+        if err is not None:
+            raise err
 
     def release(self) -> None:
         """Free the slot (idempotent); the handler that took the claim calls it in its `finally`."""
         self._owner.release(self)
+
+
+def _nothing() -> None:
+    return None
 
 
 class Lifecycle:

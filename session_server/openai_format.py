@@ -24,6 +24,7 @@ from trajectory.messages import normalize_tools
 
 from .body import decode_object
 from .engine_wire import decode_engine_reply
+from .errors import EngineAbortedError
 from .logprobs import openai_logprobs
 from .openai_fields import (
     MAX_INT32,
@@ -142,8 +143,8 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
 @dataclass(slots=True)
 class TurnOutput:
     result: GenerateResult
-    message: dict[str, Any] | None  # the assistant message to commit (None for an engine-side abort)
-    reply: bytes  # the encoded client reply (JSON or one SSE chunk + [DONE])
+    message: dict[str, Any]  # the assistant message to commit
+    reply: bytes  # the encoded client reply
 
 
 def _finish_reason(result: GenerateResult, has_tool_calls: bool) -> str:
@@ -163,13 +164,14 @@ def decode_turn(
     split: tuple[bytes, memoryview | None] | None = None, options: RequestOptions | None = None,
 ) -> TurnOutput:
     """Strictly validate the engine reply (502 on any rule), parse it with the family, encode the client reply
-    (a streamed chat uses the same validation and parse; streaming.py writes its own chunks).
+    (a streamed chat uses the same validation and parse; streaming.py writes its own chunks). A reply the engine
+    itself aborted is EngineAbortedError (503): there is nothing to commit.
 
     `split` is `split_routed_experts(body)` when the caller already made the cut (to size the work that is left).
     """
     result = decode_engine_reply(body, family.vocab_size, split)
     if result.finish_reason.get("type") == "abort":
-        return TurnOutput(result, None, b"")
+        raise EngineAbortedError("the engine aborted the request; retry the same turn")
     options = options or RequestOptions()
     parsed = family.parse_reply(result.text, options.parse_tool_calls)
     message = parsed.to_message(f"call_{rid[:24]}")

@@ -39,15 +39,16 @@ from .commit import commit_turn
 from .engine_wire import split_routed_experts
 from .errors import (
     ClientDisconnectedError,
+    EngineAbortedError,
     EngineTimeoutError,
-    SessionNotFoundError,
     SessionPausedError,
     error_response,
 )
-from .lifecycle import AbortReason, Claim
+from .lifecycle import ABORT_CAUSES, AbortReason, Claim
 from .logprobs import openai_logprobs
 from .metrics import AbortCause
 from .openai_format import ChatRequest, TurnOutput, decode_turn, system_fingerprint
+from .race import Ending, race
 from .state import ServerState
 from .stream_parser import DeltaTracker, StreamDivergedError
 
@@ -59,25 +60,6 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-
 
 class _Gone(Exception):
     """The agent's connection is gone (a send failed)."""
-
-
-_ABORT_CAUSES = {
-    AbortReason.DELETED: AbortCause.DELETE,
-    AbortReason.EXPIRED: AbortCause.EXPIRY,
-    AbortReason.PAUSED: AbortCause.PAUSE,
-    AbortReason.SHUTDOWN: AbortCause.SHUTDOWN,
-}
-
-
-def _abort_error(claim: Claim) -> SessionError:
-    reason = claim.reason
-    if reason is AbortReason.DELETED:
-        return SessionNotFoundError(f"session {claim.session.id} was deleted during the chat")
-    if reason is AbortReason.EXPIRED:
-        return SessionNotFoundError(f"session {claim.session.id} expired: its chat outlived the request timeout")
-    if reason is AbortReason.PAUSED:
-        return SessionPausedError("chat aborted: the server was paused; retry the same turn", claim.retry_after)
-    return SessionPausedError("chat aborted: the server is shutting down", claim.retry_after)
 
 
 class StreamingTurn:
@@ -134,21 +116,15 @@ class StreamingTurn:
 
     async def _run(self, receive: Receive, send: Send) -> None:
         pump = asyncio.ensure_future(self._pump(send))
-        disconnect = asyncio.ensure_future(self._wait_disconnect(receive))
-        aborted = asyncio.ensure_future(self.claim.aborted.wait())
+        # --request-timeout is the total the client waits, counted from the claim (chat.py _remaining).
+        remaining = self.claim.started + self.server.config.request_timeout - time.monotonic()
         try:
-            # --request-timeout is the total the client waits, counted from the claim (chat.py _remaining).
-            remaining = self.claim.started + self.server.config.request_timeout - time.monotonic()
-            done, _ = await asyncio.wait((pump, disconnect, aborted), timeout=max(0.0, remaining),
-                                         return_when=asyncio.FIRST_COMPLETED)
+            ending = await race(pump, receive, self.claim, remaining)
         except asyncio.CancelledError:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(asyncio.ensure_future(self._abort_engine(pump)))
             raise
-        finally:
-            disconnect.cancel()
-            aborted.cancel()
-        if pump in done:
+        if ending is Ending.FINISHED:
             error = pump.exception()
             if error is None:
                 return
@@ -162,7 +138,7 @@ class StreamingTurn:
                 if isinstance(error, UpstreamError):
                     self.server.metrics.validation_failure(error.rule)
                 elif self.claim.reason is not None:
-                    self.server.metrics.abort(_ABORT_CAUSES[self.claim.reason])
+                    self.server.metrics.abort(ABORT_CAUSES[self.claim.reason])
                 elif isinstance(error, SessionPausedError):
                     self.server.metrics.abort(AbortCause.ENGINE)
                 await self._fail(send, error)
@@ -171,24 +147,17 @@ class StreamingTurn:
                 await self._fail(send, InvariantError(f"internal error while streaming: {type(error).__name__}"))
             return
         await self._abort_engine(pump)
-        if disconnect in done:
+        if ending is Ending.DISCONNECTED:
             self.status = ClientDisconnectedError.status
             self.server.metrics.abort(AbortCause.DISCONNECT)
             return
-        if aborted in done:
-            self.server.metrics.abort(_ABORT_CAUSES[self.claim.reason or AbortReason.SHUTDOWN])
-            await self._fail(send, _abort_error(self.claim))
+        if ending is Ending.ABORTED:
+            self.server.metrics.abort(ABORT_CAUSES[self.claim.reason or AbortReason.SHUTDOWN])
+            await self._fail(send, self.claim.abort_error() or SessionPausedError("chat aborted"))
             return
         self.server.metrics.abort(AbortCause.TIMEOUT)
         await self._fail(send, EngineTimeoutError(
             f"engine did not finish within {self.server.config.request_timeout:g}s; request aborted"))
-
-    @staticmethod
-    async def _wait_disconnect(receive: Receive) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
 
     async def _abort_engine(self, pump: asyncio.Future[Any]) -> None:
         """Abort by rid, then drop the engine stream (closing it is a disconnect the engine also acts on)."""
@@ -380,13 +349,15 @@ class StreamingTurn:
         self.engine_seconds = time.perf_counter() - self.t_start
         t0 = time.perf_counter()
         split = split_routed_experts(raw)
-        out: TurnOutput = await server.pool.run_decode(
-            len(split[0]), decode_turn, raw, self.family, self.rid, self.model, split=split,
-            options=dataclasses.replace(chat.options, logprobs=False),  # the chunks carry their own logprobs
-        )
+        try:
+            out: TurnOutput = await server.pool.run_decode(
+                len(split[0]), decode_turn, raw, self.family, self.rid, self.model, split=split,
+                options=dataclasses.replace(chat.options, logprobs=False),  # the chunks carry their own logprobs
+            )
+        except EngineAbortedError as err:
+            err.retry_after = server.config.retry_after
+            raise
         server.metrics.stage("decode", time.perf_counter() - t0)
-        if out.message is None:
-            raise SessionPausedError("the engine aborted the request; retry the same turn", server.config.retry_after)
         result = out.result
         try:
             rest = self.tracker.finish(out.message)
@@ -395,8 +366,7 @@ class StreamingTurn:
         sent = np.asarray(self.lp_sent, dtype=np.float32)
         if not np.array_equal(sent, result.logprobs[: len(sent)]):
             raise UpstreamError("engine stream logprobs changed between events", rule="stream_logprobs")
-        if claim.reason is not None:
-            raise _abort_error(claim)
+        claim.raise_if_aborted()
         if self._abandoned:
             raise _Gone("the chat ended before the engine finished; nothing is committed")
         session = claim.session

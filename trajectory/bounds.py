@@ -56,8 +56,15 @@ def _verbatim_texts(messages: Any) -> list[str]:
 def min_prompt_tokens(messages: Any, max_token_chars: int, stop_above: int) -> int:
     """A lower bound on the prompt tokens of a request with these (raw, unvalidated) messages; counting stops once
     it exceeds `stop_above`. Malformed messages count as nothing (validation refuses them later)."""
+    texts = _verbatim_texts(messages)
+    # Neither count of a text exceeds (len + 1) // 2: word starts are a space followed by a non-space, so no two are
+    # adjacent, and the length bound is at most that when max_token_chars >= 2. Texts that are short in total cannot
+    # pass the limit, so the per-character scan -- the one step of a turn whose cost grows with the history an agent
+    # resends -- is skipped and the length bound alone (still a lower bound) is returned.
+    if max_token_chars >= 2 and sum((len(t) + 1) // 2 for t in texts) <= stop_above:
+        return sum(-(-len(t) // max_token_chars) for t in texts)
     total = 0
-    for text in _verbatim_texts(messages):
+    for text in texts:
         total += min_tokens(text, max_token_chars, stop_above - total)
         if total > stop_above:
             break

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any
+from operator import attrgetter, itemgetter
+from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
 import numpy as np
@@ -51,13 +52,20 @@ class _WeightSpan(msgspec.Struct, forbid_unknown_fields=True):
     end: NonNegative
 
 
-class _MetaInfo(msgspec.Struct, kw_only=True):
+# SGLang's own entry shape: `(logprob, token_id, None)` (tokenizer_manager.py detokenize_logprob_tokens without
+# return_text_in_logprobs). Decoded as plain tuples first: a Struct per token costs twice as much, and a body that
+# does not fit this narrower type is decoded again with `_LogprobEntry`, which decides (and names the broken rule).
+_PlainEntry = tuple[float, int, None]
+Entry = TypeVar("Entry", _LogprobEntry, _PlainEntry)
+
+
+class _MetaInfo(msgspec.Struct, Generic[Entry], kw_only=True):
     finish_reason: _Stop | _Length | _Abort
     completion_tokens: NonNegative
     # Required, except in the reduced meta_info of a request aborted in the engine's waiting queue
     # (tokenizer_manager.py _handle_abort_req): checked after the finish reason is known.
     prompt_tokens: NonNegative | None = None
-    output_token_logprobs: list[_LogprobEntry]
+    output_token_logprobs: list[Entry]
     output_top_logprobs: list[list[_LogprobEntry] | None] | None = None  # when top_logprobs_num > 0
     cached_tokens: NonNegative = 0
     id: str | None = None
@@ -67,13 +75,16 @@ class _MetaInfo(msgspec.Struct, kw_only=True):
     routed_experts: msgspec.Raw = msgspec.Raw(b"")
 
 
-class _GenerateResponse(msgspec.Struct):
+class _GenerateResponse(msgspec.Struct, Generic[Entry]):
     text: str
     output_ids: list[int]
-    meta_info: _MetaInfo
+    meta_info: _MetaInfo[Entry]
 
 
-_DECODER = msgspec.json.Decoder(_GenerateResponse)
+_PLAIN_DECODER = msgspec.json.Decoder(_GenerateResponse[_PlainEntry])
+_DECODER = msgspec.json.Decoder(_GenerateResponse[_LogprobEntry])
+_PLAIN_COLUMNS = (itemgetter(0), itemgetter(1))
+_ENTRY_COLUMNS = (attrgetter("logprob"), attrgetter("token_id"))
 NAN_MATCHED = "NaN happened"  # schedule_batch.py Req._check_vocab_boundary_finish: a NaN sample
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
 _MISSING = re.compile(r"missing required field `(\w+)`")
@@ -132,14 +143,23 @@ def _finish_reason(reason: _Stop | _Length | _Abort) -> dict[str, Any]:
     return {"type": "abort", "message": reason.message}
 
 
-def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
-    """Decode and validate one `/generate` body; raise UpstreamError(rule=...) on the first broken rule."""
+def _decode(body: bytes) -> _GenerateResponse[Any]:
+    """The plain-tuple decode, or the full schema's verdict where the body does not fit it."""
     try:
-        response = _DECODER.decode(body)
-    except msgspec.ValidationError as exc:
-        raise UpstreamError(f"engine response breaks the schema: {exc}", rule=_schema_rule(str(exc))) from None
+        return _PLAIN_DECODER.decode(body)
+    except msgspec.ValidationError:
+        pass
     except msgspec.DecodeError as exc:  # includes NaN/Infinity literals, which are not JSON
         raise UpstreamError(f"engine response is not valid JSON: {exc}", rule="json") from None
+    try:
+        return _DECODER.decode(body)
+    except msgspec.ValidationError as exc:
+        raise UpstreamError(f"engine response breaks the schema: {exc}", rule=_schema_rule(str(exc))) from None
+
+
+def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
+    """Decode and validate one `/generate` body; raise UpstreamError(rule=...) on the first broken rule."""
+    response = _decode(body)
     meta = response.meta_info
     entries = meta.output_token_logprobs
     n = meta.completion_tokens
@@ -157,14 +177,16 @@ def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
             f"output_token_logprobs={len(entries)}",
             rule="length_mismatch",
         )
-    token_ids = [e.token_id for e in entries]
+    logprob_of, token_id_of = _PLAIN_COLUMNS if not entries or isinstance(entries[0], tuple) else _ENTRY_COLUMNS
+    token_ids = list(map(token_id_of, entries))
     with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf, caught just below
-        logprobs = np.array([e.logprob for e in entries], dtype=np.float32)
+        logprobs = np.fromiter(map(logprob_of, entries), dtype=np.float32, count=n)
     finite = np.isfinite(logprobs)
     if not finite.all():  # also catches float64 values that overflow float32
         i = int(np.flatnonzero(~finite)[0])
         raise UpstreamError(f"output_token_logprobs[{i}] has a non-finite logprob", rule="logprob_value")
-    if n and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+    ids = np.array(token_ids)  # int64 (uint64 or object for ids beyond int64: refused just below, as all others)
+    if n and (ids.min() < 0 or ids.max() >= vocab_size):
         i = next(i for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
         raise UpstreamError(
             f"output_token_logprobs[{i}] token id {token_ids[i]} is outside [0, {vocab_size})", rule="token_range"
@@ -180,7 +202,7 @@ def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
     top = None if meta.output_top_logprobs is None else _top_logprobs(meta.output_top_logprobs, n, vocab_size)
     return GenerateResult(
         text=response.text,
-        output_ids=np.array(token_ids, dtype=np.int32),
+        output_ids=ids.astype(np.int32),
         logprobs=logprobs,
         finish_reason=_finish_reason(meta.finish_reason),
         prompt_tokens=meta.prompt_tokens or 0,

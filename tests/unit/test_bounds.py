@@ -63,3 +63,14 @@ def test_malformed_messages_count_as_nothing() -> None:
                      [{"role": "user", "content": 5}],
                      [{"role": "user", "content": [1, {"text": 2}, {"text": "a b"}]}]):
         assert min_prompt_tokens(messages, 128, 100) in (0, 1)
+
+
+@settings(max_examples=500, deadline=None)
+@given(texts=st.lists(TEXT, max_size=6), max_token_chars=st.integers(1, 8), limit=st.integers(0, 200))
+def test_skipping_the_scan_of_short_texts_never_changes_the_verdict(
+    texts: list[str], max_token_chars: int, limit: int
+) -> None:
+    """Short histories skip the per-character scan; whether a prompt is refused must not depend on that."""
+    messages = [{"role": "user", "content": text} for text in texts]
+    scanned = sum(min_tokens(text, max_token_chars, 10**9) for text in texts)
+    assert (min_prompt_tokens(messages, max_token_chars, limit) > limit) == (scanned > limit)

@@ -38,9 +38,13 @@ def payloads(draw: st.DrawFn) -> dict[str, Any]:
     body = engine_body(ids, logprobs, finish=finish, prompt_tokens=draw(st.integers(0, 10**6)), text="t",
                        rid=draw(st.text(max_size=8)))
     entries = body["meta_info"]["output_token_logprobs"]
+    # SGLang's own shape is [logprob, id, null] (decoded as plain tuples); [logprob, id] and [logprob, id, text] are
+    # allowed too (decoded by the full schema): a body may mix them.
+    shapes = draw(st.sampled_from(["sglang", "mixed"]))
     for i in range(n):
-        if draw(st.booleans()):
-            entries[i] = entries[i][:2]  # [logprob, id] without the text is allowed too
+        entries[i] = entries[i][:2] + [None]
+        if shapes == "mixed":
+            entries[i] = draw(st.sampled_from([entries[i], entries[i][:2], [*entries[i][:2], "tok"]]))
     meta = body["meta_info"]
     if draw(st.booleans()):
         meta["routed_experts"] = draw(st.lists(st.lists(st.integers(0, 255), max_size=4), max_size=4))
