@@ -322,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         log_level=args.log_level,
         server_header=False,  # replies carry exactly one date header and no server header
+        proxy_headers=False,  # nothing reads the client address: no X-Forwarded-* rewriting on every request
         date_header=True,
         backlog=4096,
         timeout_keep_alive=30,

@@ -1,4 +1,5 @@
-"""uvicorn's httptools protocol with a limit on the size of a request's head (request line + headers).
+"""uvicorn's httptools protocol with a limit on the size of a request's head (request line + headers), and replies
+written in one piece.
 
 httptools (llhttp) has no such limit and uvicorn sets none: one request with a 64 MiB header was accepted, grew the
 process by 121 MiB and stalled /health for 3 s while it was parsed. h11 has `h11_max_incomplete_event_size`, but h11
@@ -6,10 +7,16 @@ costs far more CPU per request than httptools on the hot path. So we count the b
 request's head is incomplete; past the limit the client gets 431 (RFC 6585) and the connection is closed, before the
 application ever sees the request. The count is per connection and per request (it restarts at each message), and
 the parser never buffers more than the limit plus one read.
+
+One piece: uvicorn writes a response's status line and headers as soon as the app sends `http.response.start`, and
+the body with the next message, so every reply costs two write syscalls and two TCP segments (with TCP_NODELAY), and
+wakes the client twice. Writes made in one pass of the event loop are gathered and written together once the
+handler yields (`_CoalescingTransport`): same bytes, same order, one syscall per reply.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httptools
@@ -23,6 +30,65 @@ class _HeadTooLarge(Exception):
     pass
 
 
+_GATHER_BELOW = 256 * 1024  # larger pending writes go out as they are (no copy to join them)
+
+
+class _CoalescingTransport:
+    """A transport whose writes are held until the end of the current loop pass and then written as one.
+
+    Everything else is the real transport's. `close()` writes what is held first (as a transport's own close sends
+    its buffer); `abort()` drops it, like the real one drops its buffer."""
+
+    __slots__ = ("_loop", "_pending", "_scheduled", "_size", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+        self._size = 0
+        self._scheduled = False
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        self._pending.append(data)
+        self._size += len(data)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        pending, self._pending = self._pending, []
+        size, self._size = self._size, 0
+        if not pending or self._transport.is_closing():
+            return
+        if len(pending) == 1:
+            self._transport.write(pending[0])
+        elif size <= _GATHER_BELOW:
+            self._transport.write(b"".join(pending))
+        else:
+            self._transport.writelines(pending)
+
+    def get_write_buffer_size(self) -> int:
+        return self._size + self._transport.get_write_buffer_size()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending, self._size = [], 0
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     max_header_bytes = 64 * 1024
 
@@ -31,6 +97,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._head_bytes = 0  # bytes of the current request's head fed while it was incomplete
         self._head_parsed = 0  # exact size of what the parser has handed over: URL, header names and values
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(_CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
