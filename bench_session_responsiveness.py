@@ -285,18 +285,35 @@ async def run_load(url: str, args: argparse.Namespace, on_start: Callable[[], No
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def probe_engine_response(engine_url: str, tokenizer_dir: str, reply_tokens: int) -> dict[str, Any]:
-    """Size of one /generate response for the benchmark's prompt, asked the way the server asks (5.1)."""
+def prompt_ids(tokenizer_dir: str, reply_tokens: int, tools: int = 0) -> list[int]:
+    """The token ids of the benchmark's first-turn prompt, rendered as the server renders it."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    ids = tok.apply_chat_template(
-        chat_body(0, 0, reply_tokens)["messages"], add_generation_prompt=True, tokenize=True
-    )
+    body = chat_body(0, 0, reply_tokens, tools)
+    ids = tok.apply_chat_template(body["messages"], tools=body.get("tools"), add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
+    return list(map(int, ids))
+
+
+def routed_experts_layers(tokenizer_dir: str, reply_tokens: int, tools: int, n_bytes: int) -> int:
+    """The layer count that makes one chat's routed experts about `n_bytes`.
+
+    SGLang's payload has a row per position of the whole sequence (prompt + reply - 1) on a first turn, so its size
+    depends on how long the benchmark's chats are: the sim's `--routed-experts-bytes` sizes it for a 1k-token
+    sequence, which on these ~100-token chats sent ~90 KiB instead of the ~1.5 MiB the benchmark is about."""
+    from rollout.engines.sim.routed_experts import DEFAULT_TOP_K, layers_for_bytes
+
+    tokens = len(prompt_ids(tokenizer_dir, reply_tokens, tools)) + reply_tokens
+    return layers_for_bytes(n_bytes, DEFAULT_TOP_K, tokens=tokens)
+
+
+def probe_engine_response(engine_url: str, tokenizer_dir: str, reply_tokens: int) -> dict[str, Any]:
+    """Size of one /generate response for the benchmark's prompt, asked the way the server asks (5.1)."""
+    ids = prompt_ids(tokenizer_dir, reply_tokens)
     body = {
-        "input_ids": list(map(int, ids)),
+        "input_ids": ids,
         "sampling_params": {"max_new_tokens": max(2 * reply_tokens, 64), "temperature": 1.0},
         "return_logprob": True,
         "logprob_start_len": -1,
@@ -450,8 +467,10 @@ def measure(args: argparse.Namespace) -> Measurement:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench-responsiveness-"))
     log_dir.mkdir(parents=True, exist_ok=True)
 
-    engine_args = ["--routed-experts-bytes", str(args.routed_experts_bytes),
-                   "--token-latency-ms", str(args.token_latency_ms), *args.engine_arg]
+    engine_args = ["--token-latency-ms", str(args.token_latency_ms), *args.engine_arg]
+    if args.routed_experts_bytes > 0:
+        layers = routed_experts_layers(args.tokenizer, args.reply_tokens, args.tools, args.routed_experts_bytes)
+        engine_args += ["--routed-experts-layers", str(layers)]
     server_args = list(args.server_arg)
     if args.routed_experts_bytes > 0 and not args.no_routed_request:
         server_args.append("--return-routed-experts")  # else the engine sends no payload (DESIGN 5.1: opt-in)

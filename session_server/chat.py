@@ -55,6 +55,9 @@ from .turn_limits import TurnLimits
 logger = logging.getLogger("session_server.chat")
 
 NO_LIMITS = TurnLimits()
+# Rendering + tokenizing a byte of a first turn vs decoding a byte of an appended turn's body (~0.25 us vs a few ns,
+# measured here): with the default 64 KiB cut, first turns under 1 KiB run inline.
+FIRST_TURN_BYTE_WEIGHT = 64
 
 
 @dataclass(slots=True)
@@ -183,11 +186,12 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
     body = await _read_body_or_abort(claim, request, server.config.max_request_bytes, server.config.body_timeout)
     rid = uuid.uuid4().hex  # fixed length: no rid is a prefix of another (abort matches by prefix)
     engine_sessions = server.engine_sessions
-    # A first turn renders the whole conversation (tool schemas included) and tokenizes it: milliseconds of CPU
-    # however small its body, and a burst of them run inline would hold the loop for all of them back to back
-    # (measured: /health p99 89 ms under 64-chat waves of first turns with 8 tools). So first turns always go to
-    # the pool; appended turns render only the new messages and are sized by their body.
-    cost = len(body) if session.trajectory.checkpoints else max(len(body), server.pool.inline_below_bytes)
+    # Work is sized by the body it parses (cpu_pool.py). A first turn renders and tokenizes every byte of its body
+    # (tool schemas included), which costs far more per byte than decoding an appended turn's resent history, so
+    # its bytes weigh FIRST_TURN_BYTE_WEIGHT times more: a short first turn runs inline (a pool hop would cost more
+    # than it does), while one with a few tool schemas goes to the pool (run inline, a burst of those held the loop:
+    # /health p99 89 ms under 64-chat waves of first turns with 8 tools).
+    cost = len(body) if session.trajectory.checkpoints else FIRST_TURN_BYTE_WEIGHT * len(body)
     t0 = time.perf_counter()
     chat, plan = await server.pool.run_sized(
         cost, prepare_turn, body, session.trajectory,

@@ -364,8 +364,17 @@ def test_get_and_samples_build_their_bodies_on_the_pool(stack: dict[str, str], m
         sid = client.post("/sessions").json()["session_id"]
         first = client.post(f"/sessions/{sid}/v1/chat/completions", json=SHORT_CHAT)
         assert first.status_code == 200
-        # A first turn renders and tokenizes the whole conversation: pooled however small its body.
+        # A first turn renders and tokenizes its whole body: a short one inline (cheaper than a hop)...
+        assert threads.pop("prepare_turn") == {loop_thread}
+        tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "d" * 200,
+                                                   "parameters": {"type": "object", "properties": {}}}}
+                 for i in range(8)]
+        tooled = client.post("/sessions").json()["session_id"]
+        assert client.post(f"/sessions/{tooled}/v1/chat/completions",
+                           json={**SHORT_CHAT, "tools": tools}).status_code == 200
+        # ...one with a few tool schemas (about 2 KiB to render) on the pool.
         assert all(t.startswith("session-cpu") for t in threads.pop("prepare_turn"))
+        assert client.delete(f"/sessions/{tooled}").status_code == 204
         history = [*SHORT_CHAT["messages"], first.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
         assert client.post(f"/sessions/{sid}/v1/chat/completions",
                            json={**SHORT_CHAT, "messages": history}).status_code == 200

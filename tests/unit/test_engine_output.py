@@ -42,7 +42,7 @@ def payloads(draw: st.DrawFn) -> dict[str, Any]:
     # allowed too (decoded by the full schema): a body may mix them.
     shapes = draw(st.sampled_from(["sglang", "mixed"]))
     for i in range(n):
-        entries[i] = entries[i][:2] + [None]
+        entries[i] = [*entries[i][:2], None]
         if shapes == "mixed":
             entries[i] = draw(st.sampled_from([entries[i], entries[i][:2], [*entries[i][:2], "tok"]]))
     meta = body["meta_info"]
