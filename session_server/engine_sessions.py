@@ -101,7 +101,7 @@ class EngineSessions:
 
     async def close(self, session: Session) -> None:
         """Close the engine session, if any. Called by DELETE/shutdown only after the in-flight chat has finished."""
-        st = session.engine
-        sid, st.sid, st.tokens, st.dirty = st.sid, None, 0, False
+        sid = session.engine.sid
+        self.forget(session)
         if sid is not None and not await self._engine.close_session(sid, session.id):
             logger.warning("session %s: engine session %s may not be closed", session.id, sid)
