@@ -36,6 +36,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,11 +211,17 @@ class Soak:
         return True
 
     # -- the background chaos ---------------------------------------------------------------------------------------
-    async def pauser(self, rng: random.Random) -> None:
+    async def every(self, rng: random.Random, period: float) -> AsyncIterator[None]:
+        """Ticks at random intervals of 0.25-1.75 x `period` (so the chaos never falls into step with the agents)
+        until the soak stops; no tick after it stopped."""
         while not self.stopping:
-            await asyncio.sleep(rng.uniform(0.25, 1.75) * self.cfg.pause_period)
+            await asyncio.sleep(rng.uniform(0.25, 1.75) * period)
             if self.stopping:
                 return
+            yield
+
+    async def pauser(self, rng: random.Random) -> None:
+        async for _ in self.every(rng, self.cfg.pause_period):
             mode = rng.choice(("abort", "drain"))
             self.pause_epoch += 1
             started = time.monotonic()
@@ -245,10 +252,7 @@ class Soak:
                            f"{when}: engine {info['open_sessions']} > server {metrics.get('session_server_sessions')}")
 
     async def fault_switch(self, rng: random.Random) -> None:
-        while not self.stopping:
-            await asyncio.sleep(rng.uniform(0.25, 1.75) * self.cfg.fault_period)
-            if self.stopping:
-                return
+        async for _ in self.every(rng, self.cfg.fault_period):
             on = not self.faults_on
             body = {name: self.cfg.fault_rate / len(FAULT_NAMES) for name in FAULT_NAMES} if on else {}
             self.fault_epoch += 1
