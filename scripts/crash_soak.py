@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 
 from rollout.engines.sim import directives
+from rollout.engines.sim.baseline import baseline_problems, engine_idle
 from rollout.processes import RunningProcess, start_session_server, start_sim
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -251,19 +252,15 @@ class CrashSoak:
                     fail(f"final delete of {agent.sid} failed")
             deadline = time.monotonic() + 10
             while True:
-                info = (await http.get(f"{engine}/server_info")).json()
-                if (not info["running_requests"] and not info["waiting_requests"]) or time.monotonic() > deadline:
+                idle = (await http.get(f"{engine}/server_info")).json()
+                if engine_idle(idle) or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.05)
-            if info["running_requests"] or info["waiting_requests"] or info["open_sessions"]:
-                fail(f"engine not at baseline: {info}")
-            await http.post(f"{engine}/flush_cache")
-            info = (await http.get(f"{engine}/server_info")).json()
-            if info["kv_used_tokens"]:
-                fail(f"engine KV leaked: {info['kv_used_tokens']} tokens")
+            flushed = await http.post(f"{engine}/flush_cache")
+            after = (await http.get(f"{engine}/server_info")).json()
             books = (await http.get(f"{engine}/sim/books")).json()
-            if not books.get("ok"):
-                fail(f"engine books: {books}")
+            for kind, detail in baseline_problems(idle, flushed.status_code, after, books):
+                fail(f"engine not at baseline: {kind}: {detail}")
 
     def run(self) -> CrashReport:
         started = time.monotonic()

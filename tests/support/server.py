@@ -10,6 +10,8 @@ import httpx
 import numpy as np
 import openai
 
+from rollout.engines.sim.baseline import baseline_problems, engine_idle
+
 TOOLS = [
     {
         "type": "function",
@@ -35,23 +37,20 @@ def wait_engine_idle(engine: str, timeout: float = 10.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         info = engine_info(engine)
-        if info["running_requests"] == 0 and info["waiting_requests"] == 0:
+        if engine_idle(info):
             return info
         assert time.monotonic() < deadline, f"engine not idle: {info}"
         time.sleep(0.02)
 
 
 def assert_engine_baseline(engine: str, *, open_sessions: int = 0) -> None:
-    """Nothing runs, no session is held, and after a cache flush no KV slot is in use; the books balance."""
-    info = wait_engine_idle(engine)
-    assert info["open_sessions"] == open_sessions, info
+    """Nothing runs, no session is held, and after a cache flush no KV slot is in use; the books balance
+    (rollout.engines.sim.baseline)."""
+    idle = wait_engine_idle(engine)
     flushed = httpx.post(f"{engine}/flush_cache", timeout=10)
-    assert flushed.status_code == 200, flushed.text
-    info = engine_info(engine)
-    if open_sessions == 0:
-        assert info["kv_used_tokens"] == 0, info
     books = httpx.get(f"{engine}/sim/books", timeout=10).json()
-    assert books["ok"], books
+    problems = baseline_problems(idle, flushed.status_code, engine_info(engine), books, open_sessions=open_sessions)
+    assert not problems, problems
 
 
 def metric(server: str, name: str, default: float | None = None) -> float:
