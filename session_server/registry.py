@@ -32,6 +32,13 @@ class EngineSessionState:
     tokens: int = 0  # number of trajectory tokens the engine session holds (valid only when not dirty)
     dirty: bool = False  # an uncommitted turn ran in it: its contents no longer match the trajectory
 
+    def reset(self) -> str | None:
+        """Back to no engine session (the next turn opens a fresh one and sends the whole prompt); returns the id it
+        held, for the caller to close or leave to the engine's idle timeout."""
+        sid = self.sid
+        self.sid, self.tokens, self.dirty = None, 0, False
+        return sid
+
 
 @dataclass(eq=False, slots=True)
 class Session:
