@@ -29,7 +29,6 @@ import asyncio
 import json
 import random
 import signal
-import sqlite3
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ import httpx
 from rollout.engines.sim import directives
 from rollout.engines.sim.baseline import baseline_problems, engine_idle
 from rollout.processes import RunningProcess, start_session_server, start_sim
+from session_server.journal import file_bytes, table_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,10 +88,6 @@ class Snapshot:
     tokens: list[int]
     logprobs: list[float]
     mask: list[int]
-
-
-def journal_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")) if p.exists())
 
 
 class Agent:
@@ -237,7 +233,7 @@ class CrashSoak:
                 server.proc.send_signal(signal.SIGKILL)
                 self.report.kills += 1
             await asyncio.gather(*tasks)
-            self.report.journal_max_bytes = max(self.report.journal_max_bytes, journal_bytes(self.journal))
+            self.report.journal_max_bytes = max(self.report.journal_max_bytes, file_bytes(self.journal))
 
     async def verify_all(self, server: str) -> None:
         async with httpx.AsyncClient(timeout=60) as http:
@@ -287,17 +283,12 @@ class CrashSoak:
             server = None
             if code != 0:
                 self.report.failures.append(f"session-server exited with {code} on SIGTERM")
-            with sqlite3.connect(self.journal) as db:
-                self.report.journal_end_rows = {
-                    t: db.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-                    for t in ("sessions", "turns", "tombstones")
-                }
-            db.close()
+            self.report.journal_end_rows = table_rows(self.journal)
             rows = self.report.journal_end_rows
             # Only sessions whose creation reply was cut by a kill may remain (nobody knows their ids), never turns.
             if rows["turns"] or rows["sessions"] > self.report.creates_unanswered:
                 self.report.failures.append(f"journal rows left after every delete: {rows}")
-            self.report.journal_end_bytes = journal_bytes(self.journal)
+            self.report.journal_end_bytes = file_bytes(self.journal)
         finally:
             if server is not None:
                 server.stop()

@@ -432,6 +432,18 @@ class Journal:
             logger.warning("journal incremental vacuum failed: %r", exc)
 
 
+def table_rows(path: str | Path) -> dict[str, int]:
+    """Rows per table of a journal file, for an operator's look at it (the demo's summary, the crash soak's check
+    that deleted sessions left only tombstones)."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("sessions", "turns", "tombstones")}
+
+
+def file_bytes(path: str | Path) -> int:
+    """The journal's size on disk: the database file and, while it is open, its WAL and shared-memory files."""
+    return sum(p.stat().st_size for p in (Path(path), Path(f"{path}-wal"), Path(f"{path}-shm")) if p.exists())
+
+
 def wall_to_monotonic(wall: float, now_wall: Callable[[], float] = time.time,
                       now_mono: Callable[[], float] = time.monotonic) -> float:
     """A journaled wall-clock instant on this process's monotonic clock (the idle sweep's), never in the future."""
