@@ -111,12 +111,17 @@ class ToolCall:
     arguments: str
 
 
+def _string_argument(args: dict[str, Any], name: str) -> str:
+    """A required string argument; the model reads the ToolError as the call's result and can fix its call."""
+    value = args.get(name)
+    if not isinstance(value, str):
+        raise ToolError(f"argument {name!r} (string) is required")
+    return value
+
+
 def calculator_tool() -> Tool:
     def run(args: dict[str, Any]) -> str:
-        expression = args.get("expression")
-        if not isinstance(expression, str):
-            raise ToolError("argument 'expression' (string) is required")
-        return format_number(evaluate_expression(expression))
+        return format_number(evaluate_expression(_string_argument(args, "expression")))
 
     return Tool(
         name="calculator",
@@ -132,9 +137,7 @@ def calculator_tool() -> Tool:
 
 def lookup_tool(store: Mapping[str, str]) -> Tool:
     def run(args: dict[str, Any]) -> str:
-        key = args.get("key")
-        if not isinstance(key, str):
-            raise ToolError("argument 'key' (string) is required")
+        key = _string_argument(args, "key")
         if key not in store:
             raise ToolError(f"no entry for key {key!r}")
         return store[key]

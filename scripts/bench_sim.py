@@ -15,6 +15,7 @@ import time
 import httpx
 import msgspec
 
+from rollout.engines.sim import directives
 from rollout.processes import start_sim
 from scripts.benchlib import proc_cpu_seconds
 
@@ -69,7 +70,7 @@ def main() -> None:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
-        head = tok.encode(f"[[sim: tokens {args.reply_tokens}]] ", add_special_tokens=False)
+        head = tok.encode(f"{directives.tokens(args.reply_tokens)} ", add_special_tokens=False)
         prompt = (head + [11] * args.prompt_tokens)[: args.prompt_tokens]
         experts = args.routed_experts_bytes > 0
         asyncio.run(_drive(url, 100, args.concurrency, prompt, args.max_new_tokens, not args.no_logprobs,

@@ -29,7 +29,6 @@ import asyncio
 import json
 import random
 import signal
-import sqlite3
 import sys
 import tempfile
 import time
@@ -40,7 +39,9 @@ from typing import Any
 import httpx
 
 from rollout.engines.sim import directives
+from rollout.engines.sim.baseline import baseline_problems, engine_idle
 from rollout.processes import RunningProcess, start_session_server, start_sim
+from session_server.journal import file_bytes, table_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,10 +88,6 @@ class Snapshot:
     tokens: list[int]
     logprobs: list[float]
     mask: list[int]
-
-
-def journal_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")) if p.exists())
 
 
 class Agent:
@@ -236,7 +233,7 @@ class CrashSoak:
                 server.proc.send_signal(signal.SIGKILL)
                 self.report.kills += 1
             await asyncio.gather(*tasks)
-            self.report.journal_max_bytes = max(self.report.journal_max_bytes, journal_bytes(self.journal))
+            self.report.journal_max_bytes = max(self.report.journal_max_bytes, file_bytes(self.journal))
 
     async def verify_all(self, server: str) -> None:
         async with httpx.AsyncClient(timeout=60) as http:
@@ -251,19 +248,15 @@ class CrashSoak:
                     fail(f"final delete of {agent.sid} failed")
             deadline = time.monotonic() + 10
             while True:
-                info = (await http.get(f"{engine}/server_info")).json()
-                if (not info["running_requests"] and not info["waiting_requests"]) or time.monotonic() > deadline:
+                idle = (await http.get(f"{engine}/server_info")).json()
+                if engine_idle(idle) or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.05)
-            if info["running_requests"] or info["waiting_requests"] or info["open_sessions"]:
-                fail(f"engine not at baseline: {info}")
-            await http.post(f"{engine}/flush_cache")
-            info = (await http.get(f"{engine}/server_info")).json()
-            if info["kv_used_tokens"]:
-                fail(f"engine KV leaked: {info['kv_used_tokens']} tokens")
+            flushed = await http.post(f"{engine}/flush_cache")
+            after = (await http.get(f"{engine}/server_info")).json()
             books = (await http.get(f"{engine}/sim/books")).json()
-            if not books.get("ok"):
-                fail(f"engine books: {books}")
+            for kind, detail in baseline_problems(idle, flushed.status_code, after, books):
+                fail(f"engine not at baseline: {kind}: {detail}")
 
     def run(self) -> CrashReport:
         started = time.monotonic()
@@ -290,17 +283,12 @@ class CrashSoak:
             server = None
             if code != 0:
                 self.report.failures.append(f"session-server exited with {code} on SIGTERM")
-            with sqlite3.connect(self.journal) as db:
-                self.report.journal_end_rows = {
-                    t: db.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-                    for t in ("sessions", "turns", "tombstones")
-                }
-            db.close()
+            self.report.journal_end_rows = table_rows(self.journal)
             rows = self.report.journal_end_rows
             # Only sessions whose creation reply was cut by a kill may remain (nobody knows their ids), never turns.
             if rows["turns"] or rows["sessions"] > self.report.creates_unanswered:
                 self.report.failures.append(f"journal rows left after every delete: {rows}")
-            self.report.journal_end_bytes = journal_bytes(self.journal)
+            self.report.journal_end_bytes = file_bytes(self.journal)
         finally:
             if server is not None:
                 server.stop()

@@ -203,11 +203,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def journal_summary(path: Path) -> str:
     """Rows and size of the server's journal (every episode deleted its session: only tombstones are left)."""
-    import sqlite3
+    from session_server.journal import file_bytes, table_rows
 
-    with contextlib.closing(sqlite3.connect(path)) as db:
-        rows = {t: db.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("sessions", "turns", "tombstones")}
-    size = sum(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists())
+    rows, size = table_rows(path), file_bytes(path)
     return f"journal {path}: {size / 1024:.0f} KiB, " + ", ".join(f"{n} {t}" for t, n in rows.items())
 
 

@@ -28,6 +28,7 @@ from trajectory.messages import MATCHER_NAMES as MATCHERS
 from .config import ServerConfig
 from .engine_client import ENGINE_CLIENTS
 from .http_limits import limited_httptools
+from .journal import SYNC_MODES
 
 if TYPE_CHECKING:
     from trajectory import ModelFamily
@@ -197,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         "restores the sessions. A turn is on disk before its reply is sent. Default: memory only",
     )
     p.add_argument(
-        "--journal-sync", choices=("normal", "full"), default=_default("journal_sync"),
+        "--journal-sync", choices=SYNC_MODES, default=_default("journal_sync"),
         help="normal: a replied turn survives the server process being killed (SIGKILL, OOM), not a power loss or "
         "kernel crash; full: fsync on every group commit, survives those too, at more latency per turn "
         "(default normal)",

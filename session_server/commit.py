@@ -30,15 +30,10 @@ async def commit_turn(
     """Commit (and journal, with --journal) one turn; InvariantError (500) or JournalUnavailableError (503)."""
     trajectory = session.trajectory
     journal = server.journal
-    if journal is None:
-        async with session.lock:
-            try:
-                return trajectory.commit(plan, result, message)
-            except InvariantError as err:
-                logger.error("session %s: invariant broken at commit: %s", session.id, err)
-                raise
     async with session.lock:
         try:
+            if journal is None:
+                return trajectory.commit(plan, result, message)
             delta = trajectory.stage(plan, result, message)
         except InvariantError as err:
             logger.error("session %s: invariant broken at commit: %s", session.id, err)

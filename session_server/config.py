@@ -15,6 +15,7 @@ from trajectory.messages import MATCHER_NAMES as MATCHERS
 
 from .cpu_pool import DEFAULT_INLINE_BELOW_BYTES
 from .engine_client import ENGINE_CLIENTS
+from .journal import SYNC_MODES
 
 
 def default_cpu_workers() -> int:
@@ -85,8 +86,8 @@ class ServerConfig:
             problems.append("--request-timeout must be > 0")
         if self.engine_control_timeout <= 0:
             problems.append("--engine-control-timeout must be > 0")
-        if self.journal_sync not in ("normal", "full"):
-            problems.append("--journal-sync must be 'normal' or 'full'")
+        if self.journal_sync not in SYNC_MODES:
+            problems.append(f"--journal-sync must be {' or '.join(map(repr, SYNC_MODES))}")
         if self.tombstones < 0:
             problems.append("--tombstones must be >= 0")
         if self.session_idle_timeout < 0:

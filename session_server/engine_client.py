@@ -83,6 +83,14 @@ def _bearer(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def _check_credentials(status: int) -> None:
+    """A 401/403 on /generate is about the session server's key, not the agent's request: never pass it through
+    as the agent's fault."""
+    if status in (401, 403):
+        raise EngineUnavailableError(
+            f"engine refused the session server's credentials ({status}); check --engine-api-key")
+
+
 class EngineClient:
     def __init__(
         self,
@@ -126,6 +134,11 @@ class EngineClient:
     def __repr__(self) -> str:  # never show the keys
         return f"EngineClient({self.base_url!r})"
 
+    def _routed(self, routing_key: str) -> dict[str, str]:
+        """Headers of a call about one session: its routing key (sticky placement behind sglang-router) and the
+        normal API key."""
+        return {ROUTING_HEADER: routing_key, **self._normal_auth}
+
     async def aclose(self) -> None:
         await self._streaming.aclose()
         self._generate.close()
@@ -153,11 +166,8 @@ class EngineClient:
 
     async def generate(self, payload: bytes, routing_key: str) -> EngineReply:
         """POST /generate with an already encoded body (encoded off the loop), on the lean keep-alive pool."""
-        headers = {ROUTING_HEADER: routing_key, **self._normal_auth}
-        status, body, content_type = await self._generate.post("/generate", payload, headers)
-        if status in (401, 403):  # about our key, not the agent's request: never pass it through as the agent's fault
-            raise EngineUnavailableError(
-                f"engine refused the session server's credentials ({status}); check --engine-api-key")
+        status, body, content_type = await self._generate.post("/generate", payload, self._routed(routing_key))
+        _check_credentials(status)
         return EngineReply(status, body, content_type)
 
     @contextlib.asynccontextmanager
@@ -168,16 +178,13 @@ class EngineClient:
         failures, also while the caller reads the body, become EngineUnavailableError (502).
         """
         request = self._streaming.build_request("POST", "/generate", content=payload,
-                                                headers={ROUTING_HEADER: routing_key, **self._normal_auth})
+                                                headers=self._routed(routing_key))
         try:
             response = await self._streaming.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise EngineUnavailableError(f"engine streaming /generate failed: {type(exc).__name__}: {exc}") from exc
-        if response.status_code in (401, 403):  # about our key, not the agent's request
-            await response.aclose()
-            raise EngineUnavailableError(
-                f"engine refused the session server's credentials ({response.status_code}); check --engine-api-key")
         try:
+            _check_credentials(response.status_code)
             yield response
         except httpx.HTTPError as exc:
             raise EngineUnavailableError(f"engine stream broke: {type(exc).__name__}: {exc}") from exc
@@ -211,9 +218,7 @@ class EngineClient:
             req["session_id"] = session_id
         if idle_timeout is not None:
             req["timeout"] = idle_timeout
-        reply = await self._request(
-            "POST", "/open_session", _json.encode(req), headers={ROUTING_HEADER: routing_key, **self._normal_auth}
-        )
+        reply = await self._request("POST", "/open_session", _json.encode(req), headers=self._routed(routing_key))
         if not reply.ok:
             raise EngineUnavailableError(f"engine refused open_session ({reply.status}): {reply.body[:200]!r}")
         try:
@@ -227,8 +232,7 @@ class EngineClient:
     async def close_session(self, sid: str, routing_key: str) -> bool:
         try:
             reply = await self._request(
-                "POST", "/close_session", _json.encode({"session_id": sid}),
-                headers={ROUTING_HEADER: routing_key, **self._normal_auth},
+                "POST", "/close_session", _json.encode({"session_id": sid}), headers=self._routed(routing_key)
             )
         except EngineUnavailableError as exc:
             logger.warning("close of engine session %s failed: %s", sid, exc)

@@ -109,9 +109,12 @@ class EnginePool:
     def worker_of(self, session_id: str) -> Worker | None:
         return self._placement.get(session_id)
 
+    def _healthy(self) -> list[Worker]:
+        """The healthy workers, or all of them when none is (a call to one then says what is wrong)."""
+        return [w for w in self.workers if w.healthy] or self.workers
+
     def _choose(self) -> Worker:
-        candidates = [w for w in self.workers if w.healthy] or self.workers  # none healthy: the call will say so
-        return min(candidates, key=lambda w: (w.sessions, w.load))
+        return min(self._healthy(), key=lambda w: (w.sessions, w.load))
 
     def _assign(self, session_id: str, worker: Worker) -> None:
         old = self._placement.get(session_id)
@@ -136,8 +139,7 @@ class EnginePool:
             if self.on_move is not None:
                 self.on_move()
             logger.warning("session %s moves from engine %s (unhealthy) to %s", session.id, worker.url, new.url)
-            sid = session.engine.sid
-            session.engine.sid, session.engine.tokens, session.engine.dirty = None, 0, False
+            sid = session.engine.reset()
             if sid is not None:  # best effort: if the old worker was only slow, do not leave its session behind
                 self._background(worker.client.close_session(sid, session.id))
         self._assign(session.id, new)
@@ -149,6 +151,12 @@ class EnginePool:
             worker = self._choose()
             self._assign(session_id, worker)
         return worker
+
+    def _holders(self, routing_key: str | None) -> list[Worker]:
+        """Where a call about a session's engine state goes: its worker, or every worker when it is not placed (only
+        one can hold what the call names; the others answer that they do not know it)."""
+        worker = self._placement.get(routing_key) if routing_key is not None else None
+        return [worker] if worker is not None else self.workers
 
     def forget(self, session_id: str) -> None:
         """The session is gone (DELETE, idle sweep): it no longer counts against its worker. Idempotent."""
@@ -179,11 +187,8 @@ class EnginePool:
     async def abort(self, rid: str, routing_key: str | None = None) -> bool:
         """Abort `rid` on the session's worker (on every worker when the session is unknown). False when no worker
         acknowledged it (e.g. a router's 404): the caller then closes the /generate connection at once."""
-        if routing_key is not None and routing_key in self._placement:
-            targets = [self._placement[routing_key]]
-        else:
-            targets = self.workers
-        results = await asyncio.gather(*(w.client.abort(rid) for w in targets))  # each failure logs a warning
+        # Each failure logs a warning.
+        results = await asyncio.gather(*(w.client.abort(rid) for w in self._holders(routing_key)))
         return any(results)
 
     async def open_session(
@@ -196,16 +201,12 @@ class EnginePool:
     async def close_session(self, sid: str, routing_key: str) -> bool:
         """Close on the session's worker; a session no longer placed (an orphaned open closed after DELETE) is
         closed on every worker, since only one can hold it and the others answer that it does not exist."""
-        worker = self._placement.get(routing_key)
-        if worker is not None:
-            return await worker.client.close_session(sid, routing_key)
-        results = await asyncio.gather(*(w.client.close_session(sid, routing_key) for w in self.workers))
+        results = await asyncio.gather(*(w.client.close_session(sid, routing_key) for w in self._holders(routing_key)))
         return any(results)
 
     async def models(self) -> EngineReply:
-        healthy = [w for w in self.workers if w.healthy] or self.workers
         last: EngineUnavailableError | None = None
-        for worker in healthy:
+        for worker in self._healthy():
             try:
                 return await worker.client.models()
             except EngineUnavailableError as exc:

@@ -92,8 +92,7 @@ class EngineSessions:
     def forget(session: Session) -> None:
         """The engine no longer holds the session (restart, its idle timeout): drop it without a close call, so the
         next begin_turn opens a fresh one and sends the whole prompt."""
-        st = session.engine
-        st.sid, st.tokens, st.dirty = None, 0, False
+        session.engine.reset()
 
     @staticmethod
     def mark_dirty(session: Session) -> None:
@@ -101,7 +100,6 @@ class EngineSessions:
 
     async def close(self, session: Session) -> None:
         """Close the engine session, if any. Called by DELETE/shutdown only after the in-flight chat has finished."""
-        st = session.engine
-        sid, st.sid, st.tokens, st.dirty = st.sid, None, 0, False
+        sid = session.engine.reset()
         if sid is not None and not await self._engine.close_session(sid, session.id):
             logger.warning("session %s: engine session %s may not be closed", session.id, sid)

@@ -35,15 +35,20 @@ class EngineUnavailableError(SessionError):
     status = 502
     code = "engine_unavailable"
 
-class SessionPausedError(SessionError):
-    """Generation is paused (e.g. a weight update); the client should retry after `retry_after` seconds (503)."""
+class RetryLaterError(SessionError):
+    """A 503 that says when to come back: `retry_after` seconds, sent as the Retry-After header (error_response)."""
 
     status = 503
-    code = "session_paused"
 
     def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class SessionPausedError(RetryLaterError):
+    """Generation is paused (e.g. a weight update); the client should retry after `retry_after` seconds (503)."""
+
+    code = "session_paused"
 
 
 class EngineAbortedError(SessionPausedError):
@@ -76,15 +81,10 @@ class LimitExceededError(RequestValidationError):
         self.limit = limit  # the label of metrics' limit_refusals
 
 
-class TooManySessionsError(SessionError):
+class TooManySessionsError(RetryLaterError):
     """--max-sessions live sessions exist; the client should retry after `retry_after` seconds (503)."""
 
-    status = 503
     code = "too_many_sessions"
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 class AdminAuthError(SessionError):
@@ -147,9 +147,8 @@ def error_response(err: SessionError) -> Response:
     if isinstance(err, EngineRefusedError):
         return Response(err.body, status_code=err.engine_status, media_type=err.content_type)
     headers = None
-    retry_after = getattr(err, "retry_after", None)  # 503s that say when to come back (pause, full, drain)
-    if retry_after is not None:
-        headers = {"Retry-After": str(max(1, int(retry_after)))}
+    if isinstance(err, RetryLaterError):  # 503s that say when to come back (pause, full, drain)
+        headers = {"Retry-After": str(max(1, int(err.retry_after)))}
     return json_response(error_body(err), err.status, headers)
 
 

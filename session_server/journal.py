@@ -112,24 +112,6 @@ class JournalUnavailableError(SessionError):
     code = "journal_unavailable"
 
 
-@dataclass(slots=True)
-class RestoredSession:
-    id: str
-    family: str
-    max_rollback: int
-    matcher: str
-    metadata: dict[str, Any]
-    created_at: float
-    last_active: float  # wall clock
-    turns: list[StoredTurn] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Restored:
-    sessions: list[RestoredSession]
-    tombstones: list[tuple[str, str]]  # (id, why), oldest first
-
-
 @dataclass(frozen=True, slots=True)
 class SessionInfo:
     """What a session row holds (written with the session's first write, refreshed clocks with every turn)."""
@@ -148,6 +130,21 @@ class SessionInfo:
             id=session.id, family=traj.family.name, max_rollback=traj.max_rollback, matcher=traj.matcher.mode,
             metadata=session.metadata, created_at=session.created_at,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredSession(SessionInfo):
+    """A session row read back at startup: the row's fields (SessionInfo, so what is written and what is read are
+    declared once), its wall-clock last activity, and its turns in order."""
+
+    last_active: float  # wall clock
+    turns: list[StoredTurn] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Restored:
+    sessions: list[RestoredSession]
+    tombstones: list[tuple[str, str]]  # (id, why), oldest first
 
 
 # -- operations the writer applies -------------------------------------------------------------------------------
@@ -433,6 +430,18 @@ class Journal:
                 conn.execute("PRAGMA incremental_vacuum")
         except sqlite3.Error as exc:
             logger.warning("journal incremental vacuum failed: %r", exc)
+
+
+def table_rows(path: str | Path) -> dict[str, int]:
+    """Rows per table of a journal file, for an operator's look at it (the demo's summary, the crash soak's check
+    that deleted sessions left only tombstones)."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("sessions", "turns", "tombstones")}
+
+
+def file_bytes(path: str | Path) -> int:
+    """The journal's size on disk: the database file and, while it is open, its WAL and shared-memory files."""
+    return sum(p.stat().st_size for p in (Path(path), Path(f"{path}-wal"), Path(f"{path}-shm")) if p.exists())
 
 
 def wall_to_monotonic(wall: float, now_wall: Callable[[], float] = time.time,

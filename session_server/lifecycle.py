@@ -221,13 +221,18 @@ class Lifecycle:
         return await asyncio.gather(*(self.close(s, AbortReason.EXPIRED) for s in sessions), return_exceptions=True)
 
     # -- the in-flight slot --------------------------------------------------------------------------------
-    def claim(self, session_id: str) -> Claim:
-        """404 unknown/deleted/closing, 503 paused, 409 busy -- in that order (DESIGN.md 3)."""
-        session = self.registry.require(session_id)
+    def check_accepting(self) -> None:
+        """503 + Retry-After while the server is shutting down or paused: the one gate for new chats, whether they
+        claim a session's slot or create a session on demand (session_header.py)."""
         if self.shutting_down:
             raise SessionPausedError("server is shutting down", self.retry_after)
         if self.paused:
             raise SessionPausedError("server is paused", self.retry_after)
+
+    def claim(self, session_id: str) -> Claim:
+        """404 unknown/deleted/closing, 503 paused, 409 busy -- in that order (DESIGN.md 3)."""
+        session = self.registry.require(session_id)
+        self.check_accepting()
         if session.claim is not None:
             raise SessionBusyError(f"session {session_id} already has a chat in flight")
         claim = Claim(self, session)

@@ -146,11 +146,7 @@ class Metrics:
 
     # -- counting helpers --------------------------------------------------------------------------------
     def response(self, route: str, method: str, status: int) -> None:
-        key = (route, method, status)
-        child = self._responses.get(key)
-        if child is None:
-            child = self._responses[key] = self.responses.labels(route, method, str(status))
-        child.inc()
+        _child(self._responses, (route, method, status), self.responses, route, method, str(status)).inc()
 
     def stage(self, name: str, seconds: float) -> None:
         self._stages[name].observe(seconds)
@@ -165,16 +161,10 @@ class Metrics:
         self._tokens["completion"].inc(completion)
 
     def rollback(self, reason: str) -> None:
-        child = self._rollbacks.get(reason)
-        if child is None:
-            child = self._rollbacks[reason] = self.rollbacks.labels(reason)
-        child.inc()
+        _child(self._rollbacks, reason, self.rollbacks, reason).inc()
 
     def validation_failure(self, rule: str) -> None:
-        child = self._validation.get(rule)
-        if child is None:
-            child = self._validation[rule] = self.validation_failures.labels(rule)
-        child.inc()
+        _child(self._validation, rule, self.validation_failures, rule).inc()
 
     def refused(self, limit: str) -> None:
         self._refusals[limit].inc()
@@ -184,6 +174,15 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _child(children: dict[Any, Any], key: Any, metric: Any, *labels: str) -> Any:
+    """The child of a labelled metric, created at first use and kept in `children`, so the hot path looks it up in
+    a plain dict instead of calling `labels()` (a lock and a label check) on every count."""
+    child = children.get(key)
+    if child is None:
+        child = children[key] = metric.labels(*labels)
+    return child
 
 
 # -- responses by route template: one ASGI middleware -------------------------------------------------------

@@ -26,7 +26,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from trajectory.errors import RequestValidationError
 
@@ -55,7 +55,8 @@ def bad_request(msg: str) -> RequestValidationError:
     return RequestValidationError(msg)
 
 
-def is_int(v: object) -> bool:
+def is_int(v: object) -> TypeGuard[int]:
+    """A JSON integer: Python's bool is an int subclass, but `true` is not a number."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 

@@ -32,6 +32,13 @@ class EngineSessionState:
     tokens: int = 0  # number of trajectory tokens the engine session holds (valid only when not dirty)
     dirty: bool = False  # an uncommitted turn ran in it: its contents no longer match the trajectory
 
+    def reset(self) -> str | None:
+        """Back to no engine session (the next turn opens a fresh one and sends the whole prompt); returns the id it
+        held, for the caller to close or leave to the engine's idle timeout."""
+        sid = self.sid
+        self.sid, self.tokens, self.dirty = None, 0, False
+        return sid
+
 
 @dataclass(eq=False, slots=True)
 class Session:
@@ -58,31 +65,38 @@ class Registry:
     def create(self, trajectory: LinearTrajectory, metadata: dict[str, Any] | None = None) -> Session:
         while True:
             sid = secrets.token_hex(16)
-            if sid not in self._sessions and sid not in self._tombstones:
-                break
-        session = Session(id=sid, trajectory=trajectory, metadata=metadata or {})
-        self._sessions[sid] = session
-        return session
+            if not self.knows(sid):
+                return self.create_named(sid, trajectory, metadata)
 
     def create_named(self, sid: str, trajectory: LinearTrajectory, metadata: dict[str, Any] | None = None) -> Session:
         """A session under an id the client chose (X-Session-ID with --create-sessions-on-demand).
 
         A live or tombstoned id is refused: a late request must never revive a deleted episode under its old id.
         """
-        if sid in self._sessions or sid in self._tombstones:
-            raise ValueError(f"session id {sid!r} is taken")
         session = Session(id=sid, trajectory=trajectory, metadata=metadata or {})
-        self._sessions[sid] = session
+        self._insert(session)
         return session
 
     def restore(self, session: Session) -> None:
         """Put back a session read from the journal (recovery.py), under its own id."""
-        if session.id in self._sessions or session.id in self._tombstones:
+        self._insert(session)
+
+    def _insert(self, session: Session) -> None:
+        if self.knows(session.id):
             raise ValueError(f"session id {session.id!r} is taken")
         self._sessions[session.id] = session
 
+    def knows(self, sid: str) -> bool:
+        """Whether `sid` is live or tombstoned: such an id is never handed out again, so nothing revives a deleted
+        episode under its old id (a live one answers for itself, a tombstoned one with a 404 that says why)."""
+        return sid in self._sessions or sid in self._tombstones
+
     def restore_tombstone(self, sid: str, why: str) -> None:
         """Put back a journaled tombstone (oldest first, so the bound evicts the same ones it would have)."""
+        self._bury(sid, why)
+
+    def _bury(self, sid: str, why: str) -> None:
+        """Tombstone `sid` as the newest, forgetting the oldest beyond `max_tombstones` (the memory bound)."""
         self._tombstones[sid] = why
         self._tombstones.move_to_end(sid)
         while len(self._tombstones) > self._max_tombstones:
@@ -123,9 +137,7 @@ class Registry:
         """Drop the session and leave a tombstone (evicting the oldest beyond the bound); idempotent."""
         if self._sessions.pop(sid, None) is None:
             return
-        self._tombstones[sid] = why
-        while len(self._tombstones) > self._max_tombstones:
-            self._tombstones.popitem(last=False)
+        self._bury(sid, why)
 
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())

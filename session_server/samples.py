@@ -19,7 +19,7 @@ from trajectory.errors import RequestValidationError, SessionError
 
 from .body import read_object
 from .errors import error_response
-from .openai_fields import MAX_INT32
+from .openai_fields import MAX_INT32, is_int
 from .sessions import lookup
 from .state import server_of
 
@@ -31,7 +31,7 @@ def _max_seq_len(obj: dict[str, Any]) -> int | None:
     value = obj.get("max_seq_len")
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_INT32:
+    if not is_int(value) or not 1 <= value <= MAX_INT32:
         raise RequestValidationError(f"'max_seq_len' must be an integer in [1, {MAX_INT32}]")
     return value
 

@@ -19,7 +19,8 @@ from starlette.responses import Response
 from trajectory.errors import RequestValidationError, SessionError
 
 from .chat import serve_chat
-from .errors import SessionNotFoundError, SessionPausedError, error_response
+from .errors import SessionNotFoundError, error_response
+from .sessions import relay
 from .state import ServerState, server_of
 
 SESSION_HEADER = "X-Session-ID"
@@ -55,15 +56,11 @@ def resolve_session(server: ServerState, request: Request, create: bool) -> str:
             f"a chat at the root URL needs a {SESSION_HEADER} header naming its session (or use the session's own "
             "base URL, /sessions/{session_id}/v1)"
         )
-    registry = server.registry
-    if registry.get(sid) is not None or registry.is_tombstoned(sid):
+    if server.registry.knows(sid):
         return sid  # the lifecycle's claim answers for it: live, closing (404), deleted (404 "was deleted")
     if not (create and server.config.create_sessions_on_demand):
         raise _not_found(server, sid)
-    if server.lifecycle.shutting_down:
-        raise SessionPausedError("server is shutting down", server.config.retry_after)
-    if server.lifecycle.paused:
-        raise SessionPausedError("server is paused", server.config.retry_after)
+    server.lifecycle.check_accepting()
     # Synchronous from the lookup to the insert: two first requests with one new id cannot both create it.
     server.lifecycle.create(server.new_trajectory(), session_id=sid)
     return sid
@@ -86,10 +83,10 @@ async def list_models(request: Request) -> Response:
     try:
         sid = _header_id(request)
         if sid is not None:
-            if server.registry.get(sid) is None and not server.registry.is_tombstoned(sid):
+            if not server.registry.knows(sid):
                 raise _not_found(server, sid)
             server.registry.require(sid)
         reply = await server.engine.models()
     except SessionError as err:
         return error_response(err)
-    return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
+    return relay(reply)

@@ -20,6 +20,7 @@ from trajectory import LinearTrajectory
 from trajectory.errors import RequestValidationError, SessionError
 
 from .body import read_object
+from .engine_client import EngineReply
 from .errors import EngineUnavailableError, RequestTooLargeError, error_response, json_response
 from .lifecycle import AbortReason
 from .registry import Session
@@ -31,6 +32,12 @@ METADATA_ENVELOPE = 1024  # bytes of the body around the metadata object (key, b
 
 def lookup(server: ServerState, session_id: str) -> Session:
     return server.registry.require(session_id)
+
+
+def relay(reply: EngineReply) -> Response:
+    """The engine's answer to a read-only call (the model list), passed to the client as it came: status, body and
+    content type."""
+    return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
 
 
 async def create_session(request: Request) -> Response:
@@ -105,7 +112,7 @@ async def list_models(request: Request) -> Response:
         reply = await server.engine.models()
     except SessionError as err:
         return error_response(err)
-    return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
+    return relay(reply)
 
 
 async def retrieve_model(request: Request) -> Response:
@@ -122,7 +129,7 @@ async def retrieve_model(request: Request) -> Response:
     except SessionError as err:
         return error_response(err)
     if not reply.ok:
-        return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
+        return relay(reply)
     try:
         listing = msgspec.json.decode(reply.body)
         data = listing["data"]

@@ -32,6 +32,16 @@ class StreamDivergedError(Exception):
     """The final parse does not extend what was streamed (an invariant: the parser is not prefix-stable here)."""
 
 
+def _growth(text: str, sent: str, final: bool, what: str) -> str:
+    """What `text` adds to the `sent` prefix ("" for nothing new). Deltas only ever append, so a text that does not
+    extend what was sent waits for later tokens -- unless it is the final parse, which must extend it."""
+    if text.startswith(sent):
+        return text[len(sent):]
+    if final:
+        raise StreamDivergedError(f"final {what} does not extend the streamed {what}")
+    return ""
+
+
 @dataclass
 class DeltaTracker:
     family: ModelFamily
@@ -70,20 +80,16 @@ class DeltaTracker:
     def _diff(self, reasoning: str | None, content: str, calls: list[Any], final: bool) -> dict[str, Any] | None:
         delta: dict[str, Any] = {}
         if reasoning:
-            if reasoning.startswith(self.reasoning_sent):
-                if len(reasoning) > len(self.reasoning_sent):
-                    delta["reasoning_content"] = reasoning[len(self.reasoning_sent):]
-                    self.reasoning_sent = reasoning
-            elif final:
-                raise StreamDivergedError("final reasoning does not extend the streamed reasoning")
+            grown = _growth(reasoning, self.reasoning_sent, final, "reasoning")
+            if grown:
+                delta["reasoning_content"] = grown
+                self.reasoning_sent = reasoning
         elif final and self.reasoning_sent:
             raise StreamDivergedError("streamed reasoning vanished from the final parse")
-        if content.startswith(self.content_sent):
-            if len(content) > len(self.content_sent):
-                delta["content"] = content[len(self.content_sent):]
-                self.content_sent = content
-        elif final:
-            raise StreamDivergedError("final content does not extend the streamed content")
+        grown = _growth(content, self.content_sent, final, "content")
+        if grown:
+            delta["content"] = grown
+            self.content_sent = content
         seen = [(call.name, call.arguments) for call in calls]
         sent = len(self.calls_sent)
         if seen[:sent] != self.calls_sent:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from .errors import RequestValidationError
 
 Message = dict[str, Any]
 MatcherName = Literal["strict", "loose_tool_call"]
-MATCHER_NAMES: tuple[str, ...] = ("strict", "loose_tool_call")
+MATCHER_NAMES: tuple[str, ...] = get_args(MatcherName)
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 # OpenAI's newer name for the system role; chat templates only know "system".
 _ROLE_ALIASES = {"developer": "system"}
@@ -61,6 +61,16 @@ def _tool_call(index: int, j: int, call: Any) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def _copy_optional_string(index: int, message: dict[str, Any], out: Message, key: str) -> None:
+    """Copy `message[key]` into `out` when present: absent and null are the same to an agent, anything else but a
+    string is a 400."""
+    value = message.get(key)
+    if value is not None:
+        if not isinstance(value, str):
+            raise RequestValidationError(f"messages[{index}].{key} must be a string")
+        out[key] = value
+
+
 def normalize_message(index: int, message: Any) -> Message:
     """One canonical shape per message: str content, full tool-call dicts, no transport-only fields."""
     if not isinstance(message, dict):
@@ -77,11 +87,7 @@ def normalize_message(index: int, message: Any) -> Message:
     out: Message = {"role": role}
     if role == "assistant":
         out["content"] = "" if content is None else _content_text(index, content)
-        reasoning = message.get("reasoning_content")
-        if reasoning is not None:
-            if not isinstance(reasoning, str):
-                raise RequestValidationError(f"messages[{index}].reasoning_content must be a string")
-            out["reasoning_content"] = reasoning
+        _copy_optional_string(index, message, out, "reasoning_content")
         calls = message.get("tool_calls")
         if calls:
             if not isinstance(calls, list):
@@ -92,20 +98,21 @@ def normalize_message(index: int, message: Any) -> Message:
         raise RequestValidationError(f"messages[{index}] ({role}) has no content")
     out["content"] = _content_text(index, content)
     if role == "tool":
-        call_id = message.get("tool_call_id")
-        if call_id is not None:
-            if not isinstance(call_id, str):
-                raise RequestValidationError(f"messages[{index}].tool_call_id must be a string")
-            out["tool_call_id"] = call_id
+        _copy_optional_string(index, message, out, "tool_call_id")
     name = message.get("name")
     if isinstance(name, str) and name:
         out["name"] = name
     return out
 
 
-def normalize_messages(messages: Any) -> list[Message]:
+def _check_message_list(messages: Any) -> None:
+    """Every request carries the whole history, so an empty or non-list `messages` is a 400 before any message."""
     if not isinstance(messages, list) or not messages:
         raise RequestValidationError("messages must be a non-empty list")
+
+
+def normalize_messages(messages: Any) -> list[Message]:
+    _check_message_list(messages)
     return [normalize_message(i, m) for i, m in enumerate(messages)]
 
 
@@ -153,9 +160,7 @@ def _same_arguments(a: str, b: str, loose: bool) -> bool:
 RollbackReason = Literal[
     "retry", "role", "content", "reasoning_content", "tool_calls", "tool_call_id", "tool_call_arguments"
 ]
-ROLLBACK_REASONS: tuple[str, ...] = (
-    "retry", "role", "content", "reasoning_content", "tool_calls", "tool_call_id", "tool_call_arguments"
-)
+ROLLBACK_REASONS: tuple[str, ...] = get_args(RollbackReason)
 
 
 class MessageMatcher:
@@ -214,8 +219,7 @@ class MessageMatcher:
         so the common case, an exact echo of a stored message, is a single C-level dict comparison
         instead of normalise + compare: per-turn cost stays flat as the history grows.
         """
-        if not isinstance(request, list) or not request:
-            raise RequestValidationError("messages must be a non-empty list")
+        _check_message_list(request)
         out: list[Message] = []
         matched = 0
         reason: RollbackReason | None = None

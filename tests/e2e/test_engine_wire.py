@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.server import chat_url, new_session, wait_engine_idle
+from support.server import chat_url, metric, new_session, wait_engine_idle
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
@@ -23,13 +23,6 @@ FAMILY = "qwen3"
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(family=FAMILY, sim_args=["--token-latency-ms", "2"], proxied={"server"}) as stack:
         yield stack
-
-
-def _metric(server: str, name: str) -> float:
-    for line in httpx.get(f"{server}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def _records(server: str, sid: str) -> list[dict[str, Any]]:
@@ -69,7 +62,7 @@ def test_queued_abort_is_a_503_retry_and_commits_nothing(stack: Stack) -> None:
     comes back 200 with the reduced meta_info of tokenizer_manager.py `_handle_abort_req`."""
     server, engine = stack.server, stack.engine
     sid = new_session(server)
-    before = _metric(server, 'session_server_aborts_total{cause="engine"}')
+    before = metric(server, 'session_server_aborts_total{cause="engine"}', default=0.0)
     assert httpx.post(f"{engine}/pause_generation", json={"mode": "in_place"}).status_code == 200
     try:
         with httpx.Client(timeout=30) as http:
@@ -89,7 +82,7 @@ def test_queued_abort_is_a_503_retry_and_commits_nothing(stack: Stack) -> None:
     assert r.status_code == 503, r.text
     assert r.headers["retry-after"]
     assert _records(server, sid) == []
-    assert _metric(server, 'session_server_aborts_total{cause="engine"}') == before + 1
+    assert metric(server, 'session_server_aborts_total{cause="engine"}') == before + 1
     assert stack.proxy is not None
     reply = stack.proxy.generates()[-1]["response"]
     meta = reply["meta_info"]
@@ -107,7 +100,7 @@ def test_nan_happened_is_a_502_counted_by_rule(stack: Stack) -> None:
     {"type": "stop", "matched": "NaN happened"}; those tokens are not the policy's."""
     server = stack.server
     sid = new_session(server)
-    before = _metric(server, 'session_server_engine_validation_failures_total{rule="nan_happened"}')
+    before = metric(server, 'session_server_engine_validation_failures_total{rule="nan_happened"}', default=0.0)
     assert httpx.post(f"{stack.engine}/sim/faults", json={"nan_happened": 1.0}).status_code == 200
     try:
         r = httpx.post(chat_url(server, sid), json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
@@ -115,4 +108,4 @@ def test_nan_happened_is_a_502_counted_by_rule(stack: Stack) -> None:
         httpx.post(f"{stack.engine}/sim/faults", json={})
     assert r.status_code == 502 and "NaN happened" in r.text
     assert _records(server, sid) == []
-    assert _metric(server, 'session_server_engine_validation_failures_total{rule="nan_happened"}') == before + 1
+    assert metric(server, 'session_server_engine_validation_failures_total{rule="nan_happened"}') == before + 1

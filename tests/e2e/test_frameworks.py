@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import numpy as np
 import openai
 import pytest
 
+from support.server import assert_sample_is_what_the_engine_saw, metric, new_session
 from support.stack import Stack, StackFactory
 from trajectory import samples_from_json
 
@@ -307,12 +307,6 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     assert not attempts, f"traffic beyond loopback: {attempts}"
 
 
-def _new_session(server: str, metadata: dict[str, Any]) -> str:
-    resp = httpx.post(f"{server}/sessions", json={"metadata": metadata}, timeout=10)
-    assert resp.status_code == 200, resp.text
-    return resp.json()["session_id"]
-
-
 def assert_training_data(stack: Stack, sid: str, model_calls: int, streamed: bool = False) -> dict[str, Any]:
     """One committed turn per model call, no rollback, mask exactly the sampled tokens, tokens and logprobs equal to
     what the engine received and generated (the recording proxy's view). `streamed`: the agent streamed, so the
@@ -325,29 +319,13 @@ def assert_training_data(stack: Stack, sid: str, model_calls: int, streamed: boo
     calls = [c for c in proxy.generates() if c["routing_key"] == sid]
     assert len(calls) == model_calls  # every model call reached the engine exactly once
     sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples", json={}, timeout=30).json())[0]
-    tokens, mask, logprobs = sample.tokens, sample.loss_mask, sample.rollout_log_probs
-    expected_mask = np.zeros(len(tokens), dtype=np.uint8)
-    prev_end = 0
-    for call, record in zip(calls, info["records"], strict=True):
-        req, resp = call["request"], call["response"]
-        assert call["status"] == 200 and resp is not None
-        assert req["stream"] is streamed
+    for call in calls:
+        assert call["status"] == 200 and call["response"] is not None
+        assert call["request"]["stream"] is streamed
         if streamed:
             assert call["stream_chunks"] >= 2  # deltas as the engine produced them, not one chunk at the end
-        input_ids = np.asarray(req["input_ids"], dtype=np.int32)
-        output_ids = np.asarray(resp["output_ids"], dtype=np.int32)
-        engine_logprobs = np.asarray([e[0] for e in resp["meta_info"]["output_token_logprobs"]], dtype=np.float32)
-        start, end = len(input_ids), len(input_ids) + len(output_ids)
-        assert start >= prev_end  # TITO: each prompt extends the previous prompt + completion
-        assert (record["prompt_len"], record["completion_len"]) == (start, len(output_ids))
-        np.testing.assert_array_equal(tokens[:start], input_ids)
-        np.testing.assert_array_equal(tokens[start:end], output_ids)
-        np.testing.assert_array_equal(logprobs[start:end], engine_logprobs)
-        expected_mask[start:end] = 1
-        prev_end = end
-    assert prev_end == len(tokens)
-    np.testing.assert_array_equal(mask, expected_mask)
-    assert np.all(logprobs[mask == 0] == 0.0)
+    spans = assert_sample_is_what_the_engine_saw(sample, calls)
+    assert [(r["prompt_len"], r["completion_len"]) for r in info["records"]] == [(a, b - a) for a, b in spans]
     assert sample.metadata["rollbacks"] == 0
     return info
 
@@ -374,7 +352,7 @@ def test_framework_streaming_tool_loop_on_deepseek(deepseek_stack: Stack, framew
 
 def _tool_loop(stack: Stack, framework: str, stream: bool) -> None:
     server = stack.server
-    sid = _new_session(server, {"framework": framework, "stream": stream})
+    sid = new_session(server, {"framework": framework, "stream": stream})
     task = Shopping()
     final = asyncio.run(FRAMEWORKS[framework](f"{server}/sessions/{sid}/v1", task, stream))
     task.check(final)
@@ -408,7 +386,7 @@ def test_two_frameworks_with_differently_ordered_tool_schemas_on_one_server(
         if request.url.path.endswith("/chat/completions"):
             sent.append(json.loads(request.content))
 
-    a = _new_session(server, {"framework": "openai-agents"})
+    a = new_session(server, {"framework": "openai-agents"})
     task_a = Shopping()
     http_client = httpx.AsyncClient(event_hooks={"request": [capture]})
     final = asyncio.run(run_openai_agents(f"{server}/sessions/{a}/v1", task_a, False, http_client=http_client))
@@ -417,7 +395,7 @@ def test_two_frameworks_with_differently_ordered_tool_schemas_on_one_server(
     reordered = _reorder(copy.deepcopy(agents_tools))
     assert reordered == agents_tools and json.dumps(reordered) != json.dumps(agents_tools)
 
-    b = _new_session(server, {"framework": "litellm"})
+    b = new_session(server, {"framework": "litellm"})
     task_b = Shopping(item="pear", price=7, quantity=5)
     task_b.check(asyncio.run(run_litellm(f"{server}/sessions/{b}/v1", task_b, False, tools=reordered)))
     tokenizer = hf_tokenizers[stack.family]
@@ -506,19 +484,15 @@ def test_a_framework_that_reserialises_arguments_rolls_back_visibly_under_strict
     async def keep(response: httpx.Response) -> None:
         replies.append(response)
 
-    def metric() -> int:
-        prefix = 'session_server_rollbacks_total{reason="tool_call_arguments"}'
-        line = next(x for x in httpx.get(f"{strict}/metrics").text.splitlines() if x.startswith(prefix))
-        return int(float(line.rsplit(" ", 1)[1]))
-
-    before = metric()
-    sid = _new_session(strict, {"framework": "pydantic-ai", "matcher": "strict"})
+    rollbacks = 'session_server_rollbacks_total{reason="tool_call_arguments"}'
+    before = metric(strict, rollbacks)
+    sid = new_session(strict, {"framework": "pydantic-ai", "matcher": "strict"})
     task = Shopping()
     client = _client(f"{strict}/sessions/{sid}/v1", http_client=httpx.AsyncClient(event_hooks={"response": [keep]}))
     task.check(asyncio.run(run_pydantic_ai(f"{strict}/sessions/{sid}/v1", task, False, client=client)))
     assert [r.headers.get("x-session-rollback") for r in replies] == [
         None, "1; reason=tool_call_arguments", "1; reason=tool_call_arguments"]
-    assert metric() == before + 2
+    assert metric(strict, rollbacks) == before + 2
     info = httpx.get(f"{strict}/sessions/{sid}").json()
     assert info["rollbacks"] == 2 and info["rollbacks_by_reason"] == {"tool_call_arguments": 2}
     assert len(info["records"]) == 1 and info["records"][0]["rollback_reason"] == "tool_call_arguments"

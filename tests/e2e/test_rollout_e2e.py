@@ -6,7 +6,6 @@ One engine and two session servers in front of it for the whole module (starting
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Iterator
 
 import httpx
@@ -20,6 +19,7 @@ from rollout.errors import SessionNotFoundError, SessionServerError, UnknownSess
 from rollout.scripted import reply_directive, shopping_tasks
 from rollout.tools import default_toolbox
 from rollout.torch_batch import to_torch_batch
+from support.server import metric, wait_engine_idle, wait_running
 from support.stack import Stack, StackFactory
 from trajectory import Sample
 
@@ -41,14 +41,6 @@ def stack(stack_factory: StackFactory) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def tokenizer(hf_tokenizers: dict[str, object]):
     return hf_tokenizers[FAMILY]
-
-
-def metric(server: str, name: str) -> float:
-    """One value of the server's Prometheus text (`name` may include labels)."""
-    text = httpx.get(f"{server}/metrics").text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
 
 
 def session_status(server: str, session_id: str) -> int:
@@ -199,26 +191,6 @@ def slow_task() -> Task:
     return Task(messages=messages, toolbox=default_toolbox())
 
 
-async def wait_for_engine_request(engine: str) -> None:
-    async with httpx.AsyncClient() as http:
-        for _ in range(200):
-            info = (await http.get(f"{engine}/server_info")).json()
-            if info["running_requests"] > 0:
-                return
-            await asyncio.sleep(0.02)
-    raise AssertionError("the chat never reached the engine")
-
-
-async def wait_engine_idle(engine: str) -> dict:
-    async with httpx.AsyncClient() as http:
-        for _ in range(200):
-            info = (await http.get(f"{engine}/server_info")).json()
-            if info["running_requests"] == 0 and info["waiting_requests"] == 0:
-                return info
-            await asyncio.sleep(0.02)
-    raise AssertionError(f"engine still busy: {info}")
-
-
 @pytest.mark.parametrize("cancels", [1, 5], ids=["cancel-once", "cancel-repeatedly"])
 def test_cancelled_episode_leaves_no_session(stack: dict, cancels: int) -> None:
     """Cancelled mid-chat, the episode deletes its session before the cancellation reaches the caller, even when
@@ -227,7 +199,7 @@ def test_cancelled_episode_leaves_no_session(stack: dict, cancels: int) -> None:
     async def main() -> list[str]:
         async with RecordingClient(stack["a"]) as client:
             episode = asyncio.create_task(run_episode(client, slow_task(), config=SLOW))
-            await wait_for_engine_request(stack["engine"])
+            await wait_running(stack["engine"])
             for _ in range(cancels):
                 episode.cancel()
                 for _ in range(3):
@@ -235,7 +207,7 @@ def test_cancelled_episode_leaves_no_session(stack: dict, cancels: int) -> None:
             with pytest.raises(asyncio.CancelledError):
                 await episode
             assert client.open_sessions() == {stack["a"]: 0}  # the DELETE completed before the cancel surfaced
-            await wait_engine_idle(stack["engine"])
+            await asyncio.to_thread(wait_engine_idle, stack["engine"])
             return client.created
 
     (session_id,) = asyncio.run(main())

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.server import assert_engine_baseline, chat_url, new_session, sse_events, wait_running
+from support.server import assert_engine_baseline, chat_url, metric, new_session, sse_events, wait_running
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
@@ -175,8 +175,7 @@ def test_on_demand_ids_are_validated(stack: Stack, bad: str) -> None:
 
 
 def _live_sessions(server: str) -> int:
-    line = next(x for x in httpx.get(f"{server}/metrics").text.splitlines() if x.startswith("session_server_sessions "))
-    return int(float(line.split()[1]))
+    return int(metric(server, "session_server_sessions"))
 
 
 def test_sessions_are_created_on_demand_and_never_revived(stack: Stack) -> None:

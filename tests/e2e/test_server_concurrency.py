@@ -21,6 +21,7 @@ from support.server import (
     assert_engine_baseline,
     chat_url,
     engine_info,
+    metric,
     new_session,
     wait_engine_idle,
     wait_running,
@@ -121,7 +122,7 @@ def test_delete_does_not_wait_for_a_slow_request_body(stack: dict[str, str]) -> 
         )
         sock.sendall(head.encode())  # the chat holds the slot, its body never completes
         deadline = time.monotonic() + 5
-        while _metric(server, "session_server_in_flight") != 1:
+        while metric(server, "session_server_in_flight") != 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert httpx.delete(f"{server}/sessions/{sid}", timeout=5).status_code == 204
@@ -168,7 +169,7 @@ def test_delete_during_chat_aborts_it(stack: dict[str, str]) -> None:
 def test_client_disconnect_aborts_the_engine_request(stack: dict[str, str]) -> None:
     server, engine = stack["server"], stack["engine"]
     sid = new_session(server)
-    aborts = _metric(server, "session_server_engine_aborts_total")
+    aborts = metric(server, "session_server_engine_aborts_total")
 
     async def main() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
@@ -181,10 +182,10 @@ def test_client_disconnect_aborts_the_engine_request(stack: dict[str, str]) -> N
     asyncio.run(main())
     wait_engine_idle(engine, timeout=LONG * TOKEN_MS / 1000 / 2)  # aborted, not finished
     deadline = time.monotonic() + 5
-    while _metric(server, "session_server_in_flight") != 0:
+    while metric(server, "session_server_in_flight") != 0:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert _metric(server, "session_server_engine_aborts_total") == aborts + 1
+    assert metric(server, "session_server_engine_aborts_total") == aborts + 1
     assert httpx.get(f"{server}/sessions/{sid}").json()["records"] == []  # nothing committed
     # The agent may retry the same turn at once.
     assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 200
@@ -284,10 +285,3 @@ def test_engine_500_passes_through(stack: dict[str, str], faults: None) -> None:
     assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 200
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
     assert_engine_baseline(engine)
-
-
-def _metric(server: str, name: str) -> float:
-    for line in httpx.get(f"{server}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} missing from /metrics")

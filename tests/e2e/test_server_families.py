@@ -11,10 +11,16 @@ import json
 from collections.abc import Iterator
 
 import httpx
-import numpy as np
 import pytest
 
-from support.server import TOOLS, as_history, assert_engine_baseline, new_session, session_client
+from support.server import (
+    TOOLS,
+    as_history,
+    assert_engine_baseline,
+    assert_sample_is_what_the_engine_saw,
+    new_session,
+    session_client,
+)
 from support.stack import Stack, StackFactory
 from trajectory import samples_from_json
 
@@ -83,29 +89,14 @@ def test_tool_loop_matches_what_the_engine_saw(stack: dict) -> None:
     sent = proxy.generates()
     assert len(sent) == len(replies) == 4
     sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples").json())[0]
-    tokens, mask, logprobs = sample.tokens, sample.loss_mask, sample.rollout_log_probs
-    expected_mask = np.zeros(len(tokens), dtype=np.uint8)
-    prev_end = 0
     for call, reply in zip(sent, replies, strict=True):
-        req, resp = call["request"], call["response"]
+        req = call["request"]
         assert "session_params" not in req and req["return_logprob"] is True
         assert call["routing_key"] == sid  # sticky routing through sglang-router
         assert len(req["rid"]) == 32 and reply.id == f"chatcmpl-{req['rid']}"
-        input_ids = np.asarray(req["input_ids"], dtype=np.int32)
-        output_ids = np.asarray(resp["output_ids"], dtype=np.int32)
-        engine_logprobs = np.asarray([e[0] for e in resp["meta_info"]["output_token_logprobs"]], dtype=np.float32)
-        start, end = len(input_ids), len(input_ids) + len(output_ids)
-        # TITO: every prompt starts with the whole previous prompt + completion (no re-tokenization of history).
-        assert start >= prev_end
-        np.testing.assert_array_equal(tokens[:start], input_ids)
-        np.testing.assert_array_equal(tokens[start:end], output_ids)
-        np.testing.assert_array_equal(logprobs[start:end], engine_logprobs)
-        expected_mask[start:end] = 1
-        assert reply.usage.prompt_tokens == start and reply.usage.completion_tokens == len(output_ids)
-        prev_end = end
-    assert prev_end == len(tokens)
-    np.testing.assert_array_equal(mask, expected_mask)
-    assert np.all(logprobs[mask == 0] == 0.0)
+    spans = assert_sample_is_what_the_engine_saw(sample, sent)
+    for reply, (start, end) in zip(replies, spans, strict=True):
+        assert reply.usage.prompt_tokens == start and reply.usage.completion_tokens == end - start
     report = httpx.get(f"{server}/sessions/{sid}").json()["mismatch_report"]
     assert "equal" in report or "error" in report
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
@@ -133,18 +124,10 @@ def test_an_injected_assistant_turn_is_prompt_on_every_family(stack: dict, hf_to
     sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples").json())[0]
     sent = proxy.generates()
     assert len(sent) == 2
-    expected_mask = np.zeros(len(sample.tokens), dtype=np.uint8)
-    for call in sent:
-        start = len(call["request"]["input_ids"])
-        output_ids = call["response"]["output_ids"]
-        np.testing.assert_array_equal(sample.tokens[:start], call["request"]["input_ids"])
-        np.testing.assert_array_equal(sample.tokens[start:start + len(output_ids)], output_ids)
-        expected_mask[start:start + len(output_ids)] = 1
-    np.testing.assert_array_equal(sample.loss_mask, expected_mask)
+    (_, first_end), (second_start, _) = assert_sample_is_what_the_engine_saw(sample, sent)
     # The canned text sits in the second prompt, between the two generated turns, entirely under mask 0.
     tokenizer = hf_tokenizers[stack["family"]]
-    first_end = len(sent[0]["request"]["input_ids"]) + len(sent[0]["response"]["output_ids"])
-    between = tokenizer.decode(sample.tokens[first_end:len(sent[1]["request"]["input_ids"])].tolist())
-    assert canned in between and not expected_mask[first_end:len(sent[1]["request"]["input_ids"])].any()
+    between = tokenizer.decode(sample.tokens[first_end:second_start].tolist())
+    assert canned in between and not sample.loss_mask[first_end:second_start].any()
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
     assert_engine_baseline(stack["engine"])

@@ -23,7 +23,7 @@ from session_server import admin
 from session_server.errors import SessionNotFoundError
 from session_server.registry import Registry
 from session_server.sweeper import idle_sessions
-from support.server import assert_engine_baseline, chat_url, new_session
+from support.server import assert_engine_baseline, chat_url, metric, new_session
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
@@ -48,17 +48,10 @@ def stack(stack_factory: StackFactory) -> Iterator[Stack]:
         yield stack
 
 
-def _metric(server: str, name: str) -> float:
-    for line in httpx.get(f"{server}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} missing from /metrics")
-
-
 def _wait_metric(server: str, name: str, value: float, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while _metric(server, name) != value:
-        assert time.monotonic() < deadline, f"{name} never reached {value}: {_metric(server, name)}"
+    while metric(server, name) != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}: {metric(server, name)}"
         time.sleep(0.05)
 
 
@@ -69,15 +62,15 @@ def _error(resp: httpx.Response) -> str:
 # -- idle sweep ------------------------------------------------------------------------------------------------
 def test_idle_session_expires_exactly_like_delete(stack: dict[str, str]) -> None:
     server, engine = stack["server"], stack["engine"]
-    expired = _metric(server, "session_server_sessions_expired_total")
-    deleted = _metric(server, "session_server_sessions_deleted_total")
+    expired = metric(server, "session_server_sessions_expired_total")
+    deleted = metric(server, "session_server_sessions_deleted_total")
     sid = new_session(server)
     assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 200
     last_use = time.monotonic()
     assert_engine_baseline(engine, open_sessions=1)  # the trajectory's engine session holds its KV
     _wait_metric(server, "session_server_sessions_expired_total", expired + 1, timeout=IDLE + 5)
     assert time.monotonic() - last_use >= IDLE  # never before the timeout
-    assert _metric(server, "session_server_sessions_deleted_total") == deleted  # counted apart from DELETEs
+    assert metric(server, "session_server_sessions_deleted_total") == deleted  # counted apart from DELETEs
     for resp in (
         httpx.get(f"{server}/sessions/{sid}"),
         httpx.post(f"{server}/sessions/{sid}/samples"),
@@ -106,16 +99,16 @@ def test_a_pause_is_not_idleness(stack: dict[str, str]) -> None:
     """Nothing expires while paused for a weight update, and continuing restarts every session's idle clock."""
     server, engine = stack["server"], stack["engine"]
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    expired = _metric(server, "session_server_sessions_expired_total")
+    expired = metric(server, "session_server_sessions_expired_total")
     sid = new_session(server)
     assert httpx.post(f"{server}/admin/pause", json={"mode": "drain"}, headers=auth).status_code == 200
     try:
         time.sleep(2.5 * IDLE)  # silent for well past the idle timeout, but paused
-        assert _metric(server, "session_server_sessions_expired_total") == expired
+        assert metric(server, "session_server_sessions_expired_total") == expired
     finally:
         assert httpx.post(f"{server}/admin/continue", headers=auth).status_code == 200
     time.sleep(IDLE / 2)  # the clock restarted at continue: still alive half a timeout later
-    assert _metric(server, "session_server_sessions_expired_total") == expired
+    assert metric(server, "session_server_sessions_expired_total") == expired
     assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 200
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
     assert_engine_baseline(engine)
@@ -143,7 +136,7 @@ def test_a_chat_in_flight_is_not_idle(stack: dict[str, str]) -> None:
 def test_a_chat_stuck_past_the_request_timeout_is_expired(stack: dict[str, str]) -> None:
     """A client that never finishes its body holds the slot; the sweep aborts it once it outlives the timeout."""
     server, engine = stack["server"], stack["engine"]
-    expired = _metric(server, "session_server_sessions_expired_total")
+    expired = metric(server, "session_server_sessions_expired_total")
     sid = new_session(server)
     host, port = urlsplit(server).hostname, urlsplit(server).port
     started = time.monotonic()
@@ -157,8 +150,8 @@ def test_a_chat_stuck_past_the_request_timeout_is_expired(stack: dict[str, str])
         reply = sock.recv(65536)
     assert reply.startswith(b"HTTP/1.1 404"), reply[:300]
     assert time.monotonic() - started >= REQUEST_TIMEOUT
-    assert _metric(server, "session_server_in_flight") == 0
-    assert _metric(server, "session_server_sessions_expired_total") == expired + 1
+    assert metric(server, "session_server_in_flight") == 0
+    assert metric(server, "session_server_sessions_expired_total") == expired + 1
     resp = httpx.get(f"{server}/sessions/{sid}")
     assert resp.status_code == 404 and "expired" in _error(resp)
     assert_engine_baseline(engine)
@@ -218,7 +211,7 @@ def test_server_tombstones_are_bounded(stack: dict[str, str]) -> None:
     ids = [new_session(server) for _ in range(TOMBSTONES + 1)]
     for sid in ids:
         assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
-    assert _metric(server, "session_server_tombstones") == TOMBSTONES
+    assert metric(server, "session_server_tombstones") == TOMBSTONES
     oldest, newest = httpx.get(f"{server}/sessions/{ids[0]}"), httpx.get(f"{server}/sessions/{ids[-1]}")
     assert oldest.status_code == 404 and "not found" in _error(oldest)
     assert newest.status_code == 404 and "was deleted" in _error(newest)
@@ -236,7 +229,7 @@ def test_admin_routes_refuse_a_missing_or_wrong_token(stack: dict[str, str], aut
         resp = httpx.post(f"{server}{path}", json={"mode": "abort"}, headers=headers)
         assert resp.status_code == 401, (path, resp.text)
         assert resp.json()["error"]["code"] == 401
-    assert _metric(server, "session_server_paused") == 0  # a refused pause changed nothing
+    assert metric(server, "session_server_paused") == 0  # a refused pause changed nothing
 
 
 def test_admin_routes_accept_the_right_token(stack: dict[str, str]) -> None:
@@ -244,12 +237,12 @@ def test_admin_routes_accept_the_right_token(stack: dict[str, str]) -> None:
     good = {"Authorization": f"Bearer {TOKEN}"}
     sid = new_session(server)
     assert httpx.post(f"{server}/admin/pause", json={"mode": "drain"}, headers=good).status_code == 200
-    assert _metric(server, "session_server_paused") == 1
+    assert metric(server, "session_server_paused") == 1
     assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 503
     assert httpx.post(f"{server}/admin/continue", headers={"Authorization": "Bearer no"}).status_code == 401
-    assert _metric(server, "session_server_paused") == 1  # a refused continue changed nothing
+    assert metric(server, "session_server_paused") == 1  # a refused continue changed nothing
     assert httpx.post(f"{server}/admin/continue", headers=good).status_code == 200
-    assert _metric(server, "session_server_paused") == 0
+    assert metric(server, "session_server_paused") == 0
     assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 200
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
     assert_engine_baseline(stack["engine"])

@@ -199,12 +199,17 @@ def test_failure_after_the_first_byte_is_an_error_event_and_commits_nothing(stac
         finally:
             async with httpx.AsyncClient(timeout=10) as http:
                 await http.post(f"{stack.engine}/sim/faults", json={})
-        async with httpx.AsyncClient(timeout=30) as http:
-            assert (await http.get(f"{stack.server}/sessions/{sid}")).json()["records"] == []
-            assert (await http.delete(f"{stack.server}/sessions/{sid}")).status_code == 204
-        assert_engine_baseline(stack.engine)
+        await _assert_nothing_committed(stack, sid)
 
     asyncio.run(run())
+
+
+async def _assert_nothing_committed(stack: Stack, sid: str) -> None:
+    """The failed stream committed nothing; the session still deletes and the engine is back at its baseline."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        assert (await http.get(f"{stack.server}/sessions/{sid}")).json()["records"] == []
+        assert (await http.delete(f"{stack.server}/sessions/{sid}")).status_code == 204
+    assert_engine_baseline(stack.engine)
 
 
 def test_errors_before_the_first_byte_keep_their_status(stack: Stack) -> None:
@@ -218,10 +223,7 @@ def test_errors_before_the_first_byte_keep_their_status(stack: Stack) -> None:
             await _stream(client, messages=[{"role": "user", "content": "x"}], tool_choice="required")
         with pytest.raises(openai.NotFoundError):
             await _stream(session_client(stack.server, "f" * 32), messages=[{"role": "user", "content": "x"}])
-        async with httpx.AsyncClient(timeout=30) as http:
-            assert (await http.get(f"{stack.server}/sessions/{sid}")).json()["records"] == []
-            assert (await http.delete(f"{stack.server}/sessions/{sid}")).status_code == 204
-        assert_engine_baseline(stack.engine)
+        await _assert_nothing_committed(stack, sid)
 
     asyncio.run(run())
 

@@ -7,7 +7,10 @@ import time
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
+
+from rollout.engines.sim.baseline import baseline_problems, engine_idle
 
 TOOLS = [
     {
@@ -34,23 +37,32 @@ def wait_engine_idle(engine: str, timeout: float = 10.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         info = engine_info(engine)
-        if info["running_requests"] == 0 and info["waiting_requests"] == 0:
+        if engine_idle(info):
             return info
         assert time.monotonic() < deadline, f"engine not idle: {info}"
         time.sleep(0.02)
 
 
 def assert_engine_baseline(engine: str, *, open_sessions: int = 0) -> None:
-    """Nothing runs, no session is held, and after a cache flush no KV slot is in use; the books balance."""
-    info = wait_engine_idle(engine)
-    assert info["open_sessions"] == open_sessions, info
+    """Nothing runs, no session is held, and after a cache flush no KV slot is in use; the books balance
+    (rollout.engines.sim.baseline)."""
+    idle = wait_engine_idle(engine)
     flushed = httpx.post(f"{engine}/flush_cache", timeout=10)
-    assert flushed.status_code == 200, flushed.text
-    info = engine_info(engine)
-    if open_sessions == 0:
-        assert info["kv_used_tokens"] == 0, info
     books = httpx.get(f"{engine}/sim/books", timeout=10).json()
-    assert books["ok"], books
+    problems = baseline_problems(idle, flushed.status_code, engine_info(engine), books, open_sessions=open_sessions)
+    assert not problems, problems
+
+
+def metric(server: str, name: str, default: float | None = None) -> float:
+    """One value of the server's /metrics (`name` as exposed, labels included, e.g. `x_total{reason="retry"}`);
+    `default` for a series that does not exist (yet: a labelled counter appears at its first increment), else an
+    AssertionError."""
+    for line in httpx.get(f"{server}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line[len(name):].split()[0])
+    if default is not None:
+        return default
+    raise AssertionError(f"{name} missing from /metrics")
 
 
 def new_session(server: str, metadata: dict[str, Any] | None = None) -> str:
@@ -67,6 +79,34 @@ def session_client(server: str, session_id: str, **kw: Any) -> openai.AsyncOpenA
 
 def chat_url(server: str, session_id: str) -> str:
     return f"{server}/sessions/{session_id}/v1/chat/completions"
+
+
+def assert_sample_is_what_the_engine_saw(sample: Any, calls: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """The merged sample against the recording proxy's /generate calls, in order: each prompt is a prefix of the
+    sample and extends the previous prompt + completion (TITO: history is never re-tokenized), the completions and
+    their logprobs are the engine's own, the loss mask is 1 exactly on them (logprobs 0 elsewhere) and the sample ends
+    with the last one. Returns each call's completion span (start, end) for the caller's per-turn checks."""
+    tokens, mask, logprobs = sample.tokens, sample.loss_mask, sample.rollout_log_probs
+    expected_mask = np.zeros(len(tokens), dtype=np.uint8)
+    spans: list[tuple[int, int]] = []
+    prev_end = 0
+    for call in calls:
+        req, resp = call["request"], call["response"]
+        input_ids = np.asarray(req["input_ids"], dtype=np.int32)
+        output_ids = np.asarray(resp["output_ids"], dtype=np.int32)
+        engine_logprobs = np.asarray([e[0] for e in resp["meta_info"]["output_token_logprobs"]], dtype=np.float32)
+        start, end = len(input_ids), len(input_ids) + len(output_ids)
+        assert start >= prev_end
+        np.testing.assert_array_equal(tokens[:start], input_ids)
+        np.testing.assert_array_equal(tokens[start:end], output_ids)
+        np.testing.assert_array_equal(logprobs[start:end], engine_logprobs)
+        expected_mask[start:end] = 1
+        spans.append((start, end))
+        prev_end = end
+    assert prev_end == len(tokens)
+    np.testing.assert_array_equal(mask, expected_mask)
+    assert np.all(logprobs[mask == 0] == 0.0)
+    return spans
 
 
 def as_history(message: Any) -> dict[str, Any]:

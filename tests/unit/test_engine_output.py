@@ -74,21 +74,23 @@ def test_accepts_every_well_formed_payload(body):
         assert result.routed_experts is None
 
 
+def _parent(body: dict, path: tuple) -> Any:
+    """The container that holds `path`'s last key (the mutations below change one field of a valid body)."""
+    target = body
+    for key in path[:-1]:
+        target = target[key]
+    return target
+
+
 def _set(path: tuple, value: Any) -> Callable[[dict], None]:
     def apply(body: dict) -> None:
-        target = body
-        for key in path[:-1]:
-            target = target[key]
-        target[path[-1]] = value
+        _parent(body, path)[path[-1]] = value
     return apply
 
 
 def _delete(path: tuple) -> Callable[[dict], None]:
     def apply(body: dict) -> None:
-        target = body
-        for key in path[:-1]:
-            target = target[key]
-        del target[path[-1]]
+        del _parent(body, path)[path[-1]]
     return apply
 
 

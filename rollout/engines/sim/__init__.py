@@ -15,6 +15,7 @@ Modules, one concept each:
 - `faults`        fault injection (`X-Sim-Fault` header, `POST /sim/faults`)
 - `routed_experts` the optional routed-experts payload, built once per size
 - `wire`          response shapes; `app` the Starlette routes; `cli` the command line
+- `baseline`      what "nothing leaked" means for the soaks and tests that check the engine after a run
 
 Endpoints: `POST /generate` (JSON or `stream: true` SSE), `POST /abort_request`, `POST /open_session`,
 `POST /close_session`, `POST /pause_generation`, `POST /continue_generation`, `POST /flush_cache`,

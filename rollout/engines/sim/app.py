@@ -74,6 +74,12 @@ async def _json_body(request: Request) -> Any:
         raise BadRequest(f"Invalid JSON body: {exc}") from exc
 
 
+async def _json_fields(request: Request) -> dict[str, Any]:
+    """The body of a control endpoint whose fields all have defaults: a body that is not an object sets none of them."""
+    body = await _json_body(request)
+    return body if isinstance(body, dict) else {}
+
+
 @dataclass
 class SimServer:
     """Route handlers over one engine."""
@@ -202,11 +208,11 @@ class SimServer:
 
     async def abort_request(self, request: Request) -> Response:
         try:
-            body = await _json_body(request)
+            body = await _json_fields(request)
         except BadRequest as exc:
             return error_response(str(exc))
-        rid = body.get("rid") if isinstance(body, dict) else None
-        abort_all = bool(body.get("abort_all", False)) if isinstance(body, dict) else False
+        rid = body.get("rid")
+        abort_all = bool(body.get("abort_all", False))
         self.engine.abort(rid if isinstance(rid, str) else None, abort_all=abort_all)
         for delayed_rid, gone in list(self.delayed.items()):
             if abort_all or delayed_rid == rid:
@@ -235,18 +241,17 @@ class SimServer:
 
     async def close_session(self, request: Request) -> Response:
         try:
-            body = await _json_body(request)
+            body = await _json_fields(request)
         except BadRequest as exc:
             return error_response(str(exc))
-        sid = body.get("session_id") if isinstance(body, dict) else None
+        sid = body.get("session_id")
         if isinstance(sid, str):
             self.engine.close_session(sid)
         return Response(status_code=200)
 
     async def pause_generation(self, request: Request) -> Response:
         try:
-            body = await _json_body(request)
-            mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
+            mode = (await _json_fields(request)).get("mode", "abort")
             await self.engine.pause(str(mode))
         except BadRequest as exc:
             return error_response(str(exc))

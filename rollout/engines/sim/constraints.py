@@ -43,11 +43,16 @@ class StructuralTag:
     stop_after_first: bool
 
 
-def parse_json_schema(text: str) -> Any:
+def _json_key(text: str, key: str) -> Any:
+    """A sampling key carried as JSON text (SGLang's grammar keys are strings): its value, or a 400 naming the key."""
     try:
-        schema = json.loads(text)
+        return json.loads(text)
     except ValueError as exc:
-        raise ConstraintError(f"json_schema is not valid JSON: {exc}") from None
+        raise ConstraintError(f"{key} is not valid JSON: {exc}") from None
+
+
+def parse_json_schema(text: str) -> Any:
+    schema = _json_key(text, "json_schema")
     if not isinstance(schema, dict | bool):
         raise ConstraintError("json_schema must be a JSON object")
     return schema
@@ -55,10 +60,7 @@ def parse_json_schema(text: str) -> Any:
 
 def parse_structural_tag(text: str) -> StructuralTag:
     """SGLang's legacy structural tag (`structures`/`triggers`/`at_least_one`) or xgrammar's `triggered_tags`."""
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        raise ConstraintError(f"structural_tag is not valid JSON: {exc}") from None
+    obj = _json_key(text, "structural_tag")
     if not isinstance(obj, dict) or obj.get("type") != "structural_tag":
         raise ConstraintError("structural_tag must be an object with type 'structural_tag'")
     if "structures" in obj:

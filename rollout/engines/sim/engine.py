@@ -176,9 +176,7 @@ class Engine:
             session.hold = None
             req.node, req.prefix_len = hold.node, hold.prefix_len
             req.private = np.concatenate([hold.private, slots])
-            req.admitted_cached = hold.length
-            if req.retractions == 0:
-                req.cached_tokens = hold.length
+            self._reused(req, hold.length)
             return True
         match = self.cache.match_prefix(req.prompt[: len(req.prompt) - 1])
         self.cache.lock(match.node)  # pin the prefix before eviction can run
@@ -187,10 +185,16 @@ class Engine:
             self.cache.unlock(match.node)
             return False
         req.node, req.prefix_len, req.private = match.node, match.length, slots
-        req.admitted_cached = match.length
-        if req.retractions == 0:
-            req.cached_tokens = match.length
+        self._reused(req, match.length)
         return True
+
+    @staticmethod
+    def _reused(req: SimRequest, cached: int) -> None:
+        """The admitted request skips prefilling `cached` tokens; the reply's cached_tokens reports its first
+        admission (a retracted request re-admitted later keeps that count)."""
+        req.admitted_cached = cached
+        if req.retractions == 0:
+            req.cached_tokens = cached
 
     def _alloc(self, n: int) -> np.ndarray | None:
         slots = self.pool.alloc(n)
