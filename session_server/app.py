@@ -23,6 +23,7 @@ from trajectory.errors import InvariantError
 
 from . import admin, chat, samples, session_header, sessions
 from .boundary import ErrorBoundary
+from .chat_lane import ChatLane
 from .config import ServerConfig
 from .cpu_pool import CpuPool
 from .engine_client import EngineClient
@@ -185,6 +186,7 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
             await shutdown(server)
 
     session = "/sessions/{session_id}"
+    chat_route = Route(session + "/v1/chat/completions", chat.chat_completions, methods=["POST"])
     routes = [
         Route("/health", admin.health, methods=["GET"]),
         Route("/ready", admin.ready, methods=["GET"]),
@@ -194,7 +196,7 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         Route("/sessions", sessions.create_session, methods=["POST"]),
         Route(session, sessions.get_session, methods=["GET"]),
         Route(session, sessions.delete_session, methods=["DELETE"]),
-        Route(session + "/v1/chat/completions", chat.chat_completions, methods=["POST"]),
+        chat_route,
         Route(session + "/samples", samples.collect_samples, methods=["POST"]),
         Route(session + "/v1/models", sessions.list_models, methods=["GET"]),
         Route(session + "/v1/models/{model_id:path}", sessions.retrieve_model, methods=["GET"]),
@@ -204,8 +206,10 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
     ]
     app = Starlette(
         routes=routes,
-        # ResponseMetrics counts every response once, the 500 of ErrorBoundary included; ErrorBoundary logs it once.
-        middleware=[Middleware(ResponseMetrics, routes=routes), Middleware(ErrorBoundary)],
+        # ResponseMetrics counts every response once, the 500 of ErrorBoundary included; ErrorBoundary logs it once;
+        # ChatLane takes chats past the router (chat_lane.py).
+        middleware=[Middleware(ResponseMetrics, routes=routes), Middleware(ErrorBoundary),
+                    Middleware(ChatLane, route=chat_route)],
         lifespan=lifespan,
         exception_handlers={404: not_found, 405: method_not_allowed, Exception: _unhandled},
     )
