@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 SPECIALS = {
     "qwen3": ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
@@ -55,3 +57,19 @@ def test_qwen3_template_drops_earlier_reasoning(hf_tokenizers):
     ]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert "secret plan" not in text
+
+
+_PIECES = ["hello", " world", "\n", "\t", "  ", "naïve", "é\u0301", "東京", "🚀", "'s", "123", "<|im_end|>", "<think>",
+           "<｜User｜>", "<｜end▁of▁sentence｜>", "{\"a\": 1}", "\u3000", "x" * 40]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.lists(st.sampled_from(_PIECES) | st.text(max_size=6), max_size=24).map("".join))
+def test_family_encode_gives_the_tokenizers_own_ids(hf_tokenizers, name: str, text: str) -> None:
+    """The family tokenizes through the Rust backend directly (encode_batch_fast); the ids must be the ones the
+    transformers tokenizer a user loads would give."""
+    from trajectory import get_family
+
+    family = get_family(name, hf_tokenizers[name])
+    assert family.encode(text) == hf_tokenizers[name].encode(text, add_special_tokens=False)
