@@ -79,26 +79,36 @@ async def read_body(request: Request, limit: int, deadline: float) -> bytes:
 
 
 def check_json_value(value: Any, where: str = "request body") -> None:
-    """Depth and integer range of a decoded JSON value, iteratively (no recursion to exhaust)."""
+    """Depth and integer range of a decoded JSON value, iteratively (no recursion to exhaust).
+
+    Runs on every request body, and an agent resends its whole history every turn, so the walk is kept tight: exact
+    type tests (a decoded value holds only the builtin JSON types; bools are not ints here), only containers are
+    pushed, and integers are checked where they are met."""
+    if type(value) is int:
+        _check_int(value, value, where)
+        return
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            if type(item) is int and not INT_MIN <= item <= INT_MAX:
-                raise RequestValidationError(
-                    f"{where} has an integer beyond 64 bits at {_path_of_big_int(value)}: "
-                    f"{str(item)[:24]}{'...' if len(str(item)) > 24 else ''}"
-                )
+        kind = type(item)
+        if kind is not dict and kind is not list:
             continue
         if depth > MAX_DEPTH:
             raise RequestValidationError(f"{where} nests deeper than {MAX_DEPTH} levels")
-        for child in children:
-            if isinstance(child, dict | list) or type(child) is int:
+        for child in item.values() if kind is dict else item:
+            kind = type(child)
+            if kind is dict or kind is list:
                 stack.append((child, depth + 1))
+            elif kind is int and not INT_MIN <= child <= INT_MAX:
+                _check_int(child, value, where)
+
+
+def _check_int(item: int, value: Any, where: str) -> None:
+    if not INT_MIN <= item <= INT_MAX:
+        raise RequestValidationError(
+            f"{where} has an integer beyond 64 bits at {_path_of_big_int(value)}: "
+            f"{str(item)[:24]}{'...' if len(str(item)) > 24 else ''}"
+        )
 
 
 def _path_of_big_int(value: Any) -> str:
