@@ -160,7 +160,7 @@ def prepare_turn(
     """
     family = trajectory.family
     chat = parse_chat_request(body, family.stop_token_ids, family.vocab_size)
-    limits.before_render(chat.messages, family)
+    limits.before_render(chat.messages, family, len(body))
     plan = trajectory.prepare(chat.messages, turn_tools(chat, family), chat.options.chat_template_kwargs)
     limits.after_render(plan, chat.sampling_params)
     return chat, plan

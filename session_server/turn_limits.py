@@ -33,9 +33,12 @@ class TurnLimits:
     prompt_tokens: int | None = None  # the engine's largest input; None: not known (yet)
     session_tokens: int = 0  # --max-session-tokens; 0: none
 
-    def before_render(self, messages: Any, family: ModelFamily) -> None:
+    def before_render(self, messages: Any, family: ModelFamily, body_bytes: int) -> None:
+        """`body_bytes`: the size of the request body the messages came from. The bound counts at most one token per
+        character of message text, and every character takes at least a byte of the body, so a body no larger than
+        the limit is not even walked (the common case: agents resend their whole history every turn)."""
         limit = self.prompt_tokens
-        if limit is None:
+        if limit is None or body_bytes <= limit:
             return
         at_least = min_prompt_tokens(messages, family.max_token_chars, limit)
         if at_least > limit:
