@@ -185,7 +185,10 @@ def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
     if not finite.all():  # also catches float64 values that overflow float32
         i = int(np.flatnonzero(~finite)[0])
         raise UpstreamError(f"output_token_logprobs[{i}] has a non-finite logprob", rule="logprob_value")
-    ids = np.array(token_ids)  # int64 (uint64 or object for ids beyond int64: refused just below, as all others)
+    try:
+        ids = np.fromiter(token_ids, dtype=np.int64, count=n)
+    except OverflowError:  # an id beyond int64: refused just below, like every other out-of-range id
+        ids = np.array(token_ids, dtype=object)
     if n and (ids.min() < 0 or ids.max() >= vocab_size):
         i = next(i for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
         raise UpstreamError(
