@@ -85,6 +85,7 @@ _PLAIN_DECODER = msgspec.json.Decoder(_GenerateResponse[_PlainEntry])
 _DECODER = msgspec.json.Decoder(_GenerateResponse[_LogprobEntry])
 _PLAIN_COLUMNS = (itemgetter(0), itemgetter(1))
 _ENTRY_COLUMNS = (attrgetter("logprob"), attrgetter("token_id"))
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 NAN_MATCHED = "NaN happened"  # schedule_batch.py Req._check_vocab_boundary_finish: a NaN sample
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
 _MISSING = re.compile(r"missing required field `(\w+)`")
@@ -179,12 +180,12 @@ def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
         )
     logprob_of, token_id_of = _PLAIN_COLUMNS if not entries or isinstance(entries[0], tuple) else _ENTRY_COLUMNS
     token_ids = list(map(token_id_of, entries))
-    with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf, caught just below
-        logprobs = np.fromiter(map(logprob_of, entries), dtype=np.float32, count=n)
-    finite = np.isfinite(logprobs)
-    if not finite.all():  # also catches float64 values that overflow float32
-        i = int(np.flatnonzero(~finite)[0])
+    wide = np.fromiter(map(logprob_of, entries), dtype=np.float64, count=n)
+    fits = np.abs(wide) <= _FLOAT32_MAX  # False for NaN, infinities and values float32 cannot hold
+    if not fits.all():
+        i = int(np.flatnonzero(~fits)[0])
         raise UpstreamError(f"output_token_logprobs[{i}] has a non-finite logprob", rule="logprob_value")
+    logprobs = wide.astype(np.float32)
     try:
         ids = np.fromiter(token_ids, dtype=np.int64, count=n)
     except OverflowError:  # an id beyond int64: refused just below, like every other out-of-range id
