@@ -168,19 +168,13 @@ class RunningProcess:
         deadline = time.monotonic() + timeout
         if self._ready_pattern is not None:
             while not self._ready.wait(0.05):
-                if self.proc.poll() is not None:
-                    self._reader.join(2)
-                    raise ProcessCrashed(
-                        f"{self.name} exited with {self.proc.returncode} before it was ready:\n{self.tail()}"
-                    )
+                self.check_alive(" before it was ready")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.tail()}")
         if health_path is None:
             return
         while True:
-            if self.proc.poll() is not None:
-                self._reader.join(2)
-                raise ProcessCrashed(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            self.check_alive()
             try:
                 if httpx.get(self.url + health_path, timeout=2.0).status_code == 200:
                     return
@@ -189,6 +183,12 @@ class RunningProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} health check never passed:\n{self.tail()}")
             time.sleep(0.05)
+
+    def check_alive(self, when: str = "") -> None:
+        """ProcessCrashed, with the child's last output, if it has exited while it should be starting or serving."""
+        if self.proc.poll() is not None:
+            self._reader.join(2)  # the output up to the exit
+            raise ProcessCrashed(f"{self.name} exited with {self.proc.returncode}{when}:\n{self.tail()}")
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM, wait up to `timeout` s for the graceful shutdown, else SIGKILL; returns the exit code."""
@@ -304,8 +304,7 @@ def wait_router(proc: RunningProcess, workers: int, timeout: float = 60.0) -> Ru
                     return proc
             except (httpx.TransportError, ValueError):
                 pass
-            if proc.proc.poll() is not None:
-                raise ProcessCrashed(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.tail()}")
+            proc.check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{proc.name} did not register {workers} workers in {timeout}s:\n{proc.tail()}")
             time.sleep(0.1)

@@ -41,7 +41,7 @@ import httpx
 from rollout.engines.sim import directives
 from rollout.engines.sim.baseline import baseline_problems, engine_idle
 from rollout.processes import RunningProcess, start_session_server, start_sim
-from session_server.journal import file_bytes, table_rows
+from session_server.journal import SYNC_MODES, file_bytes, table_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -307,7 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path, default=None, help="default .cache/tokenizers/<family>")
     p.add_argument("--token-latency-ms", type=float, default=1.0)
     p.add_argument("--journal", type=Path, default=None, help="journal file (default: a fresh temp file)")
-    p.add_argument("--journal-sync", choices=("normal", "full"), default="normal")
+    p.add_argument("--journal-sync", choices=SYNC_MODES, default="normal")
     p.add_argument("--log-dir", type=Path, default=None, help="write the children's output here")
     p.add_argument("--json-out", type=Path, default=None, help="write the report as JSON here")
     return p.parse_args(argv)

@@ -60,6 +60,14 @@ def is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _optional_bool(obj: Mapping[str, Any], key: str) -> bool | None:
+    """A boolean field, None when absent or null; a truthy string or number is a 400, not a silent True."""
+    value = obj.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"'{key}' must be a boolean")
+    return value
+
+
 def _number(obj: Mapping[str, Any], key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
     v = obj.get(key)
     if v is None:
@@ -179,18 +187,14 @@ def _template_kwargs(raw: Any) -> dict[str, Any] | None:
 
 def parse_options(obj: Mapping[str, Any]) -> RequestOptions:
     refuse_unsupported(obj)
-    logprobs = obj.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise bad_request("'logprobs' must be a boolean")
+    logprobs = _optional_bool(obj, "logprobs")
     top = obj.get("top_logprobs")
     if top is not None:
         if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad_request(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if top and not logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs': true")
-    parallel = obj.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad_request("'parallel_tool_calls' must be a boolean")
+    parallel = _optional_bool(obj, "parallel_tool_calls")
     fmt, schema = _response_format(obj.get("response_format"))
     stream_options = obj.get("stream_options")
     include_usage = False
