@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from rollout.engines.sim import directives
 from scripts.benchlib import (
     Figures,
     affinity,
@@ -161,7 +162,7 @@ def tool_schemas(n: int) -> list[dict[str, Any]]:
 
 
 def chat_body(wave: int, index: int, reply_tokens: int, tools: int = 0) -> dict[str, Any]:
-    content = f"Wave {wave}, agent {index}: report your status. [[sim: tokens {reply_tokens}]]"
+    content = f"Wave {wave}, agent {index}: report your status. {directives.tokens(reply_tokens)}"
     body: dict[str, Any] = {
         "model": "default",
         "messages": [{"role": "user", "content": content}],

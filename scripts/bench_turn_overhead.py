@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from rollout.engines.sim import directives
 from scripts.benchlib import (
     Figures,
     affinity,
@@ -65,7 +66,7 @@ def words(rng: random.Random, n: int) -> str:
 
 
 def user_message(rng: random.Random, session: int, turn: int, user_words: int, reply_tokens: int) -> dict[str, str]:
-    text = f"Session {session} turn {turn}: {words(rng, user_words)} [[sim: tokens {reply_tokens}]]"
+    text = f"Session {session} turn {turn}: {words(rng, user_words)} {directives.tokens(reply_tokens)}"
     return {"role": "user", "content": text}
 
 

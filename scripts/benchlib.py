@@ -67,7 +67,7 @@ def start_pair(
     family: str,
     engine_cpu: int | None,
     server_cpu: int | None,
-    log_dir: Path,
+    log_dir: Path | None,
     engine_args: Sequence[str],
     server_args: Sequence[str],
     server_src: str | None = None,

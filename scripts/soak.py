@@ -46,7 +46,8 @@ import httpx
 from rollout.engines.sim import directives
 from rollout.engines.sim.baseline import baseline_problems, engine_idle
 from rollout.engines.sim.faults import FAILING_FAULTS
-from rollout.processes import RunningProcess, start_session_server, start_sim
+from rollout.processes import RunningProcess
+from scripts.benchlib import proc_kib, start_pair
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,10 +141,7 @@ class SoakReport:
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return proc_kib(pid, "VmRSS") / 1024
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -771,16 +769,14 @@ class Episode:
 
 def start_stack(cfg: SoakConfig) -> tuple[RunningProcess, RunningProcess]:
     tok = cfg.tokenizer or ROOT / ".cache" / "tokenizers" / cfg.family
-    sim = start_sim(tok, cfg.family, "--token-latency-ms", str(cfg.token_latency_ms), "--enable-streaming-session",
-                    "--seed", str(cfg.seed), log_dir=cfg.log_dir)
-    try:
-        extra = ["--admin-token", ADMIN_TOKEN, "--max-request-bytes", str(MAX_REQUEST_BYTES),
-                 "--body-timeout", str(BODY_TIMEOUT)] + (["--engine-sessions"] if cfg.engine_sessions else [])
-        server = start_session_server(sim.url, tok, cfg.family, *extra, log_dir=cfg.log_dir)
-    except BaseException:
-        sim.stop()
-        raise
-    return sim, server
+    extra = ["--admin-token", ADMIN_TOKEN, "--max-request-bytes", str(MAX_REQUEST_BYTES),
+             "--body-timeout", str(BODY_TIMEOUT)] + (["--engine-sessions"] if cfg.engine_sessions else [])
+    return start_pair(
+        tokenizer=str(tok), family=cfg.family, engine_cpu=None, server_cpu=None, log_dir=cfg.log_dir,
+        engine_args=["--token-latency-ms", str(cfg.token_latency_ms), "--enable-streaming-session",
+                     "--seed", str(cfg.seed)],
+        server_args=extra,
+    )
 
 
 def run_soak(cfg: SoakConfig) -> SoakReport:

@@ -68,7 +68,8 @@ def _optional_bool(obj: Mapping[str, Any], key: str) -> bool | None:
     return value
 
 
-def _number(obj: Mapping[str, Any], key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+def number(obj: Mapping[str, Any], key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    """`obj[key]` as a float in [lo, hi] (or (lo, hi]), None when absent; anything else is a 400 naming the field."""
     v = obj.get(key)
     if v is None:
         return None
@@ -219,7 +220,7 @@ def penalty_params(obj: Mapping[str, Any], sp: dict[str, Any], vocab_size: int |
         ("repetition_penalty", 0.0, 2.0, True),
         ("min_p", 0.0, 1.0, False),
     ):
-        value = _number(obj, key, lo, hi, lo_open=lo_open)
+        value = number(obj, key, lo, hi, lo_open=lo_open)
         if value is not None:
             sp[key] = value
     bias = obj.get("logit_bias")

@@ -12,7 +12,6 @@ parsed completion, and never carries the heavy replay payloads (routed experts s
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from .openai_fields import (
     check_tool_choice,
     constrain,
     is_int,
+    number,
     parse_options,
     penalty_params,
     prompt_tools,
@@ -49,10 +49,6 @@ class ChatRequest:
     stream: bool
     model: str | None
     options: RequestOptions = dataclasses.field(default_factory=RequestOptions)
-
-
-def _is_number(v: object) -> bool:
-    return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
 
 
 def parse_chat_request(body: bytes, stop_token_ids: tuple[int, ...], vocab_size: int | None = None) -> ChatRequest:
@@ -107,16 +103,12 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
     # No limit from the agent: an explicit null, as SGLang's own chat endpoint sends (up to the context length).
     # Leaving the key out would mean SamplingParams' default of 128 tokens.
     sp["max_new_tokens"] = max_tokens
-    temperature = obj.get("temperature")
+    temperature = number(obj, "temperature", 0, 1e6)
     if temperature is not None:
-        if not _is_number(temperature) or not 0 <= temperature <= 1e6:
-            raise bad_request("'temperature' must be a number in [0, 1e6]")
-        sp["temperature"] = float(temperature)
-    top_p = obj.get("top_p")
+        sp["temperature"] = temperature
+    top_p = number(obj, "top_p", 0, 1, lo_open=True)
     if top_p is not None:
-        if not _is_number(top_p) or not 0 < top_p <= 1:
-            raise bad_request("'top_p' must be a number in (0, 1]")
-        sp["top_p"] = float(top_p)
+        sp["top_p"] = top_p
     top_k = obj.get("top_k")
     if top_k is not None:
         if not is_int(top_k) or (top_k < 1 and top_k != -1) or top_k > MAX_INT32:

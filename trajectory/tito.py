@@ -9,15 +9,24 @@ after one, and special tokens split BPE: no merge can cross the boundary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .families.base import ModelFamily
 
+Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
 
-def _encode(family: ModelFamily, text: str, marker: str | None) -> np.ndarray:
+
+def _render_ids(family: ModelFamily, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                text_only: bool, render: Render) -> np.ndarray:
+    """`render(messages, tools)` tokenized as int32 ids; with `text_only`, control-token spellings inside the messages
+    and tools stay text (families/control.py): protected before rendering, restored as text ids after."""
+    marker = None
+    if text_only:
+        (messages, tools), marker = family.control.protect((list(messages), tools))
+    text = render(list(messages), tools)
     ids = family.encode(text) if marker is None else family.control.encode(text, marker)
     return np.asarray(ids, dtype=np.int32)
 
@@ -30,11 +39,8 @@ def first_turn_ids(family: ModelFamily, messages: Sequence[dict[str, Any]],
     `text_only`: spellings of control tokens inside the messages and tools are tokenized as text (families/control.py);
     False tokenizes the rendered string as one, as the engine's own chat endpoint does.
     """
-    marker = None
-    if text_only:
-        (messages, tools), marker = family.control.protect((list(messages), tools))
-    text = family.render(messages, tools, add_generation_prompt=True, template_kwargs=template_kwargs)
-    return _encode(family, text, marker)
+    return _render_ids(family, messages, tools, text_only, lambda m, t: family.render(
+        m, t, add_generation_prompt=True, template_kwargs=template_kwargs))
 
 
 def continuation_ids(family: ModelFamily, last_completion_token: int | None,
@@ -50,8 +56,5 @@ def continuation_ids(family: ModelFamily, last_completion_token: int | None,
     """
     closed = last_completion_token == family.eos_token_id
     trim = int(not closed and last_completion_token in family.stop_token_ids)
-    marker = None
-    if text_only:
-        (appended, tools), marker = family.control.protect((list(appended), tools))
-    text = family.appended_text(appended, tools, closed=closed, template_kwargs=template_kwargs)
-    return trim, _encode(family, text, marker)
+    return trim, _render_ids(family, appended, tools, text_only, lambda m, t: family.appended_text(
+        m, t, closed=closed, template_kwargs=template_kwargs))
