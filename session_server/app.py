@@ -187,22 +187,23 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
 
     session = "/sessions/{session_id}"
     chat_route = Route(session + "/v1/chat/completions", chat.chat_completions, methods=["POST"])
+    # First match wins and every request tries the routes in order, so the busiest come first (chats take the lane).
     routes = [
         Route("/health", admin.health, methods=["GET"]),
-        Route("/ready", admin.ready, methods=["GET"]),
-        Route("/metrics", admin.metrics, methods=["GET"]),
-        Route("/admin/pause", admin.pause, methods=["POST"]),
-        Route("/admin/continue", admin.resume, methods=["POST"]),
         Route("/sessions", sessions.create_session, methods=["POST"]),
-        Route(session, sessions.get_session, methods=["GET"]),
         Route(session, sessions.delete_session, methods=["DELETE"]),
         chat_route,
         Route(session + "/samples", samples.collect_samples, methods=["POST"]),
-        Route(session + "/v1/models", sessions.list_models, methods=["GET"]),
-        Route(session + "/v1/models/{model_id:path}", sessions.retrieve_model, methods=["GET"]),
+        Route(session, sessions.get_session, methods=["GET"]),
         # One base URL for many episodes, addressed by the X-Session-ID header (session_header.py).
         Route("/v1/chat/completions", session_header.chat_completions, methods=["POST"]),
+        Route("/ready", admin.ready, methods=["GET"]),
+        Route("/metrics", admin.metrics, methods=["GET"]),
+        Route(session + "/v1/models", sessions.list_models, methods=["GET"]),
+        Route(session + "/v1/models/{model_id:path}", sessions.retrieve_model, methods=["GET"]),
         Route("/v1/models", session_header.list_models, methods=["GET"]),
+        Route("/admin/pause", admin.pause, methods=["POST"]),
+        Route("/admin/continue", admin.resume, methods=["POST"]),
     ]
     app = Starlette(
         routes=routes,

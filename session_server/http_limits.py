@@ -96,7 +96,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_head = False
         self._head_bytes = 0  # bytes of the current request's head fed while it was incomplete
-        self._head_parsed = 0  # exact size of what the parser has handed over: URL, header names and values
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
@@ -104,29 +103,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head = True
-        self._head_bytes = self._head_parsed = 0
-
-    def on_url(self, url: bytes) -> None:
-        self._count(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)
-        super().on_header(name, value)
-
-    def _count(self, size: int) -> None:
-        self._head_parsed += size
-        if self._head_parsed > self.max_header_bytes:
-            raise _HeadTooLarge
+        self._head_bytes = 0
 
     def on_headers_complete(self) -> None:
+        """The exact size of the head (URL, names and values, 4 bytes of separators each), once it is complete:
+        one sum per request rather than a count in every header callback."""
         self._in_head = False
+        if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > self.max_header_bytes:
+            raise _HeadTooLarge
         super().on_headers_complete()
 
     def data_received(self, data: bytes) -> None:
-        """uvicorn's own data_received, plus the two head limits: the exact one from the parser's callbacks, and
-        a running count while the head is incomplete (httptools buffers a header until it ends, so the exact
-        count alone would let a 64 MiB header be buffered first)."""
+        """uvicorn's own data_received, plus the two head limits: the exact one once the head is complete, and a
+        running count while it is not (httptools buffers a header until it ends, so the exact count alone would let
+        a 64 MiB header be buffered first)."""
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
