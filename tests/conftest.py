@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from scripts.build_tokenizers import build_all
-from support.stack import Stack, StackFactory, launch_stack
+from support.stack import Fleet, FleetFactory, Stack, StackFactory, launch_fleet, launch_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,6 +44,19 @@ def stack_factory(
 
     def factory(**options: Any) -> contextlib.AbstractContextManager[Stack]:
         return launch_stack(tokenizer_dirs, tmp_path_factory.mktemp("stack"), **options)
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def fleet_factory(
+    tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> FleetFactory:
+    """`with fleet_factory(sims=2, sim_args=[...]) as fleet:` -- data-parallel sims for the placement and router
+    modules (tests/support/stack.py), which start what goes in front of them with `fleet.start(...)`."""
+
+    def factory(**options: Any) -> contextlib.AbstractContextManager[Fleet]:
+        return launch_fleet(tokenizer_dirs, tmp_path_factory.mktemp("fleet"), **options)
 
     return factory
 
