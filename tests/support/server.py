@@ -167,6 +167,15 @@ class RecordingProxy:
     def clear(self) -> None:
         self.calls.clear()
 
+    def settled(self, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """The calls once each has its answer: the engine may end a request (an abort) a moment before its answer
+        has passed the proxy and been recorded."""
+        deadline = time.monotonic() + timeout
+        while pending := [c for c in self.calls if "status" not in c]:
+            assert time.monotonic() < deadline, f"calls still unanswered after {timeout}s: {pending}"
+            time.sleep(0.01)
+        return list(self.calls)
+
     def close(self) -> None:
         self._server.should_exit = True
         self._thread.join(10)
