@@ -29,11 +29,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# The whole suite: lint, then every tier (tests/unit: pure, in-process; tests/e2e: real processes over loopback).
+# The whole suite: lint, then every tier (tests/unit: pure, in-process; tests/e2e: real processes over loopback), on
+# TEST_WORKERS pytest-xdist workers (tests/conftest.py: a module's tests share one worker and its process stack).
+# More workers than cores pays: e2e tests spend much of their time waiting on their processes.
+TEST_WORKERS ?= 3
 test: $(STAMP) $(TOKENIZERS)/.built
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # The pure tier only, in seconds: run it constantly.
 test-fast: $(STAMP) $(TOKENIZERS)/.built

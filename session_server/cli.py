@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -241,20 +243,52 @@ def refuse_routers(config: ServerConfig) -> None:
         _fail(refusal)
 
 
-def load_family(tokenizer_dir: str, family_name: str) -> ModelFamily:
+_NO_ADVICE = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+
+
+@contextlib.contextmanager
+def _torch_hidden() -> Iterator[None]:
+    """Import transformers (and load the tokenizer) in its tokenizer-only mode.
+
+    transformers imports torch whenever torch is installed (~0.8 s of CPU, a third of the start-up), for model
+    classes a session server never uses. With torch hidden at its first import, transformers runs as on a machine
+    without torch: the same tokenizer class, files and tokens (tested), and an advisory line that torch is missing,
+    which is no news here and is not printed. Torch is visible again afterwards; nothing in the server imports it.
+    Only for a process that has imported neither yet (the CLI's own process), so a caller's transformers is never
+    changed under it."""
+    if "transformers" in sys.modules or "torch" in sys.modules:
+        yield
+        return
+    advice = os.environ.get(_NO_ADVICE)
+    sys.modules["torch"] = None  # type: ignore[assignment]  # importlib.util.find_spec("torch") is now None
+    os.environ[_NO_ADVICE] = "1"
+    try:
+        yield
+    finally:
+        del sys.modules["torch"]
+        if advice is None:
+            del os.environ[_NO_ADVICE]
+        else:
+            os.environ[_NO_ADVICE] = advice
+
+
+def load_family(tokenizer_dir: str, family_name: str, *, without_torch: bool = False) -> ModelFamily:
+    """The family over the tokenizer in `tokenizer_dir`; exits 2 with a one-line error if either is unusable.
+    `without_torch`: load transformers in its tokenizer-only mode (`_torch_hidden`; the CLI's start-up)."""
     from trajectory import family_names, get_family
 
     if family_name not in family_names():
         _fail(f"unknown --model-family {family_name!r} (known: {', '.join(family_names())})")
     if not any(Path(tokenizer_dir, name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
         _fail(f"--tokenizer {tokenizer_dir!r} is not a local tokenizer directory (nothing is downloaded)")
-    from transformers import AutoTokenizer  # slow to import: only once the cheap checks passed
+    with _torch_hidden() if without_torch else contextlib.nullcontext():
+        from transformers import AutoTokenizer  # slow to import: only once the cheap checks passed
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except Exception as exc:
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
-        _fail(f"cannot load tokenizer from {tokenizer_dir!r}: {type(exc).__name__}: {first_line}")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        except Exception as exc:
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            _fail(f"cannot load tokenizer from {tokenizer_dir!r}: {type(exc).__name__}: {first_line}")
     try:
         return get_family(family_name, tokenizer)
     except Exception as exc:
@@ -303,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     refuse_routers(config)
-    family = load_family(config.tokenizer, config.model_family)
+    family = load_family(config.tokenizer, config.model_family, without_torch=True)
 
     from .app import build_app
     from .journal import JournalError

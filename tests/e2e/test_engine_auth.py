@@ -87,9 +87,9 @@ def test_keyed_server_chats_with_engine_sessions_and_aborts_on_disconnect(stack:
         await _wait_engine(stack.engine, lambda i: i["running_requests"] == 0, within=5)
 
     asyncio.run(disconnect())
-    calls = {c["path"]: c["status"] for c in stack.proxy.calls}
-    assert {"/open_session", "/generate", "/abort_request"} <= calls.keys()
-    assert all(c["status"] == 200 for c in stack.proxy.calls), stack.proxy.calls
+    calls = stack.proxy.settled()
+    assert {"/open_session", "/generate", "/abort_request"} <= {c["path"] for c in calls}
+    assert all(c["status"] == 200 for c in calls), calls
     for s in (sid, long_sid):
         assert httpx.delete(f"{server}/sessions/{s}", timeout=10).status_code == 204
     info = _info(stack.engine)

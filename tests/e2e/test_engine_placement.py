@@ -12,53 +12,33 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
 
-from rollout.processes import RunningProcess, start_session_server, start_sim
-from support.server import assert_engine_baseline, chat_url, engine_info, new_session, start_parallel
+from rollout.processes import start_session_server
+from support.server import assert_engine_baseline, chat_url, engine_info, new_session
 from support.sim import wait_for
+from support.stack import Fleet, FleetFactory
 
 FAMILY = "qwen3"
 TOKEN_MS = 5
 LONG_CHAT = {"messages": [{"role": "user", "content": "slow [[sim: tokens 3000]]"}]}  # 15 s unless aborted
 
 
-@dataclass
-class Fleet:
-    sims: list[RunningProcess]
-    server: str
-    procs: list[RunningProcess] = field(default_factory=list)
-
-    @property
-    def urls(self) -> list[str]:
-        return [s.url for s in self.sims]
-
-
 @contextlib.contextmanager
-def fleet(tok: Path, logs: Path, *server_args: str) -> Iterator[Fleet]:
+def fleet(fleet_factory: FleetFactory, *server_args: str) -> Iterator[Fleet]:
+    """Two sims, and one session server in front of both (`fleet.server`)."""
     sim_args = ["--enable-streaming-session", "--token-latency-ms", str(TOKEN_MS)]
-    procs: list[RunningProcess] = []
-    try:
-        procs += start_parallel(*(
-            (lambda wait, i=i: start_sim(tok, FAMILY, *sim_args, log_path=logs / f"sim{i}.log", wait=wait))
-            for i in range(2)
-        ))
-        urls = [flag for p in procs for flag in ("--engine-url", p.url)]
-        server = start_session_server(urls[1], tok, FAMILY, *urls[2:], *server_args, log_dir=logs)
-        procs.append(server)
-        yield Fleet(procs[:2], server.url, procs)
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+    with fleet_factory(family=FAMILY, sim_args=sim_args) as f:
+        urls = [flag for url in f.urls for flag in ("--engine-url", url)]
+        f.server = f.start(start_session_server(urls[1], f.tok, FAMILY, *urls[2:], *server_args, log_dir=f.logs)).url
+        yield f
 
 
 @pytest.fixture(scope="module")
-def two(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with fleet(tokenizer_dirs[FAMILY], tmp_path_factory.mktemp("fleet"), "--engine-sessions") as f:
+def two(fleet_factory: FleetFactory) -> Iterator[Fleet]:
+    with fleet(fleet_factory, "--engine-sessions") as f:
         yield f
 
 
@@ -148,11 +128,8 @@ def test_pause_abort_reaches_every_worker(two: Fleet) -> None:
         assert_engine_baseline(url)
 
 
-def test_a_dead_worker_s_sessions_move_on_their_next_turn(
-    tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    logs = tmp_path_factory.mktemp("fleet-kill")
-    with fleet(tokenizer_dirs[FAMILY], logs, "--engine-sessions", "--engine-health-interval", "0.2") as f:
+def test_a_dead_worker_s_sessions_move_on_their_next_turn(fleet_factory: FleetFactory) -> None:
+    with fleet(fleet_factory, "--engine-sessions", "--engine-health-interval", "0.2") as f:
         sessions = [new_session(f.server) for _ in range(4)]
         histories: dict[str, list[dict[str, str]]] = {sid: [] for sid in sessions}
         for sid in sessions:

@@ -19,9 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollout.processes import RunningProcess, start_router, start_session_server, start_sim, wait_router
-from support.server import assert_engine_baseline, chat_url, engine_info, new_session, start_parallel
+from rollout.processes import RunningProcess, free_port, start_router, start_session_server, wait_router
+from support.server import assert_engine_baseline, chat_url, engine_info, new_session
 from support.sim import wait_for
+from support.stack import FleetFactory
 
 FAMILY = "qwen3"
 TOKEN_MS = 5
@@ -38,27 +39,16 @@ class RouterStack:
 
 
 @pytest.fixture(scope="module")
-def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterStack]:
-    tok = tokenizer_dirs[FAMILY]
-    logs = tmp_path_factory.mktemp("router")
+def stack(fleet_factory: FleetFactory, tokenizer_dirs: dict[str, Path]) -> Iterator[RouterStack]:
     # The router registers a tokenizer from the model_path each worker reports: it must be a tokenizer directory.
-    sim_args = ["--model-path", str(tok), "--token-latency-ms", str(TOKEN_MS)]
-    procs: list[RunningProcess] = []
-    try:
-        procs += start_parallel(*(
-            (lambda wait, i=i: start_sim(tok, FAMILY, *sim_args, log_path=logs / f"sim{i}.log", wait=wait))
-            for i in range(2)
-        ))
-        sims = [p.url for p in procs]
-        router = start_router(sims, log_dir=logs, wait=False)
-        procs.append(router)
-        wait_router(router, len(sims))
-        server = start_session_server(router.url, tok, FAMILY, log_dir=logs)
-        procs.append(server)
-        yield RouterStack(sims, router.url, server.url, server, tok)
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+    sim_args = ["--model-path", str(tokenizer_dirs[FAMILY]), "--token-latency-ms", str(TOKEN_MS)]
+    with fleet_factory(family=FAMILY, sim_args=sim_args) as f:
+        # Its metrics exporter binds a fixed port (29000) on every interface unless told: a free loopback one.
+        metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        router = f.start(start_router(f.urls, *metrics, log_dir=f.logs, wait=False))
+        wait_router(router, len(f.urls))
+        server = f.start(start_session_server(router.url, f.tok, FAMILY, log_dir=f.logs))
+        yield RouterStack(f.urls, router.url, server.url, server, f.tok)
 
 
 def _keys_and_finished(sims: list[str]) -> tuple[int, int]:

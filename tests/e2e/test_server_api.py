@@ -22,6 +22,7 @@ from support.server import (
     chat_url,
     engine_info,
     new_session,
+    run_in_session,
     session_client,
 )
 from support.stack import Stack, StackFactory
@@ -64,14 +65,13 @@ def test_session_ids_are_128_bit_random(stack: dict[str, str]) -> None:
 
 
 def test_tool_loop_samples_and_delete(stack: dict[str, str]) -> None:
-    asyncio.run(_tool_loop_samples_and_delete(stack))
+    run_in_session(stack["server"], _tool_loop_samples_and_delete, metadata={"task": "add"})
+    assert_engine_baseline(stack["engine"])
 
 
-async def _tool_loop_samples_and_delete(stack: dict[str, str]) -> None:
-    http = httpx.AsyncClient(timeout=30)
-    server, engine = stack["server"], stack["engine"]
-    sid = new_session(server, metadata={"task": "add"})
-    client = session_client(server, sid)
+async def _tool_loop_samples_and_delete(
+    server: str, sid: str, client: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
     messages: list[dict] = [
         {"role": "system", "content": "You are a calculator."},
         {"role": "user", "content": 'Add 1 and 2. [[sim: think]] [[sim: tool_call name=add args={"a": 1, "b": 2}]]'},
@@ -128,18 +128,13 @@ async def _tool_loop_samples_and_delete(stack: dict[str, str]) -> None:
     assert (await http.get(f"{server}/sessions/{sid}")).status_code == 404
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="m", messages=messages)
-    assert_engine_baseline(engine)
 
 
 def test_streaming_with_the_sdk(stack: dict[str, str]) -> None:
-    asyncio.run(_streaming_with_the_sdk(stack))
+    run_in_session(stack["server"], _streaming_with_the_sdk)
 
 
-async def _streaming_with_the_sdk(stack: dict[str, str]) -> None:
-    http = httpx.AsyncClient(timeout=30)
-    server = stack["server"]
-    sid = new_session(server)
-    client = session_client(server, sid)
+async def _streaming_with_the_sdk(server: str, sid: str, client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> None:
     messages = [{"role": "user", "content": 'go [[sim: tool_call name=add args={"a": 2, "b": 5}]]'}]
     stream = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True)
     chunks = [chunk async for chunk in stream]
@@ -226,14 +221,12 @@ def _rollbacks(metrics: httpx.Response) -> dict[str, int]:
 
 
 def test_rollback_one_turn_and_refuse_deeper_divergence(stack: dict[str, str]) -> None:
-    asyncio.run(_rollback_one_turn_and_refuse_deeper_divergence(stack))
+    run_in_session(stack["server"], _rollback_one_turn_and_refuse_deeper_divergence)
 
 
-async def _rollback_one_turn_and_refuse_deeper_divergence(stack: dict[str, str]) -> None:
-    http = httpx.AsyncClient(timeout=30)
-    server = stack["server"]
-    sid = new_session(server)
-    client = session_client(server, sid)
+async def _rollback_one_turn_and_refuse_deeper_divergence(
+    server: str, sid: str, client: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
     call = '[[sim: tool_call name=add args={"a": 1, "b": 1}]]'
     messages: list[dict] = [{"role": "user", "content": f"add twice {call}"}]
     r1 = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
@@ -376,22 +369,22 @@ def test_sessions_are_independent_under_concurrency(stack: dict[str, str]) -> No
 
 
 async def _sessions_are_independent_under_concurrency(stack: dict[str, str]) -> None:
-    http = httpx.AsyncClient(timeout=30)
     server = stack["server"]
     sids = [new_session(server) for _ in range(8)]
 
-    async def episode(sid: str) -> int:
-        client = session_client(server, sid)
-        messages: list[dict] = [{"role": "user", "content": f"session {sid} [[sim: tokens 8]]"}]
-        for _ in range(3):
-            reply = await client.chat.completions.create(model="m", messages=messages)
-            messages.append(as_history(reply.choices[0].message))
-            messages.append({"role": "user", "content": "again [[sim: tokens 8]]"})
+    async def episode(http: httpx.AsyncClient, sid: str) -> int:
+        async with session_client(server, sid) as client:
+            messages: list[dict] = [{"role": "user", "content": f"session {sid} [[sim: tokens 8]]"}]
+            for _ in range(3):
+                reply = await client.chat.completions.create(model="m", messages=messages)
+                messages.append(as_history(reply.choices[0].message))
+                messages.append({"role": "user", "content": "again [[sim: tokens 8]]"})
         return len((await http.get(f"{server}/sessions/{sid}")).json()["records"])
 
-    assert await asyncio.gather(*(episode(s) for s in sids)) == [3] * 8
-    for sid in sids:
-        assert (await http.delete(f"{server}/sessions/{sid}")).status_code == 204
+    async with httpx.AsyncClient(timeout=30) as http:
+        assert await asyncio.gather(*(episode(http, s) for s in sids)) == [3] * 8
+        for sid in sids:
+            assert (await http.delete(f"{server}/sessions/{sid}")).status_code == 204
     assert_engine_baseline(stack["engine"])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -75,6 +76,21 @@ def new_session(server: str, metadata: dict[str, Any] | None = None) -> str:
 def session_client(server: str, session_id: str, **kw: Any) -> openai.AsyncOpenAI:
     """The official SDK on a session's base URL; no retries, so a 409/503 surfaces instead of being retried."""
     return openai.AsyncOpenAI(base_url=f"{server}/sessions/{session_id}/v1", api_key="x", max_retries=0, **kw)
+
+
+SessionBody = Callable[[str, str, openai.AsyncOpenAI, httpx.AsyncClient], Awaitable[None]]
+
+
+def run_in_session(server: str, body: SessionBody, metadata: dict[str, Any] | None = None) -> None:
+    """`asyncio.run(body(server, sid, client, http))` on a new session of `server`: `client` is the SDK on the
+    session's base URL (`session_client`), `http` a plain async client; both are closed afterwards."""
+
+    async def main() -> None:
+        sid = new_session(server, metadata)
+        async with httpx.AsyncClient(timeout=30) as http, session_client(server, sid) as client:
+            await body(server, sid, client, http)
+
+    asyncio.run(main())
 
 
 def chat_url(server: str, session_id: str) -> str:
@@ -190,6 +206,15 @@ class RecordingProxy:
 
     def clear(self) -> None:
         self.calls.clear()
+
+    def settled(self, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """The calls once each has its answer: the engine may end a request (an abort) a moment before its answer
+        has passed the proxy and been recorded."""
+        deadline = time.monotonic() + timeout
+        while pending := [c for c in self.calls if "status" not in c]:
+            assert time.monotonic() < deadline, f"calls still unanswered after {timeout}s: {pending}"
+            time.sleep(0.01)
+        return list(self.calls)
 
     def close(self) -> None:
         self._server.should_exit = True

@@ -5,11 +5,15 @@ Every e2e module builds its stack through `launch_stack` (the `stack_factory` fi
 lifecycle rules live in one place: session servers are started at once (loading the tokenizer is the slow part),
 a failed start stops everything already running, and at teardown each session server must exit 0 on SIGTERM (a
 crash or an unclean exit fails the module with the process's output tail).
+
+The data-parallel modules (several sims behind one server or router) build theirs with `launch_fleet` (the
+`fleet_factory` fixture): the sims started at once, then whatever the module puts in front of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +21,7 @@ from typing import Any
 
 from rollout.processes import RunningProcess, start_session_server, start_sim
 
-from .server import RecordingProxy
+from .server import RecordingProxy, start_parallel
 
 
 @dataclass
@@ -89,3 +93,46 @@ def launch_stack(
         if stack.proxy is not None:
             stack.proxy.close()
     assert not failures, "\n".join(failures)
+
+
+@dataclass
+class Fleet:
+    """Data-parallel sims (`sims`) and the processes a module starts in front of them with `start` (`procs`, the
+    sims first); `server` is the URL of the session server in front, once the module has started one."""
+
+    tok: Path
+    logs: Path
+    sims: list[RunningProcess]
+    procs: list[RunningProcess]
+    server: str = ""
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.sims]
+
+    def start(self, proc: RunningProcess) -> RunningProcess:
+        """Keep a started process to stop (in reverse order) when the fleet closes."""
+        self.procs.append(proc)
+        return proc
+
+
+FleetFactory = Callable[..., contextlib.AbstractContextManager[Fleet]]
+
+
+@contextlib.contextmanager
+def launch_fleet(
+    tokenizer_dirs: Mapping[str, Path], logs: Path, *, family: str = "qwen3", sims: int = 2,
+    sim_args: Sequence[str] = (),
+) -> Iterator[Fleet]:
+    """Start `sims` sims at once (each with `sim_args`, logging to sim<i>.log); every process of the fleet is stopped
+    in reverse order when it closes."""
+    tok = tokenizer_dirs[family]
+    procs: list[RunningProcess] = []
+    try:
+        procs += start_parallel(*(
+            functools.partial(start_sim, tok, family, *sim_args, log_path=logs / f"sim{i}.log") for i in range(sims)
+        ))
+        yield Fleet(tok, logs, procs[:sims], procs)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
