@@ -232,3 +232,28 @@ def test_sglangs_own_sampling_params_accept_what_the_fields_become(body: dict[st
     params = sampling.SamplingParams(**chat.sampling_params)
     params.normalize(qwen3.tokenizer)
     params.verify(qwen3.vocab_size)
+
+
+def test_schema_verdicts_are_remembered_for_valid_and_invalid_schemas(monkeypatch) -> None:
+    """Every request of an agent repeats its tool schemas: each distinct schema is checked against the metaschema
+    once, and a bad one stays a 400 every time."""
+    import jsonschema
+
+    from session_server import openai_fields
+
+    calls: list[object] = []
+    real = jsonschema.Draft202012Validator.check_schema
+
+    def counting(schema: object, *args: object, **kwargs: object) -> None:
+        calls.append(schema)
+        real(schema, *args, **kwargs)
+
+    monkeypatch.setattr(jsonschema.Draft202012Validator, "check_schema", counting)
+    openai_fields._schema_problem.cache_clear()
+    good = {"type": "object", "properties": {"q": {"type": "string", "minLength": 1}}, "x-nonce": "remembered"}
+    bad = {"type": "object", "properties": {"q": {"type": 5}}, "x-nonce": "remembered"}
+    for _ in range(3):
+        openai_fields._check_schema(dict(reversed(list(good.items()))), "tools[0].function.parameters")
+        with pytest.raises(RequestValidationError, match=r"tools\[1\].function.parameters' is not a valid JSON"):
+            openai_fields._check_schema(bad, "tools[1].function.parameters")
+    assert len(calls) == 2  # one check per distinct schema (key order does not make a schema distinct)
