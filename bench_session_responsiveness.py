@@ -56,6 +56,7 @@ from scripts.benchlib import (
     start_profiler,
     summarize_collapsed,
     system_cpu,
+    tool_schemas,
     usable_cpus,
     write_report,
 )
@@ -143,22 +144,6 @@ class LoadResult:
         self.errors[kind] += 1
         if len(self.error_samples) < 8:
             self.error_samples.append(f"{kind}: {detail[:300]}")
-
-
-def tool_schemas(n: int) -> list[dict[str, Any]]:
-    """N realistic function schemas (every agent of a run sends the same ones, as agent frameworks do)."""
-    return [
-        {"type": "function", "function": {
-            "name": f"tool_{i}",
-            "description": f"Tool number {i}: looks up a record by key and returns its fields as JSON.",
-            "parameters": {"type": "object", "properties": {
-                "key": {"type": "string", "description": "the record key"},
-                "fields": {"type": "array", "items": {"type": "string"}, "description": "fields to return"},
-                "limit": {"type": "integer", "minimum": 1, "maximum": 100},
-            }, "required": ["key"]},
-        }}
-        for i in range(n)
-    ]
 
 
 def chat_body(wave: int, index: int, reply_tokens: int, tools: int = 0) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from scripts.benchlib import (
     start_pair,
     start_profiler,
     summarize_collapsed,
+    tool_schemas,
     write_report,
 )
 
@@ -112,6 +113,7 @@ async def end_to_end(
         rss_before = proc_kib(server_pid, "VmRSS")
         sids = [(await server.post("/sessions", json={})).json()["session_id"] for _ in range(args.sessions)]
         histories: list[list[dict[str, Any]]] = [[] for _ in sids]
+        tools = tool_schemas(args.tools)
         wait0 = proc_schedstat(server_pid)[1]
         t_start = time.perf_counter()
         # Interleaved turn indices: session s starts `s mod T` rounds late, so every round mixes short and long
@@ -125,6 +127,8 @@ async def end_to_end(
                 sid = sids[s]
                 histories[s].append(user_message(rng, s, turn, args.user_words, args.reply_tokens))
                 body = {"messages": histories[s], "max_tokens": 2 * args.reply_tokens, "temperature": 1.0}
+                if args.tools:
+                    body["tools"] = tools
                 cpu0 = proc_runtime_ns(server_pid)
                 t0 = time.perf_counter()
                 r = await server.post(f"/sessions/{sid}/v1/chat/completions", json=body)
@@ -290,6 +294,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sessions", type=int, default=32)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--reply-tokens", type=int, default=448, help="reply length per turn ([[sim: tokens N]])")
+    p.add_argument("--tools", type=int, default=0, help="tool schemas sent with every turn, as agents send them")
     p.add_argument("--user-words", type=int, default=48, help="words per user message (~1.3 tokens each)")
     p.add_argument("--tito-sizes", type=int, nargs="+", default=[1024, 4096, 8192, 32768])
     p.add_argument("--tito-reps", type=int, default=40)

@@ -93,6 +93,22 @@ def _cores(cpu: int | None) -> set[int] | None:
     return None if cpu is None else {cpu}
 
 
+def tool_schemas(n: int) -> list[dict[str, Any]]:
+    """N realistic function schemas (every agent of a run sends the same ones, as agent frameworks do)."""
+    return [
+        {"type": "function", "function": {
+            "name": f"tool_{i}",
+            "description": f"Tool number {i}: looks up a record by key and returns its fields as JSON.",
+            "parameters": {"type": "object", "properties": {
+                "key": {"type": "string", "description": "the record key"},
+                "fields": {"type": "array", "items": {"type": "string"}, "description": "fields to return"},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 100},
+            }, "required": ["key"]},
+        }}
+        for i in range(n)
+    ]
+
+
 def run_async(main: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine on uvloop, like the servers (uvicorn[standard] brings it), else on asyncio's loop."""
     try:

@@ -91,6 +91,11 @@ def test_responses_tokens_and_latencies(stack: Stack) -> None:
     assert delta("session_server_engine_seconds_sum") >= 9 * TOKEN_MS / 1000
     assert delta("session_server_chat_seconds_sum") >= delta("session_server_engine_seconds_sum")
     assert delta("session_server_sessions_created_total") == 1
+    # The loop-lag ticker reports every 0.1 s from the server's start; a test this quick may scrape before its first.
+    deadline = time.monotonic() + 10
+    while value(after, "session_server_event_loop_lag_seconds_count") == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = scrape(server)
     assert value(after, "session_server_event_loop_lag_seconds_count") > 0
     assert value(after, "process_resident_memory_bytes") > 0
     assert_engine_baseline(stack.engine)
