@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+import msgspec
+
 from trajectory.errors import RequestValidationError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
@@ -137,7 +139,7 @@ def _check_schema(schema: Any, field: str) -> None:
     if not isinstance(schema, dict):
         raise bad_request(f"'{field}' must be a JSON Schema object")
     try:
-        key = json.dumps(schema, sort_keys=True)
+        key = msgspec.json.encode(schema, order="sorted")
     except (TypeError, ValueError, RecursionError):
         raise bad_request(f"'{field}' is too deeply nested or contains a cycle") from None
     problem = _schema_problem(key)
@@ -146,7 +148,7 @@ def _check_schema(schema: Any, field: str) -> None:
 
 
 @functools.lru_cache(maxsize=SCHEMA_VERDICTS)
-def _schema_problem(key: str) -> str | None:
+def _schema_problem(key: bytes) -> str | None:
     """What is wrong with the JSON Schema `key` (its sorted-key JSON), or None: one verdict per distinct schema.
 
     Checking a schema against the 2020-12 metaschema costs about 2 ms (jsonschema resolves its $dynamicRefs for
@@ -158,7 +160,7 @@ def _schema_problem(key: str) -> str | None:
     except ImportError:  # pragma: no cover - jsonschema is a dependency; keep the shape check at least
         return None
     try:
-        Draft202012Validator.check_schema(json.loads(key))
+        Draft202012Validator.check_schema(msgspec.json.decode(key))
     except SchemaError as exc:
         return f"is not a valid JSON Schema: {exc.message}"
     except RecursionError:
