@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['new_tokens']} new tokens; full re-tokenize {row['full_retokenize_ms']:.2f} ms; "
                   f"commit {row['commit_ms']:.3f} ms")
         print(f"  memory/token    arrays {v['trajectory_array_bytes_per_token']:.1f} B, everything retained "
-              f"{v['trajectory_retained_bytes_per_token']:.1f} B (target <= 16 B)")
+              f"{v['trajectory_retained_bytes_per_token']:.1f} B (targets: arrays <= 10 B, everything <= 24 B)")
     if args.profile and args.profile.endswith(".txt") and Path(args.profile).exists():
         print("  profile (server, % of samples: own / in stack):")
         for name, own, total in summarize_collapsed(args.profile):
