@@ -63,13 +63,17 @@ _PIECES = ["hello", " world", "\n", "\t", "  ", "naïve", "é\u0301", "東京", 
            "<｜User｜>", "<｜end▁of▁sentence｜>", "{\"a\": 1}", "\u3000", "x" * 40]
 
 
+@pytest.fixture(scope="module")
+def families(hf_tokenizers):
+    from trajectory import get_family
+
+    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
+
+
 @pytest.mark.parametrize("name", ["qwen3", "deepseek"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.lists(st.sampled_from(_PIECES) | st.text(max_size=6), max_size=24).map("".join))
-def test_family_encode_gives_the_tokenizers_own_ids(hf_tokenizers, name: str, text: str) -> None:
+def test_family_encode_gives_the_tokenizers_own_ids(hf_tokenizers, families, name: str, text: str) -> None:
     """The family tokenizes through the Rust backend directly (encode_batch_fast); the ids must be the ones the
     transformers tokenizer a user loads would give."""
-    from trajectory import get_family
-
-    family = get_family(name, hf_tokenizers[name])
-    assert family.encode(text) == hf_tokenizers[name].encode(text, add_special_tokens=False)
+    assert families[name].encode(text) == hf_tokenizers[name].encode(text, add_special_tokens=False)
