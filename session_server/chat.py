@@ -36,7 +36,6 @@ from .engine_sessions import engine_session_gone
 from .engine_wire import encode_generate, split_routed_experts
 from .errors import (
     ClientDisconnectedError,
-    EngineAbortedError,
     EngineRefusedError,
     EngineTimeoutError,
     LimitExceededError,
@@ -283,13 +282,10 @@ async def _generate(
     # The cut is a memchr over the routed-experts megabytes (~0.1 ms); what is left to decode is what the pool-or-
     # inline choice should weigh, and it is usually small enough that a pool hop would cost more than the decode.
     split = split_routed_experts(reply.body)
-    try:
-        out = await server.pool.run_decode(
-            len(split[0]), decode_turn, reply.body, server.family, rid, model, split=split, options=chat.options,
-        )
-    except EngineAbortedError as err:
-        err.retry_after = server.config.retry_after
-        raise tag_abort(err, AbortCause.ENGINE) from None
+    out = await server.pool.run_decode(
+        len(split[0]), decode_turn, reply.body, server.family, rid, model, split=split, options=chat.options,
+        retry_after=server.config.retry_after,
+    )
     timing.decode = time.perf_counter() - t1
     return out
 

@@ -17,6 +17,8 @@ from starlette.responses import Response
 
 from trajectory.errors import RequestValidationError, SessionError, UpstreamError
 
+from .metrics import AbortCause
+
 
 class SessionNotFoundError(SessionError):
     status = 404
@@ -53,9 +55,10 @@ class SessionPausedError(RetryLaterError):
 
 class EngineAbortedError(SessionPausedError):
     """The engine ended the request itself (its own pause, a weight update, an abort in its queue): nothing was
-    generated that could be committed, and the same turn can be retried (503)."""
+    generated that could be committed, and the same turn can be retried (503). Counted as an abort by the engine."""
 
     code = "engine_aborted"
+    abort_cause = AbortCause.ENGINE
 
 
 class EngineRefusedError(SessionError):

@@ -65,14 +65,13 @@ def tag_abort(err: SessionError, cause: AbortCause) -> SessionError:
 class Claim:
     """Ownership of a session's single in-flight slot."""
 
-    __slots__ = ("_on_abort", "_owner", "aborted", "done", "reason", "session", "started")
+    __slots__ = ("_on_abort", "_owner", "done", "reason", "session", "started")
 
     def __init__(self, owner: Lifecycle, session: Session) -> None:
         self._owner = owner
         self.session = session
         self.started = time.monotonic()
         self.reason: AbortReason | None = None
-        self.aborted = asyncio.Event()  # set by someone else who wants this chat to stop
         self.done = asyncio.Event()  # set once, when the owner has released the slot
         self._on_abort: list[Callable[[], object]] = []
 
@@ -84,13 +83,12 @@ class Claim:
         """Ask the owner to abort its engine request and commit nothing. The first reason wins."""
         if self.reason is None:
             self.reason = reason
-            self.aborted.set()
             for callback in self._on_abort:
                 callback()
 
     def on_abort(self, callback: Callable[[], object]) -> Callable[[], None]:
-        """Call `callback` when the claim is aborted (at once if it already is); returns the unsubscribe. Cheaper
-        than a task waiting on `aborted` for every stage of every chat."""
+        """Call `callback` when the claim is aborted (at once if it already is); returns the unsubscribe. A callback,
+        not an event to wait on: no task per stage of every chat is spent waiting for an abort that rarely comes."""
         if self.reason is not None:
             callback()
             return _nothing

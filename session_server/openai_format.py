@@ -154,16 +154,17 @@ def system_fingerprint(family: ModelFamily, result: GenerateResult) -> str:
 def decode_turn(
     body: bytes, family: ModelFamily, rid: str, model: str, created: int | None = None,
     split: tuple[bytes, memoryview | None] | None = None, options: RequestOptions | None = None,
+    retry_after: int = 1,
 ) -> TurnOutput:
     """Strictly validate the engine reply (502 on any rule), parse it with the family, encode the client reply
     (a streamed chat uses the same validation and parse; streaming.py writes its own chunks). A reply the engine
-    itself aborted is EngineAbortedError (503): there is nothing to commit.
+    itself aborted is EngineAbortedError (503 with `retry_after`): there is nothing to commit.
 
     `split` is `split_routed_experts(body)` when the caller already made the cut (to size the work that is left).
     """
     result = decode_engine_reply(body, family.vocab_size, split)
     if result.finish_reason.get("type") == "abort":
-        raise EngineAbortedError("the engine aborted the request; retry the same turn")
+        raise EngineAbortedError("the engine aborted the request; retry the same turn", retry_after)
     options = options or RequestOptions()
     parsed = family.parse_reply(result.text, options.parse_tool_calls)
     message = parsed.to_message(f"call_{rid[:24]}")

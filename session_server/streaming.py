@@ -39,7 +39,6 @@ from .commit import commit_turn
 from .engine_wire import split_routed_experts
 from .errors import (
     ClientDisconnectedError,
-    EngineAbortedError,
     EngineTimeoutError,
     SessionPausedError,
     error_response,
@@ -349,14 +348,11 @@ class StreamingTurn:
         self.engine_seconds = time.perf_counter() - self.t_start
         t0 = time.perf_counter()
         split = split_routed_experts(raw)
-        try:
-            out: TurnOutput = await server.pool.run_decode(
-                len(split[0]), decode_turn, raw, self.family, self.rid, self.model, split=split,
-                options=dataclasses.replace(chat.options, logprobs=False),  # the chunks carry their own logprobs
-            )
-        except EngineAbortedError as err:
-            err.retry_after = server.config.retry_after
-            raise
+        out: TurnOutput = await server.pool.run_decode(
+            len(split[0]), decode_turn, raw, self.family, self.rid, self.model, split=split,
+            options=dataclasses.replace(chat.options, logprobs=False),  # the chunks carry their own logprobs
+            retry_after=server.config.retry_after,
+        )
         server.metrics.stage("decode", time.perf_counter() - t0)
         result = out.result
         try:
