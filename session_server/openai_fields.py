@@ -36,7 +36,10 @@ from trajectory.errors import RequestValidationError
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_INT32 = 2**31 - 1
-SCHEMA_VERDICTS = 4096  # distinct tool/response schemas whose validity is remembered
+SCHEMA_VERDICTS = 1024  # distinct tool/response schemas whose validity is remembered...
+CACHED_SCHEMA_BYTES = 16 * 1024  # ...if their sorted JSON is at most this long (real tool schemas: 0.2-2 KB)
+# OpenAI's own limit on tools per request; each new schema costs a metaschema check (1-2 ms) before anything is cached.
+MAX_TOOLS = 128
 # Keys the template call itself owns; a request may not override them through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "chat_template", "messages", "conversation", "tools", "documents", "tokenize", "add_generation_prompt",
@@ -142,18 +145,13 @@ def _check_schema(schema: Any, field: str) -> None:
         key = msgspec.json.encode(schema, order="sorted")
     except (TypeError, ValueError, RecursionError):
         raise bad_request(f"'{field}' is too deeply nested or contains a cycle") from None
-    problem = _schema_problem(key)
+    problem = (_schema_problem if len(key) <= CACHED_SCHEMA_BYTES else _metaschema_problem)(key)
     if problem is not None:
         raise bad_request(f"'{field}' {problem}")
 
 
-@functools.lru_cache(maxsize=SCHEMA_VERDICTS)
-def _schema_problem(key: bytes) -> str | None:
-    """What is wrong with the JSON Schema `key` (its sorted-key JSON), or None: one verdict per distinct schema.
-
-    Checking a schema against the 2020-12 metaschema costs about 2 ms (jsonschema resolves its $dynamicRefs for
-    every keyword), and every request of an agent carries the same tool schemas: uncached, 8 tools were ~90 % of a
-    first turn's CPU and cost every later turn as much again (measured: 6 ms per first-turn prepare)."""
+def _metaschema_problem(key: bytes) -> str | None:
+    """What is wrong with the JSON Schema `key` (its sorted-key JSON) by the 2020-12 metaschema, or None."""
     try:
         from jsonschema import Draft202012Validator
         from jsonschema.exceptions import SchemaError
@@ -166,6 +164,14 @@ def _schema_problem(key: bytes) -> str | None:
     except RecursionError:
         return "is too deeply nested or contains a cycle"
     return None
+
+
+# One verdict per distinct schema. Checking a schema against the metaschema costs about 1-2 ms (jsonschema resolves
+# its $dynamicRefs for every keyword), and every request of an agent carries the same tool schemas: uncached, 8 tools
+# were ~90 % of a first turn's CPU and cost every later turn as much again (measured: 6 ms per first-turn prepare).
+# Only schemas up to CACHED_SCHEMA_BYTES are remembered, so a client sending ever new large schemas cannot grow the
+# cache past SCHEMA_VERDICTS x CACHED_SCHEMA_BYTES (16 MiB).
+_schema_problem = functools.lru_cache(maxsize=SCHEMA_VERDICTS)(_metaschema_problem)
 
 
 def _response_format(raw: Any) -> tuple[str, Any]:
@@ -292,6 +298,8 @@ def check_tool_choice(tools: list[dict[str, Any]] | None, options: RequestOption
             raise bad_request("'tool_choice': tools cannot be empty if tool choice is set to a specific tool")
         if choice.name not in _tool_names(tools):
             raise bad_request(f"'tool_choice': tool {choice.name!r} not found in tools list")
+    if tools and len(tools) > MAX_TOOLS:
+        raise bad_request(f"'tools' may have at most {MAX_TOOLS} entries, got {len(tools)}")
     for i, tool in enumerate(tools or []):
         params = tool["function"].get("parameters")
         if params is not None:

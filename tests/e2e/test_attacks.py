@@ -231,6 +231,20 @@ def test_deep_tool_schema_and_arguments_are_400_or_text(stack: Stack, after: Non
     assert httpx.delete(f"{stack.server}/sessions/{sid}").status_code == 204
 
 
+def test_too_many_tools_is_400_and_the_session_stays_usable(stack: Stack, after: None) -> None:
+    """Every new tool schema costs a metaschema check before it is remembered: more tools than OpenAI allows (128)
+    is refused before any is checked, nothing is recorded, and the same session then chats normally."""
+    sid = new_session(stack.server)
+    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {"type": "object", "x-i": i}}}
+             for i in range(129)]
+    assert_error(httpx.post(chat_url(stack.server, sid), json=chat_body(tools=tools), timeout=30), 400,
+                 "'tools' may have at most 128 entries")
+    assert httpx.get(f"{stack.server}/sessions/{sid}", timeout=10).json()["records"] == []
+    ok = httpx.post(chat_url(stack.server, sid), json=chat_body(tools=tools[:8]), timeout=30)
+    assert ok.status_code == 200, ok.text
+    assert httpx.delete(f"{stack.server}/sessions/{sid}").status_code == 204
+
+
 # -- sizes ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("route", ["chat", "root_chat", "create", "samples", "pause"])
 def test_body_over_the_limit_is_413_on_every_route(stack: Stack, after: None, route: str) -> None:

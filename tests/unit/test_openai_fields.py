@@ -257,3 +257,22 @@ def test_schema_verdicts_are_remembered_for_valid_and_invalid_schemas(monkeypatc
         with pytest.raises(RequestValidationError, match=r"tools\[1\].function.parameters' is not a valid JSON"):
             openai_fields._check_schema(bad, "tools[1].function.parameters")
     assert len(calls) == 2  # one check per distinct schema (key order does not make a schema distinct)
+    # A schema too large to remember is checked every time: new large schemas cannot grow the cache.
+    large = {"type": "object", "description": "d" * openai_fields.CACHED_SCHEMA_BYTES}
+    for _ in range(2):
+        openai_fields._check_schema(large, "tools[2].function.parameters")
+    assert len(calls) == 4 and openai_fields._schema_problem.cache_info().currsize == 2
+
+
+def test_more_tools_than_openai_allows_is_a_400_before_any_schema_is_checked(qwen3: Any, monkeypatch) -> None:
+    from session_server import openai_fields
+
+    def never(*args: object) -> None:
+        raise AssertionError("no schema may be checked for a refused request")
+
+    monkeypatch.setattr(openai_fields, "_metaschema_problem", never)
+    monkeypatch.setattr(openai_fields, "_schema_problem", never)
+    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {"type": "object", "x-i": i}}}
+             for i in range(openai_fields.MAX_TOOLS + 1)]
+    message = _refused({"tools": tools}, "'tools' may have at most 128 entries", qwen3)
+    assert "got 129" in message
