@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from rollout.engines.sim import directives
+from sglang_sim import directives
 from scripts.benchlib import (
     Figures,
     affinity,
@@ -289,7 +289,7 @@ def routed_experts_layers(tokenizer_dir: str, reply_tokens: int, tools: int, n_b
     SGLang's payload has a row per position of the whole sequence (prompt + reply - 1) on a first turn, so its size
     depends on how long the benchmark's chats are: the sim's `--routed-experts-bytes` sizes it for a 1k-token
     sequence, which on these ~100-token chats sent ~90 KiB instead of the ~1.5 MiB the benchmark is about."""
-    from rollout.engines.sim.routed_experts import DEFAULT_TOP_K, layers_for_bytes
+    from sglang_sim.routed_experts import DEFAULT_TOP_K, layers_for_bytes
 
     tokens = len(prompt_ids(tokenizer_dir, reply_tokens, tools)) + reply_tokens
     return layers_for_bytes(n_bytes, DEFAULT_TOP_K, tokens=tokens)

@@ -1,7 +1,7 @@
-"""The trainer's side: session client, agent-episode driver, torch batches, and the engines.
+"""The trainer's side: session client, agent-episode driver, torch batches.
 
-Exports are resolved lazily: `import rollout` (and `rollout.engines.sim`, which lives in this package) imports
-neither `openai` nor torch; `rollout.to_torch_batch` imports torch on first use.
+Exports are resolved lazily: `import rollout` imports neither `openai` nor torch; `rollout.to_torch_batch`
+imports torch on first use.
 
 ```python
 from rollout import AgentConfig, SessionClient, Task, run_episodes, to_torch_batch

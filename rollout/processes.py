@@ -256,7 +256,7 @@ def start_sim(
     """`sglang-sim` on a loopback port the OS picks, ready when its cheap `GET /ready` answers (its `/health`, like
     SGLang's, runs a generation and takes a second)."""
     args = ["--tokenizer", str(tokenizer_dir), "--model-family", family, *extra_args]
-    return _start_module("rollout.engines.sim.cli", args, SIM_READY, f"sglang-sim[{family}]", health_path="/ready",
+    return _start_module("sglang_sim.cli", args, SIM_READY, f"sglang-sim[{family}]", health_path="/ready",
                          **options)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from rollout.engines.sim import directives
+from sglang_sim import directives
 from rollout.episodes import Task
 from rollout.tools import Tool, Toolbox, ToolCall, calculator_tool, lookup_tool
 

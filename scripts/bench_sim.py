@@ -15,7 +15,7 @@ import time
 import httpx
 import msgspec
 
-from rollout.engines.sim import directives
+from sglang_sim import directives
 from rollout.processes import start_sim
 from scripts.benchlib import proc_cpu_seconds
 

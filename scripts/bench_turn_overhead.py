@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from rollout.engines.sim import directives
+from sglang_sim import directives
 from scripts.benchlib import (
     Figures,
     affinity,

@@ -38,8 +38,8 @@ from typing import Any
 
 import httpx
 
-from rollout.engines.sim import directives
-from rollout.engines.sim.baseline import baseline_problems, engine_idle
+from sglang_sim import directives
+from sglang_sim.baseline import baseline_problems, engine_idle
 from rollout.processes import RunningProcess, start_session_server, start_sim
 from session_server.journal import SYNC_MODES, file_bytes, table_rows
 

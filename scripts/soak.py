@@ -43,9 +43,9 @@ from typing import Any
 
 import httpx
 
-from rollout.engines.sim import directives
-from rollout.engines.sim.baseline import baseline_problems, engine_idle
-from rollout.engines.sim.faults import FAILING_FAULTS
+from sglang_sim import directives
+from sglang_sim.baseline import baseline_problems, engine_idle
+from sglang_sim.faults import FAILING_FAULTS
 from rollout.processes import RunningProcess
 from scripts.benchlib import proc_kib, start_pair
 

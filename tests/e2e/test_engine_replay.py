@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
-from rollout.engines.sim.routed_experts import routing
+from sglang_sim.routed_experts import routing
 from support.server import chat_url, new_session, wait_running
 from support.stack import Stack, StackFactory
 from trajectory import samples_from_json, samples_from_safetensors

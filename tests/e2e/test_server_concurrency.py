@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from rollout.engines.sim.faults import FAILING_FAULTS
+from sglang_sim.faults import FAILING_FAULTS
 from support.server import (
     assert_engine_baseline,
     chat_url,

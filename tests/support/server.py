@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import openai
 
-from rollout.engines.sim.baseline import baseline_problems, engine_idle
+from sglang_sim.baseline import baseline_problems, engine_idle
 
 TOOLS = [
     {
@@ -46,7 +46,7 @@ def wait_engine_idle(engine: str, timeout: float = 10.0) -> dict[str, Any]:
 
 def assert_engine_baseline(engine: str, *, open_sessions: int = 0) -> None:
     """Nothing runs, no session is held, and after a cache flush no KV slot is in use; the books balance
-    (rollout.engines.sim.baseline)."""
+    (sglang_sim.baseline)."""
     idle = wait_engine_idle(engine)
     flushed = httpx.post(f"{engine}/flush_cache", timeout=10)
     books = httpx.get(f"{engine}/sim/books", timeout=10).json()

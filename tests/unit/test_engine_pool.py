@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.engines.sim.wire import get_load, v1_loads
+from sglang_sim.wire import get_load, v1_loads
 from session_server.engine_client import EngineReply
 from session_server.engine_pool import EnginePool, _total_load, router_refusal
 from session_server.registry import EngineSessionState

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.engines.sim.auth import ADMIN_OPTIONAL_PATHS, allowed
+from sglang_sim.auth import ADMIN_OPTIONAL_PATHS, allowed
 from support.sglang_real import sglang_root
 
 SGLANG = Path(sglang_root())

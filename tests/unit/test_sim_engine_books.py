@@ -13,10 +13,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from rollout.engines.sim.engine import Engine, EngineConfig
-from rollout.engines.sim.family import EngineFamily
-from rollout.engines.sim.generation import SamplingParams
-from rollout.engines.sim.requests import BadRequest, GenerateInput, SessionParams
+from sglang_sim.engine import Engine, EngineConfig
+from sglang_sim.family import EngineFamily
+from sglang_sim.generation import SamplingParams
+from sglang_sim.requests import BadRequest, GenerateInput
+from sglang_sim.sessions import SessionParams
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_prefill_latency_is_paid_only_for_uncached_tokens(family):
 
 
 def test_appended_turn_drops_a_leading_bos(hf_tokenizers):
-    from rollout.engines.sim.sessions import EngineSession
+    from sglang_sim.sessions import EngineSession
 
     bos = hf_tokenizers["deepseek"].bos_token_id
     session = EngineSession.open(None, 0, streaming=True, timeout=None)

@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.engines.sim.kv_pool import KVPool
-from rollout.engines.sim.radix_cache import RadixCache
+from sglang_sim.kv_pool import KVPool
+from sglang_sim.radix_cache import RadixCache
 
 CAP = 64
 

@@ -16,10 +16,10 @@ from types import FrameType
 
 import uvicorn
 
-from rollout.engines.sim.app import SimServer
-from rollout.engines.sim.engine import Engine, EngineConfig
-from rollout.engines.sim.faults import FaultInjector
-from rollout.engines.sim.routed_experts import layers_for_bytes
+from sglang_sim.app import SimServer
+from sglang_sim.engine import Engine, EngineConfig
+from sglang_sim.faults import FaultInjector
+from sglang_sim.routed_experts import layers_for_bytes
 
 READY_PREFIX = "sglang-sim ready on "
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     # model stack (torch), which halves start-up; tests start several engines.
     from transformers import PreTrainedTokenizerFast
 
-    from rollout.engines.sim.family import EngineFamily
+    from sglang_sim.family import EngineFamily
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
     family = EngineFamily.create(args.model_family, tokenizer)

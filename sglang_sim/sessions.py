@@ -15,16 +15,37 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from rollout.engines.sim.radix_cache import Node
-
-if TYPE_CHECKING:
-    from rollout.engines.sim.requests import SessionParams, SimRequest
+from sglang_sim.generation import SamplingParams
+from sglang_sim.radix_cache import Node
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    """A request's `session_params`, as SGLang's session controller reads them."""
+
+    id: str
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool = False
+    drop_previous_output: bool = False
+
+
+class SimRequest(Protocol):
+    """What a session needs of a request (the scheduler's `requests.SimRequest` has it): sessions sit below requests."""
+
+    prompt: np.ndarray
+
+    @property
+    def rid(self) -> str: ...
+
+    @property
+    def params(self) -> SamplingParams: ...
 
 
 class SessionRefusal(Exception):

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from rollout.engines.sim.requests import BadRequest
+from sglang_sim.requests import BadRequest
 
 BODY_FAULTS = ("malformed_json", "nan_logprob", "str_logprob", "bool_token", "str_token", "oob_token",
                "length_mismatch", "nan_happened")

@@ -13,7 +13,7 @@ import secrets
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rollout.engines.sim import wire
+from sglang_sim import wire
 
 ADMIN_OPTIONAL_PATHS = frozenset({
     "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache", "/update_weight_version",

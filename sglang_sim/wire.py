@@ -13,9 +13,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from rollout.engines.sim.engine import Engine
-from rollout.engines.sim.generation import output_text
-from rollout.engines.sim.requests import SimRequest
+from sglang_sim.engine import Engine
+from sglang_sim.generation import output_text
+from sglang_sim.requests import SimRequest
 
 SIM_VERSION = "0.5.0-sim"
 _encoder = msgspec.json.Encoder()

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from rollout.engines.sim.constraints import StructuralTag, json_text, tool_calls_text
-from rollout.engines.sim.directives import MARK, PATTERN
-from rollout.engines.sim.family import EngineFamily
+from sglang_sim.constraints import StructuralTag, json_text, tool_calls_text
+from sglang_sim.directives import MARK, PATTERN
+from sglang_sim.family import EngineFamily
 
 _WORD_TEXT = (
     "the of and to in is was for on are with as at be by this from or have an they which one you were all we her "

@@ -11,32 +11,21 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 
-from rollout.engines.sim.constraints import ConstraintError, parse_json_schema, parse_structural_tag
-from rollout.engines.sim.generation import ReplyPlan, SamplingParams
-from rollout.engines.sim.radix_cache import Node
-
-if TYPE_CHECKING:
-    from rollout.engines.sim.sessions import EngineSession
+from sglang_sim.constraints import ConstraintError, parse_json_schema, parse_structural_tag
+from sglang_sim.generation import ReplyPlan, SamplingParams
+from sglang_sim.radix_cache import Node
+from sglang_sim.sessions import EngineSession, SessionParams
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
 
 class BadRequest(Exception):
     """A request SGLang would refuse with HTTP 400 and `{"error": {"message": ...}}`."""
-
-
-@dataclass(frozen=True)
-class SessionParams:
-    id: str
-    rid: str | None = None
-    offset: int | None = None
-    replace: bool = False
-    drop_previous_output: bool = False
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from rollout.engines.sim import wire
-from rollout.engines.sim.auth import ApiKeyMiddleware
-from rollout.engines.sim.engine import Engine
-from rollout.engines.sim.faults import BODY_FAULTS, Fault, FaultInjector, corrupt
-from rollout.engines.sim.requests import BadRequest, GenerateInput, SimRequest, parse_generate
-from rollout.engines.sim.routed_experts import payload as routed_payload
+from sglang_sim import wire
+from sglang_sim.auth import ApiKeyMiddleware
+from sglang_sim.engine import Engine
+from sglang_sim.faults import BODY_FAULTS, Fault, FaultInjector, corrupt
+from sglang_sim.requests import BadRequest, GenerateInput, SimRequest, parse_generate
+from sglang_sim.routed_experts import payload as routed_payload
 
 JSON = "application/json"
 FLUSH_MESSAGE = ("Cache flushed.\nPlease check backend logs for more details. "

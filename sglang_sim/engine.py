@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from rollout.engines.sim.family import EngineFamily
-from rollout.engines.sim.generation import plan_reply
-from rollout.engines.sim.kv_pool import KVPool
-from rollout.engines.sim.radix_cache import Node, RadixCache
-from rollout.engines.sim.requests import BadRequest, GenerateInput, SimRequest
-from rollout.engines.sim.sessions import EngineSession, KVHold, SessionRefusal
+from sglang_sim.family import EngineFamily
+from sglang_sim.generation import plan_reply
+from sglang_sim.kv_pool import KVPool
+from sglang_sim.radix_cache import Node, RadixCache
+from sglang_sim.requests import BadRequest, GenerateInput, SimRequest
+from sglang_sim.sessions import EngineSession, KVHold, SessionRefusal
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 ABORT_MESSAGE = "Aborted"

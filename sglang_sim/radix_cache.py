@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollout.engines.sim.kv_pool import KVPool
+from sglang_sim.kv_pool import KVPool
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _tick = itertools.count(1)

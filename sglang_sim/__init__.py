@@ -2,7 +2,7 @@
 
 Real SGLang needs GPUs; this engine stands in for it in tests, demos and benchmarks. It keeps honest KV books
 (a token-level radix cache over a fixed slot pool), generates deterministic replies in the model family's format,
-and can inject faults. `sglang-sim --help` (or `python -m rollout.engines.sim --help`) lists the flags.
+and can inject faults. `sglang-sim --help` (or `python -m sglang_sim --help`) lists the flags.
 
 Modules, one concept each:
 - `kv_pool`       fixed pool of KV token slots (numpy free-list, double-free detection)
