@@ -106,6 +106,9 @@ class ModelFamily(ABC):
     # still change meaning, so streaming holds text back around them. None: the family streams nothing early.
     reasoning_markers: ClassVar[tuple[str, str] | None] = None
     tool_call_markers: ClassVar[tuple[str, str] | None] = None
+    # The template variable that turns the model's reasoning on or off (Qwen3's `enable_thinking`), which the
+    # Responses and Anthropic front ends set from `reasoning.effort` / `thinking`. None: the family has no switch.
+    thinking_switch: ClassVar[str | None] = None
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -54,6 +54,7 @@ class Qwen3Family(ModelFamily):
     content_markup = (THINK_OPEN, THINK_CLOSE)  # the template splits an assistant's reasoning off on them
     reasoning_markers = (THINK_OPEN, THINK_CLOSE)
     tool_call_markers = ("<tool_call>", "</tool_call>")
+    thinking_switch = "enable_thinking"  # False: the template pre-fills an empty <think> block
     tool_call_structure = ('<tool_call>\n{"name":"', '", "arguments":', "}\n</tool_call>", "<tool_call>")
 
     def split_reasoning(self, text: str) -> tuple[str | None, str]:

@@ -1,0 +1,318 @@
+"""The OpenAI Responses request, mapped onto the chat turn every API shares.
+
+A Responses request says in items what a chat request says in messages: `instructions` and `developer`/`system`
+items are system messages, `message` items user or assistant messages, and one assistant turn is a run of items --
+`reasoning`, an assistant `message`, `function_call`s -- which becomes one assistant message with `reasoning_content`
+and `tool_calls`, exactly as the turn was stored (the tool call's `call_id` is the stored tool call's id). So the
+matcher sees the same history whichever API carried it, and the appended messages render to the same template
+tokens (tests/unit/test_api_mapping.py proves it against the chat form).
+
+The result is a Chat Completions request object (`ResponsesTurn.chat`), validated further by the chat front end's
+own parser (sampling bounds, tool schemas, tool_choice against the tools), so every API honours a field the same
+way. What this API adds is checked here, with this API's field names in the 400s: flat function tools,
+`text.format`, `reasoning.effort` (the family's thinking switch), `max_output_tokens`, `include`. Fields that do not
+change the tokens (`store`, `metadata`, `prompt_cache_key`, ...) are accepted and reported in `ignored`; anything
+this server cannot honour is a 400 that names it. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..request_items import bad, non_empty_string, objects
+
+# Accepted, echoed where the response has a place for them, and without effect on the tokens.
+_NEUTRAL = ("store", "metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+            "service_tier", "stream_options")
+_KNOWN = frozenset({
+    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+    "temperature", "top_p", "reasoning", "text", "include", "previous_response_id", "stream", "truncation",
+    "background", "max_tool_calls", "top_logprobs", "conversation", "prompt", *_NEUTRAL,
+})
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+# The reasoning text travels back and forth in `encrypted_content` for clients that keep no server state
+# (`store: false`): encoded, not encrypted -- there is no secret to keep from the agent that generated it.
+_REASONING_STATE = "session-server-reasoning.v1."
+
+
+def encode_reasoning_state(text: str) -> str:
+    return _REASONING_STATE + base64.urlsafe_b64encode(text.encode()).decode("ascii")
+
+
+def decode_reasoning_state(blob: Any) -> str | None:
+    if not isinstance(blob, str) or not blob.startswith(_REASONING_STATE):
+        return None
+    try:
+        return base64.urlsafe_b64decode(blob[len(_REASONING_STATE):].encode("ascii")).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+@dataclass(slots=True)
+class ResponsesTurn:
+    """One Responses request as the shared turn sees it, plus what only the Responses reply needs."""
+
+    chat: dict[str, Any]                       # a Chat Completions request object (messages, tools, sampling)
+    previous_response_id: str | None = None
+    encrypted_reasoning: bool = False          # include: ["reasoning.encrypted_content"]
+    reasoning_summary: bool = False            # reasoning.summary set: the reasoning is also given as a summary
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
+    ignored: list[str] = field(default_factory=list)   # accepted fields without effect on the tokens
+
+
+def _text_parts(where: str, content: Any, kinds: tuple[str, ...]) -> str:
+    """The text of a string or a list of text parts (`input_text`, `output_text`, ...); images and files are 400."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}.content", "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise bad(f"{where}.content[{j}]", f"is {kind}: this server's model takes text only")
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise bad(f"{where}.content[{j}]", f"must be one of {', '.join(kinds)} with a 'text' string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+class _Turns:
+    """Builds chat messages from items, merging each run of assistant-side items into one assistant message."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.assistant: dict[str, Any] | None = None
+
+    def flush(self) -> None:
+        if self.assistant is not None:
+            self.messages.append(self.assistant)
+            self.assistant = None
+
+    def add(self, message: dict[str, Any]) -> None:
+        self.flush()
+        self.messages.append(message)
+
+    def open_assistant(self, new_turn: bool = False) -> dict[str, Any]:
+        if self.assistant is not None and new_turn and (self.assistant["content"] or "tool_calls" in self.assistant):
+            self.flush()  # a reasoning item after text or calls opens the next turn
+        if self.assistant is None:
+            self.assistant = {"role": "assistant", "content": ""}
+        return self.assistant
+
+
+def _reasoning_text(where: str, item: dict[str, Any]) -> str | None:
+    texts = []
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise bad(f"{where}.{key}", "must be a list")
+        found = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if found:  # the full reasoning is in `content`; `summary` repeats it when a summary was asked for
+            texts = found
+            break
+    if texts:
+        return "\n".join(texts)
+    return decode_reasoning_state(item.get("encrypted_content"))
+
+
+def _item(turns: _Turns, where: str, item: dict[str, Any]) -> None:
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role in ("user", "system", "developer"):
+            text = _text_parts(where, item.get("content"), ("input_text",))
+            turns.add({"role": "user" if role == "user" else "system", "content": text})
+        elif role == "assistant":
+            text = _text_parts(where, item.get("content"), ("output_text", "refusal", "input_text"))
+            message = turns.open_assistant()
+            message["content"] += text
+        else:
+            raise bad(f"{where}.role", f"must be 'user', 'assistant', 'system' or 'developer', got {role!r}")
+    elif kind == "function_call":
+        call_id, name = non_empty_string(item, "call_id", where), non_empty_string(item, "name", where)
+        arguments = item.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise bad(f"{where}.arguments", "must be a JSON string")
+        message = turns.open_assistant()
+        message.setdefault("tool_calls", []).append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+    elif kind == "function_call_output":
+        call_id = non_empty_string(item, "call_id", where)
+        output = _text_parts(where, item.get("output"), ("input_text", "output_text"))
+        turns.add({"role": "tool", "tool_call_id": call_id, "content": output})
+    elif kind == "reasoning":
+        reasoning = _reasoning_text(where, item)
+        message = turns.open_assistant(new_turn=True)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+    elif kind == "item_reference":
+        raise bad(f"{where}.type", "item_reference is not supported: send the items, or previous_response_id")
+    else:
+        raise bad(f"{where}.type", f"{kind!r} is not supported (message, function_call, function_call_output, "
+                                   "reasoning)")
+
+
+def input_messages(input_: Any, instructions: Any, history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Chat messages of `instructions` + the stored `history` (previous_response_id) + `input`.
+
+    With a history, `instructions` replace its leading system message (OpenAI does not carry instructions over
+    from the previous response): the same instructions leave the history as it is.
+    """
+    head: list[dict[str, Any]] = list(history or [])
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad("instructions", "must be a string")
+        if head and head[0]["role"] == "system":
+            head = head[1:]
+        head.insert(0, {"role": "system", "content": instructions})
+    turns = _Turns()
+    if isinstance(input_, str):
+        turns.add({"role": "user", "content": input_})
+    elif isinstance(input_, list):
+        for where, item in objects(input_, "input"):
+            _item(turns, where, item)
+        turns.flush()
+    else:
+        raise bad("input", "must be a string or a list of items")
+    return head + turns.messages
+
+
+def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Flat function tools -> chat tools, key order kept (templates write schemas with `tojson`)."""
+    if tools is None:
+        return None
+    out = []
+    for where, tool in objects(tools, "tools"):
+        if tool.get("type") != "function":
+            raise bad(f"{where}.type", f"{tool.get('type')!r} is not supported: only function tools")
+        non_empty_string(tool, "name", where)
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": non_empty_string(choice, "name", "tool_choice")}}
+    raise bad("tool_choice", "must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}")
+
+
+def _response_format(text: Any, ignored: list[str]) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad("text", "must be an object")
+    for key in text:
+        if key == "verbosity":
+            ignored.append("text.verbosity")
+        elif key != "format":
+            raise bad(f"text.{key}", "is not supported")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad("text.format", "must be an object")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if "schema" not in fmt:
+            raise bad("text.format.schema", "is required for a json_schema format")
+        spec = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise bad("text.format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def _reasoning(reasoning: Any, thinking_switch: str | None, ignored: list[str]) -> tuple[dict[str, Any] | None, bool]:
+    """(chat_template_kwargs, summary wanted): effort 'none' turns the family's thinking switch off; other efforts
+    are levels no template expresses (reported as ignored), so the family's default -- thinking on -- stays."""
+    if reasoning is None:
+        return None, False
+    if not isinstance(reasoning, dict):
+        raise bad("reasoning", "must be an object")
+    effort = reasoning.get("effort")
+    if effort not in (None, "none", "minimal", "low", "medium", "high", "xhigh"):
+        raise bad("reasoning.effort", f"must be none, minimal, low, medium, high or xhigh, got {effort!r}")
+    summary = reasoning.get("summary", reasoning.get("generate_summary"))
+    if summary not in (None, "auto", "concise", "detailed"):
+        raise bad("reasoning.summary", f"must be auto, concise or detailed, got {summary!r}")
+    kwargs = None
+    if effort is not None:
+        if effort == "none" and thinking_switch is not None:
+            kwargs = {thinking_switch: False}
+        else:
+            ignored.append("reasoning.effort")
+    return kwargs, summary is not None
+
+
+def _include(include: Any) -> bool:
+    if include is None:
+        return False
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise bad("include", "must be a list of strings")
+    for value in include:
+        if value != ENCRYPTED_REASONING:
+            raise bad("include", f"value {value!r} is not supported (only {ENCRYPTED_REASONING!r})")
+    return ENCRYPTED_REASONING in include
+
+
+def _refuse(obj: dict[str, Any]) -> None:
+    for key in obj:
+        if key not in _KNOWN:
+            raise bad(key, "is not a Responses API field this server knows")
+    if obj.get("background"):
+        raise bad("background", "is not supported: a session turn runs in the foreground")
+    if obj.get("conversation") is not None:
+        raise bad("conversation", "is not supported: the session is the conversation (or use previous_response_id)")
+    if obj.get("prompt") is not None:
+        raise bad("prompt", "templates are not supported")
+    if obj.get("truncation") not in (None, "disabled"):
+        raise bad("truncation", "only 'disabled' is supported: a trajectory is never truncated silently")
+    if obj.get("max_tool_calls") is not None:
+        raise bad("max_tool_calls", "is not supported")
+    if obj.get("top_logprobs"):
+        raise bad("top_logprobs", "is not supported on the Responses API; use chat completions")
+
+
+def parse_responses(obj: dict[str, Any], thinking_switch: str | None,
+                    history: list[dict[str, Any]] | None = None) -> ResponsesTurn:
+    """Map a decoded Responses request onto the chat turn; `history` is the stored conversation up to
+    `previous_response_id` (resolved by the caller, which owns the session)."""
+    _refuse(obj)
+    ignored = [key for key in _NEUTRAL if obj.get(key) is not None]
+    previous = obj.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise bad("previous_response_id", "must be a string")
+    max_output = obj.get("max_output_tokens")
+    if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1):
+        raise bad("max_output_tokens", "must be a positive integer")
+    template_kwargs, summary = _reasoning(obj.get("reasoning"), thinking_switch, ignored)
+    chat: dict[str, Any] = {
+        "messages": input_messages(obj.get("input"), obj.get("instructions"), history),
+        "tools": chat_tools(obj.get("tools")),
+        "tool_choice": chat_tool_choice(obj.get("tool_choice")),
+        "parallel_tool_calls": obj.get("parallel_tool_calls"),
+        "max_tokens": max_output,
+        "temperature": obj.get("temperature"),
+        "top_p": obj.get("top_p"),
+        "response_format": _response_format(obj.get("text"), ignored),
+        "chat_template_kwargs": template_kwargs,
+        "stream": obj.get("stream"),
+        "model": obj.get("model"),
+    }
+    echo = {key: obj.get(key) for key in ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls",
+                                          "previous_response_id", "reasoning", "store", "temperature", "text",
+                                          "tool_choice", "tools", "top_p", "user")}
+    return ResponsesTurn(
+        chat={k: v for k, v in chat.items() if v is not None}, previous_response_id=previous,
+        encrypted_reasoning=_include(obj.get("include")), reasoning_summary=summary, echo=echo, ignored=ignored,
+    )
