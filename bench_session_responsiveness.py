@@ -35,7 +35,6 @@ from typing import Any
 import httpx
 import numpy as np
 
-from sglang_sim import directives
 from scripts.benchlib import (
     Figures,
     affinity,
@@ -60,6 +59,7 @@ from scripts.benchlib import (
     usable_cpus,
     write_report,
 )
+from sglang_sim import directives
 
 ROOT = Path(__file__).resolve().parent
 

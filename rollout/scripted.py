@@ -15,9 +15,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from sglang_sim import directives
 from rollout.episodes import Task
 from rollout.tools import Tool, Toolbox, ToolCall, calculator_tool, lookup_tool
+from sglang_sim import directives
 
 ITEMS = ("apple", "pear", "plum", "fig", "kiwi", "lime", "date", "melon")
 

@@ -15,9 +15,9 @@ import time
 import httpx
 import msgspec
 
-from sglang_sim import directives
 from rollout.processes import start_sim
 from scripts.benchlib import proc_cpu_seconds
+from sglang_sim import directives
 
 
 class _Meta(msgspec.Struct):

@@ -34,7 +34,6 @@ from typing import Any
 import httpx
 import numpy as np
 
-from sglang_sim import directives
 from scripts.benchlib import (
     Figures,
     affinity,
@@ -53,6 +52,7 @@ from scripts.benchlib import (
     tool_schemas,
     write_report,
 )
+from sglang_sim import directives
 
 _WORD_TEXT = (
     "alpha beta gamma delta rollout policy gradient token session server engine reward episode agent tool "

@@ -38,10 +38,10 @@ from typing import Any
 
 import httpx
 
+from rollout.processes import RunningProcess, start_session_server, start_sim
+from session_server.sessions.journal import SYNC_MODES, file_bytes, table_rows
 from sglang_sim import directives
 from sglang_sim.baseline import baseline_problems, engine_idle
-from rollout.processes import RunningProcess, start_session_server, start_sim
-from session_server.journal import SYNC_MODES, file_bytes, table_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 

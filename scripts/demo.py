@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def journal_summary(path: Path) -> str:
     """Rows and size of the server's journal (every episode deleted its session: only tombstones are left)."""
-    from session_server.journal import file_bytes, table_rows
+    from session_server.sessions.journal import file_bytes, table_rows
 
     rows, size = table_rows(path), file_bytes(path)
     return f"journal {path}: {size / 1024:.0f} KiB, " + ", ".join(f"{n} {t}" for t, n in rows.items())

@@ -43,11 +43,11 @@ from typing import Any
 
 import httpx
 
+from rollout.processes import RunningProcess
+from scripts.benchlib import proc_kib, start_pair
 from sglang_sim import directives
 from sglang_sim.baseline import baseline_problems, engine_idle
 from sglang_sim.faults import FAILING_FAULTS
-from rollout.processes import RunningProcess
-from scripts.benchlib import proc_kib, start_pair
 
 ROOT = Path(__file__).resolve().parent.parent
 

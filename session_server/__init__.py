@@ -3,7 +3,7 @@
 Public surface: `build_app(config, family)` and `ServerConfig`; run it with the `session-server` CLI.
 """
 
-from .app import build_app
-from .config import ServerConfig
+from session_server.app import build_app
+from session_server.config import ServerConfig
 
 __all__ = ["ServerConfig", "build_app"]

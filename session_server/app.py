@@ -18,27 +18,27 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from session_server.api import admin, samples, session_header, sessions
+from session_server.config import ServerConfig
+from session_server.cpu_pool import CpuPool
+from session_server.engine.client import EngineClient
+from session_server.engine.drains import EngineDrains
+from session_server.engine.placement import EnginePool
+from session_server.engine.sessions import EngineSessions
+from session_server.errors import error_response, method_not_allowed, not_found
+from session_server.http.boundary import ErrorBoundary
+from session_server.http.chat_lane import ChatLane
+from session_server.metrics import LoopLagTicker, Metrics, ResponseMetrics
+from session_server.openai import chat
+from session_server.sessions.journal import Journal, JournalError, Restored
+from session_server.sessions.lifecycle import Lifecycle
+from session_server.sessions.recovery import restore_sessions
+from session_server.sessions.registry import Registry
+from session_server.sessions.sweeper import Sweeper
+from session_server.state import ServerState
+from session_server.turns.limits import learn_prompt_limit
 from trajectory import ModelFamily
 from trajectory.errors import InvariantError
-
-from . import admin, chat, samples, session_header, sessions
-from .boundary import ErrorBoundary
-from .chat_lane import ChatLane
-from .config import ServerConfig
-from .cpu_pool import CpuPool
-from .engine_client import EngineClient
-from .engine_drain import EngineDrains
-from .engine_pool import EnginePool
-from .engine_sessions import EngineSessions
-from .errors import error_response, method_not_allowed, not_found
-from .journal import Journal, JournalError, Restored
-from .lifecycle import Lifecycle
-from .metrics import LoopLagTicker, Metrics, ResponseMetrics
-from .recovery import restore_sessions
-from .registry import Registry
-from .state import ServerState
-from .sweeper import Sweeper
-from .turn_limits import learn_prompt_limit
 
 logger = logging.getLogger("session_server")
 

@@ -24,13 +24,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 
+from session_server.config import ServerConfig
+from session_server.engine.client import ENGINE_CLIENTS
+from session_server.http.limits import limited_httptools
+from session_server.sessions.journal import SYNC_MODES
 from trajectory.linear import SPECIAL_TOKEN_MODES
 from trajectory.messages import MATCHER_NAMES as MATCHERS
-
-from .config import ServerConfig
-from .engine_client import ENGINE_CLIENTS
-from .http_limits import limited_httptools
-from .journal import SYNC_MODES
 
 if TYPE_CHECKING:
     from trajectory import ModelFamily
@@ -232,8 +231,8 @@ def refuse_routers(config: ServerConfig) -> None:
     """Exit with a clear error when an --engine-url is a router and a flag needs what routers do not forward."""
     if not (config.engine_sessions or config.return_routed_experts):
         return
-    from .app import build_engines
-    from .engine_pool import startup_refusal
+    from session_server.app import build_engines
+    from session_server.engine.placement import startup_refusal
 
     refusal = asyncio.run(startup_refusal(
         build_engines(config), engine_sessions=config.engine_sessions,
@@ -339,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     refuse_routers(config)
     family = load_family(config.tokenizer, config.model_family, without_torch=True)
 
-    from .app import build_app
-    from .journal import JournalError
+    from session_server.app import build_app
+    from session_server.sessions.journal import JournalError
 
     try:
         app = build_app(config, family)

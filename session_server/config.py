@@ -10,12 +10,11 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from session_server.cpu_pool import DEFAULT_INLINE_BELOW_BYTES
+from session_server.engine.client import ENGINE_CLIENTS
+from session_server.sessions.journal import SYNC_MODES
 from trajectory.linear import SPECIAL_TOKEN_MODES
 from trajectory.messages import MATCHER_NAMES as MATCHERS
-
-from .cpu_pool import DEFAULT_INLINE_BELOW_BYTES
-from .engine_client import ENGINE_CLIENTS
-from .journal import SYNC_MODES
 
 
 def default_cpu_workers() -> int:

@@ -15,9 +15,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from session_server.metrics import AbortCause
 from trajectory.errors import RequestValidationError, SessionError, UpstreamError
-
-from .metrics import AbortCause
 
 
 class SessionNotFoundError(SessionError):

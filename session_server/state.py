@@ -7,17 +7,16 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from session_server.config import ServerConfig
+from session_server.cpu_pool import CpuPool
+from session_server.engine.drains import EngineDrains
+from session_server.engine.placement import EnginePool
+from session_server.engine.sessions import EngineSessions
+from session_server.metrics import Metrics
+from session_server.sessions.journal import Journal
+from session_server.sessions.lifecycle import Lifecycle
+from session_server.sessions.registry import Registry
 from trajectory import LinearTrajectory, ModelFamily
-
-from .config import ServerConfig
-from .cpu_pool import CpuPool
-from .engine_drain import EngineDrains
-from .engine_pool import EnginePool
-from .engine_sessions import EngineSessions
-from .journal import Journal
-from .lifecycle import Lifecycle
-from .metrics import Metrics
-from .registry import Registry
 
 
 @dataclass(eq=False)

@@ -406,7 +406,7 @@ async def _sessions_are_independent_under_concurrency(stack: dict[str, str]) -> 
     ],
 )
 def test_routed_experts_are_cut_out_before_decoding(body: bytes, rest: bytes | None, raw: bytes | None) -> None:
-    from session_server.engine_wire import split_routed_experts
+    from session_server.engine.wire import split_routed_experts
 
     small, cut = split_routed_experts(body)
     assert (small, None if cut is None else bytes(cut)) == (rest if rest is not None else body, raw)
@@ -415,7 +415,7 @@ def test_routed_experts_are_cut_out_before_decoding(body: bytes, rest: bytes | N
 def test_an_odd_routed_experts_payload_is_still_decoded_strictly(hf_tokenizers: dict[str, object]) -> None:
     import msgspec
 
-    from session_server.openai_format import decode_turn
+    from session_server.openai.protocol import decode_turn
     from trajectory import get_family
 
     family = get_family(FAMILY, hf_tokenizers[FAMILY])

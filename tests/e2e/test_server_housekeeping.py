@@ -19,10 +19,10 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from session_server import admin
+from session_server.api import admin
 from session_server.errors import SessionNotFoundError
-from session_server.registry import Registry
-from session_server.sweeper import idle_sessions
+from session_server.sessions.registry import Registry
+from session_server.sessions.sweeper import idle_sessions
 from support.server import assert_engine_baseline, chat_url, metric, new_session
 from support.stack import Stack, StackFactory
 
@@ -325,12 +325,12 @@ def test_get_and_samples_build_their_bodies_on_the_pool(stack: dict[str, str], m
     serialization of GET and samples happen in the pool's threads."""
     from starlette.testclient import TestClient
 
-    from session_server import chat as chat_module
-    from session_server import samples as samples_module
-    from session_server import sessions as sessions_module
+    from session_server.api import samples as samples_module
+    from session_server.api import sessions as sessions_module
     from session_server.app import build_app
     from session_server.cli import load_family
     from session_server.config import ServerConfig
+    from session_server.openai import chat as chat_module
     from trajectory import LinearTrajectory
 
     threads: dict[str, set[str]] = {}

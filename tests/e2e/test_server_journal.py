@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from sglang_sim.directives import tool_call
 from rollout.processes import ProcessCrashed, RunningProcess, start_session_server
+from sglang_sim.directives import tool_call
 from support.server import assert_engine_baseline, chat_url, new_session
 from support.stack import Stack, StackFactory
 

@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from session_server.chat_lane import ChatLane
+from session_server.http.chat_lane import ChatLane
 
 
 def test_the_lane_routes_exactly_what_the_route_table_routes() -> None:

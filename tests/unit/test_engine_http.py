@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from session_server.engine_client import EngineClient
-from session_server.engine_http import EngineHTTP
+from session_server.engine.client import EngineClient
+from session_server.engine.http11 import EngineHTTP
 from session_server.errors import EngineUnavailableError
 
 Handler = Callable[["Origin", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from session_server.engine.client import EngineReply
+from session_server.engine.placement import EnginePool, _total_load, router_refusal
+from session_server.sessions.registry import EngineSessionState
 from sglang_sim.wire import get_load, v1_loads
-from session_server.engine_client import EngineReply
-from session_server.engine_pool import EnginePool, _total_load, router_refusal
-from session_server.registry import EngineSessionState
 
 
 class FakeClient:

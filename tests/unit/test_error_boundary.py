@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from session_server.boundary import ErrorBoundary
+from session_server.http.boundary import ErrorBoundary
 from session_server.metrics import Metrics, ResponseMetrics
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from session_server.http_limits import _GATHER_BELOW, _CoalescingTransport
+from session_server.http.limits import _GATHER_BELOW, _CoalescingTransport
 
 
 class FakeTransport:

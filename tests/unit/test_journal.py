@@ -1,4 +1,4 @@
-"""session_server.journal in process: schema checks, what is written and read back, group commit, compaction.
+"""session_server.sessions.journal in process: schema checks, what is written and read back, group commit, compaction.
 
 A real SQLite file in a temp dir and the real writer thread, driven from an asyncio loop the way the server does;
 turns are real staged commits of a trajectory on the real Qwen3 tokenizer, restored through trajectory.restore.
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from session_server.journal import (
+from session_server.sessions.journal import (
     SCHEMA_VERSION,
     Journal,
     JournalError,

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from session_server.engine_wire import encode_generate
-from session_server.openai_format import ChatRequest, parse_chat_request, turn_tools
+from session_server.engine.wire import encode_generate
+from session_server.openai.protocol import ChatRequest, parse_chat_request, turn_tools
 from trajectory import GenerateResult, LinearTrajectory, get_family
 from trajectory.errors import RequestValidationError
 
@@ -239,7 +239,7 @@ def test_schema_verdicts_are_remembered_for_valid_and_invalid_schemas(monkeypatc
     once, and a bad one stays a 400 every time."""
     import jsonschema
 
-    from session_server import openai_fields
+    from session_server.openai import fields as openai_fields
 
     calls: list[object] = []
     real = jsonschema.Draft202012Validator.check_schema
@@ -265,7 +265,7 @@ def test_schema_verdicts_are_remembered_for_valid_and_invalid_schemas(monkeypatc
 
 
 def test_more_tools_than_openai_allows_is_a_400_before_any_schema_is_checked(qwen3: Any, monkeypatch) -> None:
-    from session_server import openai_fields
+    from session_server.openai import fields as openai_fields
 
     def never(*args: object) -> None:
         raise AssertionError("no schema may be checked for a refused request")

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from session_server.stream_parser import DeltaTracker
+from session_server.turns.deltas import DeltaTracker
 from trajectory import get_family
 
 _text = st.lists(st.sampled_from([*"ab \n<>/{}\"'tol_c", "é", "\n\n", "</think>", "<tool_call>", "</tool_call>"]),

@@ -18,14 +18,10 @@ from typing import Any
 
 import msgspec
 
-from trajectory import GenerateResult, ModelFamily
-from trajectory.messages import normalize_tools
-
-from .body import decode_object
-from .engine_wire import decode_engine_reply
-from .errors import EngineAbortedError
-from .logprobs import openai_logprobs
-from .openai_fields import (
+from session_server.engine.wire import decode_engine_reply
+from session_server.errors import EngineAbortedError
+from session_server.http.body import decode_object
+from session_server.openai.fields import (
     MAX_INT32,
     RequestOptions,
     bad_request,
@@ -37,6 +33,9 @@ from .openai_fields import (
     penalty_params,
     prompt_tools,
 )
+from session_server.openai.logprobs import openai_logprobs
+from trajectory import GenerateResult, ModelFamily
+from trajectory.messages import normalize_tools
 
 _encoder = msgspec.json.Encoder()
 

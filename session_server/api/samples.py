@@ -14,14 +14,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from session_server.api.sessions import lookup
+from session_server.errors import error_response
+from session_server.http.body import read_object
+from session_server.openai.fields import MAX_INT32, is_int
+from session_server.state import server_of
 from trajectory import Sample, build_merged_sample, samples_to_json, samples_to_safetensors, truncate_sample
 from trajectory.errors import RequestValidationError, SessionError
-
-from .body import read_object
-from .errors import error_response
-from .openai_fields import MAX_INT32, is_int
-from .sessions import lookup
-from .state import server_of
 
 OCTET_STREAM = "application/octet-stream"
 _encoder = msgspec.json.Encoder()

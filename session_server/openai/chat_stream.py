@@ -32,26 +32,25 @@ import numpy as np
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from trajectory import TurnPlan
-from trajectory.errors import InvariantError, SessionError, UpstreamError
-
-from .commit import commit_turn
-from .engine_wire import split_routed_experts
-from .errors import (
+from session_server.engine.wire import split_routed_experts
+from session_server.errors import (
     ClientDisconnectedError,
     EngineTimeoutError,
     SessionPausedError,
     error_response,
 )
-from .lifecycle import ABORT_CAUSES, AbortReason, Claim
-from .logprobs import openai_logprobs
-from .metrics import AbortCause
-from .openai_format import ChatRequest, TurnOutput, decode_turn, system_fingerprint
-from .race import Ending, race
-from .state import ServerState
-from .stream_parser import DeltaTracker, StreamDivergedError
+from session_server.metrics import AbortCause
+from session_server.openai.logprobs import openai_logprobs
+from session_server.openai.protocol import ChatRequest, TurnOutput, decode_turn, system_fingerprint
+from session_server.sessions.lifecycle import ABORT_CAUSES, AbortReason, Claim
+from session_server.state import ServerState
+from session_server.turns.commit import commit_turn
+from session_server.turns.deltas import DeltaTracker, StreamDivergedError
+from session_server.turns.race import Ending, race
+from trajectory import TurnPlan
+from trajectory.errors import InvariantError, SessionError, UpstreamError
 
-logger = logging.getLogger("session_server.streaming")
+logger = logging.getLogger("session_server.openai.chat_stream")
 
 _encoder = msgspec.json.Encoder()
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]

@@ -22,10 +22,10 @@ import contextlib
 import logging
 import time
 
-from .registry import Session
-from .state import ServerState
+from session_server.sessions.registry import Session
+from session_server.state import ServerState
 
-logger = logging.getLogger("session_server.sweeper")
+logger = logging.getLogger("session_server.sessions.sweeper")
 
 
 def sweep_interval(idle_timeout: float) -> float:

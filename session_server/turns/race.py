@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.types import Receive
 
-from .lifecycle import Claim
+from session_server.sessions.lifecycle import Claim
 
 
 class Ending(enum.Enum):

@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from .engine_http import EngineHTTP
-from .errors import EngineUnavailableError
+from session_server.engine.http11 import EngineHTTP
+from session_server.errors import EngineUnavailableError
 
 logger = logging.getLogger("session_server.engine")
 

@@ -14,13 +14,12 @@ import hmac
 from starlette.requests import Request
 from starlette.responses import Response
 
+from session_server.errors import AdminAuthError, error_response, json_response
+from session_server.http.body import read_object
+from session_server.metrics import CONTENT_TYPE
+from session_server.sessions.lifecycle import AbortReason
+from session_server.state import server_of
 from trajectory.errors import RequestValidationError, SessionError
-
-from .body import read_object
-from .errors import AdminAuthError, error_response, json_response
-from .lifecycle import AbortReason
-from .metrics import CONTENT_TYPE
-from .state import server_of
 
 
 async def health(request: Request) -> Response:

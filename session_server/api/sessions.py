@@ -16,15 +16,14 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from session_server.engine.client import EngineReply
+from session_server.errors import EngineUnavailableError, RequestTooLargeError, error_response, json_response
+from session_server.http.body import read_object
+from session_server.sessions.lifecycle import AbortReason
+from session_server.sessions.registry import Session
+from session_server.state import ServerState, server_of
 from trajectory import LinearTrajectory
 from trajectory.errors import RequestValidationError, SessionError
-
-from .body import read_object
-from .engine_client import EngineReply
-from .errors import EngineUnavailableError, RequestTooLargeError, error_response, json_response
-from .lifecycle import AbortReason
-from .registry import Session
-from .state import ServerState, server_of
 
 _encoder = msgspec.json.Encoder()
 METADATA_ENVELOPE = 1024  # bytes of the body around the metadata object (key, braces, whitespace)

@@ -27,14 +27,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from trajectory import LinearTrajectory, TurnPlan
-from trajectory.errors import SessionError, UpstreamError
-
-from . import body as body_reader
-from .commit import commit_turn
-from .engine_sessions import engine_session_gone
-from .engine_wire import encode_generate, split_routed_experts
-from .errors import (
+from session_server.engine.sessions import engine_session_gone
+from session_server.engine.wire import encode_generate, split_routed_experts
+from session_server.errors import (
     ClientDisconnectedError,
     EngineRefusedError,
     EngineTimeoutError,
@@ -43,15 +38,19 @@ from .errors import (
     SessionBusyError,
     error_response,
 )
-from .lifecycle import Claim, tag_abort
-from .metrics import AbortCause
-from .openai_format import ChatRequest, TurnOutput, decode_turn, parse_chat_request, turn_tools
-from .race import Ending, race
-from .state import ServerState, server_of
-from .streaming import StreamingTurn, stream_response
-from .turn_limits import TurnLimits
+from session_server.http import body as body_reader
+from session_server.metrics import AbortCause
+from session_server.openai.chat_stream import StreamingTurn, stream_response
+from session_server.openai.protocol import ChatRequest, TurnOutput, decode_turn, parse_chat_request, turn_tools
+from session_server.sessions.lifecycle import Claim, tag_abort
+from session_server.state import ServerState, server_of
+from session_server.turns.commit import commit_turn
+from session_server.turns.limits import TurnLimits
+from session_server.turns.race import Ending, race
+from trajectory import LinearTrajectory, TurnPlan
+from trajectory.errors import SessionError, UpstreamError
 
-logger = logging.getLogger("session_server.chat")
+logger = logging.getLogger("session_server.openai.chat")
 
 NO_LIMITS = TurnLimits()
 # Rendering + tokenizing a byte of a first turn vs decoding a byte of an appended turn's body (~0.25 us vs a few ns,

@@ -22,10 +22,10 @@ import asyncio
 import logging
 from typing import Any
 
-from .engine_pool import EnginePool
-from .metrics import Metrics
+from session_server.engine.placement import EnginePool
+from session_server.metrics import Metrics
 
-logger = logging.getLogger("session_server.engine_drain")
+logger = logging.getLogger("session_server.engine.drains")
 
 
 class EngineDrains:

@@ -17,13 +17,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from session_server.errors import LimitExceededError
 from trajectory import ModelFamily, TurnPlan
 from trajectory.bounds import min_prompt_tokens
 
-from .errors import LimitExceededError
-
 if TYPE_CHECKING:
-    from .state import ServerState
+    from session_server.state import ServerState
 
 logger = logging.getLogger("session_server")
 

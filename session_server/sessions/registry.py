@@ -16,12 +16,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import SessionNotFoundError
+from session_server.errors import SessionNotFoundError
 
 if TYPE_CHECKING:
+    from session_server.sessions.lifecycle import Claim
     from trajectory import LinearTrajectory
-
-    from .lifecycle import Claim
 
 
 @dataclass(eq=False, slots=True)

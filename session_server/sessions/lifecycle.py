@@ -24,21 +24,19 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from session_server.errors import SessionBusyError, SessionNotFoundError, SessionPausedError, TooManySessionsError
+from session_server.metrics import AbortCause
+from session_server.sessions.journal import SessionInfo
+from session_server.sessions.registry import Registry, Session
 from trajectory.errors import SessionError
 
-from .errors import SessionBusyError, SessionNotFoundError, SessionPausedError, TooManySessionsError
-from .journal import SessionInfo
-from .metrics import AbortCause
-from .registry import Registry, Session
-
 if TYPE_CHECKING:
+    from session_server.engine.drains import EngineDrains
+    from session_server.engine.placement import EnginePool
+    from session_server.engine.sessions import EngineSessions
+    from session_server.metrics import Metrics
+    from session_server.sessions.journal import Journal
     from trajectory import LinearTrajectory
-
-    from .engine_drain import EngineDrains
-    from .engine_pool import EnginePool
-    from .engine_sessions import EngineSessions
-    from .journal import Journal
-    from .metrics import Metrics
 
 
 class AbortReason(enum.Enum):

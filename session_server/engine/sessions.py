@@ -14,11 +14,11 @@ import secrets
 import time
 from typing import Any
 
-from .engine_pool import EnginePool
-from .errors import EngineUnavailableError
-from .registry import Session
+from session_server.engine.placement import EnginePool
+from session_server.errors import EngineUnavailableError
+from session_server.sessions.registry import Session
 
-logger = logging.getLogger("session_server.engine_sessions")
+logger = logging.getLogger("session_server.engine.sessions")
 
 CAPACITY_OF_STR_LEN = 1 << 20
 # The engine session's own idle timeout (OpenSessionReqInput.timeout) is ours plus this margin: long enough that the

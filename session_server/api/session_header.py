@@ -16,12 +16,11 @@ import re
 from starlette.requests import Request
 from starlette.responses import Response
 
+from session_server.api.sessions import relay
+from session_server.errors import SessionNotFoundError, error_response
+from session_server.openai.chat import serve_chat
+from session_server.state import ServerState, server_of
 from trajectory.errors import RequestValidationError, SessionError
-
-from .chat import serve_chat
-from .errors import SessionNotFoundError, error_response
-from .sessions import relay
-from .state import ServerState, server_of
 
 SESSION_HEADER = "X-Session-ID"
 # Ids end up in URLs (/sessions/{id}/samples), logs and metrics labels: a conservative charset and length.

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from .errors import EngineUnavailableError
+from session_server.errors import EngineUnavailableError
 
 
 class _Connection(asyncio.Protocol):

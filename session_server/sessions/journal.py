@@ -45,14 +45,13 @@ from typing import Any
 
 import msgspec
 
+from session_server.sessions.registry import Session
 from trajectory.errors import SessionError
 from trajectory.linear import TurnDelta
 from trajectory.messages import Message
 from trajectory.restore import StoredTurn, store_turn
 
-from .registry import Session
-
-logger = logging.getLogger("session_server.journal")
+logger = logging.getLogger("session_server.sessions.journal")
 
 APPLICATION_ID = 0x534A524E  # "SJRN"
 SCHEMA_VERSION = 1

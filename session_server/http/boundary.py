@@ -11,9 +11,8 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from session_server.errors import error_body, error_response, json_response
 from trajectory.errors import SessionError
-
-from .errors import error_body, error_response, json_response
 
 logger = logging.getLogger("session_server")
 

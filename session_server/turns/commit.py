@@ -14,14 +14,13 @@ import logging
 import time
 from typing import Any
 
+from session_server.sessions.journal import SessionInfo
+from session_server.sessions.registry import Session
+from session_server.state import ServerState
 from trajectory import GenerateResult, TurnPlan, TurnRecord
 from trajectory.errors import InvariantError
 
-from .journal import SessionInfo
-from .registry import Session
-from .state import ServerState
-
-logger = logging.getLogger("session_server.commit")
+logger = logging.getLogger("session_server.turns.commit")
 
 
 async def commit_turn(

@@ -34,11 +34,11 @@ from typing import Any
 import httpx
 import msgspec
 
-from .engine_client import EngineClient, EngineReply
-from .errors import EngineUnavailableError
-from .registry import Session
+from session_server.engine.client import EngineClient, EngineReply
+from session_server.errors import EngineUnavailableError
+from session_server.sessions.registry import Session
 
-logger = logging.getLogger("session_server.engine_pool")
+logger = logging.getLogger("session_server.engine.placement")
 
 PROBE_TIMEOUT = 2.0
 

@@ -8,11 +8,10 @@ journaled wall-clock time of each session's last write, so the idle sweep expire
 
 from __future__ import annotations
 
+from session_server.sessions.journal import JournalError, Restored, wall_to_monotonic
+from session_server.sessions.registry import Session
+from session_server.state import ServerState
 from trajectory.restore import restore_trajectory
-
-from .journal import JournalError, Restored, wall_to_monotonic
-from .registry import Session
-from .state import ServerState
 
 
 def restore_sessions(server: ServerState, restored: Restored) -> int:

@@ -25,9 +25,8 @@ from typing import Any
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
+from session_server.errors import ClientDisconnectedError, RequestTimeoutError, RequestTooLargeError
 from trajectory.errors import RequestValidationError
-
-from .errors import ClientDisconnectedError, RequestTimeoutError, RequestTooLargeError
 
 MAX_DEPTH = 64  # JSON nesting levels; OpenAI's own structured-output schemas allow 10
 INT_MIN = -(2**63)
