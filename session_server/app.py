@@ -14,8 +14,6 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import Route
 
 from session_server.api import admin, samples, session_header, sessions
@@ -23,9 +21,9 @@ from session_server.config import ServerConfig
 from session_server.cpu_pool import CpuPool
 from session_server.engine.client import EngineClient
 from session_server.engine.drains import EngineDrains
-from session_server.engine.placement import EnginePool
+from session_server.engine.placement import EnginePlacement
 from session_server.engine.sessions import EngineSessions
-from session_server.errors import error_response, method_not_allowed, not_found
+from session_server.errors import method_not_allowed, not_found
 from session_server.http.boundary import ErrorBoundary
 from session_server.http.chat_lane import ChatLane
 from session_server.metrics import LoopLagTicker, Metrics, ResponseMetrics
@@ -38,7 +36,6 @@ from session_server.sessions.sweeper import Sweeper
 from session_server.state import ServerState
 from session_server.turns.limits import learn_prompt_limit
 from trajectory import ModelFamily
-from trajectory.errors import InvariantError
 
 logger = logging.getLogger("session_server")
 
@@ -69,10 +66,10 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
         drains=drains,
     )
     if journaled is not None:
-        restored = restore_sessions(server, journaled[1])
+        restored = restore_sessions(server.registry, server.family, journaled[1])
         if restored:
             logger.warning("restored %d sessions from journal %s", restored, config.journal)
-    engine.on_move = metrics.sessions_moved.inc
+    engine.on_move.append(lambda _session_id, _worker: metrics.sessions_moved.inc())
     watch_state(server)
     return server
 
@@ -95,8 +92,8 @@ def open_journal(config: ServerConfig, family: ModelFamily) -> JournalOpened | N
     return journal, restored
 
 
-def build_engines(config: ServerConfig) -> EnginePool:
-    """One EngineClient per --engine-url, behind the placement pool (engine_pool.py)."""
+def build_engines(config: ServerConfig) -> EnginePlacement:
+    """One EngineClient per --engine-url, behind the placement pool (engine/placement.py)."""
     clients = [
         EngineClient(
             url, timeout=config.request_timeout, connections=config.engine_connections,
@@ -108,7 +105,7 @@ def build_engines(config: ServerConfig) -> EnginePool:
     ]
     # /ready and /health need no key; /v1/loads and /get_server_info are SGLang NORMAL endpoints (the api key).
     probe_headers = {"Authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else None
-    return EnginePool(clients, health_interval=config.engine_health_interval, probe_headers=probe_headers)
+    return EnginePlacement(clients, health_interval=config.engine_health_interval, probe_headers=probe_headers)
 
 
 def watch_state(server: ServerState) -> None:
@@ -141,11 +138,6 @@ async def shutdown(server: ServerState) -> None:
         await server.journal.close()
 
 
-async def _unhandled(request: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(InvariantError("internal server error"))
-
-
 def freeze_startup_heap() -> None:
     """Move everything allocated so far (the tokenizer, transformers, numpy: millions of objects) out of the GC's
     reach. Otherwise each full collection walks it all and stalls the event loop for 50-140 ms under load (measured
@@ -169,7 +161,7 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         if server.journal is not None:
             server.journal.start()
         freeze_startup_heap()
-        sweeper = Sweeper(server)
+        sweeper = Sweeper(server.lifecycle, server.config.session_idle_timeout, server.config.request_timeout)
         sweeper.start()
         lag = LoopLagTicker(server.metrics)
         lag.start()
@@ -195,7 +187,7 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         chat_route,
         Route(session + "/samples", samples.collect_samples, methods=["POST"]),
         Route(session, sessions.get_session, methods=["GET"]),
-        # One base URL for many episodes, addressed by the X-Session-ID header (session_header.py).
+        # One base URL for many episodes, addressed by the X-Session-ID header (api/session_header.py).
         Route("/v1/chat/completions", session_header.chat_completions, methods=["POST"]),
         Route("/ready", admin.ready, methods=["GET"]),
         Route("/metrics", admin.metrics, methods=["GET"]),
@@ -208,11 +200,11 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
     app = Starlette(
         routes=routes,
         # ResponseMetrics counts every response once, the 500 of ErrorBoundary included; ErrorBoundary logs it once;
-        # ChatLane takes chats past the router (chat_lane.py).
+        # ChatLane takes chats past the router (http/chat_lane.py).
         middleware=[Middleware(ResponseMetrics, routes=routes), Middleware(ErrorBoundary),
                     Middleware(ChatLane, route=chat_route)],
         lifespan=lifespan,
-        exception_handlers={404: not_found, 405: method_not_allowed, Exception: _unhandled},
+        exception_handlers={404: not_found, 405: method_not_allowed},
     )
     # No trailing-slash redirect: Starlette would answer `POST /sessions/` with a 307 to a URL built from the
     # client's Host header. Unknown paths are a JSON 404, like any other.

@@ -48,7 +48,7 @@ class ServerConfig:
     inline_below_bytes: int = DEFAULT_INLINE_BELOW_BYTES
     return_routed_experts: bool = False
     engine_connections: int = 512
-    engine_client: str = "httptools"  # the /generate hot path: engine_http.py, or "httpx" to measure against it
+    engine_client: str = "httptools"  # the /generate hot path: engine/http11.py, or "httpx" to measure against it
     retry_after: int = 1
     abort_grace: float = 5.0
     tombstones: int = 100_000  # ids of deleted sessions remembered, oldest forgotten first (about 200 bytes each)
@@ -58,11 +58,11 @@ class ServerConfig:
     engine_api_key: str | None = field(default=None, repr=False)  # SGLang --api-key; never logged
     engine_admin_api_key: str | None = field(default=None, repr=False)  # SGLang --admin-api-key; never logged
     engine_control_timeout: float = 1.0  # bound on every control call (abort, open/close session, ready)
-    journal: str | None = None  # SQLite file of sessions, turns and deletions (journal.py); None = memory only
+    journal: str | None = None  # SQLite file of sessions, turns and deletions (sessions/journal.py); None = memory only
     journal_sync: str = "normal"  # normal: survives a killed process; full: also a power loss (fsync per commit)
     # The engine runs with SGLang's --incremental-streaming-output: stream events carry deltas, not the reply so far.
     engine_incremental_streaming: bool = False
-    # Data-parallel workers (--engine-url repeated); empty means just engine_url. See engine_pool.py.
+    # Data-parallel workers (--engine-url repeated); empty means just engine_url. See engine/placement.py.
     engine_urls: tuple[str, ...] = ()
     engine_health_interval: float = 5.0  # seconds between readiness/load probes of each engine; 0 = only on demand
 
@@ -117,10 +117,6 @@ class ServerConfig:
             problems.append("--port must be in [0, 65535]")
         if problems:
             raise ValueError("; ".join(problems))
-
-    @property
-    def engine_base(self) -> str:
-        return self.engine_url.rstrip("/")
 
     @property
     def engine_bases(self) -> tuple[str, ...]:

@@ -3,20 +3,40 @@
 The pure core's errors (bad request, template, rollback, invariant, engine reply that breaks a rule) come from
 trajectory/errors.py; the failure modes that exist only because there is a server -- unknown, busy or paused
 sessions, an engine that cannot be reached or does not answer in time, a body too large, a client gone, admin auth --
-are defined here as subclasses of the same base, so a handler has exactly one `except SessionError` path and one
-renderer.
+are defined here as subclasses of the same base. A handler lets them escape: the error boundary
+(http/boundary.py) renders every one with its status, so there is one renderer and no handler repeats the catch.
+Why a chat was cut off is one enum, `AbortReason`: what a claim is aborted for, and the label it is counted by.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from session_server.metrics import AbortCause
 from trajectory.errors import RequestValidationError, SessionError, UpstreamError
+
+
+class AbortReason(enum.Enum):
+    """Why a chat was cut off before its commit (its engine request aborted, nothing committed): the reason a claim
+    is aborted for, the error the agent hears, and the `cause` label of session_server_aborts_total."""
+
+    DISCONNECT = "disconnect"  # the client went away
+    DELETE = "delete"  # DELETE /sessions/{id}
+    PAUSE = "pause"  # /admin/pause with mode=abort
+    TIMEOUT = "timeout"  # the engine did not answer within --request-timeout
+    EXPIRY = "expiry"  # the idle sweep deleted the session (a chat stuck past the request timeout)
+    SHUTDOWN = "shutdown"  # SIGTERM
+    ENGINE = "engine"  # the engine aborted the request itself (its own pause, a weight update)
+
+
+def tag_abort(err: SessionError, reason: AbortReason) -> SessionError:
+    """Mark an error as the end of an aborted chat, so the handler counts it once, by reason (metrics.abort)."""
+    err.abort_reason = reason  # type: ignore[attr-defined]
+    return err
 
 
 class SessionNotFoundError(SessionError):
@@ -57,7 +77,7 @@ class EngineAbortedError(SessionPausedError):
     generated that could be committed, and the same turn can be retried (503). Counted as an abort by the engine."""
 
     code = "engine_aborted"
-    abort_cause = AbortCause.ENGINE
+    abort_reason = AbortReason.ENGINE
 
 
 class EngineRefusedError(SessionError):

@@ -6,7 +6,7 @@ route's template (`/sessions/{session_id}`), never the raw path, so a million se
 
 How code counts things: through the `Metrics` object on the server state, e.g.
 `server.metrics.rollback("diverged")`, `server.metrics.validation_failure(err.rule)`,
-`server.metrics.abort(AbortCause.DISCONNECT)`, `server.metrics.stage("commit", seconds)`. Responses are counted in
+`server.metrics.abort(AbortReason.DISCONNECT)`, `server.metrics.stage("commit", seconds)`. Responses are counted in
 exactly one place, `ResponseMetrics` (an ASGI middleware around the router): every response once, by route template,
 method and status, including the 500 of an unhandled exception and the 404/405 of paths no route knows.
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -38,6 +37,7 @@ from prometheus_client import (
 )
 from prometheus_client.gc_collector import GCCollector
 
+from session_server.errors import AbortReason
 from trajectory.messages import ROLLBACK_REASONS
 
 # `<name>_created` timestamp series double the output and nobody graphs them (process-wide switch, set once).
@@ -56,18 +56,6 @@ LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 STAGES = ("prepare", "decode", "commit", "journal")
 TOKEN_KINDS = ("prompt", "cached", "completion")
 LIMITS = ("sessions", "session_tokens", "context")
-
-
-class AbortCause(enum.Enum):
-    """Why a chat was cut off (its engine request aborted, nothing committed)."""
-
-    DISCONNECT = "disconnect"  # the client went away
-    DELETE = "delete"  # DELETE /sessions/{id}
-    PAUSE = "pause"  # /admin/pause with mode=abort
-    TIMEOUT = "timeout"  # the engine did not answer within --request-timeout
-    EXPIRY = "expiry"  # the idle sweep deleted the session (a chat stuck past the request timeout)
-    SHUTDOWN = "shutdown"  # SIGTERM
-    ENGINE = "engine"  # the engine aborted the request itself (its own pause, a weight update)
 
 
 class Metrics:
@@ -132,7 +120,7 @@ class Metrics:
 
         self._stages = {s: self.stage_seconds.labels(s) for s in STAGES}
         self._tokens = {k: self.tokens.labels(k) for k in TOKEN_KINDS}
-        self._aborts = {c: self.aborts.labels(c.value) for c in AbortCause}
+        self._aborts = {c: self.aborts.labels(c.value) for c in AbortReason}
         self._refusals = {k: self.limit_refusals.labels(k) for k in LIMITS}
         self._responses: dict[tuple[str, str, int], Any] = {}
         # Every rollback reason is exported from the start (at 0), so a rate() has a series to start from.
@@ -169,7 +157,7 @@ class Metrics:
     def refused(self, limit: str) -> None:
         self._refusals[limit].inc()
 
-    def abort(self, cause: AbortCause) -> None:
+    def abort(self, cause: AbortReason) -> None:
         self._aborts[cause].inc()
 
     def render(self) -> bytes:

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from session_server.config import ServerConfig
 from session_server.cpu_pool import CpuPool
 from session_server.engine.drains import EngineDrains
-from session_server.engine.placement import EnginePool
+from session_server.engine.placement import EnginePlacement
 from session_server.engine.sessions import EngineSessions
 from session_server.metrics import Metrics
 from session_server.sessions.journal import Journal
@@ -25,14 +25,14 @@ class ServerState:
     family: ModelFamily
     registry: Registry
     lifecycle: Lifecycle
-    engine: EnginePool  # one or more workers; the session-keyed EngineClient API (engine_pool.py)
+    engine: EnginePlacement  # one or more workers; the session-keyed EngineClient API (engine/placement.py)
     pool: CpuPool
     engine_sessions: EngineSessions | None
     metrics: Metrics = field(default_factory=Metrics)
     journal: Journal | None = None  # --journal
-    drains: EngineDrains | None = None  # aborted engine requests ending in the background (engine_drain.py)
+    drains: EngineDrains | None = None  # aborted engine requests ending in the background (engine/drains.py)
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))
-    prompt_token_limit: int | None = None  # the engine's largest input, once learned (turn_limits.py)
+    prompt_token_limit: int | None = None  # the engine's largest input, once learned (turns/limits.py)
 
     def new_trajectory(self) -> LinearTrajectory:
         return LinearTrajectory(

@@ -1,7 +1,7 @@
 """A trajectory as a sequence of stored turns, and back: what a journal writes and what a restart replays.
 
-Pure (no I/O): the server's journal (session_server/journal.py) owns the database and calls these. A stored turn
-holds only what the turn changed -- the appended prompt tokens, the completion and its logprobs as little-endian
+Pure (no I/O): the server's journal (session_server/sessions/journal.py) owns the database and calls these. A stored
+turn holds only what the turn changed -- the appended prompt tokens, the completion and its logprobs as little-endian
 int32/float32 blobs, the messages past the longest unchanged prefix, the tools only when they changed, the turn's
 record (and its routed experts as a separate blob) -- so a journal grows with the new tokens, never with the history.
 Replaying every stored turn of a session, in order, with `LinearTrajectory.apply` makes the same mutations the live

@@ -14,12 +14,11 @@ import hmac
 from starlette.requests import Request
 from starlette.responses import Response
 
-from session_server.errors import AdminAuthError, error_response, json_response
+from session_server.errors import AbortReason, AdminAuthError, json_response
 from session_server.http.body import read_object
 from session_server.metrics import CONTENT_TYPE
-from session_server.sessions.lifecycle import AbortReason
 from session_server.state import server_of
-from trajectory.errors import RequestValidationError, SessionError
+from trajectory.errors import RequestValidationError
 
 
 async def health(request: Request) -> Response:
@@ -30,7 +29,7 @@ async def ready(request: Request) -> Response:
     """Probes every engine worker now: 200 while at least one can take sessions ("ready", or "degraded" when some
     failed), 503 when none can; the body lists each worker's health and live sessions."""
     server = server_of(request)
-    ok = await server.engine.health()
+    ok = await server.engine.ready()
     body = {**server.engine.status(), "instance_id": server.instance_id}
     return json_response(body, status=200 if ok else 503)
 
@@ -51,28 +50,25 @@ def _authorize(request: Request) -> None:
 
 async def pause(request: Request) -> Response:
     server = server_of(request)
-    try:
-        _authorize(request)
-        config = server.config
-        obj = await read_object(request, config.max_request_bytes, config.body_timeout)
-        mode = obj.get("mode", "drain")
-        if not isinstance(mode, str) or mode not in ("drain", "abort"):
-            raise RequestValidationError("'mode' must be 'drain' or 'abort'")
-    except SessionError as err:
-        return error_response(err)
+    _authorize(request)
+    config = server.config
+    obj = await read_object(request, config.max_request_bytes, config.body_timeout)
+    mode = obj.get("mode", "drain")
+    if not isinstance(mode, str) or mode not in ("drain", "abort"):
+        raise RequestValidationError("'mode' must be 'drain' or 'abort'")
     lifecycle = server.lifecycle
     lifecycle.paused = True
-    aborted = len(lifecycle.abort_all(AbortReason.PAUSED)) if mode == "abort" else 0
+    aborted = len(lifecycle.abort_all(AbortReason.PAUSE)) if mode == "abort" else 0
     try:
         # A drain waits for running chats, but not forever: a client that never finishes its body or an engine
         # that never answers must not hold a weight update. Past the deadline the rest are aborted (503 +
         # Retry-After, nothing committed) like mode=abort.
         await asyncio.wait_for(lifecycle.wait_idle(), config.drain_timeout)
     except TimeoutError:
-        aborted = len(lifecycle.abort_all(AbortReason.PAUSED))
+        aborted = len(lifecycle.abort_all(AbortReason.PAUSE))
         await lifecycle.wait_idle()
     if server.drains is not None:
-        # Aborted chats answer at once and their engine requests end in the background (engine_drain.py); the
+        # Aborted chats answer at once and their engine requests end in the background (engine/drains.py); the
         # pause returns once those have ended too (each drain is bounded), so the engine is quiet for the update.
         await server.drains.wait_all()
     return json_response({"status": "paused", "mode": mode, "aborted": aborted})
@@ -80,10 +76,7 @@ async def pause(request: Request) -> Response:
 
 async def resume(request: Request) -> Response:
     server = server_of(request)
-    try:
-        _authorize(request)
-    except SessionError as err:
-        return error_response(err)
+    _authorize(request)
     server.lifecycle.paused = False
-    server.registry.touch_all()  # the pause does not count as idleness (see sweeper.py)
+    server.registry.touch_all()  # the pause does not count as idleness (see sessions/sweeper.py)
     return json_response({"status": "running"})

@@ -15,12 +15,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from session_server.api.sessions import lookup
-from session_server.errors import error_response
 from session_server.http.body import read_object
 from session_server.openai.fields import MAX_INT32, is_int
 from session_server.state import server_of
 from trajectory import Sample, build_merged_sample, samples_to_json, samples_to_safetensors, truncate_sample
-from trajectory.errors import RequestValidationError, SessionError
+from trajectory.errors import RequestValidationError
 
 OCTET_STREAM = "application/octet-stream"
 _encoder = msgspec.json.Encoder()
@@ -43,12 +42,9 @@ def _encode(samples: list[Sample], max_seq_len: int | None, binary: bool) -> byt
 
 async def collect_samples(request: Request) -> Response:
     server = server_of(request)
-    try:
-        session = lookup(server, request.path_params["session_id"])
-        config = server.config
-        max_seq_len = _max_seq_len(await read_object(request, config.max_request_bytes, config.body_timeout))
-    except SessionError as err:
-        return error_response(err)
+    session = lookup(server, request.path_params["session_id"])
+    config = server.config
+    max_seq_len = _max_seq_len(await read_object(request, config.max_request_bytes, config.body_timeout))
     async with session.lock:
         samples = [build_merged_sample(session.trajectory)] if session.trajectory.records else []
     binary = OCTET_STREAM in request.headers.get("accept", "")

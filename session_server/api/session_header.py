@@ -17,10 +17,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from session_server.api.sessions import relay
-from session_server.errors import SessionNotFoundError, error_response
+from session_server.errors import SessionNotFoundError
 from session_server.openai.chat import serve_chat
 from session_server.state import ServerState, server_of
-from trajectory.errors import RequestValidationError, SessionError
+from trajectory.errors import RequestValidationError
 
 SESSION_HEADER = "X-Session-ID"
 # Ids end up in URLs (/sessions/{id}/samples), logs and metrics labels: a conservative charset and length.
@@ -68,10 +68,7 @@ def resolve_session(server: ServerState, request: Request, create: bool) -> str:
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions: the chat of the session named by X-Session-ID (created on first use if allowed)."""
     server = server_of(request)
-    try:
-        sid = resolve_session(server, request, create=True)
-    except SessionError as err:
-        return error_response(err)
+    sid = resolve_session(server, request, create=True)
     return await serve_chat(request, sid)
 
 
@@ -79,13 +76,10 @@ async def list_models(request: Request) -> Response:
     """GET /v1/models: the engine's model list. A harness asks before any episode exists, so the header is
     optional here; when given it must name a live session (nothing is created by a read)."""
     server = server_of(request)
-    try:
-        sid = _header_id(request)
-        if sid is not None:
-            if not server.registry.knows(sid):
-                raise _not_found(server, sid)
-            server.registry.require(sid)
-        reply = await server.engine.models()
-    except SessionError as err:
-        return error_response(err)
+    sid = _header_id(request)
+    if sid is not None:
+        if not server.registry.knows(sid):
+            raise _not_found(server, sid)
+        server.registry.require(sid)
+    reply = await server.engine.models()
     return relay(reply)

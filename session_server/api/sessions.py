@@ -1,7 +1,7 @@
 """Session lifecycle routes: create, inspect, delete, and the read-only model list under a session URL.
 
 Create and DELETE are thin: the session's lifecycle (create, abort the in-flight chat, close the engine session,
-forget behind a tombstone) is owned by lifecycle.py, which the idle sweep and the shutdown use as well.
+forget behind a tombstone) is owned by sessions/lifecycle.py, which the idle sweep and the shutdown use as well.
 
 GET takes a snapshot of the trajectory on the loop (copies, no await) and builds the body -- token list, records, a
 mismatch report that re-renders and diffs the whole history, the JSON encode; tens of ms at 32k tokens -- on the CPU
@@ -17,13 +17,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from session_server.engine.client import EngineReply
-from session_server.errors import EngineUnavailableError, RequestTooLargeError, error_response, json_response
+from session_server.errors import (
+    AbortReason,
+    EngineUnavailableError,
+    RequestTooLargeError,
+    error_response,
+    json_response,
+)
 from session_server.http.body import read_object
-from session_server.sessions.lifecycle import AbortReason
-from session_server.sessions.registry import Session
+from session_server.sessions.session import Session
 from session_server.state import ServerState, server_of
 from trajectory import LinearTrajectory
-from trajectory.errors import RequestValidationError, SessionError
+from trajectory.errors import RequestValidationError
 
 _encoder = msgspec.json.Encoder()
 METADATA_ENVELOPE = 1024  # bytes of the body around the metadata object (key, braces, whitespace)
@@ -45,30 +50,24 @@ async def create_session(request: Request) -> Response:
     server = server_of(request)
     config = server.config
     limit = min(config.max_request_bytes, config.max_metadata_bytes + METADATA_ENVELOPE)
-    try:
-        obj = await read_object(request, limit, config.body_timeout)
-        metadata = obj.get("metadata")
-        if metadata is None:
-            metadata = {}
-        if not isinstance(metadata, dict):
-            raise RequestValidationError("'metadata' must be an object")
-        size = len(_encoder.encode(metadata))
-        if size > config.max_metadata_bytes:
-            raise RequestTooLargeError(
-                f"'metadata' is {size} bytes encoded; the limit is {config.max_metadata_bytes} bytes"
-            )
-        session = await server.lifecycle.create_durably(server.new_trajectory(), metadata)  # 503 if not journaled
-    except SessionError as err:
-        return error_response(err)
+    obj = await read_object(request, limit, config.body_timeout)
+    metadata = obj.get("metadata")
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise RequestValidationError("'metadata' must be an object")
+    size = len(_encoder.encode(metadata))
+    if size > config.max_metadata_bytes:
+        raise RequestTooLargeError(
+            f"'metadata' is {size} bytes encoded; the limit is {config.max_metadata_bytes} bytes"
+        )
+    session = await server.lifecycle.create_durably(server.new_trajectory(), metadata)  # 503 if not journaled
     return json_response({"session_id": session.id})
 
 
 async def get_session(request: Request) -> Response:
     server = server_of(request)
-    try:
-        session = lookup(server, request.path_params["session_id"])
-    except SessionError as err:
-        return error_response(err)
+    session = lookup(server, request.path_params["session_id"])
     async with session.lock:  # a consistent snapshot: a memcpy of the tokens, no await inside
         snapshot = session.trajectory.snapshot()
         live = {
@@ -92,25 +91,16 @@ def _session_body(snapshot: LinearTrajectory, live: dict[str, Any]) -> bytes:
 
 async def delete_session(request: Request) -> Response:
     server = server_of(request)
-    try:
-        session = lookup(server, request.path_params["session_id"])
-    except SessionError as err:
-        return error_response(err)
-    try:
-        await server.lifecycle.close(session, AbortReason.DELETED)
-    except SessionError as err:  # the journal could not write the tombstone: the session stays
-        return error_response(err)
+    session = lookup(server, request.path_params["session_id"])
+    await server.lifecycle.close(session, AbortReason.DELETE)
     return Response(status_code=204)
 
 
 async def list_models(request: Request) -> Response:
     """GET /sessions/{id}/v1/models: the engine's OpenAI model list, passed through as is (read-only)."""
     server = server_of(request)
-    try:
-        lookup(server, request.path_params["session_id"])
-        reply = await server.engine.models()
-    except SessionError as err:
-        return error_response(err)
+    lookup(server, request.path_params["session_id"])
+    reply = await server.engine.models()
     return relay(reply)
 
 
@@ -122,11 +112,8 @@ async def retrieve_model(request: Request) -> Response:
     """
     server = server_of(request)
     model_id = request.path_params["model_id"]
-    try:
-        lookup(server, request.path_params["session_id"])
-        reply = await server.engine.models()
-    except SessionError as err:
-        return error_response(err)
+    lookup(server, request.path_params["session_id"])
+    reply = await server.engine.models()
     if not reply.ok:
         return relay(reply)
     try:

@@ -1,6 +1,6 @@
 """The one HTTP client to the engine (SGLang's native API, DESIGN.md 5.1).
 
-Two pools for the whole process: the hot POST /generate runs on a lean keep-alive HTTP/1.1 pool (engine_http.py,
+Two pools for the whole process: the hot POST /generate runs on a lean keep-alive HTTP/1.1 pool (engine/http11.py,
 up to ServerConfig.engine_connections sockets), and control calls (abort, open/close session, ready, models) on a small
 httpx.AsyncClient, so an abort never queues behind a saturated generate pool. Transport failures become 502
 (EngineUnavailableError); the engine's own non-2xx answers are returned as they are, so the chat handler can pass them
@@ -53,9 +53,9 @@ ENGINE_CLIENTS = ("httptools", "httpx")
 
 
 class _HttpxGenerate:
-    """The hot path on httpx instead of engine_http.py (`--engine-client httpx`): same contract (a cancelled
+    """The hot path on httpx instead of engine/http11.py (`--engine-client httpx`): same contract (a cancelled
     request closes its connection, transport failures are EngineUnavailableError, no resend), kept so the cost
-    difference that justifies engine_http.py can be re-measured (`make bench-compare`)."""
+    difference that justifies engine/http11.py can be re-measured (`make bench-compare`)."""
 
     def __init__(self, base_url: str, *, connections: int, connect_timeout: float) -> None:
         self._client = httpx.AsyncClient(
@@ -248,10 +248,6 @@ class EngineClient:
         except EngineUnavailableError:
             return False
         return reply.ok
-
-    async def health(self) -> bool:
-        """Kept for callers of the old name: the same cheap probe as ready()."""
-        return await self.ready()
 
     async def server_info(self) -> dict[str, Any] | None:
         """GET /server_info as a dict, or None when the engine does not answer it."""

@@ -22,14 +22,14 @@ import asyncio
 import logging
 from typing import Any
 
-from session_server.engine.placement import EnginePool
+from session_server.engine.placement import EnginePlacement
 from session_server.metrics import Metrics
 
 logger = logging.getLogger("session_server.engine.drains")
 
 
 class EngineDrains:
-    def __init__(self, engine: EnginePool, metrics: Metrics, grace: float) -> None:
+    def __init__(self, engine: EnginePlacement, metrics: Metrics, grace: float) -> None:
         self._engine = engine
         self._metrics = metrics
         self._grace = grace
@@ -56,7 +56,7 @@ class EngineDrains:
         try:
             # An acknowledged abort ends the request within moments; an abort the engine did not take (timeout,
             # refused, a router's 404) is not worth waiting for: closing the connection is then the only signal left.
-            # The abort goes to the session's worker (engine_pool.py).
+            # The abort goes to the session's worker (engine/placement.py).
             if not engine_task.done() and await self._engine.abort(rid, session_id):
                 await asyncio.wait((engine_task,), timeout=self._grace)
         finally:

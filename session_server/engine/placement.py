@@ -36,7 +36,6 @@ import msgspec
 
 from session_server.engine.client import EngineClient, EngineReply
 from session_server.errors import EngineUnavailableError
-from session_server.sessions.registry import Session
 
 logger = logging.getLogger("session_server.engine.placement")
 
@@ -79,7 +78,7 @@ def _total_load(body: Any) -> int | None:
     return total
 
 
-class EnginePool:
+class EnginePlacement:
     """The session-keyed engine API over one or more workers (see the module docstring)."""
 
     def __init__(
@@ -88,22 +87,19 @@ class EnginePool:
         *,
         health_interval: float = 5.0,
         probe_headers: dict[str, str] | None = None,
-        on_move: Callable[[], None] | None = None,
     ) -> None:
         self.workers = [Worker(c.base_url, c) for c in clients]
         if not self.workers:
             raise ValueError("an engine pool needs at least one engine URL")
         self.health_interval = health_interval
         self.moved = 0
-        self.on_move = on_move
+        # Called with (session id, the worker it leaves) when a session moves: whoever keeps engine-side state of a
+        # session on that worker (engine sessions) drops it there; the metrics count the move.
+        self.on_move: list[Callable[[str, Worker], None]] = []
         self._placement: dict[str, Worker] = {}
         self._probe = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT), headers=probe_headers or {})
         self._loop_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
-
-    @property
-    def base_url(self) -> str:
-        return self.workers[0].url
 
     # -- placement ------------------------------------------------------------------------------------------
     def worker_of(self, session_id: str) -> Worker | None:
@@ -125,24 +121,22 @@ class EnginePool:
         self._placement[session_id] = worker
         worker.sessions += 1
 
-    def place(self, session: Session) -> Worker:
+    def place(self, session_id: str) -> Worker:
         """The worker for this session's next turn: its own, or a new one if it has none or its worker is down.
 
-        A move forgets the engine session (it lived on the old worker): the next turn opens a fresh one on the new
-        worker with the full prompt, which is exactly a re-prefill. Called at the start of every turn."""
-        worker = self._placement.get(session.id)
+        A move tells `on_move` (engine sessions forget the one that lived on the old worker: the next turn opens a
+        fresh one on the new worker with the full prompt, which is exactly a re-prefill). Called at the start of every
+        turn."""
+        worker = self._placement.get(session_id)
         if worker is not None and (worker.healthy or not any(w.healthy for w in self.workers)):
             return worker
         new = self._choose()
         if worker is not None and new is not worker:
             self.moved += 1
-            if self.on_move is not None:
-                self.on_move()
-            logger.warning("session %s moves from engine %s (unhealthy) to %s", session.id, worker.url, new.url)
-            sid = session.engine.reset()
-            if sid is not None:  # best effort: if the old worker was only slow, do not leave its session behind
-                self._background(worker.client.close_session(sid, session.id))
-        self._assign(session.id, new)
+            logger.warning("session %s moves from engine %s (unhealthy) to %s", session_id, worker.url, new.url)
+            for listener in self.on_move:
+                listener(session_id, worker)
+        self._assign(session_id, new)
         return new
 
     def _client(self, session_id: str) -> Worker:
@@ -222,12 +216,10 @@ class EnginePool:
                 return info
         return None
 
-    async def health(self) -> bool:
+    async def ready(self) -> bool:
         """Probe every worker now; True when at least one can take sessions."""
         await asyncio.gather(*(self.probe(w) for w in self.workers))
         return any(w.healthy for w in self.workers)
-
-    ready = health
 
     def status(self) -> dict[str, Any]:
         healthy = sum(w.healthy for w in self.workers)
@@ -360,7 +352,7 @@ def router_refusal(routers: list[str], *, engine_sessions: bool, return_routed_e
     )
 
 
-async def startup_refusal(pool: EnginePool, *, engine_sessions: bool, return_routed_experts: bool) -> str | None:
+async def startup_refusal(pool: EnginePlacement, *, engine_sessions: bool, return_routed_experts: bool) -> str | None:
     """Run once before serving: the error to exit with when a router stands where an engine should, else None.
     Closes the pool (it was built for this check only)."""
     try:

@@ -4,6 +4,8 @@ A streaming engine session is append-only (DESIGN.md 5.2): it can only be reused
 next prompt keeps (`plan.new_token_start`). Anything else -- a rollback, a trimmed stop token, or an uncommitted turn
 that ran in it (502, abort, disconnect) -- replaces it with a fresh one that receives the full prompt. The trajectory's
 tokens are therefore identical with and without the flag; only the engine's prefill work differs.
+
+The state of each trajectory's engine session is kept here, by session id: engine code never sees the session record.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
-from session_server.engine.placement import EnginePool
+from session_server.engine.placement import EnginePlacement, Worker
 from session_server.errors import EngineUnavailableError
-from session_server.sessions.registry import Session
 
 logger = logging.getLogger("session_server.engine.sessions")
 
@@ -38,38 +41,75 @@ def engine_session_gone(status: int, body: bytes) -> bool:
     return status == 400 and b"session" in body and any(marker in body for marker in _GONE)
 
 
+@dataclass(eq=False, slots=True)
+class EngineSessionState:
+    """The SGLang streaming session backing one trajectory, and what it holds."""
+
+    sid: str
+    tokens: int = 0  # number of trajectory tokens the engine session holds (valid only when not dirty)
+    dirty: bool = False  # an uncommitted turn ran in it: its contents no longer match the trajectory
+
+
 class EngineSessions:
-    def __init__(self, engine: EnginePool, idle_timeout: float = 0.0) -> None:
+    def __init__(self, engine: EnginePlacement, idle_timeout: float = 0.0) -> None:
         self._engine = engine
-        self._orphans: set[asyncio.Task[None]] = set()
+        self._states: dict[str, EngineSessionState] = {}  # by session id: the sessions that hold one now
+        self._orphans: set[asyncio.Task[Any]] = set()
         self.engine_timeout = (idle_timeout + ENGINE_TIMEOUT_MARGIN if idle_timeout > 0
                                else NO_IDLE_TIMEOUT_ENGINE_TIMEOUT)
+        engine.on_move.append(self._moved)
 
-    async def begin_turn(self, session: Session, new_token_start: int) -> tuple[int, dict[str, Any]]:
+    def state(self, session_id: str) -> EngineSessionState | None:
+        return self._states.get(session_id)
+
+    async def begin_turn(self, session_id: str, new_token_start: int) -> tuple[int, dict[str, Any]]:
         """Return (first prompt index to send, session_params), opening or replacing the engine session as needed."""
-        st = session.engine
-        if st.sid is not None and not st.dirty and st.tokens > 0 and st.tokens == new_token_start:
+        st = self._states.get(session_id)
+        if st is not None and not st.dirty and st.tokens > 0 and st.tokens == new_token_start:
             return new_token_start, {"id": st.sid}
-        if st.sid is not None:
-            await self.close(session)
-        sid = f"{session.id}-{secrets.token_hex(4)}"
+        if st is not None:
+            await self.close(session_id)
+        sid = f"{session_id}-{secrets.token_hex(4)}"
         try:
-            st.sid = await self._engine.open_session(CAPACITY_OF_STR_LEN, session.id, self.engine_timeout, sid)
+            opened = await self._engine.open_session(CAPACITY_OF_STR_LEN, session_id, self.engine_timeout, sid)
         except EngineUnavailableError:
             # A timed-out open may still be carried out once the engine moves again: close that id later.
-            self._close_orphan(sid, session.id)
+            self._spawn(self._orphan_closer(sid, session_id))
             raise
-        st.tokens = 0
-        st.dirty = False
-        return 0, {"id": st.sid}
+        self._states[session_id] = EngineSessionState(opened)
+        return 0, {"id": opened}
 
-    @staticmethod
-    def committed(session: Session, total_tokens: int) -> None:
-        session.engine.tokens = total_tokens
-        session.engine.dirty = False
+    def committed(self, session_id: str, total_tokens: int) -> None:
+        st = self._states.get(session_id)
+        if st is not None:
+            st.tokens = total_tokens
+            st.dirty = False
 
-    def _close_orphan(self, sid: str, routing_key: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._orphan_closer(sid, routing_key))
+    def mark_dirty(self, session_id: str) -> None:
+        st = self._states.get(session_id)
+        if st is not None:
+            st.dirty = True
+
+    def forget(self, session_id: str) -> None:
+        """The engine no longer holds the session (restart, its idle timeout): drop it without a close call, so the
+        next begin_turn opens a fresh one and sends the whole prompt."""
+        self._states.pop(session_id, None)
+
+    async def close(self, session_id: str) -> None:
+        """Close the engine session, if any. Called by DELETE/shutdown only after the in-flight chat has finished."""
+        st = self._states.pop(session_id, None)
+        if st is not None and not await self._engine.close_session(st.sid, session_id):
+            logger.warning("session %s: engine session %s may not be closed", session_id, st.sid)
+
+    def _moved(self, session_id: str, old: Worker) -> None:
+        """The session left `old` (placement.py), where its engine session lived: close it there, best effort (a
+        worker that was only slow must not keep the KV); the next turn opens a fresh one on the new worker."""
+        st = self._states.pop(session_id, None)
+        if st is not None:
+            self._spawn(old.client.close_session(st.sid, session_id))
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._orphans.add(task)
         task.add_done_callback(self._orphans.discard)
 
@@ -87,19 +127,3 @@ class EngineSessions:
     async def aclose(self) -> None:
         for task in list(self._orphans):
             task.cancel()
-
-    @staticmethod
-    def forget(session: Session) -> None:
-        """The engine no longer holds the session (restart, its idle timeout): drop it without a close call, so the
-        next begin_turn opens a fresh one and sends the whole prompt."""
-        session.engine.reset()
-
-    @staticmethod
-    def mark_dirty(session: Session) -> None:
-        session.engine.dirty = True
-
-    async def close(self, session: Session) -> None:
-        """Close the engine session, if any. Called by DELETE/shutdown only after the in-flight chat has finished."""
-        sid = session.engine.reset()
-        if sid is not None and not await self._engine.close_session(sid, session.id):
-            logger.warning("session %s: engine session %s may not be closed", session.id, sid)

@@ -30,6 +30,7 @@ from starlette.responses import Response
 from session_server.engine.sessions import engine_session_gone
 from session_server.engine.wire import encode_generate, split_routed_experts
 from session_server.errors import (
+    AbortReason,
     ClientDisconnectedError,
     EngineRefusedError,
     EngineTimeoutError,
@@ -37,12 +38,12 @@ from session_server.errors import (
     RequestTimeoutError,
     SessionBusyError,
     error_response,
+    tag_abort,
 )
 from session_server.http import body as body_reader
-from session_server.metrics import AbortCause
 from session_server.openai.chat_stream import StreamingTurn, stream_response
 from session_server.openai.protocol import ChatRequest, TurnOutput, decode_turn, parse_chat_request, turn_tools
-from session_server.sessions.lifecycle import Claim, tag_abort
+from session_server.sessions.session import Claim
 from session_server.state import ServerState, server_of
 from session_server.turns.commit import commit_turn
 from session_server.turns.limits import TurnLimits
@@ -86,7 +87,7 @@ async def serve_chat(request: Request, session_id: str) -> Response:
         response = await _turn(server, claim, request, timing)
         handed_over = isinstance(response, StreamingTurn)
     except SessionError as err:
-        cause = getattr(err, "abort_cause", None)
+        cause = getattr(err, "abort_reason", None)
         if cause is not None:
             server.metrics.abort(cause)
         elif isinstance(err, LimitExceededError):
@@ -130,7 +131,7 @@ async def read_body(request: Request, limit: int, deadline: float) -> bytes:
     try:
         return await body_reader.read_body(request, limit, deadline)
     except ClientDisconnectedError as err:
-        raise tag_abort(err, AbortCause.DISCONNECT) from None
+        raise tag_abort(err, AbortReason.DISCONNECT) from None
 
 
 async def _read_body_or_abort(claim: Claim, request: Request, limit: int, deadline: float) -> bytes:
@@ -169,7 +170,7 @@ async def engine_payload(server: ServerState, claim: Claim, chat: ChatRequest, p
     session's engine-side KV does not hold yet (which `begin_turn` opens or reopens as needed)."""
     start, session_params = 0, None
     if server.engine_sessions is not None:
-        start, session_params = await server.engine_sessions.begin_turn(claim.session, plan.new_token_start)
+        start, session_params = await server.engine_sessions.begin_turn(claim.session.id, plan.new_token_start)
         claim.raise_if_aborted()
     return await server.pool.run_sized(
         4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, chat.sampling_params, rid,
@@ -197,7 +198,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
     )
     metrics.stage("prepare", time.perf_counter() - t0)
     claim.raise_if_aborted()
-    server.engine.place(session)  # its worker, or a healthy one if its worker failed (engine_pool.py)
+    server.engine.place(session.id)  # its worker, or a healthy one if its worker failed (placement.py)
     # The session's previous, aborted engine request must have ended first (with engine sessions: left its
     # streaming session) -- once, before anything of this turn reaches the engine.
     await _settle_previous(server, claim)
@@ -216,7 +217,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
             # Reopen and resend the whole prompt once; the agent never sees the engine's 400.
             logger.info("session %s: engine session gone (%r); reopening", session.id, refused.body[:120])
             metrics.engine_session_reopens.inc()
-            engine_sessions.forget(session)
+            engine_sessions.forget(session.id)
             claim.raise_if_aborted()
             payload = await engine_payload(server, claim, chat, plan, rid)
             out = await _run_engine(server, claim, request, rid, payload, chat, timing)
@@ -230,10 +231,10 @@ async def _turn(server: ServerState, claim: Claim, request: Request, timing: Tur
         if plan.rolled_back:
             metrics.rollback(plan.rollback_reason or "retry")
         if engine_sessions is not None:
-            engine_sessions.committed(session, len(plan.prompt_ids) + len(out.result.output_ids))
+            engine_sessions.committed(session.id, len(plan.prompt_ids) + len(out.result.output_ids))
     finally:
         if engine_sessions is not None and not committed:
-            engine_sessions.mark_dirty(session)
+            engine_sessions.mark_dirty(session.id)
     return Response(out.reply, media_type="application/json", headers=rollback_headers(plan))
 
 
@@ -255,13 +256,13 @@ def _remaining(server: ServerState, claim: Claim) -> float:
 
 async def _settle_previous(server: ServerState, claim: Claim) -> None:
     """Wait (bounded) until this session's previously aborted engine request has ended, so the engine never runs
-    two requests of one session at once (engine_drain.py)."""
+    two requests of one session at once (engine/drains.py)."""
     if server.drains is None or server.drains.pending(claim.session.id) is None:
         return
     if not await server.drains.settle(claim.session.id, _remaining(server, claim)):
         raise tag_abort(EngineTimeoutError(
             f"the session's previous engine request was still being aborted after "
-            f"{server.config.request_timeout:g}s; nothing was sent"), AbortCause.TIMEOUT)
+            f"{server.config.request_timeout:g}s; nothing was sent"), AbortReason.TIMEOUT)
     claim.raise_if_aborted()
 
 
@@ -293,7 +294,7 @@ async def _run_engine(
     server: ServerState, claim: Claim, request: Request, rid: str, payload: bytes, chat: ChatRequest,
     timing: TurnTiming,
 ) -> TurnOutput:
-    """The engine call raced against the client, the claim and the deadline (race.py). Every way out that is not a
+    """The engine call raced against the client, the claim and the deadline (turns/race.py). Every way out that is not a
     finished call aborts the engine request by our rid and commits nothing."""
     engine_task = asyncio.ensure_future(_generate(server, claim.session.id, payload, rid, chat, timing))
     try:
@@ -308,17 +309,17 @@ async def _run_engine(
     if ending is Ending.DISCONNECTED:
         raise tag_abort(
             ClientDisconnectedError("client disconnected during the chat; engine request aborted"),
-            AbortCause.DISCONNECT,
+            AbortReason.DISCONNECT,
         )
     claim.raise_if_aborted()
     raise tag_abort(
         EngineTimeoutError(f"engine did not answer within {server.config.request_timeout:g}s; request aborted"),
-        AbortCause.TIMEOUT,
+        AbortReason.TIMEOUT,
     )
 
 
 def _abort_engine(server: ServerState, claim: Claim, rid: str, engine_task: asyncio.Future[Any]) -> None:
-    """Abort by rid and let the engine end the request in the background (engine_drain.py): the client's answer
+    """Abort by rid and let the engine end the request in the background (engine/drains.py): the client's answer
     and the slot never wait for the engine."""
     if server.drains is not None:
         server.drains.start(claim.session.id, rid, engine_task)

@@ -34,15 +34,15 @@ from starlette.types import Receive, Scope, Send
 
 from session_server.engine.wire import split_routed_experts
 from session_server.errors import (
+    AbortReason,
     ClientDisconnectedError,
     EngineTimeoutError,
     SessionPausedError,
     error_response,
 )
-from session_server.metrics import AbortCause
 from session_server.openai.logprobs import openai_logprobs
 from session_server.openai.protocol import ChatRequest, TurnOutput, decode_turn, system_fingerprint
-from session_server.sessions.lifecycle import ABORT_CAUSES, AbortReason, Claim
+from session_server.sessions.session import Claim
 from session_server.state import ServerState
 from session_server.turns.commit import commit_turn
 from session_server.turns.deltas import DeltaTracker, StreamDivergedError
@@ -107,14 +107,14 @@ class StreamingTurn:
         engine_sessions = self.server.engine_sessions
         if engine_sessions is not None:
             if self.committed:
-                engine_sessions.committed(self.claim.session, self._total_tokens)
+                engine_sessions.committed(self.claim.session.id, self._total_tokens)
             else:
-                engine_sessions.mark_dirty(self.claim.session)
+                engine_sessions.mark_dirty(self.claim.session.id)
         self.claim.release()
 
     async def _run(self, receive: Receive, send: Send) -> None:
         pump = asyncio.ensure_future(self._pump(send))
-        # --request-timeout is the total the client waits, counted from the claim (chat.py _remaining).
+        # --request-timeout is the total the client waits, counted from the claim (openai/chat.py _remaining).
         remaining = self.claim.started + self.server.config.request_timeout - time.monotonic()
         try:
             ending = await race(pump, receive, self.claim, remaining)
@@ -131,14 +131,14 @@ class StreamingTurn:
                 await self.server.engine.abort(self.rid)
             if isinstance(error, _Gone):
                 self.status = ClientDisconnectedError.status
-                self.server.metrics.abort(AbortCause.DISCONNECT)
+                self.server.metrics.abort(AbortReason.DISCONNECT)
             elif isinstance(error, SessionError):
                 if isinstance(error, UpstreamError):
                     self.server.metrics.validation_failure(error.rule)
                 elif self.claim.reason is not None:
-                    self.server.metrics.abort(ABORT_CAUSES[self.claim.reason])
+                    self.server.metrics.abort(self.claim.reason)
                 elif isinstance(error, SessionPausedError):
-                    self.server.metrics.abort(AbortCause.ENGINE)
+                    self.server.metrics.abort(AbortReason.ENGINE)
                 await self._fail(send, error)
             else:  # an invariant of ours: never a half-written success
                 logger.error("session %s: streaming chat failed", self.claim.session.id, exc_info=error)
@@ -147,13 +147,13 @@ class StreamingTurn:
         await self._abort_engine(pump)
         if ending is Ending.DISCONNECTED:
             self.status = ClientDisconnectedError.status
-            self.server.metrics.abort(AbortCause.DISCONNECT)
+            self.server.metrics.abort(AbortReason.DISCONNECT)
             return
         if ending is Ending.ABORTED:
-            self.server.metrics.abort(ABORT_CAUSES[self.claim.reason or AbortReason.SHUTDOWN])
+            self.server.metrics.abort(self.claim.reason or AbortReason.SHUTDOWN)
             await self._fail(send, self.claim.abort_error() or SessionPausedError("chat aborted"))
             return
-        self.server.metrics.abort(AbortCause.TIMEOUT)
+        self.server.metrics.abort(AbortReason.TIMEOUT)
         await self._fail(send, EngineTimeoutError(
             f"engine did not finish within {self.server.config.request_timeout:g}s; request aborted"))
 

@@ -1,10 +1,10 @@
 """The OpenAI side of a turn: the chat-completion request (decoded once, mapped to SGLang sampling params) and the
 client reply (built from the validated engine reply, parsed by the model family). The engine's side of the wire --
-the /generate body, the routed-experts cut, the strict decode -- is engine_wire.py.
+the /generate body, the routed-experts cut, the strict decode -- is engine/wire.py.
 
 Everything here is a pure function of its arguments, so it runs on the CPU pool. The request is decoded once (msgspec,
 straight to builtins); the fields beyond messages, tools and basic sampling are honoured as SGLang's own OpenAI
-server honours them (openai_fields.py), and what cannot be honoured is refused with a 400 naming the field, as is
+server honours them (openai/fields.py), and what cannot be honoured is refused with a 400 naming the field, as is
 `n` other than 1, which would silently change the meaning of the reply. The reply is encoded once, from the already
 parsed completion, and never carries the heavy replay payloads (routed experts stay in the trajectory's records).
 """
@@ -156,7 +156,7 @@ def decode_turn(
     retry_after: int = 1,
 ) -> TurnOutput:
     """Strictly validate the engine reply (502 on any rule), parse it with the family, encode the client reply
-    (a streamed chat uses the same validation and parse; streaming.py writes its own chunks). A reply the engine
+    (a streamed chat uses the same validation and parse; chat_stream.py writes its own chunks). A reply the engine
     itself aborted is EngineAbortedError (503 with `retry_after`): there is nothing to commit.
 
     `split` is `split_routed_experts(body)` when the caller already made the cut (to size the work that is left).

@@ -45,7 +45,7 @@ from typing import Any
 
 import msgspec
 
-from session_server.sessions.registry import Session
+from session_server.sessions.session import Session
 from trajectory.errors import SessionError
 from trajectory.linear import TurnDelta
 from trajectory.messages import Message

@@ -6,10 +6,8 @@ session's slot or removes a session, so every path that ends a chat or a session
 The in-flight gate: at most one chat per session, decided before the request body is read. A session's trajectory
 is linear, so two concurrent turns on it cannot both be right; miles' contract is that the second one is refused at
 once with 409 (it never reads its body and never reaches the engine) rather than queued. Claiming is synchronous (no
-await between the check and the set), so on a single event loop it is race-free without a lock. The claim is a token
-object: only the handler that took it releases it (`Lifecycle.release` compares identity), and release is
-idempotent, so a cancellation-safe `finally` can always call it. Other parties (DELETE, expiry, pause-abort,
-shutdown) never release a slot; they ask the owner to stop (`Claim.abort`) and wait for `Claim.done`.
+await between the check and the set), so on a single event loop it is race-free without a lock (the claim itself:
+session.py).
 
 Closing: DELETE marks the session closing (new chats get 404 at once), asks the in-flight chat to abort and waits
 until its handler has released the slot -- by then the engine request is aborted -- and only then closes the engine
@@ -19,108 +17,18 @@ session and forgets the session behind a tombstone. The idle sweep expires sessi
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from session_server.errors import SessionBusyError, SessionNotFoundError, SessionPausedError, TooManySessionsError
-from session_server.metrics import AbortCause
-from session_server.sessions.journal import SessionInfo
-from session_server.sessions.registry import Registry, Session
-from trajectory.errors import SessionError
-
-if TYPE_CHECKING:
-    from session_server.engine.drains import EngineDrains
-    from session_server.engine.placement import EnginePool
-    from session_server.engine.sessions import EngineSessions
-    from session_server.metrics import Metrics
-    from session_server.sessions.journal import Journal
-    from trajectory import LinearTrajectory
-
-
-class AbortReason(enum.Enum):
-    DELETED = "deleted"
-    EXPIRED = "expired"  # the idle sweep (sweeper.py) deleted the session
-    PAUSED = "paused"
-    SHUTDOWN = "shutdown"
-
-
-ABORT_CAUSES = {
-    AbortReason.DELETED: AbortCause.DELETE,
-    AbortReason.EXPIRED: AbortCause.EXPIRY,
-    AbortReason.PAUSED: AbortCause.PAUSE,
-    AbortReason.SHUTDOWN: AbortCause.SHUTDOWN,
-}
-
-
-def tag_abort(err: SessionError, cause: AbortCause) -> SessionError:
-    """Mark an error as the end of an aborted chat, so the handler counts it once, by cause (metrics.abort)."""
-    err.abort_cause = cause  # type: ignore[attr-defined]
-    return err
-
-
-class Claim:
-    """Ownership of a session's single in-flight slot."""
-
-    __slots__ = ("_on_abort", "_owner", "done", "reason", "session", "started")
-
-    def __init__(self, owner: Lifecycle, session: Session) -> None:
-        self._owner = owner
-        self.session = session
-        self.started = time.monotonic()
-        self.reason: AbortReason | None = None
-        self.done = asyncio.Event()  # set once, when the owner has released the slot
-        self._on_abort: list[Callable[[], object]] = []
-
-    @property
-    def retry_after(self) -> int:
-        return self._owner.retry_after
-
-    def abort(self, reason: AbortReason) -> None:
-        """Ask the owner to abort its engine request and commit nothing. The first reason wins."""
-        if self.reason is None:
-            self.reason = reason
-            for callback in self._on_abort:
-                callback()
-
-    def on_abort(self, callback: Callable[[], object]) -> Callable[[], None]:
-        """Call `callback` when the claim is aborted (at once if it already is); returns the unsubscribe. A callback,
-        not an event to wait on: no task per stage of every chat is spent waiting for an abort that rarely comes."""
-        if self.reason is not None:
-            callback()
-            return _nothing
-        self._on_abort.append(callback)
-        return lambda: self._on_abort.remove(callback) if callback in self._on_abort else None
-
-    def abort_error(self) -> SessionError | None:
-        """What the agent hears when its chat was aborted by someone else (tagged with the cause); None if not."""
-        reason = self.reason
-        if reason is None:
-            return None
-        err: SessionError
-        if reason is AbortReason.DELETED:
-            err = SessionNotFoundError(f"session {self.session.id} was deleted during the chat")
-        elif reason is AbortReason.EXPIRED:
-            err = SessionNotFoundError(f"session {self.session.id} expired: its chat outlived the request timeout")
-        elif reason is AbortReason.PAUSED:
-            err = SessionPausedError("chat aborted: the server was paused; retry the same turn", self.retry_after)
-        else:
-            err = SessionPausedError("chat aborted: the server is shutting down", self.retry_after)
-        return tag_abort(err, ABORT_CAUSES[reason])
-
-    def raise_if_aborted(self) -> None:
-        err = self.abort_error()
-        if err is not None:
-            raise err
-
-    def release(self) -> None:
-        """Free the slot (idempotent); the handler that took the claim calls it in its `finally`."""
-        self._owner.release(self)
-
-
-def _nothing() -> None:
-    return None
+from session_server.engine.drains import EngineDrains
+from session_server.engine.placement import EnginePlacement
+from session_server.engine.sessions import EngineSessions
+from session_server.errors import AbortReason, SessionBusyError, SessionPausedError, TooManySessionsError
+from session_server.metrics import Metrics
+from session_server.sessions.journal import Journal, SessionInfo
+from session_server.sessions.registry import Registry
+from session_server.sessions.session import Claim, Session
+from trajectory import LinearTrajectory
 
 
 class Lifecycle:
@@ -128,7 +36,7 @@ class Lifecycle:
         self, registry: Registry, *, retry_after: int, metrics: Metrics,
         engine_sessions: EngineSessions | None = None, journal: Journal | None = None,
         drains: EngineDrains | None = None, drain_wait: float = 1.0, max_sessions: int = 0,
-        engines: EnginePool | None = None,
+        engines: EnginePlacement | None = None,
     ) -> None:
         self.registry = registry
         self.max_sessions = max_sessions  # 0: unbounded
@@ -140,7 +48,7 @@ class Lifecycle:
         self.journal = journal  # --journal: creations and deletions are on disk before they are answered
         self._engines = engines  # placement: a closed session no longer counts against its worker
         self._in_flight: set[Claim] = set()
-        self._drains = drains  # aborted engine requests ending in the background (engine_drain.py)
+        self._drains = drains  # aborted engine requests ending in the background (engine/drains.py)
         self._drain_wait = drain_wait
 
     # -- sessions ----------------------------------------------------------------------------------------
@@ -194,9 +102,9 @@ class Lifecycle:
                 # Abort before close, as long as the engine answers; a stalled engine delays DELETE by this bound
                 # at most (the close is bounded by the control timeout too), never by the abort's full grace.
                 await self._drains.settle(session.id, self._drain_wait)
-            await self._engine_sessions.close(session)
+            await self._engine_sessions.close(session.id)
         if self.registry.get(session.id) is session and self.journal is not None:
-            why = "expired after being idle" if reason is AbortReason.EXPIRED else "was deleted"
+            why = "expired after being idle" if reason is AbortReason.EXPIRY else "was deleted"
             try:  # the tombstone is on disk before the session is gone: a restart must not bring it back
                 await self.journal.deleted(session.id, why)
             except BaseException:
@@ -205,7 +113,7 @@ class Lifecycle:
         if self._engines is not None:
             self._engines.forget(session.id)
         if self.registry.get(session.id) is session:
-            if reason is AbortReason.EXPIRED:
+            if reason is AbortReason.EXPIRY:
                 self.registry.forget(session.id, "expired after being idle")
                 self._metrics.sessions_expired.inc()
             else:
@@ -214,12 +122,12 @@ class Lifecycle:
 
     async def expire(self, sessions: list[Session]) -> list[BaseException | None]:
         """The idle sweep's way out: DELETE's path for each session, concurrently; errors are returned, not raised."""
-        return await asyncio.gather(*(self.close(s, AbortReason.EXPIRED) for s in sessions), return_exceptions=True)
+        return await asyncio.gather(*(self.close(s, AbortReason.EXPIRY) for s in sessions), return_exceptions=True)
 
     # -- the in-flight slot --------------------------------------------------------------------------------
     def check_accepting(self) -> None:
         """503 + Retry-After while the server is shutting down or paused: the one gate for new chats, whether they
-        claim a session's slot or create a session on demand (session_header.py)."""
+        claim a session's slot or create a session on demand (api/session_header.py)."""
         if self.shutting_down:
             raise SessionPausedError("server is shutting down", self.retry_after)
         if self.paused:
@@ -231,7 +139,7 @@ class Lifecycle:
         self.check_accepting()
         if session.claim is not None:
             raise SessionBusyError(f"session {session_id} already has a chat in flight")
-        claim = Claim(self, session)
+        claim = Claim(session, self.release, self.retry_after)
         session.claim = claim
         self._in_flight.add(claim)
         return claim
@@ -271,4 +179,4 @@ class Lifecycle:
         """Abort what runs, then close every engine session (sessions themselves die with the process)."""
         await self.abort_in_flight()
         if self._engine_sessions is not None:
-            await asyncio.gather(*(self._engine_sessions.close(s) for s in self.registry.sessions()))
+            await asyncio.gather(*(self._engine_sessions.close(s.id) for s in self.registry.sessions()))

@@ -2,23 +2,23 @@
 
 Trajectories are rebuilt by replaying their stored turns (trajectory.restore), so GET, samples and the next chat see
 exactly what was committed. Engine sessions are not restored: a restored session starts without one and the next
-turn opens a new one and re-prefills (engine_sessions.py), as after an engine restart. Idle clocks continue from the
+turn opens a new one and re-prefills (engine/sessions.py), as after an engine restart. Idle clocks continue from the
 journaled wall-clock time of each session's last write, so the idle sweep expires a session as it would have.
 """
 
 from __future__ import annotations
 
 from session_server.sessions.journal import JournalError, Restored, wall_to_monotonic
-from session_server.sessions.registry import Session
-from session_server.state import ServerState
+from session_server.sessions.registry import Registry
+from session_server.sessions.session import Session
+from trajectory import ModelFamily
 from trajectory.restore import restore_trajectory
 
 
-def restore_sessions(server: ServerState, restored: Restored) -> int:
-    """Put every restored session and tombstone into the server's registry; returns the number of sessions."""
-    family = server.family
+def restore_sessions(registry: Registry, family: ModelFamily, restored: Restored) -> int:
+    """Put every restored session and tombstone into a fresh registry; returns the number of sessions."""
     for tomb_id, why in restored.tombstones:
-        server.registry.restore_tombstone(tomb_id, why)
+        registry.restore_tombstone(tomb_id, why)
     for saved in restored.sessions:
         if saved.family != family.name:
             raise JournalError(
@@ -31,7 +31,7 @@ def restore_sessions(server: ServerState, restored: Restored) -> int:
             )
         except Exception as exc:
             raise JournalError(f"journal session {saved.id} cannot be replayed: {exc}") from exc
-        server.registry.restore(Session(
+        registry.restore(Session(
             id=saved.id, trajectory=trajectory, metadata=saved.metadata, created_at=saved.created_at,
             last_active=wall_to_monotonic(saved.last_active),
         ))

@@ -9,48 +9,14 @@ forgotten id only turns "was deleted" into "not found" -- it is still a 404 and 
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from session_server.errors import SessionNotFoundError
-
-if TYPE_CHECKING:
-    from session_server.sessions.lifecycle import Claim
-    from trajectory import LinearTrajectory
-
-
-@dataclass(eq=False, slots=True)
-class EngineSessionState:
-    """The SGLang streaming session backing a trajectory (--engine-sessions), and what it holds."""
-
-    sid: str | None = None
-    tokens: int = 0  # number of trajectory tokens the engine session holds (valid only when not dirty)
-    dirty: bool = False  # an uncommitted turn ran in it: its contents no longer match the trajectory
-
-    def reset(self) -> str | None:
-        """Back to no engine session (the next turn opens a fresh one and sends the whole prompt); returns the id it
-        held, for the caller to close or leave to the engine's idle timeout."""
-        sid = self.sid
-        self.sid, self.tokens, self.dirty = None, 0, False
-        return sid
-
-
-@dataclass(eq=False, slots=True)
-class Session:
-    id: str
-    trajectory: LinearTrajectory
-    metadata: dict[str, Any]
-    created_at: float = field(default_factory=time.time)
-    # Guards every read-modify of `trajectory`; never held across an await on the engine or the pool.
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    claim: Claim | None = None  # the in-flight chat, owned by lifecycle.Claim
-    closing: bool = False
-    last_active: float = field(default_factory=time.monotonic)  # last request naming this session (idle sweep)
-    engine: EngineSessionState = field(default_factory=EngineSessionState)
+from session_server.sessions.session import Session
+from trajectory import LinearTrajectory
 
 
 class Registry:
@@ -77,7 +43,7 @@ class Registry:
         return session
 
     def restore(self, session: Session) -> None:
-        """Put back a session read from the journal (recovery.py), under its own id."""
+        """Put back a session read from the journal (sessions/recovery.py), under its own id."""
         self._insert(session)
 
     def _insert(self, session: Session) -> None:

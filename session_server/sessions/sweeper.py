@@ -22,8 +22,8 @@ import contextlib
 import logging
 import time
 
-from session_server.sessions.registry import Session
-from session_server.state import ServerState
+from session_server.sessions.lifecycle import Lifecycle
+from session_server.sessions.session import Session
 
 logger = logging.getLogger("session_server.sessions.sweeper")
 
@@ -49,13 +49,15 @@ def idle_sessions(sessions: list[Session], now: float, idle_timeout: float, requ
 class Sweeper:
     """Owns the background task; `stop` lets a batch of deletions in progress finish instead of cutting it."""
 
-    def __init__(self, server: ServerState) -> None:
-        self._server = server
+    def __init__(self, lifecycle: Lifecycle, idle_timeout: float, request_timeout: float) -> None:
+        self._lifecycle = lifecycle
+        self._idle_timeout = idle_timeout
+        self._request_timeout = request_timeout
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        if self._server.config.session_idle_timeout > 0:
+        if self._idle_timeout > 0:
             self._task = asyncio.create_task(self._run(), name="idle-session-sweep")
 
     async def stop(self) -> None:
@@ -64,8 +66,7 @@ class Sweeper:
             await self._task
 
     async def _run(self) -> None:
-        config = self._server.config
-        interval = sweep_interval(config.session_idle_timeout)
+        interval = sweep_interval(self._idle_timeout)
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), interval)
@@ -77,16 +78,15 @@ class Sweeper:
                 logger.exception("idle-session sweep failed")
 
     async def sweep_once(self) -> int:
-        server = self._server
-        config = server.config
-        if server.lifecycle.paused:  # agents are told to wait (503 Retry-After): a pause is nobody's idleness
+        lifecycle = self._lifecycle
+        if lifecycle.paused:  # agents are told to wait (503 Retry-After): a pause is nobody's idleness
             return 0
         expired = idle_sessions(
-            server.registry.sessions(), time.monotonic(), config.session_idle_timeout, config.request_timeout
+            lifecycle.registry.sessions(), time.monotonic(), self._idle_timeout, self._request_timeout
         )
         for session in expired:
             session.closing = True  # at once: from here on chats, GETs and DELETEs of these sessions get 404
-        results = await server.lifecycle.expire(expired)
+        results = await lifecycle.expire(expired)
         for session, result in zip(expired, results, strict=True):
             if isinstance(result, BaseException):
                 logger.error("session %s: expiring it failed: %r", session.id, result)

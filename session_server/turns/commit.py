@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from session_server.sessions.journal import SessionInfo
-from session_server.sessions.registry import Session
+from session_server.sessions.session import Session
 from session_server.state import ServerState
 from trajectory import GenerateResult, TurnPlan, TurnRecord
 from trajectory.errors import InvariantError

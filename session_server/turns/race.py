@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.types import Receive
 
-from session_server.sessions.lifecycle import Claim
+from session_server.sessions.session import Claim
 
 
 class Ending(enum.Enum):
@@ -35,7 +35,7 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 async def race(work: asyncio.Future[Any], receive: Receive | None, claim: Claim, deadline: float) -> Ending:
     """How `work` ended, or what ended first; `work` itself is neither awaited nor cancelled here (the caller decides
-    what happens to an engine request that lost: it is aborted by rid, see engine_drain.py). `receive` None: the
+    what happens to an engine request that lost: it is aborted by rid, see engine/drains.py). `receive` None: the
     client is not watched (its disconnect shows up in `work` itself, e.g. while reading the body)."""
     loop = asyncio.get_running_loop()
     ending: asyncio.Future[Ending] = loop.create_future()

@@ -1,7 +1,7 @@
 """Deadlines that hold whatever the engine does (issue 11, "Deadlines that do not hold", 2nd bullet).
 
 A real sglang-sim process is delayed or frozen with SIGSTOP. `--request-timeout T` is the total time the client
-waits, the engine abort included (aborts finish in the background, engine_drain.py); control calls (abort,
+waits, the engine abort included (aborts finish in the background, engine/drains.py); control calls (abort,
 close_session, ready) have a short deadline of their own (--engine-control-timeout, 1 s), so DELETE of a busy
 session and /ready answer within a second or two. The bounds asserted are the contract's, with slack for a loaded
 2-core machine -- the old behaviour was T + 15 s for a chat, 15 s for DELETE and 10 s for /ready.

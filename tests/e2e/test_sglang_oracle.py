@@ -102,7 +102,7 @@ def test_every_engine_request_passes_sglangs_own_schema(stack: Stack, mode: str)
     asyncio.run(_episode(stack[mode], stack.engine))
     expected = {"/generate", "/abort_request", *(("/open_session", "/close_session") if mode.startswith("es") else ())}
     # The disconnect's abort (and the engine session's close after it) go out in the background
-    # (session_server/engine_drain.py), possibly after the episode has returned: wait for them, then check.
+    # (session_server/engine/drains.py), possibly after the episode has returned: wait for them, then check.
     proxy = stack.proxy
     wait_for(lambda: expected <= {c["path"] for c in proxy.calls}, timeout=10)
     calls = [c for c in stack.proxy.calls if c["path"] in SCHEMAS]

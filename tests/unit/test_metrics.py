@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from session_server.metrics import UNMATCHED, AbortCause, LoopLagTicker, Metrics, ResponseMetrics
+from session_server.errors import AbortReason
+from session_server.metrics import UNMATCHED, LoopLagTicker, Metrics, ResponseMetrics
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -107,9 +108,9 @@ def test_helpers_count_by_label_and_watch_reads_at_scrape_time() -> None:
     metrics = Metrics()
     live = {"n": 3}
     metrics.watch("sessions", "live sessions", lambda: live["n"])
-    metrics.abort(AbortCause.DISCONNECT)
-    metrics.abort(AbortCause.DISCONNECT)
-    metrics.abort(AbortCause.EXPIRY)
+    metrics.abort(AbortReason.DISCONNECT)
+    metrics.abort(AbortReason.DISCONNECT)
+    metrics.abort(AbortReason.EXPIRY)
     metrics.validation_failure("nan_logprob")
     metrics.turn_tokens(100, 60, 7)
     metrics.turn_tokens(10, 0, 3)

@@ -1,5 +1,5 @@
-"""EnginePool's placement rules and routing, with in-process fake workers (no sockets): which worker a session gets,
-when it moves, where its calls go, and how loads and router refusals are read."""
+"""EnginePlacement's rules and routing, with in-process fake workers (no sockets): which worker a session gets, when
+it moves (and its engine session with it), where its calls go, and how loads and router refusals are read."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from session_server.engine.client import EngineReply
-from session_server.engine.placement import EnginePool, _total_load, router_refusal
-from session_server.sessions.registry import EngineSessionState
+from session_server.engine.placement import EnginePlacement, _total_load, router_refusal
+from session_server.engine.sessions import EngineSessions
 from sglang_sim.wire import get_load, v1_loads
 
 
@@ -43,26 +43,20 @@ class FakeClient:
         pass
 
 
-class FakeSession:
-    def __init__(self, sid: str) -> None:
-        self.id = sid
-        self.engine = EngineSessionState()
-
-
-def _pool(n: int, **kw: Any) -> tuple[EnginePool, list[FakeClient]]:
+def _pool(n: int, **kw: Any) -> tuple[EnginePlacement, list[FakeClient]]:
     clients = [FakeClient(f"http://w{i}", **kw) for i in range(n)]
-    return EnginePool(clients, health_interval=0), clients  # type: ignore[arg-type]
+    return EnginePlacement(clients, health_interval=0), clients  # type: ignore[arg-type]
 
 
 def test_fewest_live_sessions_then_load() -> None:
     pool, _ = _pool(3)
     pool.workers[0].load, pool.workers[1].load, pool.workers[2].load = 5, 1, 3
-    placed = [pool.place(FakeSession(f"s{i}")).url for i in range(6)]  # type: ignore[arg-type]
+    placed = [pool.place(f"s{i}").url for i in range(6)]
     assert placed == ["http://w1", "http://w2", "http://w0"] * 2
     pool.forget("s1")
     pool.forget("s1")  # idempotent
     assert [w.sessions for w in pool.workers] == [2, 2, 1]  # s1 was on w2
-    assert pool.place(FakeSession("s6")).url == "http://w2"  # type: ignore[arg-type]
+    assert pool.place("s6").url == "http://w2"
 
 
 @settings(deadline=None)  # the shared 2-core machine, not the code, sets the pace
@@ -75,7 +69,7 @@ def test_live_session_counts_stay_balanced(ops: list[tuple[bool, int]], n: int) 
     for i, (create, k) in enumerate(ops):
         if create or not live:
             before = min(w.sessions for w in pool.workers)
-            worker = pool.place(FakeSession(f"n{i}"))  # type: ignore[arg-type]
+            worker = pool.place(f"n{i}")
             assert worker.sessions == before + 1
             live.add(f"n{i}")
         else:
@@ -88,39 +82,39 @@ def test_live_session_counts_stay_balanced(ops: list[tuple[bool, int]], n: int) 
 def test_unhealthy_worker_takes_no_new_sessions_and_its_sessions_move() -> None:
     async def main() -> None:  # on a loop, as in the server: the move closes the old engine session in the background
         pool, clients = _pool(2)
-        moved: list[int] = []
-        pool.on_move = lambda: moved.append(1)
-        a, b = FakeSession("a"), FakeSession("b")
-        assert pool.place(a).url == "http://w0"  # type: ignore[arg-type]
-        assert pool.place(b).url == "http://w1"  # type: ignore[arg-type]
-        b.engine.sid, b.engine.tokens = "old-sid", 42
+        engine_sessions = EngineSessions(pool)
+        moved: list[str] = []
+        pool.on_move.append(lambda session_id, _worker: moved.append(session_id))
+        assert pool.place("a").url == "http://w0"
+        assert pool.place("b").url == "http://w1"
+        await engine_sessions.begin_turn("b", 0)
+        engine_sessions.committed("b", 42)
         pool.workers[1].healthy = False
-        assert pool.place(FakeSession("c")).url == "http://w0"  # type: ignore[arg-type]
-        assert pool.place(a).url == "http://w0"  # type: ignore[arg-type]  # unaffected
-        assert pool.place(b).url == "http://w0"  # type: ignore[arg-type]  # moved on its next turn
-        assert (b.engine.sid, b.engine.tokens, b.engine.dirty) == (None, 0, False)  # reopened on the new worker
-        assert pool.moved == 1 and moved == [1]
+        assert pool.place("c").url == "http://w0"
+        assert pool.place("a").url == "http://w0"  # unaffected
+        assert pool.place("b").url == "http://w0"  # moved on its next turn
+        assert engine_sessions.state("b") is None  # reopened on the new worker by its next turn
+        assert pool.moved == 1 and moved == ["b"]
         assert [w.sessions for w in pool.workers] == [3, 0]
-        await asyncio.gather(*pool._tasks)
-        assert ("close_session", "old-sid") in clients[1].calls  # best effort on the old worker
+        await asyncio.gather(*engine_sessions._orphans)
+        assert ("close_session", "sid-http://w1") in clients[1].calls  # best effort on the old worker
 
     asyncio.run(main())
 
 
 def test_no_healthy_worker_keeps_sessions_where_they_are() -> None:
     pool, _ = _pool(2)
-    s = FakeSession("s")
-    first = pool.place(s)  # type: ignore[arg-type]
+    first = pool.place("s")
     for w in pool.workers:
         w.healthy = False
-    assert pool.place(s) is first  # type: ignore[arg-type]
+    assert pool.place("s") is first
     assert pool.moved == 0
 
 
 def test_every_call_of_a_session_goes_to_its_worker() -> None:
     pool, clients = _pool(2)
-    pool.place(FakeSession("x"))  # type: ignore[arg-type]
-    pool.place(FakeSession("y"))  # type: ignore[arg-type]
+    pool.place("x")
+    pool.place("y")
 
     async def calls() -> bool:
         await pool.generate(b"{}", "y")

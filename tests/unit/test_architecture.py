@@ -1,0 +1,153 @@
+"""The import graph is the architecture (DESIGN.md 2): checked from the source, so a shortcut cannot creep in.
+
+Every import counts, including those under `if TYPE_CHECKING:` and inside functions: a cycle hidden from the
+interpreter is still a cycle for the reader. Inside `session_server`, imports point one way, down the layers below
+(front ends -> turn -> sessions -> engine); `trajectory` is pure; the emulated engine and the trainer's side are
+their own packages.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FIRST_PARTY = ("session_server", "trajectory", "rollout", "sglang_sim")
+
+# session_server, bottom to top. A module may import from its own group and from lower layers only.
+LAYERS: list[tuple[str, ...]] = [
+    ("errors",),
+    ("metrics", "cpu_pool", "http"),
+    ("engine",),
+    ("sessions",),
+    ("config",),
+    ("state",),
+    ("turns",),
+    ("openai",),
+    ("api",),
+    ("app",),
+    ("cli", ""),  # "" is the package's own __init__
+]
+RANK = {group: rank for rank, groups in enumerate(LAYERS) for group in groups}
+
+
+def modules(package: str) -> dict[str, Path]:
+    out = {}
+    for path in (ROOT / package).rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(name: str, path: Path) -> Iterator[str]:
+    """Every module `name` imports (absolute names), wherever the import statement stands."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def graph(package: str) -> dict[str, set[str]]:
+    known = {m for p in FIRST_PARTY for m in modules(p)}
+    return {
+        name: {t for t in imports(name, path) if t in known and t != name} for name, path in modules(package).items()
+    }
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def group(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+@pytest.mark.parametrize("package", FIRST_PARTY)
+def test_no_import_cycles(package: str) -> None:
+    assert cycles(graph(package)) == []
+
+
+def test_session_server_imports_point_down_the_layers() -> None:
+    edges = graph("session_server")
+    unranked = sorted({group(m) for m in edges} - set(RANK))
+    assert unranked == [], f"place these in LAYERS: {unranked}"
+    upward = [
+        f"{a} -> {b}"
+        for a, targets in edges.items() for b in targets
+        if b.startswith("session_server") and group(a) != group(b) and RANK[group(a)] <= RANK[group(b)]
+    ]
+    assert upward == []
+
+
+def test_engine_code_never_sees_the_session_record() -> None:
+    engine = {m: t for m, t in graph("session_server").items() if group(m) == "engine"}
+    assert {m: sorted(t) for m, t in engine.items() if any(group(x) == "sessions" for x in t)} == {}
+
+
+@pytest.mark.parametrize("package, allowed", [
+    ("trajectory", set()),
+    ("sglang_sim", {"trajectory"}),
+    ("session_server", {"trajectory"}),
+    # rollout.scripted writes the emulated engine's prompt directives for the demo's scripted tasks
+    ("rollout", {"trajectory", "sglang_sim.directives"}),
+])
+def test_packages_import_only_what_they_stand_on(package: str, allowed: set[str]) -> None:
+    def ok(target: str) -> bool:
+        return (target.split(".")[0] in (package, *allowed) or target in allowed
+                or any(a.startswith(target + ".") for a in allowed))  # the package that holds an allowed module
+
+    foreign = {f"{m} -> {t}" for m, targets in graph(package).items() for t in targets if not ok(t)}
+    assert foreign == set()
+
+
+# Locks are fine (the pool threads share the families' caches); an event loop, sockets or files are not.
+PURE_FORBIDDEN = ("asyncio", "httpx", "starlette", "uvicorn", "socket", "sqlite3", "concurrent", "subprocess")
+
+
+def test_trajectory_is_pure() -> None:
+    """No I/O and no event loop in the core: everything it does is a function of its arguments."""
+    found = {
+        f"{name} imports {target}"
+        for name, path in modules("trajectory").items() for target in imports(name, path)
+        if target.split(".")[0] in PURE_FORBIDDEN
+    }
+    assert found == set()
