@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..reply_facts import ReplyFacts, sse_event, whole_delta
-from .protocol import ResponsesTurn, encode_reasoning_state
+from session_server.responses.protocol import ResponsesTurn, encode_reasoning_state
+from session_server.turns.reply_facts import ReplyFacts, sse_event, whole_delta
 
 
 def _usage(facts: ReplyFacts) -> dict[str, Any]:

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("config",),
     ("state",),
     ("turns",),
-    ("openai",),
+    ("openai", "responses", "anthropic"),  # the front ends, one per API; none imports another
     ("api",),
     ("app",),
     ("cli", ""),  # "" is the package's own __init__
