@@ -40,6 +40,7 @@ from scripts.benchlib import (
     affinity,
     all_cpus,
     compare,
+    floor_args,
     fmt,
     human_bytes,
     pct,
@@ -51,6 +52,7 @@ from scripts.benchlib import (
     proc_status,
     run_async,
     self_cpu_seconds,
+    start_floor,
     start_pair,
     start_profiler,
     summarize_collapsed,
@@ -395,6 +397,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-arg", action="append", default=[], help="extra sglang-sim argument (repeatable)")
     p.add_argument("--server-src", default=None,
                    help="run session-server from this source tree (PYTHONPATH first), e.g. a patched copy")
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the floor (scripts/floor_proxy.py in the server's place, same engine, same load), "
+                   "which is otherwise measured first and reported beside every CPU figure")
     p.add_argument("--label", default=None, help="name of this run in --compare output")
     p.add_argument("--json-out", default=None, help="write all figures + config + git state to FILE")
     p.add_argument("--plot", default=None, help="PNG of /health latency under load vs baseline")
@@ -445,8 +450,9 @@ class Measurement:
         return self.res.end - self.res.start
 
 
-def measure(args: argparse.Namespace) -> Measurement:
-    """Start the engine and the server pinned, poll /health idle, then under waves of K chats; stop both."""
+def measure(args: argparse.Namespace, floor: bool = False) -> Measurement:
+    """Start the engine and the server (or, `floor`, the floor proxy) pinned, poll /health idle, then under waves of
+    K chats; stop both."""
     server_cpu, engine_cpu, pin_note = pinning_plan(args.server_cpu, args.engine_cpu)
     loadgen_cpu = args.loadgen_cpu if pin_note == "pinned" and args.loadgen_cpu in usable_cpus() else None
     poller_cpu = args.poller_cpu if pin_note == "pinned" and args.poller_cpu in usable_cpus() else None
@@ -469,6 +475,9 @@ def measure(args: argparse.Namespace) -> Measurement:
         tokenizer=args.tokenizer, family=args.model_family, engine_cpu=engine_cpu, server_cpu=server_cpu,
         log_dir=log_dir, engine_args=engine_args, server_args=server_args, server_src=args.server_src,
     )
+    if floor:  # the same engine, the floor proxy in the server's place (and on its core)
+        server.stop()
+        server = start_floor(sim.url, *floor_args(server_args), cpu=server_cpu, log_dir=log_dir)
     poller = HealthPoller(server.url, args.health_interval_ms / 1000.0, poller_cpu)
     profiler = None
     try:
@@ -497,7 +506,7 @@ def measure(args: argparse.Namespace) -> Measurement:
                 self_cpu=self_cpu_seconds(), poller_cpu=poller.cpu_seconds(), rss_kib=proc_kib(server.pid, "VmRSS"),
                 engine_io=proc_io(sim.pid), server_sched=proc_schedstat(server.pid), system=system_cpu(),
             )
-            if args.profile:
+            if args.profile and not floor:
                 profiler = start_profiler(server.pid, args.profile, args.duration)
 
         res = run_async(run_load(server.url, args, on_start))
@@ -524,6 +533,7 @@ def measure(args: argparse.Namespace) -> Measurement:
             poller.proc.kill()
         server.stop()
         sim.stop()
+        os.sched_setaffinity(0, all_cpus())  # the next measurement pins afresh
     return Measurement(
         args=args, pin_note=pin_note, pinning=pinning, probe=probe, res=res, rows=rows, baseline_end=baseline_end,
         cpu_s=cpu_s, server_wait_s=server_wait_s, machine_busy=machine_busy, rss_kib=rss_kib,
@@ -595,6 +605,19 @@ def figures(m: Measurement, polls: Polls) -> Figures:
     return figs
 
 
+FLOOR_FIGURES = ("server_cpu_ms_per_chat", "chats_per_server_cpu_s", "health_load_p99_ms", "chat_latency_p99_ms",
+                 "server_peak_rss_mib")
+
+
+def add_floor(figs: Figures, floor: Figures) -> None:
+    """The floor's figures beside ours (`floor_*`), and our CPU per chat as a multiple of the floor's."""
+    for name in FLOOR_FIGURES:
+        meta = floor.meta[name]
+        figs.add(f"floor_{name}", floor.values[name], meta["unit"], meta["better"], meta["floor"])
+    ours, base = figs.values["server_cpu_ms_per_chat"], floor.values["server_cpu_ms_per_chat"]
+    figs.add("server_cpu_per_chat_x_floor", ours / base if ours and base else None, "x floor", "lower", floor=0.05)
+
+
 def limiting_factors(m: Measurement, v: dict[str, Any]) -> list[str]:
     """What held this run back, so a reader knows which figures to trust."""
     limits = []
@@ -630,6 +653,11 @@ def print_report(m: Measurement, figs: Figures, outliers: list[dict[str, Any]]) 
           + ", ".join(f"{k} cpus {val}" for k, val in m.pinning.items() if k != "note"))
     print(f"  CAPACITY        {fmt(v['chats_per_server_cpu_s'])} chats per server-CPU-second "
           f"({fmt(v['server_cpu_ms_per_chat'])} ms of server CPU per chat)")
+    if v.get("floor_server_cpu_ms_per_chat") is not None:
+        print(f"  FLOOR           {fmt(v['floor_server_cpu_ms_per_chat'])} ms of CPU per chat through the floor proxy "
+              f"({fmt(v['floor_chats_per_server_cpu_s'])} chats per CPU-second, /health p99 under load "
+              f"{fmt(v['floor_health_load_p99_ms'])} ms): the server costs {fmt(v['server_cpu_per_chat_x_floor'])}x "
+              "the floor (target <= 1.5x)")
     print(f"  throughput      {v['chats_per_s']:.1f} chats/s ({v['chats']} chats, errors {v['errors']}); "
           f"{fmt(v['chat_phase_chats_per_s'])} chats/s counting only the chat phase of each wave (waves: create "
           f"{fmt(v['wave_create_mean_ms'])} ms, chats {fmt(v['wave_chat_mean_ms'])} ms, delete "
@@ -687,9 +715,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         print(compare(args.compare[0], args.compare[1], args.noise_band))
         return 0
+    floor = None
+    if not args.no_floor:
+        fm = measure(args, floor=True)
+        floor = figures(fm, Polls.of(fm))
+        if fm.res.errors.get("chat"):
+            print(f"floor proxy: {fm.res.errors['chat']} chats failed: {fm.res.error_samples[:2]}", file=sys.stderr)
     m = measure(args)
     polls = Polls.of(m)
     figs = figures(m, polls)
+    if floor is not None:
+        add_floor(figs, floor)
     outliers = slow_polls(m, polls)
     print_report(m, figs, outliers)
     write_outputs(m, figs, polls, outliers)

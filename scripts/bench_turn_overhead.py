@@ -38,6 +38,7 @@ from scripts.benchlib import (
     Figures,
     affinity,
     all_cpus,
+    floor_args,
     fmt,
     median_seconds,
     pct,
@@ -46,6 +47,7 @@ from scripts.benchlib import (
     proc_runtime_ns,
     proc_schedstat,
     run_async,
+    start_floor,
     start_pair,
     start_profiler,
     summarize_collapsed,
@@ -87,11 +89,12 @@ def stored_ids(state: dict[str, Any]) -> list[int]:
 
 async def end_to_end(
     server_url: str, engine_url: str, server_pid: int, args: argparse.Namespace,
-    before_turns: Any = None, after_turns: Any = None,
+    before_turns: Any = None, after_turns: Any = None, floor: bool = False,
 ) -> dict[str, Any]:
     """Phase 1: all turns through the server (timed, CPU measured, profiled). Phase 2: one GET per session for the
     stored ids; turn t's prompt is their first usage.prompt_tokens ids (history is append-only, and the family's
-    trimmed stop-token tail lies past every earlier prompt). Phase 3: the same prompts straight to the engine."""
+    trimmed stop-token tail lies past every earlier prompt). Phase 3: the same prompts straight to the engine.
+    `floor`: the floor proxy stands in the server's place; phase 1 only (it stores nothing to replay)."""
     rng = random.Random(args.seed)
     limits = httpx.Limits(max_connections=8, max_keepalive_connections=8)
     timeout = httpx.Timeout(120.0)
@@ -154,6 +157,8 @@ async def end_to_end(
         wait_frac = (proc_schedstat(server_pid)[1] - wait0) / 1e9 / wall
         await asyncio.sleep(0.5)  # let the allocator settle before reading RSS
         rss_after = proc_kib(server_pid, "VmRSS")
+        if floor:
+            return {"rows": rows, "errors": errors, "server_wait_frac": wait_frac}
 
         ids_by_session: list[list[int]] = []
         get_cpu_ns: list[int] = []
@@ -310,6 +315,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run part 1 with --journal (sync normal, full, or both), side by side with the plain run in this "
         "one invocation, and report the journal's per-turn cost (default off)",
     )
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the floor (scripts/floor_proxy.py in the server's place, the same turns to the same "
+                   "engine), which part 1 otherwise measures first and reports beside the server's CPU per turn")
     p.add_argument("--skip-server", action="store_true", help="only the in-process TITO part")
     p.add_argument("--skip-tito", action="store_true", help="only the end-to-end part")
     p.add_argument("--profile", default=None, help="py-spy the server during part 1 (.svg, or .txt for stacks)")
@@ -364,9 +372,10 @@ def summarize_e2e(e2e: dict[str, Any], figs: Figures, args: argparse.Namespace) 
 
 def part1(
     args: argparse.Namespace, server_cpu: int | None, engine_cpu: int | None, log_dir: Path, server_args: list[str],
-    profile: bool, pin_note: str,
+    profile: bool, pin_note: str, floor: bool = False,
 ) -> tuple[Figures, dict[str, Any]]:
-    """One end-to-end run (part 1) against a fresh sim and session server started with `server_args`."""
+    """One end-to-end run (part 1) against a fresh sim and session server started with `server_args` (or, `floor`,
+    the floor proxy in the server's place)."""
     figs = Figures()
     extra: dict[str, Any] = {}
     engine_args = ["--routed-experts-bytes", str(args.routed_experts_bytes),
@@ -378,6 +387,9 @@ def part1(
         tokenizer=args.tokenizer, family=args.model_family, engine_cpu=engine_cpu, server_cpu=server_cpu,
         log_dir=log_dir, engine_args=engine_args, server_args=server_args, server_src=args.server_src,
     )
+    if floor:
+        server.stop()
+        server = start_floor(sim.url, *floor_args(server_args), cpu=server_cpu, log_dir=log_dir)
     try:
         if engine_cpu is not None:
             os.sched_setaffinity(0, {engine_cpu})  # the sequential driver shares the engine's core
@@ -396,11 +408,19 @@ def part1(
                     p.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
                     p.communicate(timeout=60)
 
-        e2e = run_async(end_to_end(server.url, sim.url, server.pid, args, begin_profile, end_profile))
+        e2e = run_async(end_to_end(server.url, sim.url, server.pid, args, begin_profile, end_profile, floor))
     finally:
         server.stop()
         sim.stop()
         os.sched_setaffinity(0, all_cpus())  # part 2 runs unpinned
+    if floor:
+        cpu_ms = np.array([r["server_cpu_ns"] for r in e2e["rows"]]) / 1e6
+        last = [r["server_cpu_ns"] / 1e6 for r in e2e["rows"] if r["turn"] == args.turns - 1]
+        figs.add("errors", len(e2e["errors"]), "count", "lower")
+        figs.add("server_cpu_per_turn_mean_ms", float(cpu_ms.mean()) if cpu_ms.size else None, "ms", "lower", 0.1)
+        figs.add("server_cpu_per_turn_last_turn_ms", pct(last, 50), "ms", "lower", floor=0.1)
+        extra["error_samples"] = e2e["errors"][:8]
+        return figs, extra
     extra["by_turn"] = summarize_e2e(e2e, figs, args)
     extra["error_samples"] = e2e["errors"][:8]
     return figs, extra
@@ -430,9 +450,19 @@ def main(argv: list[str] | None = None) -> int:
             figs.add(f"journal_{sync}_file_bytes", sum(
                 p.stat().st_size for p in (journal, Path(f"{journal}-wal")) if p.exists()), "bytes")
             errors += int(jv.get("errors") or 0)
+        if not args.no_floor:  # the floor first, then the server: same engine settings, one after the other
+            ffigs, fextra = part1(args, server_cpu, engine_cpu, log_dir, args.server_arg, False, pin_note, True)
+            for key in ("server_cpu_per_turn_mean_ms", "server_cpu_per_turn_last_turn_ms", "errors"):
+                figs.add(f"floor_{key}", ffigs.values[key], ffigs.meta[key]["unit"], "lower")
+            if fextra.get("error_samples"):
+                print(f"floor proxy errors: {fextra['error_samples'][:2]}", file=sys.stderr)
         pfigs, pextra = part1(args, server_cpu, engine_cpu, log_dir, args.server_arg, True, pin_note)
         figs.values.update(pfigs.values)
         figs.meta.update(pfigs.meta)
+        for key in ("server_cpu_per_turn_mean_ms", "server_cpu_per_turn_last_turn_ms"):
+            ours, base = figs.values.get(key), figs.values.get(f"floor_{key}")
+            figs.add(f"{key.removesuffix('_ms')}_x_floor", ours / base if ours and base else None, "x floor",
+                     "lower", floor=0.05)
         extra.update(pextra)
         errors += int(pfigs.values.get("errors") or 0)
     if not args.skip_tito:
@@ -461,6 +491,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  server CPU/turn mean {fmt(v['server_cpu_per_turn_mean_ms'])} ms "
               f"({fmt(v['server_cpu_turns_per_s'])} turns per CPU-second), at the last turn "
               f"{fmt(v.get('server_cpu_per_turn_last_turn_ms'))} ms (target <= 0.5 ms at 4k)")
+        if "floor_server_cpu_per_turn_mean_ms" in v:
+            print(f"  FLOOR           {fmt(v['floor_server_cpu_per_turn_mean_ms'])} ms of CPU per turn through the "
+                  f"floor proxy, {fmt(v['floor_server_cpu_per_turn_last_turn_ms'])} ms at the last turn: the server "
+                  f"costs {fmt(v['server_cpu_per_turn_mean_x_floor'])}x the floor, "
+                  f"{fmt(v['server_cpu_per_turn_last_turn_x_floor'])}x at the last turn (target <= 1.5x)")
         print("  by turn         " + "; ".join(
             f"t{r['turn']} {r['prompt_tokens_mean']:.0f} tok: cpu {r['server_cpu_ms_p50']:.2f} ms, "
             f"{r['added_latency_ms_p50']:+.2f} ms" for r in extra["by_turn"]))

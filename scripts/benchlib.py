@@ -89,6 +89,22 @@ def start_pair(
     return sim, server
 
 
+FLOOR_READY = re.compile(r"floor-proxy ready on (http://\S+)")
+
+
+def start_floor(engine_url: str, *args: str, cpu: int | None, log_dir: Path | None) -> RunningProcess:
+    """The floor (scripts/floor_proxy.py) in front of `engine_url`, pinned like the server it stands in for."""
+    cmd = [sys.executable, "-P", "-m", "scripts.floor_proxy", "--engine-url", engine_url, "--port", "0", *args]
+    return RunningProcess(cmd, ready_pattern=FLOOR_READY, name="floor-proxy", cpus=_cores(cpu), log_dir=log_dir,
+                          startup_timeout=60.0, python_path=[ROOT])
+
+
+def floor_args(server_args: Sequence[str]) -> list[str]:
+    """The floor flags that mirror the server's (the same engine requests: routed experts, delta streaming)."""
+    keep = ("--return-routed-experts", "--engine-incremental-streaming")
+    return [a for a in server_args if a in keep]
+
+
 def _cores(cpu: int | None) -> set[int] | None:
     return None if cpu is None else {cpu}
 
