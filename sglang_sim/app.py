@@ -52,6 +52,21 @@ class _DroppedResponse(Response):
         # Returning without the final body message makes the server close the connection.
 
 
+def _event_counts(seen: int, generated: int, emitted: int, interval: int | None) -> list[int]:
+    """The token counts at which tokens (seen, generated] produce stream events: SGLang's rule (output_streamer.py
+    `accept`, one decode step per token) -- every token at interval 1; else the first token at once, then whenever
+    `interval` tokens are unsent. `interval` None: one event per decode wake-up (the sim's cheap default)."""
+    if interval is None:
+        return [generated]
+    counts = []
+    for count in range(seen + 1, generated + 1):
+        unsent = count - emitted
+        if interval == 1 or unsent >= interval or (emitted == 0 and unsent > 0):
+            counts.append(count)
+            emitted = count
+    return counts
+
+
 class _DropStream(Exception):
     """Raised inside a stream to cut the connection mid-body."""
 
@@ -171,26 +186,27 @@ class SimServer:
                 yield b"data: " + wire.encode(wire.stream_error(str(exc))) + b"\n\n"
                 yield b"data: [DONE]\n\n"
                 return
-            sent = 0
-            tokens_sent = text_sent = 0
             deltas = self.engine.config.incremental_streaming_output
+            events = wire.StreamEvents(self.engine, req, deltas)
+            interval = inp.sampling.stream_interval or self.engine.config.stream_interval
+            seen = 0  # tokens generated at the last look
             while True:
                 req.progress.clear()
-                if req.state == "finished":
+                finished = req.state == "finished"
+                # With a stream interval every token counts, also those a finished request made at once; the last
+                # one comes with the final event.
+                upto = req.generated - 1 if finished and interval is not None else req.generated
+                if not finished or interval is not None:
+                    for count in _event_counts(seen, upto, events.count, interval) if upto > seen else ():
+                        yield b"data: " + events.event(count) + b"\n\n"
+                    seen = max(seen, upto)
+                if finished:
                     break
-                if req.generated != sent:
-                    sent = req.generated
-                    body = wire.generate_body(self.engine, req, False, None)
-                    if deltas:
-                        text = body["text"].rstrip("\ufffd")  # SGLang holds back an incomplete character
-                        body = wire.incremental({**body, "text": text}, tokens_sent, text_sent)
-                        tokens_sent, text_sent = sent, len(text)
-                    yield b"data: " + wire.encode(body) + b"\n\n"
-                    continue
-                await req.progress.wait()
+                if req.generated == seen:
+                    await req.progress.wait()
             body = wire.generate_body(self.engine, req, final=True, routed=self._routed(req))
             if deltas:
-                body = wire.incremental(body, tokens_sent, text_sent)
+                body = wire.incremental(body, events.count, events.text_sent)
             if fault is not None and fault.name in BODY_FAULTS:
                 yield b"data: " + corrupt(body, fault, self.engine.family.vocab_size) + b"\n\n"
             elif fault is not None and fault.name == "drop_connection":

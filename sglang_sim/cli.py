@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="Stream deltas (text, output_ids, logprobs of new tokens only), as SGLang's flag of that name; "
                         "default: cumulative events.")
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="Tokens per stream event, as SGLang's flag of that name (SGLang's default 1: one event per "
+                        "token); a request's sampling_params.stream_interval overrides it. Default: one event per "
+                        "emulated decode wake-up (cheap for tests).")
     p.add_argument("--log-level", default="warning", help="uvicorn log level.")
     return p
 
@@ -118,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
                           seed=args.seed,
                           enable_streaming_session=args.enable_streaming_session,
                           weight_version=args.weight_version,
-                          incremental_streaming_output=args.incremental_streaming_output)
+                          incremental_streaming_output=args.incremental_streaming_output,
+                          stream_interval=args.stream_interval)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     engine = Engine(config, family)

@@ -48,6 +48,7 @@ class EngineConfig:
     enable_streaming_session: bool = False
     weight_version: str = "default"
     incremental_streaming_output: bool = False  # SGLang's --incremental-streaming-output
+    stream_interval: int | None = None  # SGLang's --stream-interval; None: one event per decode wake-up
 
 
 class Engine:

@@ -65,6 +65,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     json_schema: Any = None  # parsed schema: the reply's content is an instance of it
     structural_tag: StructuralTag | None = None  # the reply's tool calls follow it
+    stream_interval: int | None = None  # tokens per stream event (the engine's --stream-interval when None)
 
     @property
     def penalty(self) -> int:

@@ -148,6 +148,7 @@ def parse_sampling(raw: Any, vocab_size: int = 1 << 30) -> SamplingParams:
     if seed is not None and not -(2**63) <= seed < 2**63:
         raise BadRequest("sampling_seed must be a 64-bit integer")
     return SamplingParams(
+        stream_interval=_opt(raw, "stream_interval", int, None),
         max_new_tokens=max_new, temperature=temperature, stop=stops, stop_token_ids=tuple(stop_ids),
         ignore_eos=bool(raw.get("ignore_eos", False)), no_stop_trim=bool(raw.get("no_stop_trim", False)),
         skip_special_tokens=bool(raw.get("skip_special_tokens", True)), sampling_seed=seed,

@@ -84,6 +84,26 @@ def queued_abort_body(engine: Engine, req: SimRequest) -> dict[str, Any]:
     return {"text": "", "output_ids": [], "meta_info": meta}
 
 
+def _output_logprobs(engine: Engine, req: SimRequest, start: int, end: int) -> dict[str, list[Any]]:
+    """The per-output-token meta lists of tokens [start, end): each entry depends on its token alone, so a stream
+    can build them a slice at a time."""
+    inp = req.inp
+    out_ids = req.plan.output_ids[start:end]
+    texts: list[str | None] = (engine.family.token_texts(out_ids) if inp.return_text_in_logprobs
+                               else [None] * len(out_ids))
+    lps = req.plan.logprobs[start:end].tolist()
+    ids = out_ids.tolist()
+    lists: dict[str, list[Any]] = {"output_token_logprobs": [[lp, t, s] for lp, t, s in zip(lps, ids, texts,
+                                                                                            strict=True)]}
+    if inp.top_logprobs_num > 0:
+        k = inp.top_logprobs_num
+        vocab = engine.family.vocab_size
+        lists["output_top_logprobs"] = [
+            [[lp, t, s]] + [[lp - 1.0 - j, (t + 1 + j) % vocab, None] for j in range(k - 1)]
+            for lp, t, s in zip(lps, ids, texts, strict=True)]
+    return lists
+
+
 def generate_body(engine: Engine, req: SimRequest, final: bool, routed: str | None) -> dict[str, Any]:
     """The `/generate` response (or one cumulative stream chunk) for a request's current progress."""
     if final and req.aborted_waiting:
@@ -105,19 +125,10 @@ def generate_body(engine: Engine, req: SimRequest, final: bool, routed: str | No
         meta["weight_versions"] = weight_version_spans(req.weight_events, engine.weight_version, len(out_ids))
         meta["weight_version"] = meta["weight_versions"][-1]["version"]
     if inp.return_logprob:
-        texts: list[str | None] = (engine.family.token_texts(out_ids) if inp.return_text_in_logprobs
-                                   else [None] * len(out_ids))
-        lps = req.plan.logprobs[: len(out_ids)].tolist()
-        ids = out_ids.tolist()
         meta["input_token_logprobs"] = _input_logprobs(req, inp.logprob_start_len)
-        meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(lps, ids, texts, strict=True)]
         if inp.top_logprobs_num > 0:
-            k = inp.top_logprobs_num
-            vocab = engine.family.vocab_size
             meta["input_top_logprobs"] = [None for _ in meta["input_token_logprobs"]]
-            meta["output_top_logprobs"] = [
-                [[lp, t, s]] + [[lp - 1.0 - j, (t + 1 + j) % vocab, None] for j in range(k - 1)]
-                for lp, t, s in zip(lps, ids, texts, strict=True)]
+        meta.update(_output_logprobs(engine, req, 0, len(out_ids)))
     if final and routed is not None:
         meta["routed_experts"] = routed  # base64 of int32 [rows, layers, top_k] (routed_experts.py)
     text = output_text(engine.family, out_ids, finish, inp.sampling)
@@ -125,6 +136,81 @@ def generate_body(engine: Engine, req: SimRequest, final: bool, routed: str | No
 
 
 _SLICED_META = ("output_token_logprobs", "output_top_logprobs")  # tokenizer_manager's incremental keys we emit
+
+
+class StreamEvents:
+    """The intermediate events of one streamed /generate, each built from what the previous ones already encoded.
+
+    Why: with SGLang's default `stream_interval` 1 a reply of n tokens is n events; rebuilding a cumulative event
+    from scratch (decode all text, list and encode every id and logprob) makes the emulated engine quadratic in
+    Python, and a 32k-token reply would take minutes. Here the ids, the per-token meta lists and the text are kept
+    as encoded JSON and only the new tokens are encoded, so a cumulative event costs a copy of its bytes (what it
+    must be on the wire) and a delta event (`--incremental-streaming-output`) what its new tokens cost. The bodies
+    say what `generate_body` (cumulative) and `incremental` (deltas) say for the same progress; the last event of a
+    stream is still built by them.
+    """
+
+    def __init__(self, engine: Engine, req: SimRequest, deltas: bool) -> None:
+        self.engine = engine
+        self.req = req
+        self.deltas = deltas
+        self.count = 0  # tokens encoded so far
+        self.ids = bytearray()  # "1,2,3": the encoded ids of those tokens
+        self.lists: dict[str, bytearray] = {}  # the encoded per-token meta lists, same form
+        self.text_at = 0  # tokens whose text ends on a whole character ...
+        self.text = bytearray()  # ... and that text, JSON-escaped without its quotes
+        self.text_chars = 0  # its length in characters
+        self.text_sent = 0  # characters already sent (deltas)
+        inp = req.inp
+        self.head: dict[str, Any] = {}
+        if inp.return_logprob:
+            self.head["input_token_logprobs"] = _input_logprobs(req, inp.logprob_start_len)
+            if inp.top_logprobs_num > 0:
+                self.head["input_top_logprobs"] = [None for _ in self.head["input_token_logprobs"]]
+
+    def event(self, count: int) -> bytes:
+        """The event for the first `count` output tokens (count > every earlier call's)."""
+        req, engine = self.req, self.engine
+        start = self.count
+        ids_added = _items(encode(req.plan.output_ids[start:count].tolist()))
+        lists_added = ({k: _items(encode(v)) for k, v in _output_logprobs(engine, req, start, count).items()}
+                       if req.inp.return_logprob else {})
+        self.count = count
+        tail = engine.family.decode_text(req.plan.output_ids[self.text_at:count], req.inp.sampling.skip_special_tokens)
+        whole = not tail.endswith("\ufffd")
+        if self.deltas:
+            tail = tail.rstrip("\ufffd")  # SGLang holds back an incomplete character
+            skip = self.text_sent - self.text_chars  # characters of the tail an earlier event already sent
+            text = encode(tail[skip:])
+            self.text_sent = self.text_chars + len(tail)
+            ids, lists = ids_added, lists_added
+        else:
+            text = b'"' + bytes(self.text) + encode(tail)[1:]
+        for key, added in (("", ids_added), *lists_added.items()):
+            into = self.lists.setdefault(key, bytearray()) if key else self.ids
+            if added:
+                into += (b"," if into else b"") + added
+        if not self.deltas:
+            ids, lists = bytes(self.ids), {k: bytes(v) for k, v in self.lists.items() if k}
+        if whole:
+            self.text += encode(tail)[1:-1] if not self.deltas else b""
+            self.text_chars += len(tail)
+            self.text_at = count
+        meta = encode({
+            "id": req.rid, "finish_reason": None, "prompt_tokens": len(req.prompt),
+            "weight_version": engine.weight_version, "total_retractions": req.retractions, "completion_tokens": count,
+            "cached_tokens": req.cached_tokens, "e2e_latency": None, **self.head,
+        })[:-1]
+        parts = [b'{"text":', text, b',"output_ids":[', ids, b'],"meta_info":', meta]
+        for key, items in lists.items():
+            parts += [b',"', key.encode(), b'":[', items, b"]"]
+        parts.append(b"}}")
+        return b"".join(parts)
+
+
+def _items(encoded_list: bytes) -> bytes:
+    """`[a,b]` -> `a,b`."""
+    return encoded_list[1:-1]
 
 
 def incremental(body: dict[str, Any], tokens_sent: int, text_sent: int) -> dict[str, Any]:

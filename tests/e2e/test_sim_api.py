@@ -257,3 +257,50 @@ def test_streaming_sessions_need_the_flag(client):
     sid = client.post("/open_session", json={"capacity_of_str_len": 100}).json()
     assert isinstance(sid, str)
     client.post("/close_session", json={"session_id": sid})
+
+
+def _events(client: httpx.Client, body: dict) -> list[dict]:
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_stream_interval_events_rebuild_the_reply(client, sim, interval):
+    """A request's stream_interval (SGLang's rule: the first token at once, then every `interval` tokens) gives that
+    many cumulative events, each the prefix of the plain reply -- text with multi-byte characters included."""
+    _, _, tok = sim
+    script = "[[sim: think]] [[sim: reply Grüße, 東京 — ok ✓]] [[sim: tool_call name=f args={\"k\": \"é\"}]]"
+    ids = _prompt(tok, script)
+    body = {"input_ids": ids, "return_logprob": True, "sampling_params": {"stream_interval": interval}}
+    whole = client.post("/generate", json=body).json()
+    events = _events(client, body)
+    n = len(whole["output_ids"])
+    counts = [e["meta_info"]["completion_tokens"] for e in events]
+    assert counts == [*sorted({1, *range(1 + interval, n, interval)}), n]
+    for event in events[:-1]:
+        k = event["meta_info"]["completion_tokens"]
+        assert event["output_ids"] == whole["output_ids"][:k]
+        assert event["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"][:k]
+        assert event["text"] == tok.decode(whole["output_ids"][:k], skip_special_tokens=True)
+        assert event["meta_info"]["finish_reason"] is None
+    assert events[-1]["text"] == whole["text"] and events[-1]["output_ids"] == whole["output_ids"]
+
+
+def test_delta_events_one_per_token_sum_to_the_reply(tokenizer_dirs, hf_tokenizers):
+    """--incremental-streaming-output with --stream-interval 1: one delta event per token (the last token with the
+    final event), whose texts, ids and logprobs concatenate to the plain reply."""
+    tok = hf_tokenizers["qwen3"]
+    args = ("--incremental-streaming-output", "--stream-interval", "1")
+    with start_sim(tokenizer_dirs["qwen3"], "qwen3", *args) as proc, httpx.Client(base_url=proc.url) as client:
+        ids = _prompt(tok, "[[sim: think]] [[sim: reply Grüße, 東京 ✓]] [[sim: tokens 30]]")
+        body = {"input_ids": ids, "return_logprob": True}
+        whole = client.post("/generate", json=body).json()
+        events = _events(client, body)
+        assert len(events) == len(whole["output_ids"])
+        assert "".join(e["text"] for e in events) == whole["text"]
+        assert [t for e in events for t in e["output_ids"]] == whole["output_ids"]
+        assert ([x for e in events for x in e["meta_info"]["output_token_logprobs"]]
+                == whole["meta_info"]["output_token_logprobs"])
+        assert all("\ufffd" not in e["text"] for e in events)
