@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test test-fast lint bench bench-overhead bench-compare soak soak-crash tokenizers clean
+.PHONY: demo test test-fast lint bench bench-overhead bench-stream bench-compare soak soak-crash tokenizers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ bench: $(STAMP) $(TOKENIZERS)/.built
 
 bench-overhead: $(STAMP) $(TOKENIZERS)/.built
 	$(PY) -m scripts.bench_turn_overhead --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/overhead.json $(BENCH_ARGS)
+
+# Streamed vs unstreamed server CPU per reply (1k/4k/16k/32k tokens, one engine event per token, cumulative and delta
+# engine events), the floor proxy beside each figure.
+bench-stream: $(STAMP) $(TOKENIZERS)/.built
+	$(PY) -m scripts.bench_stream --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/stream.json $(BENCH_ARGS)
 
 # What the CPU pool and the lean engine client buy: the same run with the engine-response decode on the event loop,
 # and with httpx as the /generate client, each diffed against the default run.

@@ -1,0 +1,210 @@
+"""What streaming costs: the session server's CPU for a streamed reply against the same reply unstreamed.
+
+For each reply length (1k/4k/16k/32k tokens by default) and each engine streaming mode -- SGLang's default cumulative
+events and `--incremental-streaming-output` deltas (the server then runs with `--engine-incremental-streaming`) -- the
+emulated engine streams one event per token (`--stream-interval 1`, SGLang's default), and the benchmark asks the
+server for the same one-turn reply with `stream: false` and with `stream: true`, alternately, `--reps` times each. The
+server's CPU per chat is its schedstat runtime across the chat (ns, all threads), so the figure does not depend on the
+benchmark's own speed; the ratio streamed / unstreamed is the goal of DESIGN.md 7 (at most 2 at 16k and 32k tokens,
+in both modes). The floor (scripts/floor_proxy.py: uvicorn + Starlette + our engine client relaying the same chats,
+each engine event decoded and relayed as a chunk) is measured the same way, in the same run, on the same core.
+
+A cumulative stream of n tokens with one event per token puts about n^2/2 tokens on the wire (text, ids and
+logprobs of every earlier token, again in every event: SGLang's shape, tokenizer_manager.py), ~21 GB for 32k tokens;
+what the server sends the engine decides how many events there are, so the run measures what it asks for. A chat
+that does not finish within `--chat-timeout` is reported as such.
+
+    python -m scripts.bench_stream --tokenizer .cache/tokenizers/qwen3 --json-out out/bench/stream.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rollout.processes import RunningProcess
+from scripts.benchlib import (
+    Figures,
+    affinity,
+    all_cpus,
+    fmt,
+    pinning_plan,
+    proc_io,
+    proc_runtime_ns,
+    run_async,
+    start_floor,
+    start_pair,
+    write_report,
+)
+from sglang_sim import directives
+
+MODES = ("cumulative", "deltas")
+
+
+def chat_body(tokens: int, stream: bool, rep: int) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": f"Reply {rep}: {directives.tokens(tokens)}"}],
+            "max_tokens": tokens + 16, "temperature": 1.0, "stream": stream}
+
+
+async def one_chat(client: httpx.AsyncClient, pid: int, engine_pid: int, body: dict[str, Any],
+                   limit_s: float) -> dict[str, Any]:
+    """One chat on a fresh session: the server's CPU across it, the engine's bytes written, what came back."""
+    sid = (await client.post("/sessions", json={})).json()["session_id"]
+    url = f"/sessions/{sid}/v1/chat/completions"
+    wchar0 = proc_io(engine_pid).get("wchar", 0)
+    cpu0 = proc_runtime_ns(pid)
+    t0 = time.perf_counter()
+    chunks = 0
+    status = 0
+    error = None
+    try:
+        if body["stream"]:
+            async with client.stream("POST", url, json=body, timeout=limit_s) as r:
+                status = r.status_code
+                async for line in r.aiter_lines():
+                    chunks += line.startswith("data: ")
+        else:
+            r = await client.post(url, json=body, timeout=limit_s)
+            status = r.status_code
+    except httpx.TimeoutException:
+        error = f"did not finish within {limit_s:g} s"
+    wall = time.perf_counter() - t0
+    cpu_ns = proc_runtime_ns(pid) - cpu0
+    await client.delete(f"/sessions/{sid}")
+    if error is None and status != 200:
+        error = f"HTTP {status}"
+    return {"cpu_ms": cpu_ns / 1e6, "wall_s": wall, "chunks": chunks, "error": error,
+            "engine_bytes": proc_io(engine_pid).get("wchar", 0) - wchar0}
+
+
+async def measure(url: str, pid: int, engine_pid: int, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    async with httpx.AsyncClient(base_url=url, timeout=args.chat_timeout) as client:
+        await one_chat(client, pid, engine_pid, chat_body(64, True, -1), args.chat_timeout)  # warm-up
+        await one_chat(client, pid, engine_pid, chat_body(64, False, -1), args.chat_timeout)
+        for tokens in args.tokens:
+            rows: dict[str, list[dict[str, Any]]] = {"plain": [], "streamed": []}
+            for rep in range(args.reps):
+                for kind in ("plain", "streamed"):
+                    row = await one_chat(client, pid, engine_pid, chat_body(tokens, kind == "streamed", rep),
+                                         args.chat_timeout)
+                    rows[kind].append(row)
+                    print(f"[stream] {tokens} tokens {kind}: {row['cpu_ms']:.1f} ms CPU, {row['wall_s']:.2f} s, "
+                          f"engine wrote {row['engine_bytes'] / 2**20:.1f} MiB"
+                          + (f" ERROR {row['error']}" if row["error"] else ""), file=sys.stderr, flush=True)
+                if any(r["error"] for r in rows["streamed"]):
+                    break  # a stream that times out will not finish faster the second time
+            out[tokens] = {kind: {
+                "cpu_ms": statistics.median(r["cpu_ms"] for r in rs),
+                "wall_s": statistics.median(r["wall_s"] for r in rs),
+                "engine_mib": statistics.median(r["engine_bytes"] for r in rs) / 2**20,
+                "chunks": rs[-1]["chunks"], "errors": [r["error"] for r in rs if r["error"]],
+            } for kind, rs in rows.items()}
+    return out
+
+
+def run_mode(mode: str, args: argparse.Namespace, cpus: tuple[int | None, int | None], log_dir: Path,
+             floor: bool) -> dict[int, dict[str, Any]]:
+    server_cpu, engine_cpu = cpus
+    context = max(args.tokens) + 4096
+    engine_args = ["--stream-interval", "1", "--context-length", str(context),
+                   "--kv-capacity-tokens", str(4 * context), *args.engine_arg]
+    server_args = list(args.server_arg)
+    if mode == "deltas":
+        engine_args.append("--incremental-streaming-output")
+        server_args.append("--engine-incremental-streaming")
+    sim, server = start_pair(tokenizer=args.tokenizer, family=args.model_family, engine_cpu=engine_cpu,
+                             server_cpu=server_cpu, log_dir=log_dir, engine_args=engine_args,
+                             server_args=server_args, server_src=args.server_src)
+    proc: RunningProcess = server
+    try:
+        if floor:
+            server.stop()
+            proc = start_floor(sim.url, *(["--engine-incremental-streaming"] if mode == "deltas" else []),
+                               cpu=server_cpu, log_dir=log_dir)
+        if engine_cpu is not None:
+            os.sched_setaffinity(0, {engine_cpu})  # the driver shares the engine's core
+        print(f"[stream] {mode}{' (floor)' if floor else ''}: server cpus {affinity(proc.pid)}, "
+              f"engine cpus {affinity(sim.pid)}", file=sys.stderr, flush=True)
+        return run_async(measure(proc.url, proc.pid, sim.pid, args))
+    finally:
+        proc.stop()
+        server.stop()
+        sim.stop()
+        os.sched_setaffinity(0, all_cpus())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer", default=".cache/tokenizers/qwen3")
+    p.add_argument("--model-family", default="qwen3")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 32768], help="reply lengths")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--reps", type=int, default=2, help="chats of each kind per length (the median is reported)")
+    p.add_argument("--chat-timeout", type=float, default=300.0, help="a chat slower than this is reported, not waited")
+    p.add_argument("--no-floor", action="store_true", help="skip the floor proxy's run")
+    p.add_argument("--server-cpu", type=int, default=0)
+    p.add_argument("--engine-cpu", type=int, default=1)
+    p.add_argument("--server-arg", action="append", default=[], help="extra session-server argument (repeatable)")
+    p.add_argument("--engine-arg", action="append", default=[], help="extra sglang-sim argument (repeatable)")
+    p.add_argument("--server-src", default=None, help="run session-server from this source tree (a patched copy)")
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    args.server_cpu = None if args.server_cpu < 0 else args.server_cpu
+    args.engine_cpu = None if args.engine_cpu < 0 else args.engine_cpu
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    server_cpu, engine_cpu, pin_note = pinning_plan(args.server_cpu, args.engine_cpu)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench-stream-"))
+    figs = Figures()
+    results: dict[str, Any] = {}
+    for mode in args.modes:
+        for floor in ([False] if args.no_floor else [True, False]):
+            results[f"{mode}{'_floor' if floor else ''}"] = run_mode(mode, args, (server_cpu, engine_cpu), log_dir,
+                                                                     floor)
+    errors = 0
+    print()
+    print(f"streamed vs unstreamed server CPU per chat, one engine event per token ({pin_note})")
+    print("| mode | reply tokens | unstreamed ms | streamed ms | streamed / unstreamed | floor unstreamed ms | "
+          "floor streamed ms | streamed x floor streamed | engine MiB streamed |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode in args.modes:
+        for tokens, row in results[mode].items():
+            base = results.get(f"{mode}_floor", {}).get(tokens)
+            plain, streamed = row["plain"], row["streamed"]
+            errors += len(plain["errors"]) + len(streamed["errors"])
+            ratio = streamed["cpu_ms"] / plain["cpu_ms"] if plain["cpu_ms"] else None
+            k = f"{mode}_{tokens // 1024}k"
+            figs.add(f"{k}_unstreamed_cpu_ms", plain["cpu_ms"], "ms", "lower", floor=1.0)
+            figs.add(f"{k}_streamed_cpu_ms", streamed["cpu_ms"], "ms", "lower", floor=1.0)
+            figs.add(f"{k}_streamed_over_unstreamed", ratio, "x", "lower", floor=0.1)
+            x_floor = None
+            if base is not None:
+                figs.add(f"{k}_floor_unstreamed_cpu_ms", base["plain"]["cpu_ms"], "ms", "lower", floor=1.0)
+                figs.add(f"{k}_floor_streamed_cpu_ms", base["streamed"]["cpu_ms"], "ms", "lower", floor=1.0)
+                x_floor = streamed["cpu_ms"] / base["streamed"]["cpu_ms"] if base["streamed"]["cpu_ms"] else None
+                figs.add(f"{k}_streamed_x_floor", x_floor, "x floor", "lower", floor=0.1)
+            note = f" ({'; '.join(streamed['errors'])})" if streamed["errors"] else ""
+            print(f"| {mode} | {tokens} | {fmt(plain['cpu_ms'])} | {fmt(streamed['cpu_ms'])}{note} | {fmt(ratio)} | "
+                  f"{fmt(base and base['plain']['cpu_ms'])} | {fmt(base and base['streamed']['cpu_ms'])} | "
+                  f"{fmt(x_floor)} | {streamed['engine_mib']:.1f} |")
+    print("target: streamed / unstreamed <= 2 at 16k and 32k tokens, in both modes (DESIGN.md 7)")
+    if args.json_out:
+        write_report(args.json_out, "stream", {**vars(args), "pinning": pin_note}, figs, results=results)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
