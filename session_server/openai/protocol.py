@@ -1,6 +1,6 @@
 """The OpenAI side of a turn: the chat-completion request (decoded once, mapped to SGLang sampling params) and the
-client reply (built from the validated engine reply, parsed by the model family). The engine's side of the wire --
-the /generate body, the routed-experts cut, the strict decode -- is engine/wire.py.
+client reply (built from the turn's output: the validated engine reply and the family's parse of it, turns/output.py).
+The engine's side of the wire -- the /generate body, the routed-experts cut, the strict decode -- is engine/wire.py.
 
 Everything here is a pure function of its arguments, so it runs on the CPU pool. The request is decoded once (msgspec,
 straight to builtins); the fields beyond messages, tools and basic sampling are honoured as SGLang's own OpenAI
@@ -12,14 +12,11 @@ parsed completion, and never carries the heavy replay payloads (routed experts s
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from session_server.engine.wire import decode_engine_reply
-from session_server.errors import EngineAbortedError
 from session_server.http.body import decode_object
 from session_server.openai.fields import (
     MAX_INT32,
@@ -34,6 +31,7 @@ from session_server.openai.fields import (
     prompt_tools,
 )
 from session_server.openai.logprobs import openai_logprobs
+from session_server.turns.output import TurnOutput
 from trajectory import GenerateResult, ModelFamily
 from trajectory.messages import normalize_tools
 
@@ -131,18 +129,10 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
     return sp
 
 
-@dataclass(slots=True)
-class TurnOutput:
-    result: GenerateResult
-    message: dict[str, Any]  # the assistant message to commit
-    reply: bytes  # the encoded client reply
-
-
-def _finish_reason(result: GenerateResult, has_tool_calls: bool) -> str:
-    kind = result.finish_reason.get("type")
-    if kind == "length":
+def finish_reason(result: GenerateResult, message: dict[str, Any]) -> str:
+    if result.finish_reason.get("type") == "length":
         return "length"
-    return "tool_calls" if has_tool_calls else "stop"
+    return "tool_calls" if message.get("tool_calls") else "stop"
 
 
 def system_fingerprint(family: ModelFamily, result: GenerateResult) -> str:
@@ -150,44 +140,32 @@ def system_fingerprint(family: ModelFamily, result: GenerateResult) -> str:
     return f"{family.name}-{result.weight_version or 'default'}"
 
 
-def decode_turn(
-    body: bytes, family: ModelFamily, rid: str, model: str, created: int | None = None,
-    split: tuple[bytes, memoryview | None] | None = None, options: RequestOptions | None = None,
-    retry_after: int = 1,
-) -> TurnOutput:
-    """Strictly validate the engine reply (502 on any rule), parse it with the family, encode the client reply
-    (a streamed chat uses the same validation and parse; chat_stream.py writes its own chunks). A reply the engine
-    itself aborted is EngineAbortedError (503 with `retry_after`): there is nothing to commit.
-
-    `split` is `split_routed_experts(body)` when the caller already made the cut (to size the work that is left).
-    """
-    result = decode_engine_reply(body, family.vocab_size, split)
-    if result.finish_reason.get("type") == "abort":
-        raise EngineAbortedError("the engine aborted the request; retry the same turn", retry_after)
-    options = options or RequestOptions()
-    parsed = family.parse_reply(result.text, options.parse_tool_calls)
-    message = parsed.to_message(f"call_{rid[:24]}")
-    tool_calls: list[dict[str, Any]] = message.get("tool_calls") or []
-    usage = {
+def usage(result: GenerateResult) -> dict[str, Any]:
+    return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
     }
-    finish = _finish_reason(result, bool(tool_calls))
-    created = int(time.time()) if created is None else created
+
+
+def chat_completion(
+    out: TurnOutput, family: ModelFamily, rid: str, model: str, created: int, options: RequestOptions
+) -> bytes:
+    """The client reply of a plain turn, encoded once. It never carries the heavy replay payloads (routed experts
+    stay in the trajectory's records)."""
+    result, message = out.result, out.message
     logprobs = (openai_logprobs(family.tokenizer, result.output_ids, result.logprobs, result.top_logprobs,
                                 options.top_logprobs) if options.logprobs else None)
-    fingerprint = system_fingerprint(family, result)
-    reply = _encoder.encode(
+    return _encoder.encode(
         {
             "id": f"chatcmpl-{rid}",
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "system_fingerprint": fingerprint,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
-            "usage": usage,
+            "system_fingerprint": system_fingerprint(family, result),
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result, message),
+                         "logprobs": logprobs}],
+            "usage": usage(result),
         }
     )
-    return TurnOutput(result, message, reply)

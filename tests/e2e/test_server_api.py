@@ -415,7 +415,9 @@ def test_routed_experts_are_cut_out_before_decoding(body: bytes, rest: bytes | N
 def test_an_odd_routed_experts_payload_is_still_decoded_strictly(hf_tokenizers: dict[str, object]) -> None:
     import msgspec
 
-    from session_server.openai.protocol import decode_turn
+    from session_server.openai.chat import CHAT
+    from session_server.turns.output import decode_turn
+    from session_server.turns.turn import Turn
     from trajectory import get_family
 
     family = get_family(FAMILY, hf_tokenizers[FAMILY])
@@ -423,6 +425,7 @@ def test_an_odd_routed_experts_payload_is_still_decoded_strictly(hf_tokenizers: 
             "output_token_logprobs": [[-0.5, 11, None]], "cached_tokens": 0}
     for experts in ([[1, 2], [3]], [[1], "x"], [{"a": 1}]):
         body = msgspec.json.encode({"text": "a", "output_ids": [11], "meta_info": {**meta, "routed_experts": experts}})
-        out = decode_turn(body, family, "r" * 32, "m")
+        out = decode_turn(body, family, "r" * 32)
         assert msgspec.json.decode(bytes(out.result.routed_experts)) == experts
-        assert b"routed_experts" not in out.reply
+        chat = CHAT.parse(b'{"messages": [{"role": "user", "content": "hi"}]}', family)
+        assert b"routed_experts" not in CHAT.reply(Turn(chat, None, "r" * 32, "m", family), out)  # type: ignore[arg-type]

@@ -330,7 +330,7 @@ def test_get_and_samples_build_their_bodies_on_the_pool(stack: dict[str, str], m
     from session_server.app import build_app
     from session_server.cli import load_family
     from session_server.config import ServerConfig
-    from session_server.openai import chat as chat_module
+    from session_server.turns import pipeline
     from trajectory import LinearTrajectory
 
     threads: dict[str, set[str]] = {}
@@ -348,7 +348,7 @@ def test_get_and_samples_build_their_bodies_on_the_pool(stack: dict[str, str], m
         spy(LinearTrajectory, name)
     spy(sessions_module, "_session_body")
     spy(samples_module, "_encode")
-    spy(chat_module, "prepare_turn")
+    spy(pipeline, "prepare_turn")
 
     config = ServerConfig(engine_url=stack["engine"], tokenizer=str(stack["tok"]), model_family=FAMILY, cpu_workers=2)
     app = build_app(config, load_family(stack["tok"], FAMILY))

@@ -167,3 +167,36 @@ def test_aborts_by_cause_and_live_gauges(stack: Stack) -> None:
     assert httpx.delete(f"{server}/sessions/{kept}").status_code == 204
     assert value(scrape(server), "session_server_sessions") == value(before, "session_server_sessions")
     assert_engine_baseline(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_pause_abort_is_counted_as_a_pause_whether_streamed_or_not(stack: Stack, stream: bool) -> None:
+    """One pipeline, one count: a chat cut off by `/admin/pause` mode abort is a `pause` abort, plain or streamed
+    (the streamed copy of the turn's tail once counted it as an abort by the engine)."""
+    server, engine = stack.server, stack.engine
+    sid = new_session(server)
+    before = scrape(server)
+
+    async def main() -> int:
+        async with httpx.AsyncClient(timeout=60) as http:
+            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json={
+                "messages": [{"role": "user", "content": "long [[sim: tokens 400]]"}], "stream": stream}))
+            await wait_running(engine, 1)
+            paused = await http.post(f"{server}/admin/pause", json={"mode": "abort"})
+            assert paused.status_code == 200 and paused.json()["aborted"] == 1, paused.text
+            try:
+                reply = await chat
+            finally:
+                assert (await http.post(f"{server}/admin/continue")).status_code == 200
+            if stream and reply.status_code == 200:  # aborted after the first byte: an error event ends it
+                assert '"session_paused"' in reply.text, reply.text
+                return 503
+            return reply.status_code
+
+    assert asyncio.run(main()) == 503
+    after = scrape(server)
+    for cause, n in (("pause", 1), ("engine", 0), ("disconnect", 0)):
+        assert value(after, "session_server_aborts_total", cause=cause) - value(
+            before, "session_server_aborts_total", cause=cause) == n, cause
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(engine)

@@ -1,0 +1,42 @@
+"""A turn's output: the engine reply, strictly validated, and the assistant message the family parses from it.
+
+What every API's reply is built from (the front ends only format it). Pure, so it runs on the CPU pool with the
+front end's formatting in the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from session_server.engine.wire import decode_engine_reply
+from session_server.errors import EngineAbortedError
+from trajectory import GenerateResult, ModelFamily
+
+
+@dataclass(slots=True)
+class TurnOutput:
+    result: GenerateResult
+    message: dict[str, Any]  # the assistant message to commit
+
+
+def call_id_prefix(rid: str) -> str:
+    """The ids of a turn's tool calls (`call_<rid>`, then `_<i>` per call): stored with the turn, so the agent's
+    echo of them matches the history."""
+    return f"call_{rid[:24]}"
+
+
+def decode_turn(
+    body: bytes, family: ModelFamily, rid: str, parse_tool_calls: bool = True,
+    split: tuple[bytes, memoryview | None] | None = None, retry_after: int = 1,
+) -> TurnOutput:
+    """Strictly validate the engine reply (502 on any rule) and parse it with the family. A reply the engine itself
+    aborted is EngineAbortedError (503 with `retry_after`): there is nothing to commit.
+
+    `split` is `split_routed_experts(body)` when the caller already made the cut (to size the work that is left).
+    """
+    result = decode_engine_reply(body, family.vocab_size, split)
+    if result.finish_reason.get("type") == "abort":
+        raise EngineAbortedError("the engine aborted the request; retry the same turn", retry_after)
+    parsed = family.parse_reply(result.text, parse_tool_calls)
+    return TurnOutput(result, parsed.to_message(call_id_prefix(rid)))

@@ -1,0 +1,128 @@
+"""What a turn is to the pipeline, whatever API carried it, and the two things every way a turn ends shares.
+
+A front end (Chat Completions, Responses, Anthropic Messages) only translates: it parses its request into a
+`TurnRequest` (the turn's messages and tools in the chat-template shape, the engine's sampling params) and formats
+the turn's output -- a plain reply, a stream of events, its own error shape. Everything between -- the slot, the
+body, TITO, limits, the engine call and its race, validation, the commit, the metrics -- is one pipeline
+(pipeline.py for a plain reply, stream.py for a streamed one), so a fix there holds for every API.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
+from starlette.responses import Response
+
+from session_server.errors import AbortReason, LimitExceededError
+from session_server.metrics import Metrics
+from session_server.sessions.session import Claim
+from session_server.state import ServerState
+from session_server.turns.commit import commit_turn
+from session_server.turns.output import TurnOutput
+from trajectory import ModelFamily, TurnPlan, TurnRecord
+from trajectory.errors import SessionError, UpstreamError
+
+R = TypeVar("R")
+
+
+@dataclass(slots=True)
+class TurnRequest(Generic[R]):
+    """A request as the pipeline sees it; `api` is the front end's own reading of it, for its reply."""
+
+    messages: Any  # raw: validated and normalised once, by the trajectory's prepare (trajectory/messages.py)
+    tools: list[dict[str, Any]] | None  # the tools the template renders for this turn
+    sampling_params: dict[str, Any]
+    api: R
+    template_kwargs: dict[str, Any] | None = None
+    stream: bool = False
+    model: str | None = None
+    top_logprobs: int = 0  # top_logprobs_num on /generate
+    parse_tool_calls: bool = True
+
+
+@dataclass(slots=True)
+class Turn(Generic[R]):
+    """One prepared turn: the request, its TITO plan and the ids it goes by."""
+
+    request: TurnRequest[R]
+    plan: TurnPlan
+    rid: str
+    model: str
+    family: ModelFamily
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return rollback_headers(self.plan)
+
+
+@dataclass(slots=True)
+class NewTokens:
+    """Tokens a stream event adds (ids, their logprobs and top alternatives), checked loosely: only what the final,
+    validated event is later checked against is ever sent from them."""
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+    top: list[list[tuple[float, int]]] | None
+
+
+class StreamFormat(Protocol):
+    """How a front end writes a streamed turn. Each method returns the bytes to send (server-sent events)."""
+
+    def start(self) -> Sequence[bytes]: ...
+    def delta(self, delta: dict[str, Any] | None, tokens: NewTokens | None) -> Sequence[bytes]: ...
+    def finish(self, out: TurnOutput, rest: dict[str, Any] | None, tokens: NewTokens | None) -> Sequence[bytes]: ...
+    def end(self) -> bytes: ...  # the stream's last bytes, sent after the slot is released
+    def error(self, err: SessionError) -> Sequence[bytes]: ...  # an error after the first byte
+
+
+class FrontEnd(Protocol[R]):
+    """An API over the turn pipeline."""
+
+    def parse(self, body: bytes, family: ModelFamily) -> TurnRequest[R]: ...
+    def reply(self, turn: Turn[R], out: TurnOutput) -> bytes: ...  # a plain reply (runs on the CPU pool)
+    def stream(self, turn: Turn[R]) -> StreamFormat: ...
+    def error(self, err: SessionError) -> Response: ...  # an error before the first byte, in the API's shape
+    def wants_logprobs(self, request: R) -> bool: ...  # whether stream deltas carry the new tokens' logprobs
+
+
+ROLLBACK_HEADER = "X-Session-Rollback"
+
+
+def rollback_headers(plan: TurnPlan) -> dict[str, str]:
+    """`X-Session-Rollback: <turns dropped>; reason=<why>` on the turn that rolled back: a rollback discards
+    generated turns from the training data, so the agent's side must be able to see it, never only the server."""
+    if not plan.rolled_back:
+        return {}
+    return {ROLLBACK_HEADER: f"{plan.rolled_back}; reason={plan.rollback_reason or 'retry'}"}
+
+
+def count_failure(metrics: Metrics, err: SessionError) -> None:
+    """A turn that ended in an error, counted once by what it was: an abort by its reason, a refused limit, an engine
+    reply that broke a rule. Every other error is counted only as its response."""
+    reason: AbortReason | None = getattr(err, "abort_reason", None)
+    if reason is not None:
+        metrics.abort(reason)
+    elif isinstance(err, LimitExceededError):
+        metrics.refused(err.limit)
+    elif isinstance(err, UpstreamError):
+        metrics.validation_failure(err.rule)
+
+
+async def commit_output(server: ServerState, claim: Claim, plan: TurnPlan, out: TurnOutput) -> TurnRecord:
+    """The turn's tail, plain or streamed: the commit (journaled with --journal), its metrics, and the engine
+    session's books (it now holds exactly the trajectory)."""
+    metrics = server.metrics
+    t0 = time.perf_counter()
+    record = await commit_turn(server, claim.session, plan, out.result, out.message)
+    metrics.stage("commit", time.perf_counter() - t0)
+    metrics.turn_tokens(len(plan.prompt_ids), record.cached_tokens, record.completion_len)
+    if plan.rolled_back:
+        metrics.rollback(plan.rollback_reason or "retry")
+    if server.engine_sessions is not None:
+        server.engine_sessions.committed(claim.session.id, len(plan.prompt_ids) + len(out.result.output_ids))
+    return record
