@@ -11,6 +11,9 @@ One turn, as the server drives it::
     result = decode_generate_response(engine_body, family.vocab_size)    # strict; raises UpstreamError (502)
     reply = family.parse_completion(result.text).to_message(f"call_{rid}")   # what the agent is shown
     record = traj.commit(plan, result, reply)                            # atomic; InvariantError (500)
+
+A session whose history is not one line (compaction, sub-agents, side requests) is a `SegmentSet` of such
+trajectories (segments.py): the same prepare/commit, with the segment chosen by the request's messages.
 """
 
 from . import errors
@@ -21,6 +24,7 @@ from .messages import MATCHER_NAMES, MessageMatcher, normalize_messages, normali
 from .samples import (
     Sample,
     build_merged_sample,
+    build_segment_samples,
     build_turn_samples,
     samples_from_json,
     samples_from_safetensors,
@@ -28,6 +32,7 @@ from .samples import (
     samples_to_safetensors,
     truncate_sample,
 )
+from .segments import Segment, SegmentPlan, SegmentSet
 
 __all__ = [
     "MATCHER_NAMES",
@@ -38,10 +43,14 @@ __all__ = [
     "ModelFamily",
     "ParsedCompletion",
     "Sample",
+    "Segment",
+    "SegmentPlan",
+    "SegmentSet",
     "ToolCall",
     "TurnPlan",
     "TurnRecord",
     "build_merged_sample",
+    "build_segment_samples",
     "build_turn_samples",
     "decode_generate_response",
     "errors",

@@ -51,6 +51,7 @@ class TurnPlan:
     version: int                    # trajectory version the plan was built against
     rollback_reason: str | None = None  # why the request left the stored history (see messages.ROLLBACK_REASONS)
     routed_experts_start: int = 0   # first position whose routed experts the records do not hold yet
+    merged: bool = False            # a full render that extends every stored token (`merge_plan`)
 
     @property
     def num_new_tokens(self) -> int:
@@ -82,6 +83,9 @@ class TurnRecord:
     routed_experts_start: int = 0
     # (version, start, end) of the weights that sampled completion tokens [start, end) (SGLang's weight_versions).
     weight_versions: tuple[tuple[str, int, int], ...] | None = None
+    # The turn's messages replaced the stored ones: its prompt was a full render that extends every stored token
+    # (`LinearTrajectory.merge_plan`), so the turns before it are no longer rollback targets.
+    merged: bool = False
 
     @property
     def routed_experts_rows(self) -> int:
@@ -98,7 +102,7 @@ class TurnRecord:
             "prompt_tokens": self.prompt_tokens, "weight_version": self.weight_version, "message": self.message,
             "trimmed": self.trimmed, "rolled_back": self.rolled_back,
             "rollback_reason": self.rollback_reason, "e2e_latency": self.e2e_latency,
-            "routed_experts_bytes": len(self.routed_experts or b""),
+            "routed_experts_bytes": len(self.routed_experts or b""), "merged": self.merged,
         }
         if include_routed_experts:
             raw = bytes(self.routed_experts) if self.routed_experts else b""
@@ -156,6 +160,9 @@ class LinearTrajectory:
         self.rollbacks: dict[str, int] = {}
         self.checkpoints: list[Checkpoint] = []
         self.records: list[TurnRecord] = []
+        # Checkpoints before the last merged turn: their message counts refer to a message list a merge replaced,
+        # so they are never rollback targets.
+        self.frozen = 0
         self._buffer = TokenBuffer()
 
     # -- stored tokens ---------------------------------------------------------------------------------
@@ -202,17 +209,21 @@ class LinearTrajectory:
         `template_kwargs` (the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`) reach the template
         for this turn's new text only: stored tokens are what the model saw and are never re-rendered.
         """
+        # Read first: a plan built while a commit runs elsewhere (a pool thread) is then stale, never wrong.
+        version = self.version
         # Tools belong to the turn, not to the history: a request that omits or changes them is matched on its
         # messages only, and its appended messages are rendered with its own tools.
         tools = normalize_tools(tools)
         msgs, matched, reason = self.matcher.match_detail(self.messages, messages)
-        keep = bisect.bisect_right(self.checkpoints, matched, key=lambda c: c.num_messages)
-        dropped = len(self.checkpoints) - keep
-        if dropped > self.max_rollback:
+        keep = self.kept_turns(matched)
+        if keep is None:
             raise RollbackLimitError(
-                f"history diverges at message {matched} ({reason}); rolling back {dropped} turns exceeds "
-                f"max_rollback={self.max_rollback}"
+                f"history diverges at message {matched} ({reason}); rolling back "
+                f"{len(self.checkpoints) - self._last_checkpoint_within(matched)} turns exceeds "
+                f"max_rollback={self.max_rollback}" + (f" or reaches before the merged turn {self.frozen + 1}"
+                                                       if self.frozen else "")
             )
+        dropped = len(self.checkpoints) - keep
         if keep == 0:
             prompt = first_turn_ids(self.family, msgs, tools, template_kwargs, self.text_only)
             trim = reused = 0
@@ -226,9 +237,43 @@ class LinearTrajectory:
             prompt = np.concatenate([self._buffer.ids[:reused], new_ids])
         prompt.flags.writeable = False
         return TurnPlan(prompt_ids=prompt, messages=msgs, tools=tools, base_checkpoints=keep, rolled_back=dropped,
-                        new_token_start=reused, trimmed=trim, version=self.version,
+                        new_token_start=reused, trimmed=trim, version=version,
                         rollback_reason=reason if dropped else None,
                         routed_experts_start=min(self.routed_experts_covered(keep), reused))
+
+    def _last_checkpoint_within(self, matched: int) -> int:
+        return bisect.bisect_right(self.checkpoints, matched, lo=self.frozen, key=lambda c: c.num_messages)
+
+    def kept_turns(self, matched: int) -> int | None:
+        """How many turns a request that repeats the first `matched` stored messages keeps; None if it would roll
+        back more than `max_rollback` turns or into the turns before a merge (their message counts are stale)."""
+        keep = self._last_checkpoint_within(matched)
+        if len(self.checkpoints) - keep > self.max_rollback or keep == self.frozen > 0:
+            return None
+        return keep
+
+    def merge_plan(self, full: TurnPlan) -> TurnPlan | None:
+        """`full` (a first-turn plan of another trajectory: a full render) as a turn of this one, if its prompt
+        extends every stored token -- as a continuation would, the previous turn's non-template stop token may be
+        replaced by the template's -- else None.
+
+        The merged turn keeps every stored token and replaces the stored messages by the request's: a harness that
+        re-sends its history in another shape (a new system prompt, rewritten tool-call text) whose render still
+        begins with exactly what the model saw and sampled stays one sequence, not a second sample that repeats it.
+        """
+        if not self.records or full.base_checkpoints or full.rolled_back:
+            return None
+        version = self.version
+        last = self.records[-1].last_completion_token
+        trim = int(last != self.family.eos_token_id and last in self.family.stop_token_ids)
+        stored = self._buffer.ids
+        keep = len(stored) - trim
+        prompt = full.prompt_ids
+        if len(prompt) <= keep or not np.array_equal(prompt[:keep], stored[:keep]):
+            return None
+        return TurnPlan(prompt_ids=prompt, messages=full.messages, tools=full.tools,
+                        base_checkpoints=len(self.checkpoints), rolled_back=0, new_token_start=keep, trimmed=trim,
+                        version=version, routed_experts_start=min(self.routed_experts_covered(), keep), merged=True)
 
     def routed_experts_covered(self, turns: int | None = None) -> int:
         """How many leading positions the first `turns` records' routed experts cover without a gap."""
@@ -285,7 +330,7 @@ class LinearTrajectory:
             tail_logprobs=tuple(float(x) for x in result.logprobs[-tail:]) if n_out else (),
             routed_experts=result.routed_experts,
             routed_experts_start=plan.routed_experts_start if result.routed_experts is not None else 0,
-            weight_versions=result.weight_versions,
+            weight_versions=result.weight_versions, merged=plan.merged,
         )
         return TurnDelta(
             version=self.version, base_checkpoints=plan.base_checkpoints, keep=keep,
@@ -306,8 +351,10 @@ class LinearTrajectory:
         del self.records[delta.base_checkpoints:]
         self.messages = delta.messages
         self.tools = delta.tools
-        if delta.base_checkpoints == 0:
+        if delta.base_checkpoints == 0 or record.merged:  # the turn's prompt was a full render with these tools
             self.prompt_tools = delta.tools
+        if record.merged:
+            self.frozen = delta.base_checkpoints
         if record.rolled_back:
             reason = record.rollback_reason or "retry"
             self.rollbacks = {**self.rollbacks, reason: self.rollbacks.get(reason, 0) + 1}
@@ -327,7 +374,7 @@ class LinearTrajectory:
         """
         snap = LinearTrajectory.__new__(LinearTrajectory)
         snap.family, snap.max_rollback, snap.matcher = self.family, self.max_rollback, self.matcher
-        snap.text_only = self.text_only
+        snap.text_only, snap.frozen = self.text_only, self.frozen
         snap.version, snap.tools, snap.prompt_tools = self.version, self.tools, self.prompt_tools
         snap.rollbacks = self.rollbacks  # replaced, never mutated, on commit
         snap.messages, snap.checkpoints, snap.records = list(self.messages), list(self.checkpoints), list(self.records)

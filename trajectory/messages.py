@@ -206,6 +206,15 @@ class MessageMatcher:
     def equal(self, stored: Message, request: Message) -> bool:
         return self.difference(stored, request) is None
 
+    def common_prefix(self, stored: Sequence[Message], request: Any) -> tuple[int, RollbackReason | None]:
+        """How many leading request messages repeat `stored`, and what differs first: `match_detail` without
+        normalising the messages past the first difference or building a list, to rank several histories."""
+        _check_message_list(request)
+        for i, (message, raw) in enumerate(zip(stored, request, strict=False)):
+            if raw != message and (reason := self.difference(message, normalize_message(i, raw))) is not None:
+                return i, reason
+        return min(len(stored), len(request)), "retry" if len(request) < len(stored) else None
+
     def match(self, stored: Sequence[Message], request: Any) -> tuple[list[Message], int]:
         msgs, matched, _ = self.match_detail(stored, request)
         return msgs, matched

@@ -20,6 +20,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from .linear import LinearTrajectory
+from .segments import Segment
 
 STATUSES = ("completed", "truncated", "aborted")
 _FORMAT = "trajectory-samples/v1"
@@ -135,6 +136,26 @@ def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) 
         routed_experts=assemble_routed_experts(traj),
     )
     return truncate_sample(sample, max_seq_len) if max_seq_len is not None else sample
+
+
+def build_segment_samples(segments: Sequence[tuple[Segment, LinearTrajectory]],
+                          max_seq_len: int | None = None) -> list[Sample]:
+    """One merged sample per segment that has a turn (SegmentSet.snapshot), in segment order.
+
+    A single-segment session gets exactly its merged sample; with several, each sample's metadata also says which
+    segment it is and where that came from (`Segment.info`). Each loss mask covers exactly its own segment's
+    sampled tokens, so over the samples they add up to every completion token the session kept.
+    """
+    if len(segments) == 1:
+        traj = segments[0][1]
+        return [build_merged_sample(traj, max_seq_len)] if traj.records else []
+    samples = []
+    for segment, traj in segments:
+        if traj.records:
+            sample = build_merged_sample(traj, max_seq_len)
+            sample.metadata.update(segment.info())
+            samples.append(sample)
+    return samples
 
 
 def truncate_sample(sample: Sample, max_seq_len: int) -> Sample:
