@@ -1,11 +1,12 @@
-# Two commands on a fresh machine: `make demo` and `make test`. Both install into ./.venv first.
+# Three commands on a fresh machine: `make demo` and `make test` (both install into ./.venv first), and `make test-sglang`
+# (the real-engine tier: released SGLang 0.5.23 on CPU, in its own ./.venv-sglang).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test test-fast lint bench bench-overhead bench-stream bench-compare soak soak-crash tokenizers clean
+.PHONY: demo test test-sglang test-fast lint bench bench-overhead bench-stream bench-compare soak soak-crash tokenizers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +38,26 @@ test: $(STAMP) $(TOKENIZERS)/.built
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
+
+# The real-engine tier (tests/sglang, DESIGN.md 5.1b): released SGLang 0.5.23 serving tiny random Qwen3 / Qwen3-MoE
+# checkpoints on the CPU. SGLang runs from its own venv (~6.5 GB, every package pinned in tests/sglang/engine-lock.txt,
+# installed once: the stamp is rebuilt only when the lock changes), the suite and the session server from ./.venv.
+# `make test` never installs it. The engines are shared across the tier's modules: a handful of launches in all.
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+CHECKPOINTS := .cache/checkpoints
+
+$(SGLANG_STAMP): tests/sglang/engine-lock.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r tests/sglang/engine-lock.txt
+	touch $(SGLANG_STAMP)
+
+$(CHECKPOINTS)/.built: $(SGLANG_STAMP) $(TOKENIZERS)/.built scripts/build_tiny_checkpoints.py
+	$(SGLANG_VENV)/bin/python -m scripts.build_tiny_checkpoints --tokenizer $(TOKENIZERS)/qwen3 --out $(CHECKPOINTS)
+	touch $@
+
+test-sglang: $(STAMP) $(CHECKPOINTS)/.built
+	$(PY) -m pytest -q -p no:xdist tests/sglang --sglang-venv $(SGLANG_VENV) --checkpoints $(CHECKPOINTS)
 
 # The pure tier only, in seconds: run it constantly.
 test-fast: $(STAMP) $(TOKENIZERS)/.built
@@ -77,4 +98,4 @@ soak-crash: $(STAMP) $(TOKENIZERS)/.built
 	$(PY) -m scripts.crash_soak $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) .cache out
+	rm -rf $(VENV) $(SGLANG_VENV) .cache out

@@ -15,11 +15,15 @@ against the installed code).
 `start_router` launches the real `sglang-router` (its Python launcher, a Rust server) in front of sims: it cannot take
 `--port 0`, so it gets a port that was free a moment ago, and it is ready once it reports every worker registered.
 
+`start_sglang` launches the real SGLang (`python -m sglang.launch_server`) with another interpreter (its own venv) and
+the flags that serve a model on a CPU; it is ready once its cheap `GET /ready` answers (30-40 s for a tiny model).
+
 The demo, the tests (tests/support/stack.py) and the benchmarks all launch through this module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -311,3 +315,55 @@ def wait_router(proc: RunningProcess, workers: int, timeout: float = 60.0) -> Ru
     except BaseException:
         proc.stop()
         raise
+
+
+# The flags that serve a model with released SGLang 0.5.23 on a CPU (DESIGN.md 5.1b): its pure-PyTorch paths
+# (`SGLANG_USE_CPU_ENGINE` unset: the official CPU engine needs a CPU build of sgl_kernel that PyPI lacks), no CUDA
+# graphs, no warm-up request, a small KV pool, the streaming sessions the session server's --engine-sessions uses, and
+# a scheduler that sleeps when idle (it busy-polls by default: a whole core per idle engine).
+SGLANG_CPU_FLAGS = (
+    "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+    "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+    "--skip-server-warmup", "--max-total-tokens", "8192", "--max-running-requests", "8",
+    "--chunked-prefill-size", "2048", "--enable-streaming-session", "--sleep-on-idle",
+)
+
+
+class EngineProcess(RunningProcess):
+    """A real SGLang server. Its launcher starts a scheduler and a detokenizer process in its own process group (the
+    launcher's PID is the group's id): `stop()` ends the launcher gracefully and then whatever of the group is left,
+    and `kill()` SIGKILLs the whole group at once, as an OOM kill or a node failure would."""
+
+    def stop(self, timeout: float = 30.0) -> int:
+        code = super().stop(timeout)
+        self._signal_group(signal.SIGKILL)
+        return code
+
+    def kill(self) -> None:
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait(10)
+        self._reader.join(5)
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, sig)
+
+
+def start_sglang(
+    python: str | Path, model_path: str | Path, *extra_args: str, plugin_dir: str | Path | None = None,
+    cpu: bool = True, port: int | None = None, name: str = "sglang", **options: Unpack[LaunchOptions],
+) -> EngineProcess:
+    """Real SGLang serving `model_path` on loopback, run by `python` (an interpreter with sglang installed).
+
+    `cpu`: add SGLANG_CPU_FLAGS. `plugin_dir`: a directory put first on the engine's PYTHONPATH whose
+    `*.dist-info/entry_points.txt` registers `sglang.srt.plugins` (SGLang loads them in each of its processes).
+    Nothing is read from a model hub (HF_HUB_OFFLINE). SGLang cannot take `--port 0`: by default the port is one that
+    was free a moment ago (give `port` to restart an engine where its clients expect it)."""
+    port = port or free_port()
+    cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", LOOPBACK,
+           "--port", str(port), *(SGLANG_CPU_FLAGS if cpu else ()), *extra_args]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(options.pop("env", None) or {})}
+    python_path = [*options.pop("python_path", ()), *([plugin_dir] if plugin_dir is not None else [])]
+    options.setdefault("startup_timeout", 300.0)
+    return EngineProcess(cmd, url=f"http://{LOOPBACK}:{port}", health_path="/ready", name=name, env=env,
+                         python_path=python_path, **options)

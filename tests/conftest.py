@@ -23,6 +23,21 @@ TOKENIZER_CACHE = ROOT / ".cache" / "tokenizers"
 FAMILIES = ("qwen3", "deepseek")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("real SGLang (make test-sglang)")
+    group.addoption("--sglang-venv", type=Path, default=None,
+                    help="the venv with sglang==0.5.23 (make test-sglang builds .venv-sglang); runs tests/sglang")
+    group.addoption("--checkpoints", type=Path, default=ROOT / ".cache" / "checkpoints",
+                    help="the tiny checkpoints (scripts/build_tiny_checkpoints.py)")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The real-engine tier (tests/sglang) is collected only when given its venv (`make test-sglang`)."""
+    if config.getoption("--sglang-venv") is None and collection_path == ROOT / "tests" / "sglang":
+        return True
+    return None
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_ssl_context() -> Iterator[None]:
     """Every httpx client builds an SSL context, loading certifi's bundle (~16 ms of CPU), though every URL in the

@@ -1,0 +1,53 @@
+"""Fixtures of the real-engine tier: the run's shared SGLang engines (tests/support/sglang_engine.py) and, per module,
+session servers in front of them (through a recording proxy, so that a test compares what was stored with what the
+real engine received and returned)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollout.processes import start_session_server
+from support.server import RecordingProxy
+from support.sglang_engine import Engines, Served, ServeFactory, assert_engine_clean
+
+FAMILY = "qwen3"
+
+
+@pytest.fixture(scope="session")
+def engines(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    venv: Path = pytestconfig.getoption("--sglang-venv")
+    python = venv.resolve() / "bin" / "python"
+    assert python.exists(), f"{python} missing: `make test-sglang` installs the real engine's venv"
+    pool = Engines(python, pytestconfig.getoption("--checkpoints").resolve(), tmp_path_factory.mktemp("engines"))
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def serve(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> ServeFactory:
+    """`with serve("dense", "--engine-sessions") as s:` -- a session server (these args) in front of the shared engine;
+    on exit the server must stop cleanly and the engine hold nothing (no request, no session, no KV)."""
+
+    @contextlib.contextmanager
+    def factory(engine_name: str, *args: str) -> Iterator[Served]:
+        engine = engines.get(engine_name)
+        checkpoint = engines.checkpoint(engine.cmd[engine.cmd.index("--model-path") + 1].rsplit("/", 1)[-1])
+        proxy = RecordingProxy(engine.url)
+        logs = tmp_path_factory.mktemp("served")
+        proc = start_session_server(proxy.url, checkpoint, FAMILY, *args, log_dir=logs)
+        try:
+            yield Served(proc.url, engine.url, proxy, proc, checkpoint)
+        finally:
+            try:
+                proc.close()
+            finally:
+                proxy.close()
+        assert_engine_clean(engines.get(engine_name).url)
+
+    return factory

@@ -1,0 +1,140 @@
+"""Real SGLang engines for the real-engine tier (tests/sglang): released SGLang 0.5.23 serving the tiny random
+checkpoints (scripts/build_tiny_checkpoints.py) on the CPU, from its own venv, with the test-only plugin
+(tests/sglang/plugin) on its PYTHONPATH.
+
+A launch costs 40-80 s of both cores and ~3.7 GB, so engines are shared by every module of a run (`Engines`, a
+session fixture): started on first use, restarted where they were (same port) when a test has killed one, stopped
+by PID at the end. What a test may assume of a shared engine: it runs and queues nothing, and holds no KV beyond its
+radix cache (`assert_engine_clean`).
+
+Nothing here reads a private structure: the engine's books are SGLang's own `GET /v1/loads` report
+(`num_running_reqs`, `num_waiting_reqs`, `num_used_tokens`: KV slots held by requests and sessions, not by the
+evictable radix cache) and `POST /flush_cache`, which SGLang refuses while any request or session holds KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rollout.processes import EngineProcess, RunningProcess, start_sglang
+
+from .server import RecordingProxy
+
+PLUGIN_DIR = Path(__file__).resolve().parent.parent / "sglang" / "plugin"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    checkpoint: str
+    args: tuple[str, ...] = ()
+
+
+# No free whitespace inside constrained JSON: a random model's greedy choice is often a whitespace token, which
+# xgrammar's default grammar admits without end; without it, a finite schema always ends in a few tokens.
+CONSTRAINED = ("--constrained-json-disable-any-whitespace",)
+SPECS = {
+    "dense": EngineSpec("qwen3-dense", CONSTRAINED),
+    "moe": EngineSpec("qwen3-moe", (*CONSTRAINED, "--enable-return-routed-experts")),
+}
+
+
+@dataclass
+class Engines:
+    """The run's real engines by name (SPECS), started on first use."""
+
+    python: Path
+    checkpoints: Path
+    logs: Path
+    running: dict[str, EngineProcess] = field(default_factory=dict)
+
+    def checkpoint(self, name: str) -> Path:
+        path = self.checkpoints / name
+        assert (path / "config.json").exists(), f"{path} missing: run `make test-sglang` (it builds the checkpoints)"
+        return path
+
+    def get(self, name: str) -> EngineProcess:
+        """The engine `name`, running (restarted on its own port if a test killed it)."""
+        proc = self.running.get(name)
+        if proc is not None and proc.proc.poll() is None:
+            return proc
+        return self.start(name, port=None if proc is None else proc.port)
+
+    def start(self, name: str, port: int | None = None) -> EngineProcess:
+        spec = SPECS[name]
+        old = self.running.pop(name, None)
+        if old is not None:
+            old.stop()
+        log = self.logs / f"sglang-{name}-{time.monotonic_ns()}.log"
+        proc = start_sglang(self.python, self.checkpoint(spec.checkpoint), *spec.args, plugin_dir=PLUGIN_DIR,
+                            port=port, name=f"sglang[{name}]", log_path=log)
+        self.running[name] = proc
+        return proc
+
+    def close(self) -> None:
+        for proc in self.running.values():
+            proc.stop()
+        self.running.clear()
+
+
+def loads(engine: str) -> dict[str, Any]:
+    """SGLang's own load report (`GET /v1/loads`) of its one data-parallel rank."""
+    body = httpx.get(f"{engine}/v1/loads", timeout=10).json()
+    (rank,) = body["loads"]
+    return dict(rank)
+
+
+async def wait_loads(engine: str, until: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """Poll the engine's load report (from a test's event loop, under the caller's `asyncio.timeout`) until
+    `until(report)`; return that report."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        while True:
+            (report,) = (await http.get(f"{engine}/v1/loads")).json()["loads"]
+            if until(report):
+                return dict(report)
+            await asyncio.sleep(0.05)
+
+
+def wait_engine_idle(engine: str, timeout: float = 30.0) -> dict[str, Any]:
+    """Poll until the engine runs and queues nothing; return its load report."""
+    deadline = time.monotonic() + timeout
+    while True:
+        report = loads(engine)
+        if report["num_running_reqs"] == 0 and report["num_waiting_reqs"] == 0:
+            return report
+        assert time.monotonic() < deadline, f"engine not idle after {timeout}s: {report}"
+        time.sleep(0.05)
+
+
+def assert_engine_clean(engine: str, timeout: float = 30.0) -> None:
+    """No request runs or waits, no KV slot is held by a request or a session, and the radix cache flushes (SGLang
+    refuses a flush while anything holds KV); after the flush no token slot is in use at all."""
+    wait_engine_idle(engine, timeout)
+    deadline = time.monotonic() + timeout
+    while (report := loads(engine))["num_used_tokens"] != 0:
+        assert time.monotonic() < deadline, f"KV still held: {report}"
+        time.sleep(0.05)
+    flushed = httpx.post(f"{engine}/flush_cache", timeout=30)
+    assert flushed.status_code == 200, flushed.text
+    assert loads(engine)["num_used_tokens"] == 0
+
+
+@dataclass
+class Served:
+    """A session server in front of a real engine, through a recording proxy."""
+
+    server: str
+    engine: str
+    proxy: RecordingProxy
+    proc: RunningProcess
+    checkpoint: Path
+
+
+ServeFactory = Callable[..., contextlib.AbstractContextManager[Served]]
