@@ -1,0 +1,274 @@
+"""The differential test that keeps `sglang-sim` honest: the same scripted requests go to real SGLang 0.5.23 and to
+the sim, and what comes back must have the same shape.
+
+"Shape" is what the session server (and anyone writing against SGLang's native API) relies on: status codes, the
+keys of every object and the JSON types of their values (recursively), the forms of `finish_reason`, error bodies
+(their keys, and their messages where SGLang's are fixed text), stream framing (`data: ` events, cumulative chunks,
+the final `[DONE]`) and the session errors. Token ids, texts and timings differ (a random model versus a scripted
+one) and are not compared. Each probe is one scenario; the test reports every difference at once, and a difference
+is fixed in the sim (sglang_sim/), never by loosening a probe.
+
+The sim is started to match the engine: the checkpoint's tokenizer, the same context length (2048), KV pool (8192)
+and streaming sessions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from rollout.processes import RunningProcess, start_sim
+from support.sglang_engine import Engines, assert_engine_clean, loads
+
+Probe = Callable[["Target"], dict[str, Any]]
+PROBES: dict[str, Probe] = {}
+
+
+def probe(fn: Probe) -> Probe:
+    PROBES[fn.__name__] = fn
+    return fn
+
+
+class Target:
+    """One engine under test: its URL and a prompt in its tokenizer."""
+
+    def __init__(self, url: str, checkpoint: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.url = url
+        tok = AutoTokenizer.from_pretrained(checkpoint)
+        text = tok.apply_chat_template([{"role": "user", "content": "Say something."}], tokenize=False,
+                                       add_generation_prompt=True)
+        self.prompt: list[int] = list(tok.encode(text, add_special_tokens=False))
+        self.http = httpx.Client(base_url=url, timeout=120)
+        self.rids = iter(range(10**6))
+
+    def rid(self) -> str:
+        return f"diff-{next(self.rids)}-{time.monotonic_ns()}"
+
+    def generate(self, **body: Any) -> httpx.Response:
+        sp = {"temperature": 0, "max_new_tokens": 4, **body.pop("sampling_params", {})}
+        payload = {"input_ids": self.prompt, "sampling_params": sp, "return_logprob": True,
+                   "logprob_start_len": -1, "rid": self.rid(), **body}
+        return self.http.post("/generate", json=payload)
+
+
+def shape(value: Any) -> Any:
+    """The JSON shape of a value: objects keep their keys (recursively), arrays the union of their items' shapes,
+    scalars their JSON type (int and float are both 'number': SGLang's floats may be whole)."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        items: list[Any] = []
+        for item in value:
+            s = shape(item)
+            if s not in items:
+                items.append(s)
+        return items
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "null" if value is None else type(value).__name__
+
+
+def body_of(resp: httpx.Response) -> Any:
+    try:
+        return msgspec.json.decode(resp.content)
+    except msgspec.DecodeError:
+        return {"<text>": resp.text}
+
+
+def reply(resp: httpx.Response) -> dict[str, Any]:
+    return {"status": resp.status_code, "content_type": resp.headers.get("content-type", "").split(";")[0],
+            "shape": shape(body_of(resp))}
+
+
+def error(resp: httpx.Response) -> dict[str, Any]:
+    """An error reply: status, shape, and the message (SGLang's messages are fixed text up to the values)."""
+    return {**reply(resp), "body": body_of(resp)}
+
+
+# -- the probes -----------------------------------------------------------------------------------------------------
+
+@probe
+def generate_plain(t: Target) -> dict[str, Any]:
+    r = t.generate()
+    meta = r.json()["meta_info"]
+    return {**reply(r), "finish_reason": meta["finish_reason"]["type"],
+            "lengths_agree": len(meta["output_token_logprobs"]) == meta["completion_tokens"] == len(r.json()["output_ids"])}
+
+
+@probe
+def generate_stream(t: Target) -> dict[str, Any]:
+    with t.http.stream("POST", "/generate", json={
+        "input_ids": t.prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 6}, "return_logprob": True,
+        "logprob_start_len": -1, "rid": t.rid(), "stream": True,
+    }) as r:
+        raw = r.read()
+    blocks = raw.split(b"\n\n")
+    assert blocks[-1] == b"", raw[-80:]
+    events = blocks[:-1]
+    chunks = [msgspec.json.decode(e[len(b"data: "):]) for e in events[:-1]]
+    ids = [c["output_ids"] for c in chunks]
+    return {
+        "status": r.status_code, "content_type": r.headers.get("content-type", "").split(";")[0],
+        "framing": sorted({e[:6].decode() for e in events}), "last": events[-1].decode(),
+        "chunk_shapes": shape(chunks), "cumulative": all(a == b[: len(a)] for a, b in zip(ids, ids[1:], strict=False)),
+        "final_finish": chunks[-1]["meta_info"]["finish_reason"]["type"],
+        "earlier_finish": shape([c["meta_info"]["finish_reason"] for c in chunks[:-1]]),
+        "final_length": len(ids[-1]),
+    }
+
+
+@probe
+def generate_max_new_tokens_null(t: Target) -> dict[str, Any]:
+    """Without a limit SGLang runs to `context_len - 2` tokens in all (scheduler.py: max_req_len - input_len - 1)."""
+    filler = t.prompt * (1990 // len(t.prompt))
+    r = t.http.post("/generate", json={"input_ids": filler, "sampling_params": {"temperature": 0,
+                                       "max_new_tokens": None}, "rid": t.rid()})
+    meta = r.json()["meta_info"]
+    return {**reply(r), "finish_reason": meta["finish_reason"], "total": meta["prompt_tokens"] + meta["completion_tokens"]}
+
+
+@probe
+def unknown_sampling_key(t: Target) -> dict[str, Any]:
+    return error(t.generate(sampling_params={"bogus_key": 1}))
+
+
+@probe
+def prompt_too_long(t: Target) -> dict[str, Any]:
+    r = t.http.post("/generate", json={"input_ids": [t.prompt[0]] * 2100, "sampling_params": {"max_new_tokens": 4},
+                                       "rid": t.rid()})
+    return error(r)
+
+
+@probe
+def abort_running_request(t: Target) -> dict[str, Any]:
+    rid = t.rid()
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(t.http.post, "/generate", json={
+            "input_ids": t.prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 1500},
+            "return_logprob": True, "logprob_start_len": -1, "rid": rid})
+        deadline = time.monotonic() + 60
+        while loads(t.url)["num_running_reqs"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)  # a few tokens in
+        aborted = t.http.post("/abort_request", json={"rid": rid, "abort_all": False})
+        r = running.result(60)
+    meta = r.json()["meta_info"]
+    return {"abort": {"status": aborted.status_code, "body": aborted.text}, **reply(r),
+            "finish_reason": meta["finish_reason"], "partial": 0 < meta["completion_tokens"] < 1500}
+
+
+@probe
+def abort_unknown_rid(t: Target) -> dict[str, Any]:
+    r = t.http.post("/abort_request", json={"rid": "no-such-rid", "abort_all": False})
+    return {"status": r.status_code, "body": r.text}
+
+
+@probe
+def session_lifecycle(t: Target) -> dict[str, Any]:
+    opened = t.http.post("/open_session", json={"capacity_of_str_len": 10000, "streaming": True, "timeout": 60})
+    sid = opened.json()
+    first = t.generate(session_params={"id": sid})
+    second_prompt = first.json()["output_ids"] + t.prompt[-3:]
+    second = t.http.post("/generate", json={"input_ids": second_prompt, "sampling_params": {"max_new_tokens": 4,
+                         "temperature": 0}, "session_params": {"id": sid}, "rid": t.rid(), "return_logprob": True,
+                         "logprob_start_len": -1})
+    replace = t.generate(session_params={"id": sid, "replace": True})
+    closed = t.http.post("/close_session", json={"session_id": sid})
+    time.sleep(0.5)  # close is asynchronous in SGLang
+    after_close = t.generate(session_params={"id": sid})
+    unknown = t.generate(session_params={"id": "no-such-session"})
+    return {
+        "open": {"status": opened.status_code, "type": shape(sid)},
+        "first": reply(first), "second": reply(second),
+        "second_cached_covers_first": second.json()["meta_info"]["cached_tokens"] >= len(t.prompt),
+        "replace": error(replace), "close": {"status": closed.status_code, "body": closed.text},
+        "after_close": error(after_close), "unknown": error(unknown),
+    }
+
+
+@probe
+def session_concurrent_request(t: Target) -> dict[str, Any]:
+    sid = t.http.post("/open_session", json={"capacity_of_str_len": 10000, "streaming": True, "timeout": 60}).json()
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(t.generate, session_params={"id": sid}, sampling_params={"max_new_tokens": 300})
+        deadline = time.monotonic() + 60
+        while loads(t.url)["num_running_reqs"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        second = t.generate(session_params={"id": sid})
+        first = running.result(120)
+    t.http.post("/close_session", json={"session_id": sid})
+    return {"first": reply(first), "second": error(second)}
+
+
+@probe
+def admin_and_info_routes(t: Target) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path in ("/ready", "/health", "/health_generate"):
+        r = t.http.get(path)
+        out[path] = {"status": r.status_code, "body": r.text}
+    for path in ("/model_info", "/get_model_info", "/v1/models"):
+        out[path] = reply(t.http.get(path))
+    info = t.http.get("/server_info").json()
+    out["/server_info"] = {k: shape(info.get(k)) for k in ("max_total_num_tokens", "internal_states", "version",
+                                                           "weight_version", "enable_streaming_session")}
+    out["/v1/loads?include=core"] = reply(t.http.get("/v1/loads?include=core"))
+    flushed = t.http.post("/flush_cache")
+    out["/flush_cache"] = {"status": flushed.status_code, "body": flushed.text}
+    for mode in ("abort", "in_place"):
+        paused = t.http.post("/pause_generation", json={"mode": mode})
+        resumed = t.http.post("/continue_generation", json={})
+        out[f"pause[{mode}]"] = {"pause": error(paused), "continue": error(resumed)}
+    return out
+
+
+# -- the test -------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sim(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProcess]:
+    with start_sim(engines.checkpoint("qwen3-dense"), "qwen3", "--context-length", "2048", "--kv-capacity-tokens",
+                   "8192", "--enable-streaming-session", "--token-latency-ms", "20",
+                   log_dir=tmp_path_factory.mktemp("sim")) as proc:
+        yield proc
+
+
+def observe(target: Target) -> dict[str, Any]:
+    return {name: fn(target) for name, fn in PROBES.items()}
+
+
+def differences(real: Any, sim: Any, path: str = "") -> list[str]:
+    if isinstance(real, dict) and isinstance(sim, dict):
+        out = []
+        for key in sorted(set(real) | set(sim)):
+            if key not in sim:
+                out.append(f"{path}.{key}: missing in the sim (real: {real[key]!r})")
+            elif key not in real:
+                out.append(f"{path}.{key}: only in the sim ({sim[key]!r})")
+            else:
+                out += differences(real[key], sim[key], f"{path}.{key}")
+        return out
+    return [] if real == sim else [f"{path}: real {real!r} != sim {sim!r}"]
+
+
+def test_the_sim_answers_like_real_sglang(engines: Engines, sim: RunningProcess) -> None:
+    engine = engines.get("dense")
+    checkpoint = engines.checkpoint("qwen3-dense")
+    real = observe(Target(engine.url, checkpoint))
+    emulated = observe(Target(sim.url, checkpoint))
+    diff = differences(real, emulated)
+    assert not diff, "\n".join(diff)
+    assert_engine_clean(engine.url)
