@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test test-sglang test-fast lint bench bench-overhead bench-stream bench-compare soak soak-crash tokenizers clean
+.PHONY: demo test test-sglang test-fast lint bench bench-overhead bench-stream bench-compare soak soak-crash tokenizers clean nginx
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ $(TOKENIZERS)/.built: $(STAMP) scripts/build_tokenizers.py
 
 tokenizers: $(TOKENIZERS)/.built
 
+# The real load balancer of the scale-out tests and demo (deploy/): Debian's nginx, installed when missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+nginx:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive sh -c "apt-get install -y -q nginx-light || { apt-get update -q && apt-get install -y -q nginx-light; }"
+
 # Extra flags: make demo DEMO_ARGS="--journal out/journal.sqlite" (the server keeps a SQLite journal; see README).
 DEMO_ARGS ?=
 demo: $(STAMP) $(TOKENIZERS)/.built
@@ -34,7 +40,7 @@ lint: $(STAMP)
 # TEST_WORKERS pytest-xdist workers (tests/conftest.py: a module's tests share one worker and its process stack).
 # More workers than cores pays: e2e tests spend much of their time waiting on their processes.
 TEST_WORKERS ?= 3
-test: $(STAMP) $(TOKENIZERS)/.built
+test: $(STAMP) $(TOKENIZERS)/.built nginx
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -n $(TEST_WORKERS)

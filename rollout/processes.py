@@ -18,6 +18,9 @@ against the installed code).
 `start_sglang` launches the real SGLang (`python -m sglang.launch_server`) with another interpreter (its own venv) and
 the flags that serve a model on a CPU; it is ready once its cheap `GET /ready` answers (30-40 s for a tiny model).
 
+`start_nginx` runs the system's nginx (the Debian package) in the foreground on a config from `deploy.nginx`, logging to
+its output; `reload_nginx` sends it SIGHUP and waits until the new workers run.
+
 The demo, the tests (tests/support/stack.py) and the benchmarks all launch through this module.
 """
 
@@ -28,6 +31,7 @@ import ctypes
 import functools
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -367,3 +371,42 @@ def start_sglang(
     options.setdefault("startup_timeout", 300.0)
     return EngineProcess(cmd, url=f"http://{LOOPBACK}:{port}", health_path="/ready", name=name, env=env,
                          python_path=python_path, **options)
+
+NGINX_PATHS = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")
+
+
+def nginx_binary() -> str:
+    """The nginx executable (PATH first, then where Debian and source builds put it); FileNotFoundError says how to
+    get one."""
+    found = shutil.which("nginx") or next((p for p in NGINX_PATHS if os.access(p, os.X_OK)), None)
+    if found is None:
+        raise FileNotFoundError("nginx is not installed: apt-get install -y nginx-light (or nginx)")
+    return found
+
+
+def start_nginx(config: Path, port: int, **options: Unpack[LaunchOptions]) -> RunningProcess:
+    """nginx with `config` (listening on loopback `port`), in the foreground, its error log on its output; ready when
+    `GET /health` passes through it. Run as root, its workers stay root (they use the config's runtime directory,
+    which only root may enter)."""
+    globals_ = "daemon off;" + (" user root;" if os.geteuid() == 0 else "")
+    cmd = [nginx_binary(), "-e", "stderr", "-p", str(config.parent), "-c", str(config), "-g", globals_]
+    return RunningProcess(cmd, url=f"http://{LOOPBACK}:{port}", name="nginx", **options)
+
+
+def reload_nginx(proc: RunningProcess, timeout: float = 30.0) -> None:
+    """SIGHUP: nginx re-reads its config, starts new workers and lets the old ones finish their requests. Returns
+    once the master has started the new workers (needs `error_log ... notice`); a config nginx refused raises."""
+    seen = len(proc.output)
+    proc.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + timeout
+    while True:
+        proc.check_alive(" during a reload")
+        lines = proc.output[seen:]
+        refused = [line for line in lines if "[emerg]" in line or "[alert]" in line]
+        if refused:
+            raise RuntimeError(f"nginx refused the new config:\n{chr(10).join(refused)}")
+        if any("reconfiguring" in line for line in lines) and any("start worker process" in line for line in lines):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nginx did not reload in {timeout}s:\n{proc.tail()}")
+        time.sleep(0.02)

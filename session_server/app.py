@@ -41,7 +41,7 @@ logger = logging.getLogger("session_server")
 
 
 def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpened | None = None) -> ServerState:
-    registry = Registry(config.tombstones)
+    registry = Registry(config.tombstones, id_prefix=config.session_id_prefix)
     engine = build_engines(config)
     engine_sessions = EngineSessions(engine, config.session_idle_timeout) if config.engine_sessions else None
     metrics = Metrics()

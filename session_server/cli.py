@@ -204,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
         "kernel crash; full: fsync on every group commit, survives those too, at more latency per turn "
         "(default normal)",
     )
+    p.add_argument(
+        "--replica-name", default=None, metavar="NAME",
+        help="this replica's name behind a load balancer (a-z 0-9 -): the session ids it mints start with 'NAME.', "
+        "and the balancer's config (python -m deploy.nginx) routes them back to it; keep it across restarts",
+    )
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="log level")
     return p
 

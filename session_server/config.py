@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 
 from session_server.cpu_pool import DEFAULT_INLINE_BELOW_BYTES
@@ -15,6 +16,10 @@ from session_server.engine.client import ENGINE_CLIENTS
 from session_server.sessions.journal import SYNC_MODES
 from trajectory.linear import SPECIAL_TOKEN_MODES
 from trajectory.messages import MATCHER_NAMES as MATCHERS
+
+# A replica's name starts the ids it mints (`NAME.<hex>`), which a load balancer maps back to it: lowercase, short,
+# and with no dot, so the name is exactly what precedes an id's first dot.
+REPLICA_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")
 
 
 def default_cpu_workers() -> int:
@@ -65,6 +70,7 @@ class ServerConfig:
     # Data-parallel workers (--engine-url repeated); empty means just engine_url. See engine/placement.py.
     engine_urls: tuple[str, ...] = ()
     engine_health_interval: float = 5.0  # seconds between readiness/load probes of each engine; 0 = only on demand
+    replica_name: str | None = None  # behind a load balancer: minted ids are `NAME.<hex>` (deploy/nginx.py)
 
     def __post_init__(self) -> None:
         problems = []
@@ -113,10 +119,17 @@ class ServerConfig:
             problems.append(f"--special-tokens-in-content must be one of {', '.join(SPECIAL_TOKEN_MODES)}")
         if self.message_matcher not in MATCHERS:
             problems.append(f"--message-matcher must be one of {', '.join(MATCHERS)}")
+        if self.replica_name is not None and not REPLICA_NAME.fullmatch(self.replica_name):
+            problems.append("--replica-name must be 1-32 characters of a-z 0-9 -, starting with a letter")
         if not 0 <= self.port <= 65535:
             problems.append("--port must be in [0, 65535]")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def session_id_prefix(self) -> str:
+        """What every minted session id starts with: `NAME.` for a named replica, else nothing."""
+        return f"{self.replica_name}." if self.replica_name else ""
 
     @property
     def engine_bases(self) -> tuple[str, ...]:

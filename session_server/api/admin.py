@@ -22,7 +22,8 @@ from trajectory.errors import RequestValidationError
 
 
 async def health(request: Request) -> Response:
-    return json_response({"status": "ok", "instance_id": server_of(request).instance_id})
+    server = server_of(request)
+    return json_response({"status": "ok", "instance_id": server.instance_id, "replica": server.config.replica_name})
 
 
 async def ready(request: Request) -> Response:

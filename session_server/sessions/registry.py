@@ -1,6 +1,8 @@
 """Session registry: sessions by unguessable id, plus tombstones for deleted ones.
 
-Ids are 128 random bits (secrets.token_hex(16)): a session URL is a capability, so it must not be guessable. After
+Ids are 128 random bits (secrets.token_hex(16)): a session URL is a capability, so it must not be guessable. A replica
+behind a load balancer (--replica-name) prefixes them with its name and a dot, `r1.<hex>`: the balancer routes an id
+to the replica named in it (deploy/nginx.py), so a session stays where it was created whatever the pool. After
 DELETE (or the idle sweep) the id is remembered so that a late engine result or a repeated DELETE gets a 404 that says
 why instead of reviving anything, and so an id is not handed out twice. Tombstones are bounded by count, oldest
 forgotten first (`max_tombstones`, about 200 bytes each): a long-running server deletes millions of sessions, and a
@@ -20,16 +22,17 @@ from trajectory import LinearTrajectory
 
 
 class Registry:
-    def __init__(self, max_tombstones: int = 100_000) -> None:
+    def __init__(self, max_tombstones: int = 100_000, id_prefix: str = "") -> None:
         if max_tombstones < 0:
             raise ValueError("max_tombstones must be >= 0")
+        self._id_prefix = id_prefix  # "NAME." behind a load balancer, else empty
         self._sessions: dict[str, Session] = {}
         self._tombstones: OrderedDict[str, str] = OrderedDict()  # id -> why it is gone, oldest first
         self._max_tombstones = max_tombstones
 
     def create(self, trajectory: LinearTrajectory, metadata: dict[str, Any] | None = None) -> Session:
         while True:
-            sid = secrets.token_hex(16)
+            sid = self._id_prefix + secrets.token_hex(16)
             if not self.knows(sid):
                 return self.create_named(sid, trajectory, metadata)
 

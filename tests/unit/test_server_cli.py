@@ -45,6 +45,15 @@ def test_engine_url_repeats_for_data_parallel_workers() -> None:
     assert config.engine_bases == ("http://127.0.0.1:1", "http://127.0.0.1:2")
 
 
+def test_replica_name_is_the_prefix_of_minted_ids() -> None:
+    assert config_from_args(build_parser().parse_args(REQUIRED)).session_id_prefix == ""
+    config = config_from_args(build_parser().parse_args([*REQUIRED, "--replica-name", "pod-3"]))
+    assert config.session_id_prefix == "pod-3."
+    for bad in ("Pod", "3pod", "a.b", "", "x" * 33):
+        with pytest.raises(ValueError, match="--replica-name"):
+            config_from_args(build_parser().parse_args([*REQUIRED, "--replica-name", bad]))
+
+
 _CLI_LOAD = """
 import json, sys
 from session_server.cli import load_family

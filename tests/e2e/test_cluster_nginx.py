@@ -1,0 +1,175 @@
+"""Three session-server replicas behind the real nginx (Debian package), on the config `deploy.nginx` generates.
+
+Proven here: a session lives on the replica that minted it and every request naming it reaches that replica, by path
+or by X-Session-ID; client-chosen ids are placed by consistent hashing, each on one replica; a replica SIGKILLed
+mid-run answers 502 through nginx for its sessions only, the others chat on undisturbed, and once it restarts on its
+journal its sessions continue exactly where they were; a replica added to a running balancer (config rewritten,
+nginx reloaded) takes its share of new sessions and moves no live one; and a reload loses no chat in flight, streamed
+or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from rollout.cluster import LocalCluster
+from sglang_sim.directives import tokens
+from support.server import chat_url, new_session, sse_events, wait_running
+from support.stack import Fleet, FleetFactory
+
+FAMILY = "qwen3"
+REPLICAS = 3
+
+
+@pytest.fixture(scope="module")
+def fleet(fleet_factory: FleetFactory) -> Iterator[Fleet]:
+    with fleet_factory(family=FAMILY, sims=1, sim_args=["--token-latency-ms", "2"]) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def cluster(fleet: Fleet) -> Iterator[LocalCluster]:
+    c = LocalCluster(fleet.urls, fleet.tok, FAMILY, fleet.logs / "cluster", server_args=["--create-sessions-on-demand"])
+    try:
+        c.start(REPLICAS)
+        yield c
+    finally:
+        failures = c.close()
+    assert not failures, "\n".join(failures)
+
+
+def owner(sid: str) -> str:
+    return sid.split(".", 1)[0]
+
+
+def holders(cluster: LocalCluster, sid: str) -> list[str]:
+    """The replicas that know `sid`, asked directly (not through nginx)."""
+    return [name for name in cluster.procs
+            if httpx.get(f"{cluster.replica_url(name)}/sessions/{sid}", timeout=10).status_code == 200]
+
+
+class Episode:
+    """One session's history, chatted through nginx either by its session URL or at the root with X-Session-ID."""
+
+    def __init__(self, base: str, sid: str, *, root: bool = False) -> None:
+        self.base, self.sid, self.root = base, sid, root
+        self.history: list[dict[str, Any]] = []
+
+    def chat(self, text: str, n: int = 3, **extra: Any) -> httpx.Response:
+        self.history.append({"role": "user", "content": f"{text} {tokens(n)}"})
+        if self.root:
+            url, headers = f"{self.base}/v1/chat/completions", {"X-Session-ID": self.sid}
+        else:
+            url, headers = chat_url(self.base, self.sid), {}
+        r = httpx.post(url, json={"messages": self.history, **extra}, headers=headers, timeout=60)
+        if r.status_code == 200:
+            self.history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        else:
+            self.history.pop()
+        return r
+
+    def state(self, base: str | None = None) -> dict[str, Any]:
+        r = httpx.get(f"{base or self.base}/sessions/{self.sid}", timeout=10)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+
+def minted(cluster: LocalCluster, n: int) -> list[Episode]:
+    return [Episode(cluster.url, new_session(cluster.url)) for _ in range(n)]
+
+
+def test_sessions_stay_on_the_replica_that_owns_them(cluster: LocalCluster) -> None:
+    episodes = minted(cluster, 12)
+    by_owner = Counter(owner(e.sid) for e in episodes)
+    assert set(by_owner) == set(cluster.replicas) and min(by_owner.values()) >= 2, by_owner  # least_conn spreads
+    for turn in range(2):
+        for e in episodes:
+            assert e.chat(f"turn {turn}").status_code == 200
+    for e in episodes:
+        assert holders(cluster, e.sid) == [owner(e.sid)]
+        assert len(e.state()["records"]) == 2  # both turns reached the owner, through nginx
+    # Client-chosen ids at the root URL, created on first use: consistent hashing puts each on one replica.
+    chosen = [Episode(cluster.url, f"episode-{i}", root=True) for i in range(12)]
+    for turn in range(2):
+        for e in chosen:
+            assert e.chat(f"turn {turn}").status_code == 200, e.sid
+    placed = {e.sid: holders(cluster, e.sid) for e in chosen}
+    assert all(len(h) == 1 for h in placed.values()), placed
+    assert len({h[0] for h in placed.values()}) >= 2, placed
+    for e in chosen:
+        assert len(e.state()["records"]) == 2
+
+
+def test_a_killed_replica_comes_back_on_its_journal_and_disturbs_no_other(cluster: LocalCluster) -> None:
+    episodes = minted(cluster, 9)
+    for e in episodes:
+        assert e.chat("before").status_code == 200
+    victim = owner(episodes[0].sid)
+    before = {e.sid: e.state() for e in episodes}
+    cluster.kill(victim)
+    for e in episodes:
+        r = e.chat("while down")
+        if owner(e.sid) == victim:
+            assert r.status_code == 502, r.text  # nginx cannot reach the owner, and tries no other replica
+        else:
+            assert r.status_code == 200, r.text  # the other replicas' sessions carry on
+    created = [new_session(cluster.url) for _ in range(6)]  # new sessions go to the replicas that answer
+    assert victim not in {owner(s) for s in created}
+    cluster.restart(victim)
+    for e in episodes:
+        if owner(e.sid) == victim:
+            assert e.state() == before[e.sid]  # exactly what was committed before the kill
+        assert e.chat("after").status_code == 200
+        assert len(e.state()["records"]) == (2 if owner(e.sid) == victim else 3)
+
+
+def test_an_added_replica_moves_no_live_session(cluster: LocalCluster) -> None:
+    episodes = minted(cluster, 9)
+    chosen = [Episode(cluster.url, f"live-{i}", root=True) for i in range(9)]
+    for e in episodes + chosen:
+        assert e.chat("before").status_code == 200
+    placed = {e.sid: holders(cluster, e.sid) for e in chosen}
+    added = cluster.add_replica()
+    for e in episodes + chosen:
+        assert e.chat("after").status_code == 200, e.sid  # its owner answered: it holds the first turn
+    assert {e.sid: holders(cluster, e.sid) for e in chosen} == placed
+    new = Counter(owner(new_session(cluster.url)) for _ in range(40))
+    assert set(new) == set(cluster.replicas), new
+    assert 5 <= new[added] <= 15, new  # about a quarter
+    fresh = [Episode(cluster.url, f"fresh-{i}", root=True) for i in range(8)]
+    for e in fresh:
+        assert e.chat("first").status_code == 200
+        assert holders(cluster, e.sid) != [added]  # the ring is fixed while client-chosen sessions live
+
+
+def test_a_reload_loses_no_chat_in_flight(cluster: LocalCluster, fleet: Fleet) -> None:
+    episodes = minted(cluster, 4)
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            def post(e: Episode, stream: bool) -> Any:
+                body = {"messages": [{"role": "user", "content": f"long {tokens(400)}"}], "stream": stream}
+                return http.post(chat_url(cluster.url, e.sid), json=body)
+
+            chats = [asyncio.ensure_future(post(e, stream=i % 2 == 1)) for i, e in enumerate(episodes)]
+            await wait_running(fleet.urls[0], len(episodes))
+            await asyncio.to_thread(cluster.reload)
+            assert not any(c.done() for c in chats), "the chats ended before the reload: make them longer"
+            return list(await asyncio.gather(*chats))
+
+    replies = asyncio.run(main())
+    for i, r in enumerate(replies):
+        assert r.status_code == 200, r.text
+        if i % 2:
+            events = sse_events(r.content)
+            assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 401  # 400 tokens and the stop token
+    for e in episodes:
+        assert len(e.state()["records"]) == 1

@@ -1,0 +1,58 @@
+"""deploy/: the replica list and the generated nginx config (its routing is proven against the real nginx in
+tests/e2e/test_cluster_nginx.py; here, what the generator refuses and that nginx itself accepts what it writes)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from deploy.nginx import main, render_nginx
+from deploy.replicas import Replica, parse_replica
+from rollout.processes import nginx_binary
+
+
+def test_replica_specs() -> None:
+    assert parse_replica("r0=10.0.0.1:8000") == Replica("r0", "10.0.0.1", 8000)
+    assert parse_replica("pod-7=[::1]:9") == Replica("pod-7", "[::1]", 9)
+    for bad in ("r0", "r0=host", "r0=host:0", "r0=host:x", "=h:1", "R0=h:1", "r.0=h:1", "0r=h:1", "r0=:80"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_replica(bad)
+
+
+def test_the_generator_refuses_what_would_split_a_session() -> None:
+    a, b = Replica("a", "h", 1), Replica("b", "h", 2)
+    with pytest.raises(ValueError, match="replica name given twice: a"):
+        render_nginx([a, Replica("a", "h", 3)])
+    with pytest.raises(ValueError, match="replica address given twice: h:1"):
+        render_nginx([a, Replica("c", "h", 1)])
+    with pytest.raises(ValueError, match="--ring names no replica: z"):
+        render_nginx([a, b], ring=["a", "z"])
+    with pytest.raises(ValueError, match="at least one"):
+        render_nginx([])
+
+
+def test_every_replica_is_pinned_and_only_ring_members_hash() -> None:
+    text = render_nginx([Replica("a", "h", 1), Replica("b", "h", 2), Replica("c", "h", 3)], ring=["a", "b"])
+    for name, port in (("a", 1), ("b", 2), ("c", 3)):
+        assert f"        {name} session_{name};\n" in text
+        assert f"upstream session_{name} {{\n        server h:{port};" in text
+    ring = text.split("upstream session_ring {", 1)[1].split("}", 1)[0]
+    assert "server h:1 max_fails=0;" in ring and "server h:2 max_fails=0;" in ring and "h:3" not in ring
+
+
+def test_nginx_accepts_the_generated_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        binary = nginx_binary()
+    except FileNotFoundError:
+        pytest.skip("nginx is not installed (make test installs it)")
+    conf = tmp_path / "nginx.conf"
+    args = ["--replica", "r0=127.0.0.1:8001", "--replica", "r1=127.0.0.1:8002", "--runtime-dir", str(tmp_path)]
+    assert main([*args, "-o", str(conf)]) == 0
+    assert main(args) == 0
+    assert capsys.readouterr().out == conf.read_text()
+    check = subprocess.run([binary, "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(conf)],
+                           capture_output=True, text=True, check=False)
+    assert check.returncode == 0, check.stderr
