@@ -5,12 +5,14 @@ or by X-Session-ID; client-chosen ids are placed by consistent hashing, each on 
 mid-run answers 502 through nginx for its sessions only, the others chat on undisturbed, and once it restarts on its
 journal its sessions continue exactly where they were; a replica added to a running balancer (config rewritten,
 nginx reloaded) takes its share of new sessions and moves no live one; and a reload loses no chat in flight, streamed
-or not.
+or not; and one `session-server-admin` call pauses, continues and reads every replica, naming one that does not
+answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from deploy.admin import main as admin_main
 from rollout.cluster import LocalCluster
 from sglang_sim.directives import tokens
 from support.server import chat_url, new_session, sse_events, wait_running
@@ -173,3 +176,53 @@ def test_a_reload_loses_no_chat_in_flight(cluster: LocalCluster, fleet: Fleet) -
             assert r.json()["usage"]["completion_tokens"] == 401  # 400 tokens and the stop token
     for e in episodes:
         assert len(e.state()["records"]) == 1
+
+
+def admin(cluster: LocalCluster, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
+    """`session-server-admin --json ARGS` over every replica: its exit code and its per-replica answers."""
+    replicas = [flag for r in cluster.replicas.values() for flag in ("--replica", f"{r.name}={r.address}")]
+    code = admin_main([*replicas, "--json", *args])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_one_admin_call_pauses_and_continues_every_replica(
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    episodes = {owner(e.sid): e for e in minted(cluster, 3 * len(cluster.replicas))}
+    assert set(episodes) == set(cluster.replicas)
+    code, health = admin(cluster, capsys, "health")
+    assert code == 0 and all(h["ok"] and h["value"]["replica"] == name for name, h in health.items()), health
+    code, paused = admin(cluster, capsys, "pause")
+    assert code == 0 and {p["value"]["status"] for p in paused.values()} == {"paused"}, paused
+    for e in episodes.values():
+        r = e.chat("paused")
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+    code, metrics = admin(cluster, capsys, "metrics")
+    assert code == 0 and all(m["value"]["paused"] == 1 for m in metrics.values()), metrics
+    assert admin(cluster, capsys, "continue")[0] == 0
+    for e in episodes.values():
+        assert e.chat("running").status_code == 200
+    code, metrics = admin(cluster, capsys, "metrics")
+    assert all(m["value"]["paused"] == 0 and m["value"]["sessions"] >= 3 for m in metrics.values()), metrics
+
+
+def test_a_replica_that_does_not_answer_is_named(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster.kill("r0")
+    try:
+        code, paused = admin(cluster, capsys, "pause", "--mode", "abort")
+        assert code == 1
+        assert not paused["r0"]["ok"] and paused["r0"]["error"].startswith("unreachable"), paused["r0"]
+        assert all(p["ok"] for name, p in paused.items() if name != "r0"), paused
+        assert admin(cluster, capsys, "continue")[0] == 1
+        replicas = [flag for r in cluster.replicas.values() for flag in ("--replica", f"{r.name}={r.address}")]
+        assert admin_main([*replicas, "health"]) == 1
+        table = capsys.readouterr().out
+        assert f"r0  {cluster.replicas['r0'].address}  FAIL  unreachable" in table, table
+        assert f"{len(cluster.replicas) - 1}/{len(cluster.replicas)} replicas ok; failed: r0" in table, table
+    finally:
+        cluster.restart("r0")
+    # A replica listed under another name than its own --replica-name would get the wrong ids from nginx.
+    swapped = [f"r0={cluster.replicas['r1'].address}", f"r1={cluster.replicas['r0'].address}"]
+    assert admin_main(["--replica", swapped[0], "--replica", swapped[1], "--json", "health"]) == 1
+    answers = json.loads(capsys.readouterr().out)
+    assert "answers as replica 'r1', not 'r0'" in answers["r0"]["error"], answers

@@ -1,15 +1,19 @@
-"""deploy/: the replica list and the generated nginx config (its routing is proven against the real nginx in
-tests/e2e/test_cluster_nginx.py; here, what the generator refuses and that nginx itself accepts what it writes)."""
+"""deploy/: the replica list, the generated nginx and Prometheus configs, the admin CLI's reading of /metrics (the
+routing and the admin plane are proven against real replicas and the real nginx in tests/e2e/test_cluster_nginx.py;
+here, what the generators refuse and that nginx itself accepts what it writes)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from deploy.admin import metric_values
 from deploy.nginx import main, render_nginx
+from deploy.prometheus import scrape_config
 from deploy.replicas import Replica, parse_replica
 from rollout.processes import nginx_binary
 
@@ -56,3 +60,24 @@ def test_nginx_accepts_the_generated_config(tmp_path: Path, capsys: pytest.Captu
     check = subprocess.run([binary, "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(conf)],
                            capture_output=True, text=True, check=False)
     assert check.returncode == 0, check.stderr
+
+
+def test_prometheus_scrapes_each_replica_directly_under_its_name() -> None:
+    doc = json.loads(scrape_config([Replica("r0", "10.0.0.1", 8000), Replica("r1", "10.0.0.2", 8000)]))
+    (job,) = doc["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"] == [{"targets": ["10.0.0.1:8000"], "labels": {"replica": "r0"}},
+                                     {"targets": ["10.0.0.2:8000"], "labels": {"replica": "r1"}}]
+    with pytest.raises(ValueError, match="given twice"):
+        scrape_config([Replica("r0", "h", 1), Replica("r0", "h", 2)])
+
+
+def test_admin_reads_the_live_state_from_a_real_exposition() -> None:
+    from session_server.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.watch("sessions", "live sessions", lambda: 7)
+    metrics.watch("paused", "paused", lambda: 1)
+    metrics.sessions_created.inc(3)
+    values = metric_values(metrics.render().decode())
+    assert values["sessions"] == 7 and values["paused"] == 1 and values["sessions_created_total"] == 3
