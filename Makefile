@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test test-sglang test-fast lint bench bench-overhead bench-stream bench-compare soak soak-crash tokenizers clean nginx
+.PHONY: demo test test-sglang test-fast lint bench bench-overhead bench-stream bench-compare soak soak-crash tokenizers clean nginx demo-cluster
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ nginx:
 DEMO_ARGS ?=
 demo: $(STAMP) $(TOKENIZERS)/.built
 	$(PY) -m scripts.demo --tokenizers $(TOKENIZERS) $(DEMO_ARGS)
+
+# The demo through nginx in front of 3 session-server replicas over 2 emulated engines (deploy/, scripts/demo_cluster.py);
+# prints per-replica sessions and chats. Extra flags: make demo-cluster CLUSTER_ARGS="--replicas 2 --episodes 128".
+CLUSTER_ARGS ?=
+demo-cluster: $(STAMP) $(TOKENIZERS)/.built nginx
+	$(PY) -m scripts.demo_cluster --tokenizers $(TOKENIZERS) $(CLUSTER_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

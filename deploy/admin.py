@@ -32,6 +32,7 @@ TOKEN_ENV = "SESSION_SERVER_ADMIN_TOKEN"
 # The live-state gauges and lifecycle counters `metrics` shows per replica (session_server/metrics.py names them).
 METRICS = ("sessions", "in_flight", "paused", "sessions_created_total", "sessions_deleted_total", "engines_healthy")
 PREFIX = "session_server_"
+CHAT_ROUTE = "/v1/chat/completions"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +59,20 @@ class Command:
 
 
 def metric_values(text: str) -> dict[str, float]:
-    """The METRICS samples of a /metrics exposition (unlabelled, or summed over labels)."""
-    values: dict[str, float] = {}
+    """What `metrics` shows of a /metrics exposition: the METRICS samples (summed over labels), `chats` (chat
+    completions answered 200, by session URL or at the root) and `errors` (responses with a 5xx status)."""
+    values: dict[str, float] = {"chats": 0.0, "errors": 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name.removeprefix(PREFIX)
-            if sample.name.startswith(PREFIX) and name in METRICS:
+            if not sample.name.startswith(PREFIX):
+                continue
+            if name in METRICS:
                 values[name] = values.get(name, 0.0) + sample.value
+            elif name == "responses_total":
+                status, route = sample.labels["status"], sample.labels["route"]
+                values["chats"] += sample.value if status == "200" and route.endswith(CHAT_ROUTE) else 0.0
+                values["errors"] += sample.value if status.startswith("5") else 0.0
     return values
 
 
@@ -77,7 +85,7 @@ def _health_summary(v: Any) -> str:
 
 
 def _metrics_summary(v: Any) -> str:
-    return ", ".join(f"{k} {v[k]:g}" for k in METRICS if k in v)
+    return ", ".join(f"{k} {v[k]:g}" for k in (*METRICS, "chats", "errors") if k in v)
 
 
 def _sessions_summary(v: Any) -> str:
@@ -86,16 +94,19 @@ def _sessions_summary(v: Any) -> str:
     return f"{len(live)} sessions, {busy} with a chat in flight"
 
 
+CONTINUE = Command("POST", "/admin/continue", lambda v: str(v["status"]))
+HEALTH = Command("GET", "/health", _health_summary)
+METRICS_TEXT = Command("GET", "/metrics", _metrics_summary, json_reply=False, parse=metric_values)
+SESSIONS = Command("GET", "/admin/sessions", _sessions_summary)
+
+
+def pause(mode: str) -> Command:
+    return Command("POST", "/admin/pause", _pause_summary, body={"mode": mode})
+
+
 def command(args: argparse.Namespace) -> Command:
-    if args.command == "pause":
-        return Command("POST", "/admin/pause", _pause_summary, body={"mode": args.mode})
-    if args.command == "continue":
-        return Command("POST", "/admin/continue", lambda v: str(v["status"]))
-    if args.command == "health":
-        return Command("GET", "/health", _health_summary)
-    if args.command == "metrics":
-        return Command("GET", "/metrics", _metrics_summary, json_reply=False, parse=metric_values)
-    return Command("GET", "/admin/sessions", _sessions_summary)
+    fixed = {"continue": CONTINUE, "health": HEALTH, "metrics": METRICS_TEXT, "sessions": SESSIONS}
+    return pause(args.mode) if args.command == "pause" else fixed[args.command]
 
 
 async def _one(http: httpx.AsyncClient, replica: Replica, cmd: Command, headers: dict[str, str]) -> Outcome:
@@ -111,7 +122,7 @@ async def _one(http: httpx.AsyncClient, replica: Replica, cmd: Command, headers:
         value: Any = reply.json() if cmd.json_reply else cmd.parse(reply.text) if cmd.parse else reply.text
     except ValueError as exc:
         return Outcome(replica, error=f"unreadable answer: {exc}")
-    if cmd.path == "/health" and value.get("replica") != replica.name:
+    if cmd is HEALTH and value.get("replica") != replica.name:
         return Outcome(replica, value, error=(
             f"answers as replica {value.get('replica')!r}, not {replica.name!r}: the balancer routes {replica.name}.* "
             f"ids to this address (start it with --replica-name {replica.name})"))

@@ -79,5 +79,11 @@ def test_admin_reads_the_live_state_from_a_real_exposition() -> None:
     metrics.watch("sessions", "live sessions", lambda: 7)
     metrics.watch("paused", "paused", lambda: 1)
     metrics.sessions_created.inc(3)
+    for route, status, n in (("/sessions/{session_id}/v1/chat/completions", 200, 4), ("/v1/chat/completions", 200, 2),
+                             ("/sessions/{session_id}/v1/chat/completions", 503, 5), ("/sessions", 200, 9),
+                             ("/sessions/{session_id}/v1/chat/completions", 409, 1), ("/sessions", 500, 1)):
+        for _ in range(n):
+            metrics.response(route, "POST", status)
     values = metric_values(metrics.render().decode())
     assert values["sessions"] == 7 and values["paused"] == 1 and values["sessions_created_total"] == 3
+    assert values["chats"] == 6 and values["errors"] == 6
