@@ -13,13 +13,12 @@ over `--ring` (default: every replica); keep the ring fixed while such sessions 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import jinja2
 
-from .replicas import Replica, add_replica_flag, check_unique
+from .replicas import Replica, add_output_flag, add_replica_flag, check_unique, emit_config
 
 TEMPLATE = Path(__file__).with_name("nginx.conf.j2")
 
@@ -72,23 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-timeout", type=int, default=3600,
                    help="seconds a chat may take; above the replicas' --request-timeout (default %(default)s)")
     p.add_argument("--runtime-dir", type=Path, help="directory for the pid file and temp files (default: nginx's)")
-    p.add_argument("-o", "--out", type=Path, help="write here instead of stdout")
+    add_output_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        text = render_nginx(args.replicas, listen=args.listen, ring=args.ring, workers=args.workers,
-                            read_timeout=args.read_timeout, runtime_dir=args.runtime_dir)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.out is None:
-        sys.stdout.write(text)
-    else:
-        args.out.write_text(text)
-    return 0
+    return emit_config(parser, args.out, lambda: render_nginx(
+        args.replicas, listen=args.listen, ring=args.ring, workers=args.workers, read_timeout=args.read_timeout,
+        runtime_dir=args.runtime_dir,
+    ))
 
 
 if __name__ == "__main__":

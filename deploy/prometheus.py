@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from .replicas import Replica, add_replica_flag, check_unique
+from .replicas import Replica, add_output_flag, add_replica_flag, check_unique, emit_config
 
 
 def scrape_config(replicas: Sequence[Replica], *, job: str = "session-server", interval: str = "15s") -> str:
@@ -34,17 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     add_replica_flag(p)
     p.add_argument("--job", default="session-server", help="the job name (default %(default)s)")
     p.add_argument("--interval", default="15s", help="scrape interval (default %(default)s)")
-    p.add_argument("-o", "--out", type=Path, help="write here instead of stdout")
+    add_output_flag(p)
     args = p.parse_args(argv)
-    try:
-        text = scrape_config(args.replicas, job=args.job, interval=args.interval)
-    except ValueError as exc:
-        p.error(str(exc))
-    if args.out is None:
-        sys.stdout.write(text)
-    else:
-        args.out.write_text(text)
-    return 0
+    return emit_config(p, args.out, lambda: scrape_config(args.replicas, job=args.job, interval=args.interval))
 
 
 if __name__ == "__main__":

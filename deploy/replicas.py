@@ -7,8 +7,10 @@ must be the replica's `--replica-name` and must stay with the replica's address 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from session_server.config import REPLICA_NAME
 
@@ -55,3 +57,20 @@ def add_replica_flag(parser: argparse.ArgumentParser) -> None:
         "--replica", dest="replicas", action="append", type=parse_replica, required=True, metavar="NAME=HOST:PORT",
         help="a session-server replica started with --replica-name NAME on HOST:PORT; repeat for each",
     )
+
+
+def add_output_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--out", type=Path, help="write here instead of stdout")
+
+
+def emit_config(parser: argparse.ArgumentParser, out: Path | None, render: Callable[[], str]) -> int:
+    """A config command's end: `render()` written to `out` (or stdout); a ValueError it raises is a usage error."""
+    try:
+        text = render()
+    except ValueError as exc:
+        parser.error(str(exc))
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.write_text(text)
+    return 0
