@@ -372,6 +372,7 @@ def start_sglang(
     return EngineProcess(cmd, url=f"http://{LOOPBACK}:{port}", health_path="/ready", name=name, env=env,
                          python_path=python_path, **options)
 
+
 NGINX_PATHS = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")
 
 
