@@ -1,4 +1,5 @@
-"""Incremental OpenAI deltas from a growing completion text, never contradicting the final parse.
+"""Incremental OpenAI deltas from a growing completion text, never contradicting the final parse, in work proportional
+to the new text.
 
 Why not a separate streaming parser per family: the committed assistant message is `family.parse_reply` of the final
 text, and an agent rebuilds its history from the deltas it saw; if the two ever disagreed, the next turn would not
@@ -9,15 +10,29 @@ after reasoning), an incomplete UTF-8 character. Whatever the parse of that pref
 is the delta, as long as it extends what was sent; otherwise it waits. `finish` checks the final parse against
 everything sent, so a stream can never silently diverge from what is committed.
 
+Why it stays linear: re-parsing the whole settled text on every engine event costs O(n) per event, O(n^2) per reply
+(a 16k-token reply streamed one token per event re-parsed megabytes per token). But between markers a reply is plain
+text that the parser copies verbatim into one field (reasoning or content). So after each full parse the tracker
+asks the parser itself whether the settled text ends in such a quiet place: it parses the settled text with a probe
+of plain text and whitespace appended, and if exactly that probe lands at the end of one field (and everything sent
+equals the parse), later text that brings no marker is appended to that field without parsing, holding back
+trailing whitespace (a parser may strip it at the end of a field) and any partial marker. Text that brings a
+marker goes through the full parse again; text inside an unclosed tool-call block waits for the block's end without
+parsing. Parses are then proportional to the markers in a reply, not to its events, and the property tests
+(tests/unit/test_turn_deltas.py) hold every registered family to "the deltas assemble to the final message".
+
 Pure and synchronous: no I/O, usable from a worker thread or the loop.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from trajectory import ModelFamily
+
+# Plain text the quiet check appends: whitespace of every kind a parser might strip next to a marker, then a letter.
+_PROBE = "\n\n \t\r\nx"
+_HELD = "\r\n \t\ufffd"  # trailing characters the quick path holds back (whitespace, an incomplete character)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -42,40 +57,190 @@ def _growth(text: str, sent: str, final: bool, what: str) -> str:
     return ""
 
 
-@dataclass
-class DeltaTracker:
-    family: ModelFamily
-    call_id_prefix: str
-    parse_tool_calls: bool = True
-    reasoning_sent: str = ""
-    content_sent: str = ""
-    calls_sent: list[tuple[str, str]] = field(default_factory=list)
+class _Pieces:
+    """A string built by appending, O(new) per append; joined (once) only when the whole is read."""
 
-    def _markers(self) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
-        think = getattr(self.family, "reasoning_markers", None)
-        calls = getattr(self.family, "tool_call_markers", None) if self.parse_tool_calls else None
-        return think, calls
+    __slots__ = ("_pieces", "length")
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self.length = 0
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            self.length += len(piece)
+
+    def set(self, text: str) -> None:
+        self._pieces = [text] if text else []
+        self.length = len(text)
+
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def tail(self, start: int) -> str:
+        """The text from `start` on, reading only the pieces that hold it."""
+        need = self.length - max(0, start)
+        taken: list[str] = []
+        got = 0
+        for piece in reversed(self._pieces):
+            if got >= need:
+                break
+            taken.append(piece)
+            got += len(piece)
+        joined = "".join(reversed(taken))
+        return joined[len(joined) - need:] if need > 0 else ""
+
+
+class DeltaTracker:
+    """The deltas of one streamed reply: feed it the text as it grows (`extend` a piece, or `update` with the whole
+    text so far), then `finish` with the committed message."""
+
+    def __init__(self, family: ModelFamily, call_id_prefix: str, parse_tool_calls: bool = True) -> None:
+        self.family = family
+        self.call_id_prefix = call_id_prefix
+        self.parse_tool_calls = parse_tool_calls
+        self._reasoning = _Pieces()
+        self._content = _Pieces()
+        self.calls_sent: list[tuple[str, str]] = []
+        self._text = _Pieces()  # everything received
+        self._think = getattr(family, "reasoning_markers", None)
+        self._calls = getattr(family, "tool_call_markers", None) if parse_tool_calls else None
+        self._markers = tuple(m for pair in (self._think, self._calls) if pair for m in pair)
+        self._overlap = max((len(m) for m in self._markers), default=1) - 1
+        self._prefixes = frozenset(m[:n] for m in self._markers for n in range(1, len(m)))  # partial markers
+        self._starts = frozenset(m[0] for m in self._markers)
+        self._settled_end = 0  # the text up to here is sent (as far as its parse says)
+        self._quiet: str | None = None  # the field plain text after _settled_end extends verbatim, if known
+        self._open_call: int | None = None  # where an unclosed tool-call block starts, while waiting for its end
+
+    @property
+    def reasoning_sent(self) -> str:
+        return self._reasoning.text()
+
+    @property
+    def content_sent(self) -> str:
+        return self._content.text()
+
+    # -- feeding --------------------------------------------------------------------------------------------------
+
+    def update(self, text: str) -> dict[str, Any] | None:
+        """The delta for the completion text so far (None: nothing new is settled). `text` extends every earlier
+        one, except that a trailing incomplete character (U+FFFD) may be completed later."""
+        known = self._text.length
+        stored = self._text.tail(known - 1) if known else ""
+        if stored == "\ufffd":  # the character it stood for may have arrived: take the text from there again
+            known -= self._drop_last()
+        return self.extend(text[known:]) if len(text) > known else None
+
+    def _drop_last(self) -> int:
+        text = self._text.text()
+        kept = text.rstrip("\ufffd")
+        self._text.set(kept)
+        self._settled_end = min(self._settled_end, len(kept))
+        return len(text) - len(kept)
+
+    def extend(self, piece: str) -> dict[str, Any] | None:
+        """The delta after `piece` is appended to the completion text (None: nothing new is settled)."""
+        if not piece:
+            return None
+        start = self._text.length
+        self._text.append(piece)
+        if not self._markers:
+            return None  # a family without declared markers: everything is sent at the end
+        window = self._text.tail(start - self._overlap)  # the new text and enough before it to see a marker
+        if self._open_call is not None:
+            assert self._calls is not None
+            if self._calls[1] not in self._text.tail(max(self._open_call, start - self._overlap)):
+                return None  # the block is still open: nothing before it changes, nothing in it is sent yet
+            self._open_call = None
+        elif self._quiet is not None and not any(m in window for m in self._markers):
+            return self._plain()
+        return self._parse()
+
+    def _plain(self) -> dict[str, Any] | None:
+        """Text without markers after a quiet place: appended to the quiet field as it is, trailing whitespace,
+        incomplete characters and partial markers held back."""
+        assert self._quiet is not None
+        fresh = self._text.tail(self._settled_end)
+        cut = len(fresh.rstrip(_HELD))
+        cut -= self._partial_marker(fresh[:cut])
+        cut = len(fresh[:cut].rstrip(_HELD))  # the separator before a marker is the parser's to drop
+        if cut <= 0:
+            return None
+        added = fresh[:cut]
+        self._settled_end += cut
+        if self._quiet == "reasoning":
+            self._reasoning.append(added)
+            return {"reasoning_content": added}
+        self._content.append(added)
+        return {"content": added}
+
+    def _partial_marker(self, text: str) -> int:
+        """Length of the longest proper prefix of any marker that `text` ends with."""
+        end = text[-self._overlap:]
+        if not any(c in end for c in self._starts):
+            return 0
+        return next((n for n in range(min(self._overlap, len(text)), 0, -1) if text[-n:] in self._prefixes), 0)
+
+    def _parse(self) -> dict[str, Any] | None:
+        """The full parse of the settled text; afterwards, whether the next plain text can skip it."""
+        self._quiet = None
+        settled, self._open_call = self._settle(self._text.text())
+        if settled is None:
+            return None
+        parsed = self.family.parse_reply(settled, self.parse_tool_calls)
+        delta = self._diff(parsed.reasoning_content, parsed.content, parsed.tool_calls, final=False)
+        self._settled_end = len(settled)
+        if self._open_call is None and self._sent_is(parsed):
+            self._quiet = self._quiet_field(settled, parsed)
+        return delta
+
+    def _sent_is(self, parsed: Any) -> bool:
+        return (self.reasoning_sent == (parsed.reasoning_content or "") and self.content_sent == parsed.content
+                and self.calls_sent == [(c.name, c.arguments) for c in parsed.tool_calls])
+
+    def _quiet_field(self, settled: str, parsed: Any) -> str | None:
+        """The field that plain text appended to `settled` extends verbatim, as the parser itself says."""
+        probe = self.family.parse_reply(settled + _PROBE, self.parse_tool_calls)
+        if [(c.name, c.arguments) for c in probe.tool_calls] != self.calls_sent:
+            return None
+        if probe.reasoning_content == parsed.reasoning_content and probe.content == parsed.content + _PROBE:
+            return "content"
+        if (parsed.reasoning_content is not None and probe.content == parsed.content
+                and probe.reasoning_content == parsed.reasoning_content + _PROBE):
+            return "reasoning"
+        return None
 
     def settled(self, text: str) -> str | None:
         """The prefix of `text` whose parse cannot change any more; None when nothing can be said yet."""
-        think, calls = self._markers()
+        return self._settle(text)[0]
+
+    def _settle(self, text: str) -> tuple[str | None, int | None]:
+        """`settled(text)`, and where an unclosed tool-call block starts (None: no such block)."""
+        think, calls = self._think, self._calls
         if think is None and calls is None:
-            return None  # a family without declared markers: everything is sent at the end
+            return None, None  # a family without declared markers: everything is sent at the end
         cut = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes as U+FFFD until it is complete
         text = text[:cut]
         if think is not None and len(text) < len(think[0]) and think[0].startswith(text):
-            return None  # could still become the reasoning block
+            return None, None  # could still become the reasoning block
+        open_call = None
         if calls is not None:
             opened = text.rfind(calls[0])
             if opened >= 0 and text.find(calls[1], opened) < 0:
-                cut = opened  # an unclosed tool-call block
+                cut = open_call = opened  # an unclosed tool-call block
             else:
                 cut -= _partial_suffix(text[:cut], calls[0])
         if think is not None and text.startswith(think[0]) and think[1] not in text:
             cut -= _partial_suffix(text[:cut], think[1])
         while cut > 0 and text[cut - 1] in "\r\n":
             cut -= 1
-        return text[:cut]
+        return text[:cut], open_call
+
+    # -- deltas ---------------------------------------------------------------------------------------------------
 
     def _diff(self, reasoning: str | None, content: str, calls: list[Any], final: bool) -> dict[str, Any] | None:
         delta: dict[str, Any] = {}
@@ -83,13 +248,13 @@ class DeltaTracker:
             grown = _growth(reasoning, self.reasoning_sent, final, "reasoning")
             if grown:
                 delta["reasoning_content"] = grown
-                self.reasoning_sent = reasoning
-        elif final and self.reasoning_sent:
+                self._reasoning.set(reasoning)
+        elif final and self._reasoning.length:
             raise StreamDivergedError("streamed reasoning vanished from the final parse")
         grown = _growth(content, self.content_sent, final, "content")
         if grown:
             delta["content"] = grown
-            self.content_sent = content
+            self._content.set(content)
         seen = [(call.name, call.arguments) for call in calls]
         sent = len(self.calls_sent)
         if seen[:sent] != self.calls_sent:
@@ -104,21 +269,15 @@ class DeltaTracker:
             self.calls_sent = seen
         return delta or None
 
-    def update(self, text: str) -> dict[str, Any] | None:
-        """The delta for the completion text so far (None: nothing new is settled)."""
-        settled = self.settled(text)
-        if settled is None:
-            return None
-        parsed = self.family.parse_reply(settled, self.parse_tool_calls)
-        return self._diff(parsed.reasoning_content, parsed.content, parsed.tool_calls, final=False)
-
     def finish(self, message: dict[str, Any]) -> dict[str, Any] | None:
         """The rest of the final, committed message (as `ParsedCompletion.to_message` wrote it)."""
         calls = [_Call(tc["function"]["name"], tc["function"]["arguments"]) for tc in message.get("tool_calls") or []]
         return self._diff(message.get("reasoning_content"), message.get("content") or "", calls, final=True)
 
 
-@dataclass(frozen=True, slots=True)
 class _Call:
-    name: str
-    arguments: str
+    __slots__ = ("arguments", "name")
+
+    def __init__(self, name: str, arguments: str) -> None:
+        self.name = name
+        self.arguments = arguments

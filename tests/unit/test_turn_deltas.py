@@ -1,4 +1,6 @@
-"""DeltaTracker: deltas streamed from any prefix sequence of a reply always assemble to the final parse."""
+"""DeltaTracker: deltas streamed from any prefix sequence (or any split into pieces) of a reply always assemble to the
+final parse, for every registered family with a tokenizer here; and plain text between markers is not re-parsed
+per event."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 
 from session_server.turns.deltas import DeltaTracker
 from trajectory import get_family
+from trajectory.families.registry import family_names
 
 _text = st.lists(st.sampled_from([*"ab \n<>/{}\"'tol_c", "é", "\n\n", "</think>", "<tool_call>", "</tool_call>"]),
                  max_size=20).map("".join)
@@ -19,15 +22,26 @@ _calls = st.lists(st.tuples(st.sampled_from(["add", "lookup"]),
                   max_size=3)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "deepseek"])
+@pytest.fixture(scope="module", params=family_names())
 def family(request: pytest.FixtureRequest, hf_tokenizers: dict[str, Any]) -> Any:
+    if request.param not in hf_tokenizers:
+        pytest.skip(f"no offline tokenizer for {request.param}")
     return get_family(request.param, hf_tokenizers[request.param])
 
 
-def _assemble(family: Any, text: str, cuts: list[int], parse_tool_calls: bool = True) -> dict[str, Any]:
+def _assemble(family: Any, text: str, cuts: list[int], parse_tool_calls: bool = True, feed: str = "update",
+              partial: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """Feed `text` cut at `cuts` -- as growing prefixes (`update`, where a prefix cut at a `partial` position ends in
+    U+FFFD, as an incomplete character decodes until the engine has it whole) or as pieces (`extend`) -- then check
+    that the deltas assemble to the final message."""
     tracker = DeltaTracker(family, "call_x", parse_tool_calls)
     out: dict[str, Any] = {"content": "", "reasoning_content": "", "tool_calls": []}
-    deltas = [tracker.update(text[:cut]) for cut in sorted(cuts)]
+    bounds = sorted(cuts)
+    if feed == "extend":
+        deltas = [tracker.extend(text[a:b]) for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+    else:
+        deltas = [tracker.update(text[:cut] + ("\ufffd" if cut in partial else "")) for cut in bounds]
+        deltas.append(tracker.update(text))
     final = family.parse_reply(text, parse_tool_calls).to_message("call_x")
     deltas.append(tracker.finish(final))
     for delta in deltas:
@@ -51,6 +65,53 @@ def test_any_chunking_assembles_to_the_final_message(family: Any, content: str, 
     _assemble(family, text, cuts)
     _assemble(family, text, cuts, parse_tool_calls=False)
     _assemble(family, text[: data.draw(st.integers(0, len(text)))], cuts)  # cut by length anywhere
+    _assemble(family, text, cuts, feed="extend")
+    _assemble(family, text, cuts, parse_tool_calls=False, feed="extend")
+    _assemble(family, text, cuts, partial=frozenset(data.draw(st.lists(st.sampled_from(cuts or [0]), max_size=3))))
+
+
+_soup = st.lists(st.sampled_from([*"ab \n\t<>/{}\"'", "é", "\n\n", "<think>", "</think>", "<tool_call>",
+                                  "</tool_call>", '{"name": "add", "arguments": {}}', "<thi", "</tool", "\ufffd"]),
+                 max_size=30).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_soup, data=st.data())
+def test_any_split_of_any_text_assembles_to_the_final_message(family: Any, text: str, data: Any) -> None:
+    """Not only what the model would write: any text, markers anywhere, split anywhere."""
+    markers = [m for pair in (family.reasoning_markers, family.tool_call_markers) if pair for m in pair]
+    text = text.replace("<think>", markers[0] if markers else "") if data.draw(st.booleans()) else text
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    for parse_tool_calls in (True, False):
+        _assemble(family, text, cuts, parse_tool_calls, feed="extend")
+        _assemble(family, text, cuts, parse_tool_calls)
+
+
+def test_plain_text_between_markers_is_not_reparsed_per_event(family: Any) -> None:
+    """A long reply fed a few characters per event (as an engine streams tokens) is parsed a handful of times -- at
+    the markers -- not once per event: the work per event follows the new text, not the reply so far."""
+    words = " ".join(f"word{i % 97}" + ("\n" if i % 13 == 0 else "") for i in range(3000))
+    text = family.format_completion(words, words, [("add", '{"a": 1}')])
+    calls = 0
+    parse = family.parse_reply
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return parse(*args, **kwargs)
+
+    family.parse_reply = counting
+    try:
+        cuts = list(range(0, len(text), 5))
+        out = _assemble(family, text, cuts, feed="extend")
+        assert out["content"] == words and out["reasoning_content"] == words
+        events = len(cuts)
+        assert calls < 40, f"{calls} parses for {events} events"
+        calls = 0
+        _assemble(family, text, cuts)  # growing prefixes, as cumulative engine events carry them
+        assert calls < 40, f"{calls} parses for {events} events"
+    finally:
+        del family.parse_reply
 
 
 def test_text_streams_early_and_calls_arrive_whole(hf_tokenizers: dict[str, Any]) -> None:
