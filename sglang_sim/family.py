@@ -33,6 +33,8 @@ class FamilyLike(Protocol):
     def format_completion(self, content: str, reasoning_content: str | None,
                           tool_calls: list[tuple[str, str]]) -> str: ...
 
+    def opened_reply(self, prompt_ids: Any) -> str: ...
+
 
 @dataclass
 class EngineFamily:

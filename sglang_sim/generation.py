@@ -205,7 +205,10 @@ def plan_reply(family: EngineFamily, prompt: np.ndarray, params: SamplingParams,
         np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4))
     script = find_script(family, prompt) or Script()
     think = script.think and not _closes_thinking(family, prompt)
-    reasoning = _words(think_rng, int(think_rng.integers(6, 18))) if think else None
+    # A prompt that already opened the reasoning block (Qwen3.5's `<think>\n`): the reply starts inside it and must
+    # close it, with reasoning or without.
+    opened = family.family.opened_reply(prompt)
+    reasoning = _words(think_rng, int(think_rng.integers(6, 18))) if think else ("" if opened else None)
     content_ids: list[int] | None = None
     tag = params.structural_tag
     if params.json_schema is not None:
@@ -228,6 +231,7 @@ def plan_reply(family: EngineFamily, prompt: np.ndarray, params: SamplingParams,
         text = head + (content + "\n" + constrained if content and constrained else content or constrained)
     else:
         text = family.family.format_completion(content, reasoning, calls)
+    text = text.removeprefix(opened)
     body = content_ids if content_ids is not None and text == content else family.encode(text)
     eos = int(family.family.eos_token_id)
     if params.ignore_eos:

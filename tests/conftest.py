@@ -15,12 +15,12 @@ import httpx
 import pytest
 
 from scripts.build_tokenizers import build_all
+from support.families import FAMILIES
 from support.stack import Fleet, FleetFactory, Stack, StackFactory, launch_fleet, launch_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 
 TOKENIZER_CACHE = ROOT / ".cache" / "tokenizers"
-FAMILIES = ("qwen3", "deepseek")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -64,15 +64,14 @@ def _one_ssl_context() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tokenizer_dirs() -> dict[str, Path]:
     """Directories loadable with AutoTokenizer.from_pretrained, one per model family."""
-    def built() -> bool:
-        return all((TOKENIZER_CACHE / name / "tokenizer_config.json").exists() for name in FAMILIES)
+    def missing() -> list[str]:
+        return [name for name in FAMILIES if not (TOKENIZER_CACHE / name / "tokenizer_config.json").exists()]
 
-    if not built():
+    if missing():
         TOKENIZER_CACHE.mkdir(parents=True, exist_ok=True)
         with open(TOKENIZER_CACHE / ".lock", "w") as lock:  # xdist workers: one builds, the others wait for it
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not built():
-                build_all(TOKENIZER_CACHE)
+            build_all(TOKENIZER_CACHE, missing())  # a built directory is never rewritten under a reader
     return {name: TOKENIZER_CACHE / name for name in FAMILIES}
 
 

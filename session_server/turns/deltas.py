@@ -236,6 +236,12 @@ class DeltaTracker:
                 cut -= _partial_suffix(text[:cut], calls[0])
         if think is not None and text.startswith(think[0]) and think[1] not in text:
             cut -= _partial_suffix(text[:cut], think[1])
+            # A tool-call opener inside an unclosed reasoning block ends it (Qwen3.5, as SGLang parses it) unless the
+            # block closes later: wait for which.
+            opener = getattr(self.family, "tool_call_markers", None)
+            inside = text.find(opener[0], len(think[0])) if opener is not None else -1
+            if inside >= 0:
+                cut = min(cut, inside)
         while cut > 0 and text[cut - 1] in "\r\n":
             cut -= 1
         return text[:cut], open_call

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from support.families import FAMILIES
 from support.server import (
     TOOLS,
     as_history,
@@ -34,7 +35,7 @@ LOOKUP_TOOL = {
 }
 
 
-@pytest.fixture(scope="module", params=["qwen3", "deepseek"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def stack(request: pytest.FixtureRequest, stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(family=request.param, proxied={"server"}) as stack:
         yield stack

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from rollout.processes import start_sim
+from support.families import FAMILIES
 from support.sim import assert_baseline, books, chat_ids, info
 from trajectory import get_family
 
-FAMILIES = ("qwen3", "deepseek")
 META_KEYS = {"id", "finish_reason", "prompt_tokens", "weight_version", "completion_tokens", "cached_tokens",
              "e2e_latency", "output_token_logprobs", "input_token_logprobs", "total_retractions"}
 

@@ -50,8 +50,13 @@ class Reply:
 
 
 def generate(family: ModelFamily, plan: TurnPlan, reply: Reply, rid: str) -> tuple[GenerateResult, dict[str, Any]]:
-    """Simulate one engine call for `plan` and return the validated result and the reply message."""
-    text = family.format_completion(reply.content, reply.reasoning, list(reply.tool_calls))
+    """Simulate one engine call for `plan` and return the validated result and the reply message.
+
+    A prompt that opened the reply (Qwen3.5's `<think>\n`) is continued as the emulated engine continues it: the
+    reasoning block is closed, empty if the reply has none, and the opener is not generated again."""
+    opened = family.opened_reply(plan.prompt_ids)
+    reasoning = "" if opened and reply.reasoning is None else reply.reasoning
+    text = family.format_completion(reply.content, reasoning, list(reply.tool_calls)).removeprefix(opened)
     ids = family.encode(text)
     if reply.stop == "length" and reply.cut is not None:
         ids = ids[: reply.cut]
@@ -67,7 +72,7 @@ def generate(family: ModelFamily, plan: TurnPlan, reply: Reply, rid: str) -> tup
     logprobs = [-(i % 7) / 8 - 0.01 for i in range(len(ids))]
     body = engine_body(ids, logprobs, finish=finish, prompt_tokens=len(plan.prompt_ids), text=text, rid=rid)
     result = decode_generate_response(json.dumps(body).encode(), family.vocab_size)
-    return result, family.parse_completion(text).to_message(f"call_{rid}")
+    return result, family.parse_completion(opened + text).to_message(f"call_{rid}")
 
 
 # -- strategies ---------------------------------------------------------------------------------------------

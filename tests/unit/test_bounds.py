@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.families import FAMILIES
 from trajectory import ModelFamily, get_family
 from trajectory.bounds import min_prompt_tokens, min_tokens
 
@@ -25,7 +26,7 @@ TEXT = st.lists(
 ).map("".join)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 @settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(text=TEXT)
@@ -34,7 +35,7 @@ def test_min_tokens_never_exceeds_the_real_count(families, name: str, text: str)
     assert min_tokens(text, family.max_token_chars, 10**9) <= len(family.encode(text))
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(texts=st.lists(TEXT, min_size=1, max_size=4))

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.families import FAMILIES
 from trajectory import LinearTrajectory, ModelFamily, get_family
 from trajectory.families.control import trie_pattern
 from trajectory.tito import continuation_ids, first_turn_ids
@@ -78,7 +79,7 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "fin
                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 @SETTINGS
 @given(data=st.data())
 def test_no_content_adds_a_control_token_on_the_first_turn(families, name: str, data: st.DataObject) -> None:
@@ -91,7 +92,7 @@ def test_no_content_adds_a_control_token_on_the_first_turn(families, name: str, 
     assert unicodedata.normalize("NFC", family.decode(ids)) == unicodedata.normalize("NFC", rendered)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 @SETTINGS
 @given(data=st.data())
 def test_no_content_adds_a_control_token_on_appended_turns(families, name: str, data: st.DataObject) -> None:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.families import FAMILIES
 from support.tito import ARGUMENTS, TEXT, TOOL_NAME
 from trajectory import ModelFamily, ParsedCompletion, ToolCall, family_names, get_family, register_family
 from trajectory.errors import RequestValidationError, TemplateError
@@ -16,6 +17,7 @@ from trajectory.families import registry
 from trajectory.families.base import _ANCHOR as ANCHOR
 from trajectory.families.base import tools_cache_key
 from trajectory.families.qwen3 import Qwen3Family
+from trajectory.families.xml_tool_calls import _json_type
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def test_token_rules(families):
     assert qwen.vocab_size == len(qwen.tokenizer) and deepseek.vocab_size == len(deepseek.tokenizer)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_fast_encode_matches_the_tokenizer(families, name):
     family = families[name]
     text = family.render([{"role": "user", "content": "héllo  wörld\n\n東京"}], None, add_generation_prompt=True)
@@ -114,7 +116,7 @@ def test_anchor_prefix_is_cached_per_tools(families):
     assert qwen.anchor_prefix(None) != first and "calc" in first
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_anchor_cache_tells_key_orders_apart(families, name):
     """Two clients whose schemas differ only in key order render different text: each gets its own prefix."""
     family = families[name]
@@ -200,7 +202,7 @@ def test_reply_message_assigns_deterministic_call_ids():
     assert "tool_calls" not in ParsedCompletion("c").to_message("x")
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_formatted_completion_is_what_the_template_renders(families, name):
     """format_completion mirrors the template, so a generated turn re-renders to the same text."""
     family = families[name]
@@ -212,7 +214,7 @@ def test_formatted_completion_is_what_the_template_renders(families, name):
         assert family.assistant_header + family.format_completion(content, None, calls) + family.eos_token in rendered
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_parse_output_reads_the_generated_ids(families, name):
     family = families[name]
     text = family.format_completion("Hi there", "why not", [("f", '{"k": "v"}')])
@@ -223,11 +225,16 @@ def test_parse_output_reads_the_generated_ids(families, name):
 
 
 # -- parsers: the inverse property ------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 @settings(max_examples=150, deadline=None)
 @given(content=TEXT | st.just("") | st.just("\n x \n"), reasoning=st.none() | TEXT | st.just("") | st.just("\na\n"),
        calls=st.lists(st.tuples(TOOL_NAME, ARGUMENTS), max_size=3))
 def test_parse_inverts_format(families, name, content, reasoning, calls):
+    """With the tools typed as the arguments are (XML-call families write values as bare text: the schema types
+    them), and one tool per call."""
     family = families[name]
-    parsed = family.parse_completion(family.format_completion(content, reasoning, calls))
+    calls = [(f"{n}_{i}", a) for i, (n, a) in enumerate(calls)]
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {
+        k: {"type": _json_type(v)} for k, v in json.loads(a).items()}}}} for n, a in calls]
+    parsed = family.parse_completion(family.format_completion(content, reasoning, calls), tools)
     assert parsed == ParsedCompletion(content, reasoning, [ToolCall(n, a) for n, a in calls])

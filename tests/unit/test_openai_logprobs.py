@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from session_server.openai.logprobs import openai_logprobs
+from support.families import FAMILIES
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_bytes_rebuild_the_text_even_across_split_characters(family: str, hf_tokenizers: dict[str, Any]) -> None:
     tok = hf_tokenizers[family]
     text = "naïve 𠮷 café → ok"

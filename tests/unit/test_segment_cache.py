@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.families import FAMILIES
 from trajectory import ModelFamily, get_family
 from trajectory.families.segments import MIN_SEGMENT_CHARS
 
@@ -22,7 +23,7 @@ def _spellings(family: ModelFamily) -> list[str]:
     return [t.content for t in family.tokenizer.added_tokens_decoder.values()][:64]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 @SETTINGS
 @given(data=st.data())
 def test_cached_segments_tokenize_exactly_like_the_whole_text(families, name, data):

@@ -14,6 +14,7 @@ import pytest
 
 from session_server.cli import _default, build_parser, config_from_args
 from session_server.config import ServerConfig
+from support.families import FAMILIES
 
 REQUIRED = ["--engine-url", "http://127.0.0.1:1", "--tokenizer", "T", "--model-family", "qwen3"]
 
@@ -65,7 +66,7 @@ json.dump({"torch": "torch" in sys.modules, "class": type(family.tokenizer).__qu
 """
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_the_cli_loads_the_same_tokenizer_without_importing_torch(
     tokenizer_dirs: dict[str, Path], hf_tokenizers: dict[str, Any], name: str
 ) -> None:

@@ -6,15 +6,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.families import FAMILIES
+
 SPECIALS = {
     "qwen3": ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
     "deepseek": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
                  "<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>"],
+    "qwen3.5": ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+                "<tool_response>", "</tool_response>"],
 }
+SPECIALS["qwen3.6"] = SPECIALS["qwen3.5"]
+GENERATION_PROMPTS = {"qwen3": "<|im_start|>assistant\n", "deepseek": "<｜Assistant｜>",
+                      "qwen3.5": "<|im_start|>assistant\n<think>\n", "qwen3.6": "<|im_start|>assistant\n<think>\n"}
 TEXTS = ["hello world", "naïve café – 東京 🚀", "def f(x):\n    return {\"a\": [1, 2.5, None]}\n", "  spaced  \t\n"]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip(hf_tokenizers, family):
     tok = hf_tokenizers[family]
     for text in TEXTS:
@@ -22,7 +29,7 @@ def test_round_trip(hf_tokenizers, family):
         assert ids and tok.decode(ids) == text
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_special_tokens_are_single_ids(hf_tokenizers, family):
     tok = hf_tokenizers[family]
     for special in SPECIALS[family]:
@@ -31,7 +38,7 @@ def test_special_tokens_are_single_ids(hf_tokenizers, family):
         assert tok.decode(ids) == special
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_chat_template_renders_tools_and_roles(hf_tokenizers, family):
     tok = hf_tokenizers[family]
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
@@ -44,7 +51,7 @@ def test_chat_template_renders_tools_and_roles(hf_tokenizers, family):
     ]
     text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     assert "Be brief." in text and "2+2?" in text and "calc" in text and "4" in text
-    assert text.endswith("<|im_start|>assistant\n" if family == "qwen3" else "<｜Assistant｜>")
+    assert text.endswith(GENERATION_PROMPTS[family])
 
 
 def test_qwen3_template_drops_earlier_reasoning(hf_tokenizers):
@@ -70,7 +77,7 @@ def families(hf_tokenizers):
     return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.lists(st.sampled_from(_PIECES) | st.text(max_size=6), max_size=24).map("".join))
 def test_family_encode_gives_the_tokenizers_own_ids(hf_tokenizers, families, name: str, text: str) -> None:

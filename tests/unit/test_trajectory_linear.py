@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from support.families import FAMILIES
 from support.tito import Reply, engine_body, generate
 from trajectory import LinearTrajectory, ModelFamily, decode_generate_response, get_family
 from trajectory.buffer import TokenBuffer
@@ -44,7 +45,7 @@ def user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_first_turn_renders_and_prepare_is_pure(families, name):
     family = families[name]
     traj = LinearTrajectory(family)
@@ -97,7 +98,7 @@ def test_a_continuation_that_adds_nothing_is_400(qwen):
     assert info.value.status == 400
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("canned_last", [False, True])
 def test_an_assistant_message_the_model_did_not_generate_is_prompt(families, name, canned_last):
     """An agent injects a canned assistant turn: it is appended as prompt tokens (mask 0), not refused."""
@@ -111,7 +112,7 @@ def test_an_assistant_message_the_model_did_not_generate_is_prompt(families, nam
     plan, record = turn(traj, appended, Reply("a2"), tools=TOOLS, rid="r1")
     assert plan.rolled_back == 0 and plan.new_token_start == traj.checkpoints[0].num_tokens
     new = family.decode(plan.prompt_ids[plan.new_token_start:])
-    assert "Canned: I will now summarise." in new and new.endswith(family.assistant_header)
+    assert "Canned: I will now summarise." in new and new.endswith(family.assistant_header + family.reply_opening)
     mask = traj.loss_mask
     first = traj.records[0]
     sampled = np.zeros(traj.num_tokens, dtype=bool)
@@ -151,7 +152,7 @@ def test_rollback_limit(qwen):
     assert traj.snapshot().to_dict()["rollbacks_by_reason"] == {"retry": 1}
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_tools_belong_to_the_turn_not_to_the_history(families, name):
     """A later turn that omits or changes `tools` is matched on its messages and rendered with its own tools."""
     family = families[name]
@@ -222,7 +223,7 @@ def test_qwen3_keeps_generated_reasoning_that_the_template_drops(qwen):
     assert any("secret plan" in s["stored_text"] and s["in_assistant"] for s in report["segments"])
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_mismatch_report_is_clean_for_append_stable_history(families, name):
     traj = LinearTrajectory(families[name])
     turn(traj, [user("q1")], Reply("a1", tool_calls=CALL), tools=TOOLS, rid="r0")

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.families import APPEND_STABLE, FAMILIES
 from support.tito import Reply, Turn, conversations, generate
 from trajectory import LinearTrajectory, ModelFamily, build_merged_sample, build_turn_samples, get_family
 
@@ -84,7 +85,7 @@ def _check_episode(family: ModelFamily, seen: dict[str, Any], append_stable: boo
     assert report["assistant_only"], report["segments"]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 @SETTINGS
 @given(data=st.data())
 def test_incremental_prompts_extend_what_the_engine_saw(families, name, data):
@@ -93,11 +94,11 @@ def test_incremental_prompts_extend_what_the_engine_saw(families, name, data):
     _check_episode(family, play(family, tools, turns), append_stable=False)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", APPEND_STABLE)
 @SETTINGS
 @given(data=st.data())
 def test_incremental_prompt_equals_canonical_render_when_append_stable(families, name, data):
-    """Without reasoning both templates are append-stable: TITO's anchor/boundary cut must be exact."""
+    """Without reasoning these templates are append-stable: TITO's anchor/boundary cut must be exact."""
     family = families[name]
     tools, turns = data.draw(conversations(family, reasoning=False))
     _check_episode(family, play(family, tools, turns), append_stable=True)
@@ -113,7 +114,7 @@ RICH_TOOLS = [
 ]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_appended_turns_render_the_same_without_the_tool_schemas(families, name):
     """`tools_only_in_preamble`: what an appended turn renders after the anchor does not depend on the tools, so
     the schemas are not re-rendered every turn. Checked against the cut of a full render with the tools."""
@@ -147,7 +148,7 @@ def _state(traj: LinearTrajectory) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("name", FAMILIES)
 @SETTINGS
 @given(data=st.data())
 def test_rollback_restores_the_earlier_state_exactly(families, name, data):

@@ -3,6 +3,7 @@
 from .base import ModelFamily, ParsedCompletion, ToolCall
 from .deepseek import DeepSeekFamily
 from .qwen3 import Qwen3Family
+from .qwen35 import Qwen35Family, Qwen36Family
 from .registry import family_names, get_family, register_family
 
 __all__ = [
@@ -10,6 +11,8 @@ __all__ = [
     "ModelFamily",
     "ParsedCompletion",
     "Qwen3Family",
+    "Qwen35Family",
+    "Qwen36Family",
     "ToolCall",
     "family_names",
     "get_family",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -109,6 +109,9 @@ class ModelFamily(ABC):
     # The template variable that turns the model's reasoning on or off (Qwen3's `enable_thinking`), which the
     # Responses and Anthropic front ends set from `reasoning.effort` / `thinking`. None: the family has no switch.
     thinking_switch: ClassVar[str | None] = None
+    # Text a generation prompt may end with that belongs to the reply (Qwen3.5's `<think>\n` with thinking on): the
+    # engine's text then starts after it, so parsing a reply puts it back first (`opened_reply`).
+    reply_opening: ClassVar[str] = ""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -145,6 +148,7 @@ class ModelFamily(ABC):
         self.max_trim_tokens: int = 1 if self.extra_stop_tokens else 0
         self._anchor_lock = threading.Lock()
         self._anchor_prefixes: dict[str, str] = {}
+        self._opening_ids: tuple[int, ...] = tuple(self.encode(self.reply_opening)) if self.reply_opening else ()
 
     def _single_id(self, token: str) -> int:
         ids = self.encode(token)
@@ -182,8 +186,10 @@ class ModelFamily(ABC):
 
     def _anchor_end(self, text: str) -> int:
         """End of the anchor's assistant message (its stop token and trailer included)."""
-        # Search from the anchor's answer, not from the first header: a system/tools preamble may quote one.
-        answer = text.find(self.assistant_header + _ANCHOR[1]["content"])
+        # Search from the anchor's answer, not from the first header: a system/tools preamble may quote one. The
+        # answer may follow the header after template markup (Qwen3.5's empty `<think>` block after the last query).
+        header = text.find(self.assistant_header)
+        answer = text.find(_ANCHOR[1]["content"], header) if header >= 0 else -1
         end_marker = self.eos_token + self.message_trailer
         end = text.find(end_marker, answer) if answer >= 0 else -1
         if end < 0:
@@ -191,21 +197,27 @@ class ModelFamily(ABC):
                                 f"with {end_marker!r}")
         return end + len(end_marker)
 
+    def anchor_probe(self, appended: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+        """The message rendered after the anchor to learn its prefix: one that leaves the anchor rendered as it is
+        when `appended` follows it (a template that treats turns after the last user query differently needs a
+        non-user probe when no user message is appended)."""
+        return _PROBE
+
     def anchor_prefix(self, tools: list[dict[str, Any]] | None,
-                      template_kwargs: dict[str, Any] | None = None) -> str:
+                      template_kwargs: dict[str, Any] | None = None, probe: dict[str, str] = _PROBE) -> str:
         """How the anchor renders when more messages follow it; cached per tools value (tools rarely change).
 
         The key is the tools exactly as the template sees them: key order included. Templates write schemas with
         `tojson`, which keeps the caller's key order, so two clients whose schemas differ only in key order render
         different text; a key that sorted keys would hand one of them the other's prefix (and a 400).
         """
-        key = tools_cache_key(tools)
+        key = probe["role"] + "\x00" + tools_cache_key(tools)
         if template_kwargs:
             key += "\x00" + json.dumps(template_kwargs, ensure_ascii=False)
         cached = self._anchor_prefixes.get(key)
         if cached is not None:
             return cached
-        text = self.render([*_ANCHOR, _PROBE], tools, add_generation_prompt=False, template_kwargs=template_kwargs)
+        text = self.render([*_ANCHOR, probe], tools, add_generation_prompt=False, template_kwargs=template_kwargs)
         prefix = text[: self._anchor_end(text)]
         with self._anchor_lock:
             if len(self._anchor_prefixes) >= _ANCHOR_CACHE_SIZE:
@@ -230,7 +242,7 @@ class ModelFamily(ABC):
             raise RequestValidationError("the request adds no message after the stored history")
         if self.tools_only_in_preamble:
             tools = None
-        prefix = self.anchor_prefix(tools, template_kwargs)
+        prefix = self.anchor_prefix(tools, template_kwargs, self.anchor_probe(appended))
         full = self.render([*_ANCHOR, *appended], tools, add_generation_prompt=True, template_kwargs=template_kwargs)
         if not full.startswith(prefix):
             roles = [m["role"] for m in appended]
@@ -253,15 +265,24 @@ class ModelFamily(ABC):
             ids.pop()
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
-    def parse_output(self, output_ids: Sequence[int] | Any) -> ParsedCompletion:
-        return self.parse_completion(self.completion_text(output_ids))
+    def parse_output(self, output_ids: Sequence[int] | Any, prompt_ids: Sequence[int] | Any = ()) -> ParsedCompletion:
+        return self.parse_completion(self.opened_reply(prompt_ids) + self.completion_text(output_ids))
 
-    def parse_reply(self, text: str, tool_calls: bool = True) -> ParsedCompletion:
+    def opened_reply(self, prompt_ids: Sequence[int] | Any) -> str:
+        """The part of the reply the prompt already wrote (`reply_opening` when the prompt ends with it, else "")."""
+        n = len(self._opening_ids)
+        if n and len(prompt_ids) >= n and tuple(int(i) for i in prompt_ids[-n:]) == self._opening_ids:
+            return self.reply_opening
+        return ""
+
+    def parse_reply(self, text: str, tool_calls: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedCompletion:
         """`parse_completion`, or with `tool_calls=False` (the request said `tool_choice: none` or asked for JSON)
         reasoning split off but any tool-call markup left in the content verbatim, as SGLang does when tool-call
-        parsing is inactive."""
+        parsing is inactive. `text` starts with `opened_reply(prompt)`; `tools` are the turn's (XML-call families
+        type the arguments by their schemas)."""
         if tool_calls:
-            return self.parse_completion(text)
+            return self.parse_completion(text, tools)
         reasoning, rest = self.split_reasoning(text)
         return ParsedCompletion(content=rest, reasoning_content=reasoning)
 
@@ -270,8 +291,8 @@ class ModelFamily(ABC):
         return None, text
 
     @abstractmethod
-    def parse_completion(self, text: str) -> ParsedCompletion:
-        """Generated text (without the stop token) -> content, reasoning and tool calls.
+    def parse_completion(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedCompletion:
+        """Generated text (without the stop token, after `opened_reply`) -> content, reasoning and tool calls.
 
         The server parses SGLang's own `text` of the reply, not a local decode of `output_ids`: the ids are what is
         trained on and are stored verbatim, while `text` is what the agent is shown (SGLang's detokenization with

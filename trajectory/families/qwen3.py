@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .base import ModelFamily, ParsedCompletion, ToolCall, tool_call_from_json
 
@@ -60,7 +61,7 @@ class Qwen3Family(ModelFamily):
     def split_reasoning(self, text: str) -> tuple[str | None, str]:
         return split_reasoning(text)
 
-    def parse_completion(self, text: str) -> ParsedCompletion:
+    def parse_completion(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedCompletion:
         reasoning, rest = split_reasoning(text)
         pieces: list[str] = []
         calls: list[ToolCall] = []

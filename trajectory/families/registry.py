@@ -7,8 +7,11 @@ from typing import Any
 from .base import ModelFamily
 from .deepseek import DeepSeekFamily
 from .qwen3 import Qwen3Family
+from .qwen35 import Qwen35Family, Qwen36Family
 
-_FAMILIES: dict[str, type[ModelFamily]] = {cls.name: cls for cls in (Qwen3Family, DeepSeekFamily)}
+_FAMILIES: dict[str, type[ModelFamily]] = {
+    cls.name: cls for cls in (Qwen3Family, DeepSeekFamily, Qwen35Family, Qwen36Family)
+}
 
 
 def register_family(cls: type[ModelFamily]) -> type[ModelFamily]:

@@ -1,0 +1,12 @@
+"""The model families the suite runs for: every family whose tokenizer scripts/build_tokenizers.py builds offline."""
+
+from __future__ import annotations
+
+from scripts.build_tokenizers import BUILDERS
+
+FAMILIES: tuple[str, ...] = tuple(BUILDERS)
+
+# Families whose template re-renders a generated turn without reasoning exactly as it was generated, so a TITO prompt
+# equals the full render of the conversation. Qwen3.5/3.6 are not: with thinking on the generation prompt opens
+# `<think>` and a re-render drops the block from turns before the last user query (renderers' bridge is their oracle).
+APPEND_STABLE: tuple[str, ...] = ("qwen3", "deepseek")
