@@ -27,7 +27,7 @@ from rollout.client import SessionClient
 from rollout.episodes import AgentConfig, EpisodeResult, run_episodes
 from rollout.processes import LOOPBACK, ProcessCrashed, RunningProcess, free_port, start_session_server, start_sim
 from rollout.scripted import shopping_tasks
-from trajectory import samples_to_json
+from trajectory import family_names, samples_to_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--episodes", type=int, default=64, help="number of agent episodes (default 64)")
     p.add_argument("--concurrency", type=int, default=16, help="episodes in flight at once (default 16)")
-    p.add_argument("--model-family", default="qwen3", help="model family: qwen3 or deepseek (default qwen3)")
+    p.add_argument("--model-family", default="qwen3", metavar="NAME",
+                   help=f"model family, one of: {', '.join(family_names())} (default %(default)s)")
     p.add_argument("--tokenizers", type=Path, default=ROOT / ".cache" / "tokenizers",
                    help="directory with one tokenizer directory per family (`make tokenizers` builds it)")
     p.add_argument("--tokenizer", type=Path, default=None,

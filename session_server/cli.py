@@ -28,6 +28,7 @@ from session_server.config import ServerConfig
 from session_server.engine.client import ENGINE_CLIENTS
 from session_server.http.limits import limited_httptools
 from session_server.sessions.journal import SYNC_MODES
+from trajectory.families import family_names
 from trajectory.linear import SPECIAL_TOKEN_MODES
 from trajectory.messages import MATCHER_NAMES as MATCHERS
 
@@ -70,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(default %(default)s)",
     )
     p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory (loaded with AutoTokenizer)")
-    p.add_argument("--model-family", required=True, help="model family, e.g. qwen3 or deepseek")
+    p.add_argument("--model-family", required=True, metavar="NAME",
+                   help=f"model family, one of: {', '.join(family_names())}")
     p.add_argument("--host", default=_default("host"), help="address to listen on (default %(default)s)")
     p.add_argument(
         "--port", type=int, default=_default("port"), help="port to listen on; 0 picks a free one (default %(default)s)"
@@ -279,7 +281,7 @@ def _torch_hidden() -> Iterator[None]:
 def load_family(tokenizer_dir: str, family_name: str, *, without_torch: bool = False) -> ModelFamily:
     """The family over the tokenizer in `tokenizer_dir`; exits 2 with a one-line error if either is unusable.
     `without_torch`: load transformers in its tokenizer-only mode (`_torch_hidden`; the CLI's start-up)."""
-    from trajectory import family_names, get_family
+    from trajectory import get_family
 
     if family_name not in family_names():
         _fail(f"unknown --model-family {family_name!r} (known: {', '.join(family_names())})")

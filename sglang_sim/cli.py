@@ -20,6 +20,7 @@ from sglang_sim.app import SimServer
 from sglang_sim.engine import Engine, EngineConfig
 from sglang_sim.faults import FaultInjector
 from sglang_sim.routed_experts import layers_for_bytes
+from trajectory import family_names
 
 READY_PREFIX = "sglang-sim ready on "
 
@@ -27,7 +28,8 @@ READY_PREFIX = "sglang-sim ready on "
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sglang-sim", description="Emulated SGLang engine (native HTTP API).")
     p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory (AutoTokenizer).")
-    p.add_argument("--model-family", required=True, help="Model family name: qwen3 or deepseek.")
+    p.add_argument("--model-family", required=True, metavar="NAME",
+                   help=f"Model family, one of: {', '.join(family_names())}.")
     p.add_argument("--model-path", default=None, help="Model name reported by model_info (default: sim-<family>).")
     p.add_argument("--host", default="127.0.0.1", help="Interface to bind.")
     p.add_argument("--port", type=int, default=30000, help="Port to bind; 0 picks a free one (see the ready line).")

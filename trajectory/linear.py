@@ -52,6 +52,7 @@ class TurnPlan:
     rollback_reason: str | None = None  # why the request left the stored history (see messages.ROLLBACK_REASONS)
     routed_experts_start: int = 0   # first position whose routed experts the records do not hold yet
     merged: bool = False            # a full render that extends every stored token (`merge_plan`)
+    reply_opening: str = ""         # the part of the reply the prompt already wrote: parse it + the engine's text
 
     @property
     def num_new_tokens(self) -> int:
@@ -239,7 +240,8 @@ class LinearTrajectory:
         return TurnPlan(prompt_ids=prompt, messages=msgs, tools=tools, base_checkpoints=keep, rolled_back=dropped,
                         new_token_start=reused, trimmed=trim, version=version,
                         rollback_reason=reason if dropped else None,
-                        routed_experts_start=min(self.routed_experts_covered(keep), reused))
+                        routed_experts_start=min(self.routed_experts_covered(keep), reused),
+                        reply_opening=self.family.opened_reply(prompt))
 
     def _last_checkpoint_within(self, matched: int) -> int:
         return bisect.bisect_right(self.checkpoints, matched, lo=self.frozen, key=lambda c: c.num_messages)
@@ -273,7 +275,8 @@ class LinearTrajectory:
             return None
         return TurnPlan(prompt_ids=prompt, messages=full.messages, tools=full.tools,
                         base_checkpoints=len(self.checkpoints), rolled_back=0, new_token_start=keep, trimmed=trim,
-                        version=version, routed_experts_start=min(self.routed_experts_covered(), keep), merged=True)
+                        version=version, routed_experts_start=min(self.routed_experts_covered(), keep), merged=True,
+                        reply_opening=full.reply_opening)
 
     def routed_experts_covered(self, turns: int | None = None) -> int:
         """How many leading positions the first `turns` records' routed experts cover without a gap."""

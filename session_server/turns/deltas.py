@@ -98,14 +98,20 @@ class DeltaTracker:
     """The deltas of one streamed reply: feed it the text as it grows (`extend` a piece, or `update` with the whole
     text so far), then `finish` with the committed message."""
 
-    def __init__(self, family: ModelFamily, call_id_prefix: str, parse_tool_calls: bool = True) -> None:
+    def __init__(self, family: ModelFamily, call_id_prefix: str, parse_tool_calls: bool = True, opening: str = "",
+                 tools: list[dict[str, Any]] | None = None) -> None:
+        """`opening` is the start of the reply the prompt already wrote (TurnPlan.reply_opening): the engine's text
+        continues it. `tools` are the turn's (XML tool-call arguments are typed by them)."""
         self.family = family
         self.call_id_prefix = call_id_prefix
         self.parse_tool_calls = parse_tool_calls
+        self.opening = opening
+        self.tools = tools
         self._reasoning = _Pieces()
         self._content = _Pieces()
         self.calls_sent: list[tuple[str, str]] = []
-        self._text = _Pieces()  # everything received
+        self._text = _Pieces()  # everything received, after the opening
+        self._text.append(opening)
         self._think = getattr(family, "reasoning_markers", None)
         self._calls = getattr(family, "tool_call_markers", None) if parse_tool_calls else None
         self._markers = tuple(m for pair in (self._think, self._calls) if pair for m in pair)
@@ -129,6 +135,7 @@ class DeltaTracker:
     def update(self, text: str) -> dict[str, Any] | None:
         """The delta for the completion text so far (None: nothing new is settled). `text` extends every earlier
         one, except that a trailing incomplete character (U+FFFD) may be completed later."""
+        text = self.opening + text
         known = self._text.length
         stored = self._text.tail(known - 1) if known else ""
         if stored == "\ufffd":  # the character it stood for may have arrived: take the text from there again
@@ -191,7 +198,7 @@ class DeltaTracker:
         settled, self._open_call = self._settle(self._text.text())
         if settled is None:
             return None
-        parsed = self.family.parse_reply(settled, self.parse_tool_calls)
+        parsed = self.family.parse_reply(settled, self.parse_tool_calls, self.tools)
         delta = self._diff(parsed.reasoning_content, parsed.content, parsed.tool_calls, final=False)
         self._settled_end = len(settled)
         if self._open_call is None and self._sent_is(parsed):
@@ -204,7 +211,7 @@ class DeltaTracker:
 
     def _quiet_field(self, settled: str, parsed: Any) -> str | None:
         """The field that plain text appended to `settled` extends verbatim, as the parser itself says."""
-        probe = self.family.parse_reply(settled + _PROBE, self.parse_tool_calls)
+        probe = self.family.parse_reply(settled + _PROBE, self.parse_tool_calls, self.tools)
         if [(c.name, c.arguments) for c in probe.tool_calls] != self.calls_sent:
             return None
         if probe.reasoning_content == parsed.reasoning_content and probe.content == parsed.content + _PROBE:

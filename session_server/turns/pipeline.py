@@ -241,7 +241,7 @@ def decode_and_reply(
     body: bytes, split: tuple[bytes, memoryview | None], turn: Turn[R], api: FrontEnd[R], retry_after: int
 ) -> tuple[TurnOutput, bytes]:
     """The strict decode and the front end's reply, in one step on the pool (or inline, by size)."""
-    out = decode_turn(body, turn.family, turn.rid, turn.request.parse_tool_calls, split, retry_after)
+    out = decode_turn(body, turn.family, turn.rid, turn.request.parse_tool_calls, split, retry_after, turn.plan)
     return out, api.reply(turn, out)
 
 

@@ -61,7 +61,8 @@ class StreamedTurn(Generic[R]):
         self.api = api
         self.format = api.stream(turn)
         self.family = turn.family
-        self.tracker = DeltaTracker(turn.family, call_id_prefix(turn.rid), turn.request.parse_tool_calls)
+        self.tracker = DeltaTracker(turn.family, call_id_prefix(turn.rid), turn.request.parse_tool_calls,
+                                    opening=turn.plan.reply_opening, tools=turn.plan.tools)
         self.logprobs = api.wants_logprobs(turn.request.api)
         self.started = False  # response headers sent: from here on, failures are error events
         self.committed = False
@@ -274,7 +275,7 @@ class StreamedTurn(Generic[R]):
         split = split_routed_experts(raw)
         out: TurnOutput = await server.pool.run_decode(
             len(split[0]), decode_turn, raw, self.family, turn.rid, turn.request.parse_tool_calls, split,
-            server.config.retry_after,
+            server.config.retry_after, turn.plan,
         )
         server.metrics.stage("decode", time.perf_counter() - t0)
         result = out.result
