@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rollout.processes import start_sim
-from support.families import FAMILIES
+from support.families import PLAIN_REPLY
 from support.sim import assert_baseline, books, chat_ids, info
 from trajectory import get_family
 
@@ -19,7 +19,7 @@ META_KEYS = {"id", "finish_reason", "prompt_tokens", "weight_version", "completi
              "e2e_latency", "output_token_logprobs", "input_token_logprobs", "total_retractions"}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=PLAIN_REPLY)
 def sim(request, tokenizer_dirs, hf_tokenizers):
     family = request.param
     args = ("--routed-experts-layers", "4", "--routed-experts-top-k", "2", "--context-length", "4096",

