@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from .base import ModelFamily, ParsedCompletion, ToolCall, tool_call_from_json
 
@@ -56,7 +56,8 @@ class Qwen3Family(ModelFamily):
     reasoning_markers = (THINK_OPEN, THINK_CLOSE)
     tool_call_markers = ("<tool_call>", "</tool_call>")
     thinking_switch = "enable_thinking"  # False: the template pre-fills an empty <think> block
-    tool_call_structure = ('<tool_call>\n{"name":"', '", "arguments":', "}\n</tool_call>", "<tool_call>")
+    tool_call_structure: ClassVar[tuple[str, str, str, str] | None] = (
+        '<tool_call>\n{"name":"', '", "arguments":', "}\n</tool_call>", "<tool_call>")
 
     def split_reasoning(self, text: str) -> tuple[str | None, str]:
         return split_reasoning(text)

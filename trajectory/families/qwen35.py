@@ -17,8 +17,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from .base import ModelFamily, ParsedCompletion
-from .qwen3 import THINK_CLOSE, THINK_OPEN
+from .base import ParsedCompletion
+from .qwen3 import THINK_CLOSE, THINK_OPEN, Qwen3Family
 from .qwen3 import split_reasoning as split_closed_reasoning
 from .xml_tool_calls import CALL_CLOSE, CALL_OPEN, format_call, parse_calls
 
@@ -64,20 +64,15 @@ def _arguments_as_objects(messages: Sequence[dict[str, Any]]) -> list[dict[str, 
     return out
 
 
-class Qwen35Family(ModelFamily):
+class Qwen35Family(Qwen3Family):
+    """Qwen3's ChatML boundaries, stop tokens, reasoning markup and thinking switch; its own roles, calls, opening."""
+
     name = "qwen3.5"
-    eos_token = "<|im_end|>"
-    extra_stop_tokens = ("<|endoftext|>",)
-    message_trailer = "\n"
-    assistant_header = "<|im_start|>assistant\n"
     # The template refuses a system message anywhere but first.
     appendable_roles = frozenset({"user", "tool", "assistant"})
-    tools_only_in_preamble = True
-    content_markup = (THINK_OPEN, THINK_CLOSE)
-    reasoning_markers = (THINK_OPEN, THINK_CLOSE)
     tool_call_markers = (CALL_OPEN, CALL_CLOSE)
+    tool_call_structure = None  # SGLang's qwen3_coder detector has no JSON-arguments structure (structural tag)
     reply_opening = THINK_OPEN + "\n"
-    thinking_switch = "enable_thinking"  # False: the template pre-fills an empty <think> block
     json_scalars: ClassVar[bool] = False
 
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
