@@ -196,6 +196,7 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         Route("/v1/models", session_header.list_models, methods=["GET"]),
         Route("/admin/pause", admin.pause, methods=["POST"]),
         Route("/admin/continue", admin.resume, methods=["POST"]),
+        Route("/admin/sessions", admin.sessions, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,

@@ -2,14 +2,17 @@
 
 /health must stay cheap and never touch the engine: it is what a load balancer (and the responsiveness benchmark)
 polls while chats are in flight. Pause has two modes: `drain` refuses new chats (503 + Retry-After) and waits for the
-in-flight ones to finish, for at most --drain-timeout seconds, then aborts the rest; `abort` aborts them at once. An
+in-flight ones that reached the engine to finish, for at most --drain-timeout seconds, then aborts the rest (a chat
+still uploading its body is refused when it arrives); `abort` aborts them at once. An
 aborted chat returns 503 + Retry-After and commits nothing, and its agent retries the same turn after `continue`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import hmac
+import time
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -61,10 +64,11 @@ async def pause(request: Request) -> Response:
     lifecycle.paused = True
     aborted = len(lifecycle.abort_all(AbortReason.PAUSE)) if mode == "abort" else 0
     try:
-        # A drain waits for running chats, but not forever: a client that never finishes its body or an engine
-        # that never answers must not hold a weight update. Past the deadline the rest are aborted (503 +
-        # Retry-After, nothing committed) like mode=abort.
-        await asyncio.wait_for(lifecycle.wait_idle(), config.drain_timeout)
+        # A drain waits for the chats that reached the engine, but not forever: an engine that never answers must
+        # not hold a weight update. Past the deadline the rest are aborted (503 + Retry-After, nothing committed)
+        # like mode=abort. Chats still uploading their bodies are not waited for: they are refused when their body
+        # arrives (Lifecycle.admit).
+        await asyncio.wait_for(lifecycle.wait_idle(admitted_only=True), config.drain_timeout)
     except TimeoutError:
         aborted = len(lifecycle.abort_all(AbortReason.PAUSE))
         await lifecycle.wait_idle()
@@ -73,6 +77,30 @@ async def pause(request: Request) -> Response:
         # pause returns once those have ended too (each drain is bounded), so the engine is quiet for the update.
         await server.drains.wait_all()
     return json_response({"status": "paused", "mode": mode, "aborted": aborted})
+
+
+SESSION_LIST_LIMIT = 10_000  # entries of one listing (about 200 bytes each); `?limit=N` asks for fewer or more
+
+
+async def sessions(request: Request) -> Response:
+    """GET /admin/sessions: this replica's live sessions, most recently active first (`?limit=N`, default
+    SESSION_LIST_LIMIT): id, metadata, turns, tokens, seconds since creation and since the last request, whether a
+    chat is in flight. What `session-server-admin sessions` gathers from every replica."""
+    server = server_of(request)
+    _authorize(request)
+    raw = request.query_params.get("limit", str(SESSION_LIST_LIMIT))
+    if not raw.isdigit():
+        raise RequestValidationError("'limit' must be a non-negative integer")
+    live = server.registry.sessions()
+    now, wall = time.monotonic(), time.time()
+    newest = heapq.nlargest(int(raw), live, key=lambda s: s.last_active)
+    return json_response({
+        "replica": server.config.replica_name, "total": len(live), "sessions": [{
+            "id": s.id, "metadata": s.metadata, "turns": len(s.trajectory.records), "tokens": s.trajectory.num_tokens,
+            "age_s": round(wall - s.created_at, 3), "idle_s": round(now - s.last_active, 3),
+            "in_flight": s.claim is not None,
+        } for s in newest],
+    })
 
 
 async def resume(request: Request) -> Response:

@@ -144,6 +144,17 @@ class Lifecycle:
         self._in_flight.add(claim)
         return claim
 
+    def admit(self, claim: Claim) -> None:
+        """The chat's request has arrived in full: from here on it goes to the engine, and a drain waits for it.
+
+        A chat that was still uploading its body when a pause (or the shutdown) began is refused here instead, 503 +
+        Retry-After, nothing sent to the engine: a drain waits only for chats that reached the engine, so one slow
+        upload cannot hold a weight update for up to --body-timeout."""
+        if claim.reason is None and (self.shutting_down or self.paused):
+            claim.abort(AbortReason.SHUTDOWN if self.shutting_down else AbortReason.PAUSE)
+        claim.raise_if_aborted()
+        claim.admitted = True
+
     def release(self, claim: Claim) -> None:
         """Free the slot. Idempotent; a no-op unless `claim` still owns its session's slot."""
         if claim.session.claim is claim:
@@ -162,9 +173,10 @@ class Lifecycle:
             claim.abort(reason)
         return claims
 
-    async def wait_idle(self) -> None:
-        """Wait until every chat that is in flight now has released its slot."""
-        claims = list(self._in_flight)
+    async def wait_idle(self, admitted_only: bool = False) -> None:
+        """Wait until every chat that is in flight now (`admitted_only`: and has reached the engine, see `admit`)
+        has released its slot."""
+        claims = [c for c in self._in_flight if c.admitted or not admitted_only]
         if claims:
             await asyncio.gather(*(c.done.wait() for c in claims))
 

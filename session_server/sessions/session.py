@@ -36,13 +36,14 @@ class Session:
 class Claim:
     """Ownership of a session's single in-flight slot."""
 
-    __slots__ = ("_on_abort", "_release", "done", "reason", "retry_after", "session", "started")
+    __slots__ = ("_on_abort", "_release", "admitted", "done", "reason", "retry_after", "session", "started")
 
     def __init__(self, session: Session, release: Callable[[Claim], None], retry_after: int) -> None:
         self.session = session
         self.retry_after = retry_after
         self.started = time.monotonic()
         self.reason: AbortReason | None = None
+        self.admitted = False  # its request has arrived and goes to the engine (Lifecycle.admit): a drain waits for it
         self.done = asyncio.Event()  # set once, when the owner has released the slot
         self._release = release
         self._on_abort: list[Callable[[], object]] = []

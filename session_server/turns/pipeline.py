@@ -171,6 +171,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
     session = claim.session
     metrics = server.metrics
     body = await _read_body_or_abort(claim, request, server.config.max_request_bytes, server.config.body_timeout)
+    server.lifecycle.admit(claim)  # 503 if a pause began while the body was on its way
     # Work is sized by the body it parses (cpu_pool.py). A first turn renders and tokenizes every byte of its body
     # (tool schemas included), which costs far more per byte than decoding an appended turn's resent history, so
     # its bytes weigh FIRST_TURN_BYTE_WEIGHT times more: a short first turn runs inline (a pool hop would cost more

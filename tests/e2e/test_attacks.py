@@ -11,13 +11,15 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
-from support.server import TOOLS, assert_engine_baseline, chat_url, new_session
+from support.server import TOOLS, assert_engine_baseline, chat_url, engine_info, metric, new_session
+from support.sim import wait_for
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
@@ -289,6 +291,13 @@ def _stalled_upload(server: str, path: str, declared: int, sent: bytes) -> socke
 
 
 def _read_status(sock: socket.socket) -> tuple[int, bytes]:
+    """The status of the reply on `sock` and what followed its head."""
+    status, _, rest = _read_reply(sock)
+    return status, rest
+
+
+def _read_reply(sock: socket.socket) -> tuple[int, bytes, bytes]:
+    """The status, head and what followed the head of the reply on `sock`."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
@@ -296,7 +305,7 @@ def _read_status(sock: socket.socket) -> tuple[int, bytes]:
             break
         data += chunk
     head, _, rest = data.partition(b"\r\n\r\n")
-    return int(head.split(b" ")[1]), rest
+    return int(head.split(b" ")[1]), head, rest
 
 
 @pytest.mark.parametrize("route", ["chat", "create", "samples", "pause"])
@@ -478,20 +487,45 @@ def test_health_answers_while_the_largest_accepted_prompt_is_processed(stack: St
 
 
 # -- deadlines: drain and shutdown ------------------------------------------------------------------------------
-def test_drain_has_a_deadline_and_aborts_a_stalled_upload(stack: Stack, after: None) -> None:
-    """A chat whose body never finishes cannot hold /admin/pause: after --drain-timeout it is aborted (503 +
+def test_drain_has_a_deadline_and_aborts_a_chat_the_engine_holds(stack: Stack, after: None) -> None:
+    """A chat the engine never finishes cannot hold /admin/pause: after --drain-timeout it is aborted (503 +
     Retry-After) and the pause returns; the weight update can proceed."""
     server = stack.server
-    sock = _stalled_upload(server, f"/sessions/{new_session(server)}/v1/chat/completions", 1000, b'{"messages": ')
+    sid = new_session(server)
+    assert httpx.post(f"{stack.engine}/sim/faults", json={"delay": 1.0, "delay_seconds": 30}).status_code == 200
     try:
-        time.sleep(0.3)  # the chat has claimed its slot and is reading the body
-        t0 = time.monotonic()
-        paused = httpx.post(f"{server}/admin/pause", json={"mode": "drain"}, timeout=30)
-        waited = time.monotonic() - t0
-        assert paused.status_code == 200 and paused.json()["aborted"] == 1, paused.text
-        assert waited < BODY_TIMEOUT  # the drain deadline, not the body deadline, ended it
-        status, _ = _read_status(sock)
-        assert status == 503
+        with ThreadPoolExecutor(1) as pool:
+            chat = pool.submit(httpx.post, f"{server}/sessions/{sid}/v1/chat/completions",
+                               json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+            wait_for(lambda: metric(server, "session_server_in_flight") == 1, 5)
+            time.sleep(0.2)  # past the body: the request is at the engine
+            paused = httpx.post(f"{server}/admin/pause", json={"mode": "drain"}, timeout=30)
+            assert paused.status_code == 200 and paused.json()["aborted"] == 1, paused.text
+            resp = chat.result()
+        assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
+    finally:
+        httpx.post(f"{stack.engine}/sim/faults", json={})
+        resume(server)
+
+
+def test_drain_does_not_wait_for_an_upload_which_is_refused_when_it_arrives(stack: Stack, after: None) -> None:
+    """A chat still sending its body when a drain starts is not waited for (one slow upload would hold every weight
+    update for up to --body-timeout): the pause returns at once, and the chat is answered 503 + Retry-After when its
+    body arrives, having sent nothing to the engine."""
+    server = stack.server
+    sid = new_session(server)
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    sock = _stalled_upload(server, f"/sessions/{sid}/v1/chat/completions", len(body), body[:10])
+    try:
+        wait_for(lambda: metric(server, "session_server_in_flight") == 1, 5)  # the chat holds its slot
+        finished0 = engine_info(stack.engine)["finished_requests"]
+        paused = httpx.post(f"{server}/admin/pause", json={"mode": "drain"}, timeout=BODY_TIMEOUT / 2)
+        assert paused.status_code == 200 and paused.json()["aborted"] == 0, paused.text
+        sock.sendall(body[10:])
+        status, head, _ = _read_reply(sock)
+        assert status == 503 and b"retry-after:" in head.lower(), head
+        assert engine_info(stack.engine)["finished_requests"] == finished0  # nothing reached the engine
+        assert httpx.get(f"{server}/sessions/{sid}").json()["records"] == []
     finally:
         sock.close()
         resume(server)
@@ -523,6 +557,8 @@ def test_wrong_types_on_the_small_routes(stack: Stack, after: None) -> None:
     for body in ({"mode": 1}, {"mode": ["drain"]}, {"mode": "later"}, {"mode": None}):
         assert_error(httpx.post(f"{server}/admin/pause", json=body, timeout=10), 400, "mode")
     assert "session_server_paused 0.0" in httpx.get(f"{server}/metrics").text
+    for limit in ("x", "-1", "1.5"):
+        assert_error(httpx.get(f"{server}/admin/sessions?limit={limit}", timeout=10), 400, "limit")
     for body in ({"metadata": "x"}, {"metadata": [1]}, {"metadata": 5}):
         assert_error(httpx.post(f"{server}/sessions", json=body, timeout=10), 400, "metadata")
 
@@ -532,6 +568,7 @@ def test_every_route_refuses_other_methods_with_json_405(stack: Stack, after: No
     sid = new_session(server)
     routes = {
         "/health": "GET", "/ready": "GET", "/metrics": "GET", "/admin/pause": "POST", "/admin/continue": "POST",
+        "/admin/sessions": "GET",
         "/sessions": "POST", f"/sessions/{sid}/v1/chat/completions": "POST", f"/sessions/{sid}/samples": "POST",
         f"/sessions/{sid}/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/models": "GET",
     }

@@ -204,6 +204,12 @@ def test_one_admin_call_pauses_and_continues_every_replica(
         assert e.chat("running").status_code == 200
     code, metrics = admin(cluster, capsys, "metrics")
     assert all(m["value"]["paused"] == 0 and m["value"]["sessions"] >= 3 for m in metrics.values()), metrics
+    code, listed = admin(cluster, capsys, "sessions")
+    assert code == 0, listed
+    for name, answer in listed.items():  # each replica lists exactly the sessions it minted
+        ids = {entry["id"] for entry in answer["value"]["sessions"]}
+        assert ids and all(owner(i) == name for i in ids if "." in i), (name, ids)
+        assert episodes[name].sid in ids and answer["value"]["total"] == metrics[name]["value"]["sessions"]
 
 
 def test_a_replica_that_does_not_answer_is_named(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:

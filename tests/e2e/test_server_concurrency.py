@@ -202,6 +202,12 @@ def test_pause_abort_then_continue(stack: dict[str, str]) -> None:
         async with httpx.AsyncClient(timeout=60) as http:
             chat = asyncio.ensure_future(http.post(chat_url(server, sid), json=LONG_CHAT))
             await wait_running(engine, 1)
+            assert (await http.get(f"{server}/admin/sessions")).status_code == 401  # the listing too
+            listing = (await http.get(f"{server}/admin/sessions", headers=ADMIN)).json()
+            live = {entry["id"]: entry for entry in listing["sessions"]}
+            assert live[sid]["in_flight"] and not live[other]["in_flight"] and listing["total"] >= 2, listing
+            newest = (await http.get(f"{server}/admin/sessions?limit=1", headers=ADMIN)).json()["sessions"]
+            assert [entry["id"] for entry in newest] == [sid]  # the most recently active first
             paused = await http.post(f"{server}/admin/pause", json={"mode": "abort"}, headers=ADMIN)
             assert paused.status_code == 200
             refused = await http.post(chat_url(server, other), json=SHORT_CHAT)
