@@ -14,6 +14,7 @@ and streaming sessions.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -104,8 +105,8 @@ def error(resp: httpx.Response) -> dict[str, Any]:
 def generate_plain(t: Target) -> dict[str, Any]:
     r = t.generate()
     meta = r.json()["meta_info"]
-    return {**reply(r), "finish_reason": meta["finish_reason"]["type"],
-            "lengths_agree": len(meta["output_token_logprobs"]) == meta["completion_tokens"] == len(r.json()["output_ids"])}
+    lengths = (len(meta["output_token_logprobs"]), meta["completion_tokens"], len(r.json()["output_ids"]))
+    return {**reply(r), "finish_reason": meta["finish_reason"]["type"], "lengths_agree": len(set(lengths)) == 1}
 
 
 @probe
@@ -123,7 +124,7 @@ def generate_stream(t: Target) -> dict[str, Any]:
     return {
         "status": r.status_code, "content_type": r.headers.get("content-type", "").split(";")[0],
         "framing": sorted({e[:6].decode() for e in events}), "last": events[-1].decode(),
-        "chunk_shapes": shape(chunks), "cumulative": all(a == b[: len(a)] for a, b in zip(ids, ids[1:], strict=False)),
+        "chunk_shapes": shape(chunks), "cumulative": all(a == b[: len(a)] for a, b in itertools.pairwise(ids)),
         "final_finish": chunks[-1]["meta_info"]["finish_reason"]["type"],
         "earlier_finish": shape([c["meta_info"]["finish_reason"] for c in chunks[:-1]]),
         "final_length": len(ids[-1]),
@@ -137,7 +138,8 @@ def generate_max_new_tokens_null(t: Target) -> dict[str, Any]:
     r = t.http.post("/generate", json={"input_ids": filler, "sampling_params": {"temperature": 0,
                                        "max_new_tokens": None}, "rid": t.rid()})
     meta = r.json()["meta_info"]
-    return {**reply(r), "finish_reason": meta["finish_reason"], "total": meta["prompt_tokens"] + meta["completion_tokens"]}
+    total = meta["prompt_tokens"] + meta["completion_tokens"]
+    return {**reply(r), "finish_reason": meta["finish_reason"], "total": total}
 
 
 @probe
