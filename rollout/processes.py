@@ -18,6 +18,9 @@ against the installed code).
 `start_sglang` launches the real SGLang (`python -m sglang.launch_server`) with another interpreter (its own venv) and
 the flags that serve a model on a CPU; it is ready once its cheap `GET /ready` answers (30-40 s for a tiny model).
 
+`start_smg` launches the real `smg` gateway (sglang-router's successor) like `start_router`; it is ready once
+`GET /workers` lists every worker.
+
 `start_nginx` runs the system's nginx (the Debian package) in the foreground on a config from `deploy.nginx`, logging to
 its output; `reload_nginx` sends it SIGHUP and waits until the new workers run.
 
@@ -300,15 +303,17 @@ def start_router(
     return proc
 
 
-def wait_router(proc: RunningProcess, workers: int, timeout: float = 60.0) -> RunningProcess:
-    """Block until the router answers and has registered `workers` workers; a failed router is stopped."""
+def wait_router(proc: RunningProcess, workers: int, timeout: float = 60.0, *, path: str = "/get_server_info",
+                count_key: str = "workers_count") -> RunningProcess:
+    """Block until the router answers and its `GET path` counts `workers` workers under `count_key`; a failed router
+    is stopped."""
     deadline = time.monotonic() + timeout
     try:
         proc.wait_ready()
         while True:
             try:
-                info = httpx.get(proc.url + "/get_server_info", timeout=2.0).json()
-                if info.get("workers_count") == workers:
+                info = httpx.get(proc.url + path, timeout=2.0).json()
+                if info.get(count_key) == workers:
                     return proc
             except (httpx.TransportError, ValueError):
                 pass
@@ -319,6 +324,28 @@ def wait_router(proc: RunningProcess, workers: int, timeout: float = 60.0) -> Ru
     except BaseException:
         proc.stop()
         raise
+
+
+def start_smg(
+    worker_urls: Sequence[str], *extra_args: str, policy: str = "manual", **options: Unpack[LaunchOptions]
+) -> RunningProcess:
+    """The real `smg` gateway (PyPI `smg`, the successor of sglang-router: `python -m smg launch`) in front of
+    `worker_urls`, on loopback.
+
+    Its metrics exporter would bind 0.0.0.0:29000: it gets a free loopback port instead. Its `/health` answers 200
+    before any worker is registered (a worker is registered once its own `/health` passes), so it is ready when
+    `GET /workers` lists every worker. Sims behind it should report a `--model-path` (smg reads the model id)."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "smg", "launch", "--host", LOOPBACK, "--port", str(port),
+        "--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn",
+        "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port()), *extra_args,
+    ]
+    wait = options.pop("wait", True)
+    proc = RunningProcess(cmd, url=f"http://{LOOPBACK}:{port}", name="smg", wait=False, **options)
+    if wait:
+        wait_router(proc, len(worker_urls), options.get("startup_timeout", 60.0), path="/workers", count_key="total")
+    return proc
 
 
 # The flags that serve a model with released SGLang 0.5.23 on a CPU (DESIGN.md 5.1b): its pure-PyTorch paths

@@ -19,7 +19,9 @@ session whose worker is down moves on its next turn (`place`): the trajectory is
 its engine session, if any, is reopened there (the old one died with its worker); moves are counted in /metrics.
 
 Behind a router (one URL whose `/get_server_info` says `router_manager`, or whose `/open_session` is 404), the
-features the router breaks are refused at startup with an error that says why (`detect_refusals`).
+features the router breaks are refused at startup with an error that says why (`detect_refusals`). The `smg` gateway
+(1.13) keeps `return_routed_experts` and routes by `X-SMG-Routing-Key` under `manual`, `consistent_hashing` or
+`--routing-key-override`, but answers 404 to the session and abort routes too (tests/e2e/test_engine_smg.py).
 """
 
 from __future__ import annotations
@@ -294,8 +296,8 @@ class EnginePlacement:
     # -- routers --------------------------------------------------------------------------------------------
     async def detect_routers(self, *, open_session_probe: bool) -> list[str]:
         """Mark and return the workers that are routers: `/get_server_info` says `router_manager`, or (when engine
-        sessions are wanted and `/get_server_info` is not an engine's) `/open_session` is 404. Unreachable workers
-        are skipped (logged): the refusal is a startup courtesy, the engines may come up later."""
+        sessions are wanted) `/open_session` is 404. Unreachable workers are skipped (logged): the refusal is a
+        startup courtesy, the engines may come up later."""
         found = []
         for worker in self.workers:
             try:
@@ -306,11 +308,11 @@ class EnginePlacement:
             info: Any = None
             with contextlib.suppress(msgspec.DecodeError):
                 info = msgspec.json.decode(resp.content)
-            if resp.status_code == 200 and isinstance(info, dict):
-                is_router = "router_manager" in info  # SGLang answers its server args; sglang-router this key
-            else:  # not an SGLang engine's answer: does it serve the session routes at all? (side-effect free
-                # on real engines, which never get here)
-                is_router = open_session_probe and await self._open_session_is_missing(worker)
+            # sglang-router answers this key; smg (1.13) passes one worker's server args through, so only the
+            # probe tells it from an engine: does it serve the session routes? (An open and a close on an engine.)
+            is_router = resp.status_code == 200 and isinstance(info, dict) and "router_manager" in info
+            if not is_router and open_session_probe:
+                is_router = await self._open_session_is_missing(worker)
             worker.is_router = is_router
             if is_router:
                 found.append(worker.url)
@@ -328,7 +330,7 @@ class EnginePlacement:
 ROUTER_REFUSALS = {
     "engine_sessions": (
         "--engine-sessions needs /open_session and /close_session on the engine, and a router answers them 404 "
-        "(sglang-router 0.3.2 does not forward them)"
+        "(neither sglang-router 0.3.2 nor smg 1.13 forwards them)"
     ),
     "return_routed_experts": (
         "--return-routed-experts needs the engine to see return_routed_experts, and a router rebuilds the /generate "
