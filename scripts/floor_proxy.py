@@ -126,15 +126,18 @@ async def _relay(engine: EngineClient, payload: bytes, sid: str, rid: str, delta
     sent = 0
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "model": "floor"}
     async with engine.stream_generate(payload, sid) as stream:
-        async for line in stream.aiter_lines():
-            if not line.startswith("data:") or line.startswith("data: [DONE]"):
-                continue
-            event = _decode_reply(split_routed_experts(line[5:].encode())[0])
-            text = event.text if deltas else event.text[sent:]
-            sent += len(text)
-            finish = _kind(event.meta_info.finish_reason)
-            yield b"data: " + _encode({**head, "choices": [
-                {"index": 0, "delta": {"content": text}, "finish_reason": finish}]}) + b"\n\n"
+        buffer = b""
+        async for chunk in stream.aiter_bytes():
+            *lines, buffer = (buffer + chunk).split(b"\n")
+            for line in lines:
+                if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
+                    continue
+                event = _decode_reply(split_routed_experts(line[5:])[0])
+                text = event.text if deltas else event.text[sent:]
+                sent += len(text)
+                finish = _kind(event.meta_info.finish_reason)
+                yield b"data: " + _encode({**head, "choices": [
+                    {"index": 0, "delta": {"content": text}, "finish_reason": finish}]}) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 

@@ -67,6 +67,9 @@ class ServerConfig:
     journal_sync: str = "normal"  # normal: survives a killed process; full: also a power loss (fsync per commit)
     # The engine runs with SGLang's --incremental-streaming-output: stream events carry deltas, not the reply so far.
     engine_incremental_streaming: bool = False
+    # A streamed turn reads the engine at most once per this many milliseconds after its first chunk: the events
+    # that arrived meanwhile are handled (and sent to the agent) as one batch. 0 = every event as it arrives.
+    stream_coalesce_ms: float = 20.0
     # Data-parallel workers (--engine-url repeated); empty means just engine_url. See engine/placement.py.
     engine_urls: tuple[str, ...] = ()
     engine_health_interval: float = 5.0  # seconds between readiness/load probes of each engine; 0 = only on demand
@@ -87,6 +90,8 @@ class ServerConfig:
             problems.append("--inline-below-bytes must be >= 0")
         if self.max_rollback < 0:
             problems.append("--max-rollback must be >= 0")
+        if not self.stream_coalesce_ms >= 0:
+            problems.append("--stream-coalesce-ms must be >= 0")
         if self.request_timeout <= 0:
             problems.append("--request-timeout must be > 0")
         if self.engine_control_timeout <= 0:

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from session_server.engine.http11 import EngineHTTP
+from session_server.engine.http11 import EngineHTTP, EngineStream
 from session_server.errors import EngineUnavailableError
 
 logger = logging.getLogger("session_server.engine")
@@ -50,6 +50,7 @@ class EngineReply:
 
 
 ENGINE_CLIENTS = ("httptools", "httpx")
+StreamedReply = httpx.Response | EngineStream  # status_code, headers, aiter_bytes(), aread()
 
 
 class _HttpxGenerate:
@@ -171,12 +172,18 @@ class EngineClient:
         return EngineReply(status, body, content_type)
 
     @contextlib.asynccontextmanager
-    async def stream_generate(self, payload: bytes, routing_key: str) -> AsyncIterator[httpx.Response]:
-        """POST /generate with `stream: true`; yields the open response (status and headers read, body not yet).
+    async def stream_generate(self, payload: bytes, routing_key: str) -> AsyncIterator[StreamedReply]:
+        """POST /generate with `stream: true`; yields the open response (status and headers read, body not yet:
+        `aiter_bytes()` / `aread()`), on the lean client (http11.EngineStream) unless `--engine-client httpx`.
 
         Leaving the block closes the connection, which SGLang (and the sim) treat as the client going away. Transport
         failures, also while the caller reads the body, become EngineUnavailableError (502).
         """
+        if isinstance(self._generate, EngineHTTP):
+            async with self._generate.stream("/generate", payload, self._routed(routing_key)) as stream:
+                _check_credentials(stream.status_code)
+                yield stream
+            return
         request = self._streaming.build_request("POST", "/generate", content=payload,
                                                 headers=self._routed(routing_key))
         try:

@@ -16,7 +16,9 @@ pool for httpx (same semantics) so `make bench-compare` can re-measure why this 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import httptools
@@ -24,7 +26,30 @@ import httptools
 from session_server.errors import EngineUnavailableError
 
 
-class _Connection(asyncio.Protocol):
+class _Parsed(asyncio.Protocol):
+    """A connection whose bytes go to an httptools response parser; a malformed response fails it and closes it."""
+
+    transport: asyncio.Transport | None
+    _parser: httptools.HttpResponseParser
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(EngineUnavailableError(f"engine sent malformed HTTP: {exc}"))
+            self.close()
+
+    def _fail(self, exc: Exception) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _Connection(_Parsed):
     __slots__ = (
         "_body", "_content_type", "_parser", "_waiter", "closed", "keep_alive", "status", "transport",
     )
@@ -40,16 +65,6 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
 
     # -- asyncio.Protocol -------------------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(EngineUnavailableError(f"engine sent malformed HTTP: {exc}"))
-            self.close()
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._fail(EngineUnavailableError("engine closed the connection before the response was complete"))
@@ -86,6 +101,91 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+_PAUSE_ABOVE = 4 << 20  # a stream's unread body beyond this pauses reading the socket (the engine waits)
+
+
+class EngineStream(_Parsed):
+    """One streamed response (`stream: true`), on a connection of its own that is closed afterwards.
+
+    Why not httpx here: with one engine event per token, httpx hands over every HTTP chunk separately through
+    several Python layers (~10 us each); here the parser's callback appends the chunk's bytes and the reader takes
+    everything that arrived since its last read as one piece, so a reader that reads less often pays per read, not
+    per event. Reading pauses when more than a few MiB wait unread."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._wake = asyncio.Event()
+        self._chunks: list[bytes] = []
+        self._unread = 0
+        self._paused = False
+        self._done = False
+        self._error: Exception | None = None
+        self.status_code = 0
+        self.headers: dict[str, str] = {}
+
+    # -- asyncio.Protocol -------------------------------------------------------------------------------
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._done:
+            self._fail(EngineUnavailableError("engine stream broke: the connection closed before the end"))
+
+    # -- httptools callbacks ----------------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status_code = self._parser.get_status_code()
+        if not self._head.done():
+            self._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._unread += len(body)
+        if self._unread > _PAUSE_ABOVE and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake.set()
+
+    def on_message_complete(self) -> None:
+        self._done = True
+        self._wake.set()
+
+    def _fail(self, exc: Exception) -> None:
+        if self._error is None:
+            self._error = exc
+        if not self._head.done():
+            self._head.set_exception(exc)
+        self._wake.set()
+
+    # -- reader side ------------------------------------------------------------------------------------
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        """The body as it arrives: each piece is everything received since the previous one."""
+        while True:
+            if self._chunks:
+                data = b"".join(self._chunks)
+                self._chunks.clear()
+                self._unread = 0
+                if self._paused and self.transport is not None:
+                    self._paused = False
+                    self.transport.resume_reading()
+                yield data
+                continue
+            if self._done:
+                return
+            if self._error is not None:
+                raise self._error
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def aread(self) -> bytes:
+        return b"".join([piece async for piece in self.aiter_bytes()])
+
+    def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
 
@@ -140,6 +240,26 @@ class EngineHTTP:
         async with self._slots:
             conn = self._take_idle() or await self._connect()
             return await self._roundtrip(conn, request)
+
+    @contextlib.asynccontextmanager
+    async def stream(self, path: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[EngineStream]:
+        """POST on a fresh connection and yield the response once its head is read; leaving the block closes the
+        connection (the engine sees the client go away). Transport failures are EngineUnavailableError."""
+        if self._closed:
+            raise EngineUnavailableError("engine client is closed")
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, stream = await loop.create_connection(EngineStream, self._host, self._port)
+        except (OSError, TimeoutError) as exc:
+            raise EngineUnavailableError(f"cannot connect to the engine: {type(exc).__name__}: {exc}") from exc
+        try:
+            assert stream.transport is not None
+            stream.transport.write(self._head(path, len(body), headers) + body)
+            await stream._head
+            yield stream
+        finally:
+            stream.close()
 
     def _take_idle(self) -> _Connection | None:
         """The most recently used idle connection that is still open (least likely to be timed out by the engine)."""

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from session_server.engine.client import EngineClient, EngineReply
+from session_server.engine.client import EngineClient, EngineReply, StreamedReply
 from session_server.errors import EngineUnavailableError
 
 logger = logging.getLogger("session_server.engine.placement")
@@ -170,7 +170,7 @@ class EnginePlacement:
             raise
 
     @contextlib.asynccontextmanager
-    async def stream_generate(self, payload: bytes, routing_key: str) -> AsyncIterator[httpx.Response]:
+    async def stream_generate(self, payload: bytes, routing_key: str) -> AsyncIterator[StreamedReply]:
         """Streaming POST /generate on the session's worker (EngineClient.stream_generate)."""
         worker = self._client(routing_key)
         try:

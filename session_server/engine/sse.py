@@ -1,17 +1,26 @@
-"""The engine's side of a streamed /generate: SGLang's server-sent events, read into cumulative event objects.
+"""The engine's side of a streamed /generate: SGLang's server-sent events, read in batches into what is new.
 
 SGLang (0.5.23, default `incremental_streaming_output` off) sends cumulative events -- each carries the whole
 `text`, `output_ids` and `meta_info` so far -- and a last one with `finish_reason` set, which is a complete
 `/generate` response. With the engine's `--incremental-streaming-output` the events are deltas (text, output_ids and
-the per-output-token meta lists); `--engine-incremental-streaming` tells the server, and the deltas are summed here
-into the cumulative shape, so every consumer sees one shape and the final event is a complete body for the strict
-decoder. A cumulative engine meeting a server that expects deltas (or the reverse) would commit garbage, so the
-counts are cross-checked and a mismatch names the flag.
+the per-output-token meta lists); `--engine-incremental-streaming` tells the server. A cumulative engine meeting a
+server that expects deltas (or the reverse) would commit garbage, so the counts are cross-checked and a mismatch
+names the flag.
+
+Why batches: at SGLang's default `stream_interval` 1 there is one event per token, and handling each on its own
+(a line, a JSON decode, a delta, a chunk to the agent) costs tens of microseconds -- far more than the token costs
+in an unstreamed reply. So everything that arrived in one read is handled at once: the events are split and decoded
+by msgspec in one call, and one `Progress` says what they add (the agent gets one chunk for them: when the agent or
+the server is slower than the engine, chunks coalesce instead of queueing). Nothing is re-read: a delta event adds
+its pieces; of a batch of cumulative events only the last one's text is decoded (its other fields are skipped
+unparsed), and the new text is its tail. The final event is returned as the raw bytes of a complete /generate body
+for the strict decoder (for delta engines: the summed body, encoded once).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +32,55 @@ _encoder = msgspec.json.Encoder()
 _PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs")
 
 
-@dataclass(slots=True)
-class EngineEvent:
-    """One event of the engine stream: cumulative, and `raw` (the bytes of a complete /generate body) when final."""
+_ABSENT = msgspec.Raw()  # a field the event does not have (msgspec's Raw cannot be in a union with None)
 
-    body: dict[str, Any]
-    final: bool
-    raw: bytes | None = None
+
+class _Meta(msgspec.Struct):
+    finish_reason: Any = None
+    completion_tokens: Any = None
+    output_token_logprobs: msgspec.Raw = _ABSENT
+    output_top_logprobs: msgspec.Raw = _ABSENT
+
+
+class _Event(msgspec.Struct):
+    """A cumulative event, its large parts left as raw JSON (only the last of a batch is decoded further)."""
+
+    text: msgspec.Raw = _ABSENT
+    output_ids: msgspec.Raw = _ABSENT
+    meta_info: _Meta | None = None
+    error: Any = None
+
+
+class _Delta(msgspec.Struct):
+    """A delta event: its text decoded (it is streamed), the rest kept raw for the final body."""
+
+    text: str = ""
+    output_ids: msgspec.Raw = _ABSENT
+    meta_info: _Meta | None = None
+    error: Any = None
+
+
+_decode_cumulative = msgspec.json.Decoder(list[_Event]).decode
+_decode_deltas = msgspec.json.Decoder(list[_Delta]).decode
+_decode_str = msgspec.json.Decoder(str).decode
+_decode_list = msgspec.json.Decoder(list[Any]).decode
+
+
+@dataclass(slots=True)
+class Progress:
+    """What one batch of intermediate events adds: the new text, and the new tokens' logprob entries (SGLang's
+    `[logprob, id, text]` and top-logprob rows, unvalidated) when they were asked for."""
+
+    text: str
+    logprobs: list[Any] | None = None
+    top_logprobs: list[Any] | None = None
+
+
+@dataclass(slots=True)
+class Final:
+    """The last event: the raw bytes of a complete /generate body."""
+
+    raw: bytes
 
 
 class EngineError(Exception):
@@ -41,62 +92,174 @@ class EngineError(Exception):
         self.error = error
 
 
-class Cumulative:
-    """Sums delta events into SGLang's cumulative shape, or checks that cumulative events are whole."""
+class _Reader:
+    """The state of one stream: what was seen (cumulative) or the pieces of the summed body (deltas)."""
 
-    def __init__(self, incremental: bool) -> None:
-        self._acc: dict[str, Any] | None = {"text": "", "output_ids": []} if incremental else None
+    def __init__(self, incremental: bool, logprobs: bool) -> None:
+        self.incremental = incremental
+        self.logprobs = logprobs
+        self.text_seen = 0  # cumulative: characters of text already reported
+        self.tokens_seen = 0  # cumulative: logprob entries already reported
+        self.texts: list[str] = []  # deltas: every event's text, and its raw ids and per-token lists
+        self.raws: dict[str, list[msgspec.Raw]] = {"output_ids": [], **{k: [] for k in _PER_TOKEN_META}}
 
-    @property
-    def incremental(self) -> bool:
-        return self._acc is not None
+    def batch(self, payloads: list[bytes]) -> tuple[Progress | None, Final | None]:
+        """Progress of the batch's intermediate events, and the final event if the batch holds it."""
+        joined = b"[" + b",".join(payloads) + b"]"
+        events: Sequence[_Event | _Delta]
+        try:
+            events = _decode_deltas(joined) if self.incremental else _decode_cumulative(joined)
+        except msgspec.DecodeError:
+            events = [self._one(p) for p in payloads]  # find the culprit, with the rule it breaks
+        stop = next((i for i, e in enumerate(events) if e.error is not None or (
+            e.meta_info is not None and e.meta_info.finish_reason is not None)), len(events))
+        progress = self._progress(events[:stop])
+        if stop == len(events):
+            return progress, None
+        if events[stop].error is not None:
+            raise EngineError(payloads[stop], msgspec.json.decode(payloads[stop]).get("error"))
+        return progress, Final(self._final(payloads[stop]))
 
-    def feed(self, event: dict[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def _one(payload: bytes) -> _Event:
+        """An event the typed decode refused, judged alone: not JSON or not an object is a 502; anything else odd
+        is skipped (nothing is taken from it; the final body's strict decode judges what is committed)."""
+        try:
+            value = msgspec.json.decode(payload)
+        except msgspec.DecodeError:
+            raise UpstreamError("engine stream event is not valid JSON", rule="json") from None
+        if not isinstance(value, dict):
+            raise UpstreamError("engine stream event is not an object", rule="schema")
+        if "error" in value:
+            return _Event(error=value["error"] if value["error"] is not None else "null")
+        meta = value.get("meta_info")
+        return _Event(meta_info=_Meta(finish_reason=meta.get("finish_reason") if isinstance(meta, dict) else None))
+
+    def _progress(self, events: Sequence[_Event | _Delta]) -> Progress | None:
+        if not events:
+            return None
+        if not self.incremental:
+            last = events[-1]
+            return self._cumulative(last) if isinstance(last, _Event) else None
+        deltas = [e for e in events if isinstance(e, _Delta)]
+        texts = [e.text for e in deltas]
+        self.texts += texts
+        self.raws["output_ids"] += [e.output_ids for e in deltas if e.output_ids]
+        metas = [e.meta_info for e in deltas if e.meta_info is not None]
+        for key in _PER_TOKEN_META:
+            self.raws[key] += [raw for raw in (getattr(m, key) for m in metas) if raw]
+        text = "".join(texts)
+        entries = tops = None
+        if self.logprobs:  # unvalidated; the consumer checks them
+            try:
+                entries = [x for m in metas if m.output_token_logprobs for x in _decode_list(m.output_token_logprobs)]
+                tops = [x for m in metas if m.output_top_logprobs for x in _decode_list(m.output_top_logprobs)]
+            except msgspec.DecodeError:
+                entries = tops = None
+        if not text and not entries:
+            return None
+        return Progress(text, entries or None, tops or None)
+
+    def _cumulative(self, event: _Event) -> Progress | None:
+        """The last cumulative event of a batch: its tail beyond what was seen; the counts checked."""
+        meta = event.meta_info
+        if event.output_ids and meta is not None:
+            count = meta.completion_tokens
+            raw = bytes(event.output_ids).strip()
+            held = 0 if raw.replace(b" ", b"") == b"[]" else raw.count(b",") + 1  # ids hold no commas
+            if raw.startswith(b"[") and isinstance(count, int) and not isinstance(count, bool) and count != held:
+                raise UpstreamError(
+                    f"engine stream event holds {held} of {count} output ids: the engine streams deltas "
+                    "(SGLang --incremental-streaming-output); start the session server with "
+                    "--engine-incremental-streaming", rule="stream_shape")
+        try:
+            text = _decode_str(event.text).rstrip("\ufffd") if event.text else ""
+        except msgspec.DecodeError:
+            return None
+        fresh = text[self.text_seen:]
+        self.text_seen = max(self.text_seen, len(text))
+        entries = tops = None
+        if self.logprobs and meta is not None and meta.output_token_logprobs:
+            try:
+                everything = _decode_list(meta.output_token_logprobs)
+                rows = _decode_list(meta.output_top_logprobs) if meta.output_top_logprobs else None
+            except msgspec.DecodeError:
+                everything, rows = [], None
+            if len(everything) > self.tokens_seen:
+                entries = everything[self.tokens_seen:]
+                tops = rows[self.tokens_seen:] if rows is not None and len(rows) == len(everything) else None
+                self.tokens_seen = len(everything)
+        if not fresh and entries is None:
+            return None
+        return Progress(fresh, entries, tops)
+
+    def _final(self, payload: bytes) -> bytes:
+        """The complete body: the final event itself, or (deltas) the final event with everything summed in --
+        the summed lists spliced from the events' raw JSON, encoded once."""
+        if not self.incremental:
+            return payload
+        event = msgspec.json.decode(payload)
         meta = event.get("meta_info")
         ids = event.get("output_ids")
         if not isinstance(meta, dict) or not isinstance(ids, list):
-            return event  # malformed: the final decode (or its absence) reports it
-        if self._acc is None:
-            count = meta.get("completion_tokens")
-            if isinstance(count, int) and count != len(ids):
-                raise UpstreamError(
-                    f"engine stream event holds {len(ids)} of {count} output ids: the engine streams deltas "
-                    "(SGLang --incremental-streaming-output); start the session server with "
-                    "--engine-incremental-streaming", rule="stream_shape")
-            return event
-        acc = self._acc
-        acc["text"] += event.get("text") or ""
-        acc["output_ids"] += ids
+            return payload  # malformed: the strict decode reports it
+        summed = {**meta}
         for key in _PER_TOKEN_META:
             if isinstance(meta.get(key), list):
-                acc[key] = acc.get(key, []) + meta[key]
-        full_meta = {**meta, **{k: acc[k] for k in _PER_TOKEN_META if k in acc}}
-        return {**event, "text": acc["text"], "output_ids": list(acc["output_ids"]), "meta_info": full_meta}
+                summed[key] = _spliced(self.raws[key], meta[key])
+        return _encoder.encode({**event, "text": "".join(self.texts) + (event.get("text") or ""),
+                                "output_ids": _spliced(self.raws["output_ids"], ids), "meta_info": summed})
 
 
-async def engine_events(lines: AsyncIterator[str], incremental: bool) -> AsyncIterator[EngineEvent]:
-    """The events of one engine stream, each cumulative; the last is final. An `{"error": ...}` event raises
-    EngineError; a stream that is not SGLang's (bad JSON, no final event) raises UpstreamError (502)."""
-    cumulative = Cumulative(incremental)
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            break
-        raw = data.encode()
+def _spliced(raws: list[msgspec.Raw], last: list[Any]) -> msgspec.Raw:
+    """One JSON list of the items of raw JSON lists (the events' deltas) and `last`. A raw piece that is not a list
+    makes the whole invalid, which the strict decode then reports."""
+    items = [bytes(raw).strip()[1:-1].strip() for raw in raws]
+    items.append(_encoder.encode(last)[1:-1])
+    return msgspec.Raw(b"[" + b",".join(i for i in items if i) + b"]")
+
+
+async def engine_events(chunks: AsyncIterator[bytes], incremental: bool, logprobs: bool = False,
+                        coalesce: float = 0.0) -> AsyncIterator[Progress | Final]:
+    """What an engine stream adds, one Progress per read that completes events, then the Final. `logprobs`: the new
+    tokens' logprob entries are wanted. `coalesce`: seconds to leave between reads after a Progress (the events
+    that arrive meanwhile wait in the socket and become one batch). An `{"error": ...}` event raises EngineError; a
+    stream that is not SGLang's (bad JSON, no final event) raises UpstreamError (502)."""
+    reader = _Reader(incremental, logprobs)
+    loop = asyncio.get_running_loop()
+    source = chunks.__aiter__()
+    buffer = b""
+    next_read = 0.0
+    while True:
+        if coalesce > 0 and (delay := next_read - loop.time()) > 0:
+            await asyncio.sleep(delay)
         try:
-            event = msgspec.json.decode(raw)
-        except msgspec.DecodeError:
-            raise UpstreamError("engine stream event is not valid JSON", rule="json") from None
-        if not isinstance(event, dict):
-            raise UpstreamError("engine stream event is not an object", rule="schema")
-        if "error" in event:
-            raise EngineError(raw, event["error"])
-        event = cumulative.feed(event)
-        meta = event.get("meta_info")
-        if isinstance(meta, dict) and meta.get("finish_reason") is not None:
-            yield EngineEvent(event, True, raw if not cumulative.incremental else _encoder.encode(event))
-            return
-        yield EngineEvent(event, False)
+            chunk = await source.__anext__()
+        except StopAsyncIteration:
+            break
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            buffer += chunk
+            continue
+        lines = (buffer + chunk[:end]).split(b"\n")
+        buffer = chunk[end + 1:]
+        payloads = []
+        done = False
+        for line in lines:
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                payloads.append(data)
+        if payloads:
+            progress, final = reader.batch(payloads)
+            if progress is not None:
+                yield progress
+                next_read = loop.time() + coalesce
+            if final is not None:
+                yield final
+                return
+        if done:
+            break
     raise UpstreamError("engine stream ended without a final event", rule="stream_incomplete")

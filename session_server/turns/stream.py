@@ -29,7 +29,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 from starlette.types import Receive, Scope, Send
 
-from session_server.engine.sse import EngineError, engine_events
+from session_server.engine.sse import EngineError, Final, Progress, engine_events
 from session_server.engine.wire import split_routed_experts
 from session_server.errors import AbortReason, ClientDisconnectedError, EngineTimeoutError, tag_abort
 from session_server.sessions.session import Claim
@@ -67,6 +67,7 @@ class StreamedTurn(Generic[R]):
         self.started = False  # response headers sent: from here on, failures are error events
         self.committed = False
         self.lp_sent: list[float] = []
+        self._lp_broken = False  # an unsound logprob entry: the rest come with the final event
         self.status = 200
         self.t_start = time.perf_counter()
         self.engine_seconds = 0.0
@@ -211,12 +212,12 @@ class StreamedTurn(Generic[R]):
                 await self._passthrough(send, engine.status_code, content_type, await engine.aread())
                 return
             try:
-                async for event in engine_events(engine.aiter_lines(), config.engine_incremental_streaming):
-                    if event.final:
-                        assert event.raw is not None
+                async for event in engine_events(engine.aiter_bytes(), config.engine_incremental_streaming,
+                                                 self.logprobs, config.stream_coalesce_ms / 1000):
+                    if isinstance(event, Final):
                         final = event.raw
                         break
-                    await self._progress(send, event.body)
+                    await self._progress(send, event)
             except EngineError as failed:
                 await self._engine_error(send, failed)
                 return
@@ -231,39 +232,40 @@ class StreamedTurn(Generic[R]):
         status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else 400
         await self._passthrough(send, status, b"application/json", failed.raw)
 
-    async def _progress(self, send: Send, event: dict[str, Any]) -> None:
-        """An intermediate (cumulative) event: send whatever it settles. Not yet validated, so only what the final,
-        validated event is later checked against (text deltas, logprobs of new tokens) is taken from it."""
-        text = event.get("text")
-        delta = self.tracker.update(text) if isinstance(text, str) else None
-        tokens = self._new_tokens(event.get("meta_info"))
+    async def _progress(self, send: Send, progress: Progress) -> None:
+        """What a batch of intermediate events adds: send whatever it settles, as one chunk. Not yet validated, so
+        only what the final, validated event is later checked against (text deltas, logprobs of new tokens) is taken
+        from it."""
+        delta = self.tracker.extend(progress.text)
+        tokens = self._new_tokens(progress.logprobs, progress.top_logprobs)
         if delta is None and tokens is None:
             return
         await self._start(send)
         await self._events(send, self.format.delta(delta, tokens))
 
-    def _new_tokens(self, meta: Any) -> NewTokens | None:
-        if not self.logprobs or not isinstance(meta, dict):
+    def _new_tokens(self, fresh: list[Any] | None, rows: list[Any] | None) -> NewTokens | None:
+        """The new tokens' logprobs, if the entries are sound (else they are left to the final, validated event,
+        and so is every later token: the logprobs sent must stay a prefix of the final ones)."""
+        if not self.logprobs or not fresh or self._lp_broken:
             return None
-        entries = meta.get("output_token_logprobs")
-        if not isinstance(entries, list) or len(entries) <= len(self.lp_sent):
-            return None
-        fresh = entries[len(self.lp_sent):]
         try:
             values = np.asarray([float(e[0]) for e in fresh], dtype=np.float32)
             ids = np.asarray([int(e[1]) for e in fresh], dtype=np.int64)
         except (TypeError, ValueError, IndexError):
-            return None  # left to the final, validated event
+            self._lp_broken = True
+            return None
         if not np.isfinite(values).all() or (len(ids) and (ids.min() < 0 or ids.max() >= self.family.vocab_size)):
+            self._lp_broken = True
             return None
         top = None
-        rows = meta.get("output_top_logprobs")
-        if self.turn.request.top_logprobs and isinstance(rows, list) and len(rows) == len(entries):
+        if self.turn.request.top_logprobs and rows is not None and len(rows) == len(fresh):
             try:
-                top = [[(float(a[0]), int(a[1])) for a in (row or ())] for row in rows[len(self.lp_sent):]]
+                top = [[(float(a[0]), int(a[1])) for a in (row or ())] for row in rows]
             except (TypeError, ValueError, IndexError):
+                self._lp_broken = True
                 return None
             if any(not 0 <= t < self.family.vocab_size for row in top for _, t in row):
+                self._lp_broken = True
                 return None
         self.lp_sent.extend(values.tolist())
         return NewTokens(ids, values, top)
