@@ -105,16 +105,14 @@ class _Connection(_Parsed):
             self.transport.close()
 
 
-_PAUSE_ABOVE = 4 << 20  # a stream's unread body beyond this pauses reading the socket (the engine waits)
-
-
 class EngineStream(_Parsed):
     """One streamed response (`stream: true`), on a connection of its own that is closed afterwards.
 
     Why not httpx here: with one engine event per token, httpx hands over every HTTP chunk separately through
     several Python layers (~10 us each); here the parser's callback appends the chunk's bytes and the reader takes
-    everything that arrived since its last read as one piece, so a reader that reads less often pays per read, not
-    per event. Reading pauses when more than a few MiB wait unread."""
+    everything that arrived since its last read as one piece. While the reader is away the socket is not read, so
+    what the engine sends meanwhile waits in the kernel and arrives in one read when the reader is back: a reader
+    that reads less often pays per read, not per event, and the unread body is bounded by the socket's buffer."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -122,7 +120,6 @@ class EngineStream(_Parsed):
         self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._wake = asyncio.Event()
         self._chunks: list[bytes] = []
-        self._unread = 0
         self._paused = False
         self._done = False
         self._error: Exception | None = None
@@ -145,10 +142,6 @@ class EngineStream(_Parsed):
 
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)
-        self._unread += len(body)
-        if self._unread > _PAUSE_ABOVE and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
         self._wake.set()
 
     def on_message_complete(self) -> None:
@@ -169,18 +162,26 @@ class EngineStream(_Parsed):
             if self._chunks:
                 data = b"".join(self._chunks)
                 self._chunks.clear()
-                self._unread = 0
-                if self._paused and self.transport is not None:
-                    self._paused = False
-                    self.transport.resume_reading()
+                self._pause(True)  # while the reader is away, what the engine sends waits in the socket
                 yield data
                 continue
             if self._done:
                 return
             if self._error is not None:
                 raise self._error
+            self._pause(False)
             self._wake.clear()
             await self._wake.wait()
+
+    def _pause(self, paused: bool) -> None:
+        transport = self.transport
+        if paused == self._paused or transport is None or transport.is_closing():
+            return
+        self._paused = paused
+        if paused:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
 
     async def aread(self) -> bytes:
         return b"".join([piece async for piece in self.aiter_bytes()])
