@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test test-sglang test-fast lint bench bench-overhead bench-stream bench-compare soak soak-crash tokenizers clean nginx demo-cluster
+.PHONY: demo test test-sglang test-fast lint harnesses bench bench-overhead bench-stream bench-compare soak soak-crash tokenizers clean nginx demo-cluster
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,15 @@ nginx:
 	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive sh -c "apt-get install -y -q nginx-light || { apt-get update -q && apt-get install -y -q nginx-light; }"
 
+# The real coding harnesses tests/e2e/test_harnesses.py runs (their npm packages carry their native binaries).
+HARNESSES := .cache/harnesses
+$(HARNESSES)/.installed:
+	mkdir -p $(HARNESSES)
+	npm install --no-audit --no-fund --prefix $(HARNESSES) @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.328
+	touch $@
+
+harnesses: $(HARNESSES)/.installed
+
 # Extra flags: make demo DEMO_ARGS="--journal out/journal.sqlite" (the server keeps a SQLite journal; see README).
 DEMO_ARGS ?=
 demo: $(STAMP) $(TOKENIZERS)/.built
@@ -46,7 +55,7 @@ lint: $(STAMP)
 # TEST_WORKERS pytest-xdist workers (tests/conftest.py: a module's tests share one worker and its process stack).
 # More workers than cores pays: e2e tests spend much of their time waiting on their processes.
 TEST_WORKERS ?= 3
-test: $(STAMP) $(TOKENIZERS)/.built nginx
+test: $(STAMP) $(TOKENIZERS)/.built nginx $(HARNESSES)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -n $(TEST_WORKERS)

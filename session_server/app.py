@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from session_server.api import admin, samples, session_header, sessions
+from session_server.api import admin, messages, responses, samples, session_header, sessions
 from session_server.config import ServerConfig
 from session_server.cpu_pool import CpuPool
 from session_server.engine.client import EngineClient
@@ -185,10 +185,18 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         Route("/sessions", sessions.create_session, methods=["POST"]),
         Route(session, sessions.delete_session, methods=["DELETE"]),
         chat_route,
+        Route(session + "/v1/responses", responses.create, methods=["POST"]),
+        Route(session + "/v1/messages", messages.create, methods=["POST"]),
         Route(session + "/samples", samples.collect_samples, methods=["POST"]),
         Route(session, sessions.get_session, methods=["GET"]),
         # One base URL for many episodes, addressed by the X-Session-ID header (api/session_header.py).
         Route("/v1/chat/completions", session_header.chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses.create_at_root, methods=["POST"]),
+        Route("/v1/messages", messages.create_at_root, methods=["POST"]),
+        Route(session + "/v1/messages/count_tokens", messages.count, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_at_root, methods=["POST"]),
+        Route(session + "/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.retrieve_at_root, methods=["GET"]),
         Route("/ready", admin.ready, methods=["GET"]),
         Route("/metrics", admin.metrics, methods=["GET"]),
         Route(session + "/v1/models", sessions.list_models, methods=["GET"]),

@@ -165,13 +165,29 @@ def json_response(payload: object, status: int = 200, headers: dict[str, str] | 
     return Response(_json.encode(payload), status_code=status, headers=headers, media_type="application/json")
 
 
+def engine_message(body: bytes) -> str:
+    """The message of an engine error body (SGLang's native `{"error": {"message"}}` or OpenAI's shape), else its
+    text: what another API's error shape carries of the engine's own refusal."""
+    try:
+        obj = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        obj = None
+    error = obj.get("error", obj) if isinstance(obj, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error
+    return message if isinstance(message, str) else body.decode("utf-8", "replace")[:2000]
+
+
+def retry_headers(err: SessionError) -> dict[str, str] | None:
+    """`Retry-After` for the refusals that say when to come back (pause, full, drain, an engine abort)."""
+    if isinstance(err, RetryLaterError):
+        return {"Retry-After": str(max(1, int(err.retry_after)))}
+    return None
+
+
 def error_response(err: SessionError) -> Response:
     if isinstance(err, EngineRefusedError):
         return Response(err.body, status_code=err.engine_status, media_type=err.content_type)
-    headers = None
-    if isinstance(err, RetryLaterError):  # 503s that say when to come back (pause, full, drain)
-        headers = {"Retry-After": str(max(1, int(err.retry_after)))}
-    return json_response(error_body(err), err.status, headers)
+    return json_response(error_body(err), err.status, retry_headers(err))
 
 
 async def not_found(request: Request, exc: Exception) -> Response:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import prometheus_client
@@ -107,6 +107,10 @@ class Metrics:
             "limit_refusals", "requests refused by a configured limit: sessions (--max-sessions, 503), session_tokens "
             "(--max-session-tokens, 400), context (a prompt that cannot fit the engine's context, 400)", ("limit",),
         )
+        self.ignored_fields = counter(
+            "ignored_fields", "request fields accepted without effect on the tokens (cache_control, metadata, "
+            "hosted tools, ...), by API and field", ("api", "field"),
+        )
         self.sessions_created = counter("sessions_created", "sessions created")
         self.sessions_deleted = counter("sessions_deleted", "sessions deleted by DELETE")
         self.sessions_expired = counter("sessions_expired", "sessions deleted by the idle sweep")
@@ -126,6 +130,7 @@ class Metrics:
         # Every rollback reason is exported from the start (at 0), so a rate() has a series to start from.
         self._rollbacks: dict[str, Any] = {r: self.rollbacks.labels(r) for r in ROLLBACK_REASONS}
         self._validation: dict[str, Any] = {}
+        self._ignored: dict[tuple[str, str], Any] = {}
 
     # -- gauges of live state, read at scrape time ------------------------------------------------------
     def watch(self, name: str, doc: str, read: Callable[[], float]) -> None:
@@ -153,6 +158,11 @@ class Metrics:
 
     def validation_failure(self, rule: str) -> None:
         _child(self._validation, rule, self.validation_failures, rule).inc()
+
+    def ignored(self, api: str, fields: Sequence[str]) -> None:
+        """Fields of one request that were accepted and ignored (the front ends' fixed lists: bounded labels)."""
+        for field in fields:
+            _child(self._ignored, (api, field), self.ignored_fields, api, field).inc()
 
     def refused(self, limit: str) -> None:
         self._refusals[limit].inc()

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from session_server.turns.request_items import bad, non_empty_string, objects
+from session_server.turns.request_items import MAX_TOKENS, bad, non_empty_string, objects
 
 # Accepted, without effect on the tokens.
 _NEUTRAL = ("cache_control", "metadata", "context_management", "service_tier", "speed", "inference_geo",
@@ -253,9 +253,9 @@ def parse_messages(obj: dict[str, Any], thinking_switch: str | None, count_only:
             raise bad(key, "is not supported")
     ignored = [key for key in _NEUTRAL if obj.get(key) is not None]
     max_tokens = obj.get("max_tokens")
-    positive = isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1
-    if not positive and (max_tokens is not None or not count_only):
-        raise bad("max_tokens", "must be a positive integer")
+    valid = isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and 1 <= max_tokens <= MAX_TOKENS
+    if not valid and (max_tokens is not None or not count_only):
+        raise bad("max_tokens", f"must be an integer in [1, {MAX_TOKENS}]")
     stop = obj.get("stop_sequences")
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
         raise bad("stop_sequences", "must be a list of non-empty strings")

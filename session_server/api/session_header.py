@@ -1,5 +1,5 @@
-"""One base URL for many episodes: `POST /v1/chat/completions` and `GET /v1/models` at the root, addressed by the
-`X-Session-ID` request header.
+"""One base URL for many episodes: `POST /v1/chat/completions` (and `/v1/responses`, `/v1/messages`) and `GET
+/v1/models` at the root, addressed by the `X-Session-ID` request header (or, for a turn, by the API key).
 
 Harnesses such as verifiers configure one OpenAI client for a whole run and tell concurrent rollouts apart by a
 per-request `X-Session-ID` header. Each id is its own session, so episodes never interleave: two requests with the
@@ -12,15 +12,18 @@ never revived. The trainer then collects `/sessions/{id}/samples` with the same 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from session_server.api.sessions import relay
 from session_server.errors import SessionNotFoundError
-from session_server.openai.chat import serve_chat
+from session_server.openai.chat import CHAT
 from session_server.state import ServerState, server_of
-from trajectory.errors import RequestValidationError
+from session_server.turns.pipeline import serve_turn
+from session_server.turns.turn import FrontEnd
+from trajectory.errors import RequestValidationError, SessionError
 
 SESSION_HEADER = "X-Session-ID"
 # Ids end up in URLs (/sessions/{id}/samples), logs and metrics labels: a conservative charset and length.
@@ -28,13 +31,20 @@ MAX_SESSION_ID_LEN = 128
 _VALID_ID = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_SESSION_ID_LEN}}}")
 
 
-def _header_id(request: Request) -> str | None:
-    sid = request.headers.get(SESSION_HEADER)
+def _header_id(request: Request, keys: bool = False) -> str | None:
+    """The session id in X-Session-ID, or with `keys` (a turn at the root) in the API key -- `x-api-key` or
+    `Authorization: Bearer` -- for harnesses that can set a key but no header (Claude Code, Codex)."""
+    sid, where = request.headers.get(SESSION_HEADER), SESSION_HEADER
+    if sid is None and keys:
+        sid, where = request.headers.get("x-api-key"), "the API key (x-api-key)"
+        auth = request.headers.get("authorization")
+        if sid is None and auth is not None and auth[:7].lower() == "bearer ":
+            sid, where = auth[7:].strip(), "the API key (Authorization: Bearer)"
     if sid is None:
         return None
     if not _VALID_ID.fullmatch(sid):
         raise RequestValidationError(
-            f"{SESSION_HEADER} must be 1-{MAX_SESSION_ID_LEN} characters of A-Z a-z 0-9 . _ : - "
+            f"{where} must name a session: 1-{MAX_SESSION_ID_LEN} characters of A-Z a-z 0-9 . _ : - "
             f"(got {len(sid)} characters)"
         )
     return sid
@@ -49,11 +59,11 @@ def _not_found(server: ServerState, sid: str) -> SessionNotFoundError:
 
 def resolve_session(server: ServerState, request: Request, create: bool) -> str:
     """The session id the request addresses; with `create` and on-demand creation on, an unknown id is created."""
-    sid = _header_id(request)
+    sid = _header_id(request, keys=True)
     if sid is None:
         raise RequestValidationError(
-            f"a chat at the root URL needs a {SESSION_HEADER} header naming its session (or use the session's own "
-            "base URL, /sessions/{session_id}/v1)"
+            f"a chat at the root URL needs a {SESSION_HEADER} header (or an API key) naming its session (or use the "
+            "session's own base URL, /sessions/{session_id}/v1)"
         )
     if server.registry.knows(sid):
         return sid  # the lifecycle's claim answers for it: live, closing (404), deleted (404 "was deleted")
@@ -65,11 +75,19 @@ def resolve_session(server: ServerState, request: Request, create: bool) -> str:
     return sid
 
 
+async def serve_root_turn(request: Request, api: FrontEnd[Any]) -> Response:
+    """A turn at the root URL of any API: the session named by X-Session-ID or the API key (created on first use
+    if allowed), errors in the API's own shape."""
+    try:
+        sid = resolve_session(server_of(request), request, create=True)
+    except SessionError as err:
+        return api.error(err)
+    return await serve_turn(request, sid, api)
+
+
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions: the chat of the session named by X-Session-ID (created on first use if allowed)."""
-    server = server_of(request)
-    sid = resolve_session(server, request, create=True)
-    return await serve_chat(request, sid)
+    return await serve_root_turn(request, CHAT)
 
 
 async def list_models(request: Request) -> Response:

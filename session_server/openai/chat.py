@@ -8,30 +8,47 @@ validation, the commit -- is session_server/turns.
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 from starlette.requests import Request
 from starlette.responses import Response
 
 from session_server.errors import error_response
 from session_server.openai.chat_stream import ChatStream
-from session_server.openai.protocol import ChatRequest, chat_completion, parse_chat_request, turn_tools
+from session_server.openai.protocol import ChatRequest, chat_completion, chat_request, parse_chat_request, turn_tools
 from session_server.turns.output import TurnOutput
 from session_server.turns.pipeline import serve_turn
 from session_server.turns.turn import Turn, TurnRequest
-from trajectory import ModelFamily
+from trajectory import LinearTrajectory, ModelFamily
 from trajectory.errors import SessionError
+
+
+def turn_request(chat: ChatRequest, family: ModelFamily, api: R) -> TurnRequest[R]:
+    options = chat.options
+    return TurnRequest(
+        messages=chat.messages, tools=turn_tools(chat, family), sampling_params=chat.sampling_params, api=api,
+        template_kwargs=options.chat_template_kwargs, stream=chat.stream, model=chat.model,
+        top_logprobs=options.top_logprobs, parse_tool_calls=options.parse_tool_calls,
+    )
+
+
+def read_chat(obj: dict[str, Any], family: ModelFamily, api: R) -> TurnRequest[R]:
+    """The ChatReader (turns/turn.py) the Responses and Anthropic front ends map their requests onto."""
+    return turn_request(chat_request(obj, family.stop_token_ids, family.vocab_size), family, api)
+
+
+R = TypeVar("R")
 
 
 class ChatCompletions:
     """The FrontEnd (turns/turn.py) of OpenAI Chat Completions."""
 
-    def parse(self, body: bytes, family: ModelFamily) -> TurnRequest[ChatRequest]:
+    name = "chat"
+
+    def parse(self, body: bytes, trajectory: LinearTrajectory) -> TurnRequest[ChatRequest]:
+        family = trajectory.family
         chat = parse_chat_request(body, family.stop_token_ids, family.vocab_size)
-        options = chat.options
-        return TurnRequest(
-            messages=chat.messages, tools=turn_tools(chat, family), sampling_params=chat.sampling_params, api=chat,
-            template_kwargs=options.chat_template_kwargs, stream=chat.stream, model=chat.model,
-            top_logprobs=options.top_logprobs, parse_tool_calls=options.parse_tool_calls,
-        )
+        return turn_request(chat, family, chat)
 
     def reply(self, turn: Turn[ChatRequest], out: TurnOutput) -> bytes:
         return chat_completion(out, turn.family, turn.rid, turn.model, turn.created, turn.request.api.options)

@@ -54,7 +54,12 @@ def parse_chat_request(body: bytes, stop_token_ids: tuple[int, ...], vocab_size:
     `messages` and `tools` are passed on raw: the trajectory's prepare, which runs right after this in the same
     step, owns their validation (one check, one set of error messages) and rejects bad ones with a 400 as well.
     """
-    obj = decode_object(body)
+    return chat_request(decode_object(body), stop_token_ids, vocab_size)
+
+
+def chat_request(obj: dict[str, Any], stop_token_ids: tuple[int, ...], vocab_size: int | None = None) -> ChatRequest:
+    """`parse_chat_request` of an already decoded request object: the Responses and Anthropic front ends map
+    theirs onto one (their protocol.py) and share every check from here on."""
     n = obj.get("n")
     if n is not None and n != 1:
         raise bad_request("only n=1 is supported: a session holds one linear trajectory")

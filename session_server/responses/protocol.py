@@ -21,11 +21,11 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any
 
-from session_server.turns.request_items import bad, non_empty_string, objects
+from session_server.turns.request_items import MAX_TOKENS, bad, non_empty_string, objects
 
 # Accepted, echoed where the response has a place for them, and without effect on the tokens.
 _NEUTRAL = ("store", "metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-            "service_tier", "stream_options")
+            "service_tier", "stream_options", "client_metadata")
 _KNOWN = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
     "temperature", "top_p", "reasoning", "text", "include", "previous_response_id", "stream", "truncation",
@@ -59,6 +59,7 @@ class ResponsesTurn:
     encrypted_reasoning: bool = False          # include: ["reasoning.encrypted_content"]
     reasoning_summary: bool = False            # reasoning.summary set: the reasoning is also given as a summary
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
+    namespaces: dict[str, str] = field(default_factory=dict)  # function name -> its namespace tool
     ignored: list[str] = field(default_factory=list)   # accepted fields without effect on the tokens
 
 
@@ -182,17 +183,39 @@ def input_messages(input_: Any, instructions: Any, history: list[dict[str, Any]]
     return head + turns.messages
 
 
-def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Flat function tools -> chat tools, key order kept (templates write schemas with `tojson`)."""
+# Tools the API runs on its own servers: nothing a local model can call, so they are not rendered (counted).
+HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
+                          "computer_use_preview", "mcp", "local_shell"})
+
+
+def _function(where: str, tool: dict[str, Any]) -> dict[str, Any]:
+    non_empty_string(tool, "name", where)
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def chat_tools(tools: Any, ignored: list[str], namespaces: dict[str, str]) -> list[dict[str, Any]] | None:
+    """Flat function tools -> chat tools, key order kept (templates write schemas with `tojson`). A `namespace`
+    tool's functions become tools of their own (`namespaces` remembers whose they are, for the reply's calls);
+    hosted tools are reported in `ignored`."""
     if tools is None:
         return None
     out = []
     for where, tool in objects(tools, "tools"):
-        if tool.get("type") != "function":
-            raise bad(f"{where}.type", f"{tool.get('type')!r} is not supported: only function tools")
-        non_empty_string(tool, "name", where)
-        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-        out.append({"type": "function", "function": function})
+        kind = tool.get("type")
+        if kind == "function":
+            out.append(_function(where, tool))
+        elif kind == "namespace":
+            namespace = non_empty_string(tool, "name", where)
+            for member_where, member in objects(tool.get("tools"), f"{where}.tools"):
+                if member.get("type", "function") != "function":
+                    raise bad(f"{member_where}.type", "only function tools may be members of a namespace")
+                out.append(_function(member_where, member))
+                namespaces[member["name"]] = namespace
+        elif kind in HOSTED_TOOLS:
+            ignored.append(f"tools.{kind}")
+        else:
+            raise bad(f"{where}.type", f"{kind!r} is not supported: function and namespace tools only")
     return out
 
 
@@ -233,8 +256,9 @@ def _response_format(text: Any, ignored: list[str]) -> dict[str, Any] | None:
 
 
 def _reasoning(reasoning: Any, thinking_switch: str | None, ignored: list[str]) -> tuple[dict[str, Any] | None, bool]:
-    """(chat_template_kwargs, summary wanted): effort 'none' turns the family's thinking switch off; other efforts
-    are levels no template expresses (reported as ignored), so the family's default -- thinking on -- stays."""
+    """(chat_template_kwargs, summary wanted): effort 'none' turns the family's thinking switch off, any other
+    effort on (a level is nothing a template expresses; `max_output_tokens` bounds the reply). A family without a
+    switch reports the effort as ignored."""
     if reasoning is None:
         return None, False
     if not isinstance(reasoning, dict):
@@ -247,8 +271,8 @@ def _reasoning(reasoning: Any, thinking_switch: str | None, ignored: list[str]) 
         raise bad("reasoning.summary", f"must be auto, concise or detailed, got {summary!r}")
     kwargs = None
     if effort is not None:
-        if effort == "none" and thinking_switch is not None:
-            kwargs = {thinking_switch: False}
+        if thinking_switch is not None:
+            kwargs = {thinking_switch: effort != "none"}
         else:
             ignored.append("reasoning.effort")
     return kwargs, summary is not None
@@ -293,12 +317,14 @@ def parse_responses(obj: dict[str, Any], thinking_switch: str | None,
     if previous is not None and not isinstance(previous, str):
         raise bad("previous_response_id", "must be a string")
     max_output = obj.get("max_output_tokens")
-    if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1):
-        raise bad("max_output_tokens", "must be a positive integer")
+    if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int)
+                                   or not 1 <= max_output <= MAX_TOKENS):
+        raise bad("max_output_tokens", f"must be an integer in [1, {MAX_TOKENS}]")
     template_kwargs, summary = _reasoning(obj.get("reasoning"), thinking_switch, ignored)
+    namespaces: dict[str, str] = {}
     chat: dict[str, Any] = {
         "messages": input_messages(obj.get("input"), obj.get("instructions"), history),
-        "tools": chat_tools(obj.get("tools")),
+        "tools": chat_tools(obj.get("tools"), ignored, namespaces),
         "tool_choice": chat_tool_choice(obj.get("tool_choice")),
         "parallel_tool_calls": obj.get("parallel_tool_calls"),
         "max_tokens": max_output,
@@ -315,4 +341,5 @@ def parse_responses(obj: dict[str, Any], thinking_switch: str | None,
     return ResponsesTurn(
         chat={k: v for k, v in chat.items() if v is not None}, previous_response_id=previous,
         encrypted_reasoning=_include(obj.get("include")), reasoning_summary=summary, echo=echo, ignored=ignored,
+        namespaces=namespaces,
     )

@@ -159,6 +159,9 @@ class ResponseBuilder:
         function = call["function"]
         item = {"id": f"fc_{self.rid}_{index}", "type": "function_call", "call_id": call["id"],
                 "name": function["name"], "arguments": "", "status": "in_progress"}
+        namespace = self.turn.namespaces.get(function["name"])
+        if namespace is not None:
+            item["namespace"] = namespace
         events += self._add(item)
         where = {"item_id": item["id"], "output_index": len(self.items) - 1}
         item["arguments"] = function["arguments"]

@@ -145,7 +145,7 @@ def prepare_turn(
     turn; on the loop they would delay every other request, /health included.
     """
     family = trajectory.family
-    turn = api.parse(body, family)
+    turn = api.parse(body, trajectory)
     limits.before_render(turn.messages, family, len(body))
     plan = trajectory.prepare(turn.messages, turn.tools, turn.template_kwargs)
     limits.after_render(plan, turn.sampling_params)
@@ -184,6 +184,8 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
         TurnLimits(server.prompt_token_limit, server.config.max_session_tokens),
     )
     metrics.stage("prepare", time.perf_counter() - t0)
+    if parsed.ignored:
+        metrics.ignored(api.name, parsed.ignored)
     claim.raise_if_aborted()
     # The rid has a fixed length: no rid is a prefix of another (abort matches by prefix).
     turn = Turn(parsed, plan, uuid.uuid4().hex, parsed.model or server.family.name, server.family)

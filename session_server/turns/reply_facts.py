@@ -54,8 +54,15 @@ def reply_facts(family: ModelFamily, result: GenerateResult, message: dict[str, 
                 stop: list[str] | None = None) -> ReplyFacts:
     """The facts of a validated engine result and the assistant message parsed from it; `stop` is the request's
     stop strings (a matched one is reported as such, as Anthropic's `stop_sequence` wants)."""
-    kind = result.finish_reason.get("type")
-    matched = result.finish_reason.get("matched")
+    return turn_facts(family, result.finish_reason, result.prompt_tokens, result.cached_tokens, result.output_ids,
+                      message, stop)
+
+
+def turn_facts(family: ModelFamily, finish_reason: dict[str, Any], prompt_tokens: int, cached_tokens: int,
+               output_ids: np.ndarray, message: dict[str, Any], stop: list[str] | None = None) -> ReplyFacts:
+    """`reply_facts` from the fields a stored turn record keeps as well (GET /v1/responses/{id})."""
+    kind = finish_reason.get("type")
+    matched = finish_reason.get("matched")
     ending: Ending
     stop_sequence = None
     if kind == "length":
@@ -67,9 +74,9 @@ def reply_facts(family: ModelFamily, result: GenerateResult, message: dict[str, 
     else:
         ending = "stop"
     return ReplyFacts(
-        ending=ending, stop_sequence=stop_sequence, prompt_tokens=result.prompt_tokens,
-        cached_tokens=result.cached_tokens, completion_tokens=result.completion_tokens,
-        reasoning_tokens=reasoning_token_count(family, result.output_ids, message.get("reasoning_content")),
+        ending=ending, stop_sequence=stop_sequence, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+        completion_tokens=len(output_ids),
+        reasoning_tokens=reasoning_token_count(family, output_ids, message.get("reasoning_content")),
     )
 
 

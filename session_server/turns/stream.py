@@ -31,7 +31,13 @@ from starlette.types import Receive, Scope, Send
 
 from session_server.engine.sse import EngineError, Final, Progress, engine_events
 from session_server.engine.wire import split_routed_experts
-from session_server.errors import AbortReason, ClientDisconnectedError, EngineTimeoutError, tag_abort
+from session_server.errors import (
+    AbortReason,
+    ClientDisconnectedError,
+    EngineRefusedError,
+    EngineTimeoutError,
+    tag_abort,
+)
 from session_server.sessions.session import Claim
 from session_server.state import ServerState
 from session_server.turns.deltas import DeltaTracker, StreamDivergedError
@@ -195,12 +201,14 @@ class StreamedTurn(Generic[R]):
             pass
 
     async def _passthrough(self, send: Send, status: int, content_type: bytes, body: bytes) -> None:
-        """The engine's own error, before the first byte: as it came, unrecorded."""
-        self.status = status
+        """The engine's own error, before the first byte: unrecorded, as the API passes an engine refusal on (Chat
+        Completions as it came; another API in its own error shape)."""
+        response = self.api.error(EngineRefusedError(status, body, content_type.decode("latin-1")))
+        self.status = response.status_code
         self._settle()
-        await self._send(send, {"type": "http.response.start", "status": status,
-                                "headers": [(b"content-type", content_type)]})
-        await self._send(send, {"type": "http.response.body", "body": body})
+        await self._send(send, {"type": "http.response.start", "status": response.status_code,
+                                "headers": response.raw_headers})
+        await self._send(send, {"type": "http.response.body", "body": response.body})
 
     # -- the engine stream ----------------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from session_server.sessions.session import Claim
 from session_server.state import ServerState
 from session_server.turns.commit import commit_turn
 from session_server.turns.output import TurnOutput
-from trajectory import ModelFamily, TurnPlan, TurnRecord
+from trajectory import LinearTrajectory, ModelFamily, TurnPlan, TurnRecord
 from trajectory.errors import SessionError, UpstreamError
 
 R = TypeVar("R")
@@ -42,6 +42,7 @@ class TurnRequest(Generic[R]):
     model: str | None = None
     top_logprobs: int = 0  # top_logprobs_num on /generate
     parse_tool_calls: bool = True
+    ignored: Sequence[str] = ()  # request fields accepted without effect on the tokens (counted by front end)
 
 
 @dataclass(slots=True)
@@ -81,13 +82,24 @@ class StreamFormat(Protocol):
 
 
 class FrontEnd(Protocol[R]):
-    """An API over the turn pipeline."""
+    """An API over the turn pipeline. `parse` reads the session's trajectory only for what the request refers to
+    (the Responses API's `previous_response_id`); it runs on the CPU pool and must not change it."""
 
-    def parse(self, body: bytes, family: ModelFamily) -> TurnRequest[R]: ...
+    name: str  # the `api` label of its metrics
+
+    def parse(self, body: bytes, trajectory: LinearTrajectory) -> TurnRequest[R]: ...
     def reply(self, turn: Turn[R], out: TurnOutput) -> bytes: ...  # a plain reply (runs on the CPU pool)
     def stream(self, turn: Turn[R]) -> StreamFormat: ...
     def error(self, err: SessionError) -> Response: ...  # an error before the first byte, in the API's shape
     def wants_logprobs(self, request: R) -> bool: ...  # whether stream deltas carry the new tokens' logprobs
+
+
+class ChatReader(Protocol):
+    """Reads a Chat Completions request object into a TurnRequest carrying the caller's own `api` value: what the
+    Responses and Anthropic front ends map their requests onto, so every API honours a field with the same checks.
+    Chat Completions provides it (openai/chat.py); the routes hand it to the others (a front end imports no other)."""
+
+    def __call__(self, obj: dict[str, Any], family: ModelFamily, api: R) -> TurnRequest[R]: ...
 
 
 ROLLBACK_HEADER = "X-Session-Rollback"

@@ -95,11 +95,24 @@ def after(stack: Stack, witness: Witness) -> Iterator[None]:
     assert_engine_baseline(stack.engine, open_sessions=0)
 
 
+ANTHROPIC_ERROR_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+                         "request_too_large", "rate_limit_error", "timeout_error", "api_error", "overloaded_error",
+                         "conflict_error"}
+
+
 def assert_error(resp: httpx.Response, status: int, *words: str) -> dict[str, Any]:
+    """The error in its route's API shape: Chat Completions' (`code` is the status), the Responses API's (OpenAI's
+    `type` and a string `code`) or Anthropic's (`{"type": "error", "error": {"type", "message"}}`)."""
     assert resp.status_code == status, (resp.status_code, resp.text[:500])
     assert resp.headers["content-type"].startswith("application/json")
-    error = resp.json()["error"]
-    assert error["code"] == status
+    body = resp.json()
+    error = body["error"]
+    if body.get("type") == "error":  # Anthropic Messages
+        assert set(error) == {"type", "message"} and error["type"] in ANTHROPIC_ERROR_TYPES
+    elif isinstance(error.get("code"), str):  # Responses
+        assert {"message", "type", "param", "code"} <= set(error)
+    else:
+        assert error["code"] == status
     for word in words:
         assert word in error["message"], error["message"]
     return error
@@ -117,6 +130,11 @@ def json_routes(server: str) -> dict[str, tuple[str, dict[str, str]]]:
         "create": (f"{server}/sessions", {}),
         "samples": (f"{server}/sessions/{new_session(server)}/samples", {}),
         "pause": (f"{server}/admin/pause", {}),
+        "responses": (f"{server}/sessions/{new_session(server)}/v1/responses", {}),
+        "root_responses": (f"{server}/v1/responses", {"X-Session-ID": f"attack-r-{time.monotonic_ns()}"}),
+        "messages": (f"{server}/sessions/{new_session(server)}/v1/messages?beta=true", {}),
+        "root_messages": (f"{server}/v1/messages", {"x-api-key": f"attack-m-{time.monotonic_ns()}"}),
+        "count_tokens": (f"{server}/sessions/{new_session(server)}/v1/messages/count_tokens", {}),
     }
 
 
@@ -248,7 +266,8 @@ def test_too_many_tools_is_400_and_the_session_stays_usable(stack: Stack, after:
 
 
 # -- sizes ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("route", ["chat", "root_chat", "create", "samples", "pause"])
+@pytest.mark.parametrize("route", ["chat", "root_chat", "create", "samples", "pause", "responses", "root_messages",
+                                   "count_tokens"])
 def test_body_over_the_limit_is_413_on_every_route(stack: Stack, after: None, route: str) -> None:
     url, headers = json_routes(stack.server)[route]
     big = b'{"pad": "' + b"x" * (MAX_REQUEST_BYTES + 10) + b'"}'
@@ -308,11 +327,13 @@ def _read_reply(sock: socket.socket) -> tuple[int, bytes, bytes]:
     return int(head.split(b" ")[1]), head, rest
 
 
-@pytest.mark.parametrize("route", ["chat", "create", "samples", "pause"])
+@pytest.mark.parametrize("route", ["chat", "create", "samples", "pause", "responses", "messages"])
 def test_body_upload_deadline_is_408(stack: Stack, after: None, route: str) -> None:
     server = stack.server
     paths = {
         "chat": f"/sessions/{new_session(server)}/v1/chat/completions",
+        "responses": f"/sessions/{new_session(server)}/v1/responses",
+        "messages": f"/sessions/{new_session(server)}/v1/messages",
         "create": "/sessions",
         "samples": f"/sessions/{new_session(server)}/samples",
         "pause": "/admin/pause",
@@ -571,6 +592,9 @@ def test_every_route_refuses_other_methods_with_json_405(stack: Stack, after: No
         "/admin/sessions": "GET",
         "/sessions": "POST", f"/sessions/{sid}/v1/chat/completions": "POST", f"/sessions/{sid}/samples": "POST",
         f"/sessions/{sid}/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/models": "GET",
+        f"/sessions/{sid}/v1/responses": "POST", f"/sessions/{sid}/v1/messages": "POST",
+        f"/sessions/{sid}/v1/messages/count_tokens": "POST", "/v1/responses": "POST", "/v1/messages": "POST",
+        f"/sessions/{sid}/v1/responses/resp_x": "GET",
     }
     for path, allowed in routes.items():
         for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):

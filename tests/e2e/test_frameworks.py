@@ -34,9 +34,8 @@ import httpx
 import openai
 import pytest
 
-from support.server import assert_sample_is_what_the_engine_saw, metric, new_session
+from support.server import assert_training_data, metric, new_session
 from support.stack import Stack, StackFactory
-from trajectory import samples_from_json
 
 # Telemetry and remote lookups off, before any framework is imported (some read these at import time).
 os.environ.update({
@@ -111,8 +110,19 @@ def _client(base_url: str, **kw: Any) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, **kw)
 
 
-async def run_openai_agents(base_url: str, task: Shopping, stream: bool, **client_kw: Any) -> str:
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+async def _run_agent(base_url: str, task: Shopping, stream: bool, responses: bool, **client_kw: Any) -> str:
+    """openai-agents' own loop, on the Chat Completions model, or with `responses` on its default model: a model name
+    resolved by the default provider, which speaks the Responses API."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        RunConfig,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from agents.models.openai_provider import OpenAIProvider
 
     set_tracing_disabled(True)
 
@@ -124,18 +134,28 @@ async def run_openai_agents(base_url: str, task: Shopping, stream: bool, **clien
     def calculator(expression: str) -> str:
         return task.calculator(expression)
 
-    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=_client(base_url, **client_kw))
+    client = _client(base_url, **client_kw)
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+    model = MODEL if responses else OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
     agent = Agent(name="shopper", instructions=SYSTEM, model=model, tools=[lookup, calculator],
                   model_settings=ModelSettings(temperature=0.7))
     if not stream:
-        result = await Runner.run(agent, task.user, max_turns=6)
+        result = await Runner.run(agent, task.user, max_turns=6, run_config=config)
         return str(result.final_output)
-    streamed = Runner.run_streamed(agent, task.user, max_turns=6)
+    streamed = Runner.run_streamed(agent, task.user, max_turns=6, run_config=config)
     deltas = 0
     async for event in streamed.stream_events():
         deltas += event.type == "raw_response_event"
     assert deltas >= 2  # the reply arrived in pieces
     return str(streamed.final_output)
+
+
+async def run_openai_agents(base_url: str, task: Shopping, stream: bool, **client_kw: Any) -> str:
+    return await _run_agent(base_url, task, stream, responses=False, **client_kw)
+
+
+async def run_openai_agents_responses(base_url: str, task: Shopping, stream: bool) -> str:
+    return await _run_agent(base_url, task, stream, responses=True)
 
 
 async def run_langgraph(base_url: str, task: Shopping, stream: bool) -> str:
@@ -235,7 +255,86 @@ async def run_litellm(base_url: str, task: Shopping, stream: bool, tools: list[d
     raise AssertionError("litellm loop did not finish")
 
 
+def _json_schema(arg: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}
+
+
+async def _drained(manager: Any, final: str) -> Any:
+    """Read an SDK stream helper to its end (the reply must arrive in pieces) and return its final object."""
+    events = 0
+    async with manager as stream:
+        async for _event in stream:
+            events += 1
+        result = await getattr(stream, final)()
+    assert events >= 6
+    return result
+
+
+async def run_openai_responses(base_url: str, task: Shopping, stream: bool, **client_kw: Any) -> str:
+    """The official SDK's Responses API in the stateless loop Codex runs: the whole history resent every call, the
+    output items echoed as received (reasoning included, as `encrypted_content` too), `function_call_output`s."""
+    client = _client(base_url, **client_kw)
+    tools = [{"type": "function", "name": "lookup", "description": LOOKUP_DOC, "parameters": _json_schema("key"),
+              "strict": False},
+             {"type": "function", "name": "calculator", "description": CALC_DOC,
+              "parameters": _json_schema("expression"), "strict": False}]
+    run = {"lookup": task.lookup, "calculator": task.calculator}
+    items: list[Any] = [{"role": "user", "content": task.user}]
+    for _ in range(6):
+        kwargs: dict[str, Any] = dict(model=MODEL, instructions=SYSTEM, input=items, tools=tools, temperature=0.7,
+                                      store=False, include=["reasoning.encrypted_content"])
+        if stream:
+            response = await _drained(client.responses.stream(**kwargs), "get_final_response")
+        else:
+            response = await client.responses.create(**kwargs)
+        assert response.status == "completed" and response.usage is not None
+        items += [item.model_dump(exclude_none=True) for item in response.output]
+        calls = [item for item in response.output if item.type == "function_call"]
+        if not calls:
+            return response.output_text
+        for call in calls:
+            items.append({"type": "function_call_output", "call_id": call.call_id,
+                          "output": run[call.name](**json.loads(call.arguments))})
+    raise AssertionError("responses loop did not finish")
+
+
+async def run_anthropic(base_url: str, task: Shopping, stream: bool) -> str:
+    """The official anthropic SDK in the tool loop its documentation shows: the assistant's content blocks
+    appended as received (thinking included), then one user message of `tool_result` blocks."""
+    import anthropic
+
+    async with anthropic.AsyncAnthropic(base_url=base_url.removesuffix("/v1"), api_key="unused",
+                                        max_retries=0) as client:
+        return await _anthropic_loop(client, task, stream)
+
+
+async def _anthropic_loop(client: Any, task: Shopping, stream: bool) -> str:
+    tools = [{"name": "lookup", "description": LOOKUP_DOC, "input_schema": _json_schema("key")},
+             {"name": "calculator", "description": CALC_DOC, "input_schema": _json_schema("expression")}]
+    run = {"lookup": task.lookup, "calculator": task.calculator}
+    messages: list[Any] = [{"role": "user", "content": task.user}]
+    for _ in range(6):
+        kwargs: dict[str, Any] = dict(model=MODEL, max_tokens=1024, system=SYSTEM, messages=messages, tools=tools)
+        if stream:
+            message = await _drained(client.messages.stream(**kwargs), "get_final_message")
+        else:
+            message = await client.messages.create(**kwargs)
+        messages.append({"role": "assistant", "content": [block.model_dump(exclude_none=True)
+                                                          for block in message.content]})
+        uses = [block for block in message.content if block.type == "tool_use"]
+        if not uses:
+            assert message.stop_reason == "end_turn"
+            return "".join(block.text for block in message.content if block.type == "text")
+        assert message.stop_reason == "tool_use"
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": use.id, "content": run[use.name](**use.input)} for use in uses]})
+    raise AssertionError("anthropic loop did not finish")
+
+
 FRAMEWORKS: dict[str, Callable[..., Awaitable[str]]] = {
+    "openai-responses": run_openai_responses,
+    "openai-agents-responses": run_openai_agents_responses,
+    "anthropic": run_anthropic,
     "openai-agents": run_openai_agents,
     "langgraph": run_langgraph,
     "pydantic-ai": run_pydantic_ai,
@@ -305,29 +404,6 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     yield attempts
     assert not attempts, f"traffic beyond loopback: {attempts}"
-
-
-def assert_training_data(stack: Stack, sid: str, model_calls: int, streamed: bool = False) -> dict[str, Any]:
-    """One committed turn per model call, no rollback, mask exactly the sampled tokens, tokens and logprobs equal to
-    what the engine received and generated (the recording proxy's view). `streamed`: the agent streamed, so the
-    engine must have streamed too (stream: true on /generate, SSE chunks as it generated)."""
-    server, proxy = stack.server, stack.proxy
-    assert proxy is not None
-    info = httpx.get(f"{server}/sessions/{sid}", timeout=30).json()
-    assert len(info["records"]) == model_calls, [r["message"] for r in info["records"]]
-    assert info["rollbacks"] == 0 and all(r["rolled_back"] == 0 for r in info["records"])
-    calls = [c for c in proxy.generates() if c["routing_key"] == sid]
-    assert len(calls) == model_calls  # every model call reached the engine exactly once
-    sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples", json={}, timeout=30).json())[0]
-    for call in calls:
-        assert call["status"] == 200 and call["response"] is not None
-        assert call["request"]["stream"] is streamed
-        if streamed:
-            assert call["stream_chunks"] >= 2  # deltas as the engine produced them, not one chunk at the end
-    spans = assert_sample_is_what_the_engine_saw(sample, calls)
-    assert [(r["prompt_len"], r["completion_len"]) for r in info["records"]] == [(a, b - a) for a, b in spans]
-    assert sample.metadata["rollbacks"] == 0
-    return info
 
 
 def _delete(server: str, sid: str) -> None:

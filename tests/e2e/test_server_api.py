@@ -418,7 +418,7 @@ def test_an_odd_routed_experts_payload_is_still_decoded_strictly(hf_tokenizers: 
     from session_server.openai.chat import CHAT
     from session_server.turns.output import decode_turn
     from session_server.turns.turn import Turn
-    from trajectory import get_family
+    from trajectory import LinearTrajectory, get_family
 
     family = get_family(FAMILY, hf_tokenizers[FAMILY])
     meta = {"id": "r", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 3, "completion_tokens": 1,
@@ -427,5 +427,5 @@ def test_an_odd_routed_experts_payload_is_still_decoded_strictly(hf_tokenizers: 
         body = msgspec.json.encode({"text": "a", "output_ids": [11], "meta_info": {**meta, "routed_experts": experts}})
         out = decode_turn(body, family, "r" * 32)
         assert msgspec.json.decode(bytes(out.result.routed_experts)) == experts
-        chat = CHAT.parse(b'{"messages": [{"role": "user", "content": "hi"}]}', family)
+        chat = CHAT.parse(b'{"messages": [{"role": "user", "content": "hi"}]}', LinearTrajectory(family))
         assert b"routed_experts" not in CHAT.reply(Turn(chat, None, "r" * 32, "m", family), out)  # type: ignore[arg-type]

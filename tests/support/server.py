@@ -12,6 +12,7 @@ import numpy as np
 import openai
 
 from sglang_sim.baseline import baseline_problems, engine_idle
+from trajectory import samples_from_json
 
 TOOLS = [
     {
@@ -123,6 +124,30 @@ def assert_sample_is_what_the_engine_saw(sample: Any, calls: list[dict[str, Any]
     np.testing.assert_array_equal(mask, expected_mask)
     assert np.all(logprobs[mask == 0] == 0.0)
     return spans
+
+
+def assert_training_data(stack: Any, sid: str, model_calls: int, streamed: bool = False) -> dict[str, Any]:
+    """One committed turn per model call, no rollback, mask exactly the sampled tokens, tokens and logprobs equal to
+    what the engine received and generated (the recording proxy's view; `stack` is a support.stack.Stack whose
+    server is proxied). `streamed`: the agent streamed, so the engine must have streamed too (stream: true on
+    /generate, SSE chunks as it generated)."""
+    server, proxy = stack.server, stack.proxy
+    assert proxy is not None
+    info = httpx.get(f"{server}/sessions/{sid}", timeout=30).json()
+    assert len(info["records"]) == model_calls, [r["message"] for r in info["records"]]
+    assert info["rollbacks"] == 0 and all(r["rolled_back"] == 0 for r in info["records"])
+    calls = [c for c in proxy.generates() if c["routing_key"] == sid]
+    assert len(calls) == model_calls  # every model call reached the engine exactly once
+    sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples", json={}, timeout=30).json())[0]
+    for call in calls:
+        assert call["status"] == 200 and call["response"] is not None
+        assert call["request"]["stream"] is streamed
+        if streamed:
+            assert call["stream_chunks"] >= 2  # deltas as the engine produced them, not one chunk at the end
+    spans = assert_sample_is_what_the_engine_saw(sample, calls)
+    assert [(r["prompt_len"], r["completion_len"]) for r in info["records"]] == [(a, b - a) for a, b in spans]
+    assert sample.metadata["rollbacks"] == 0
+    return info
 
 
 def as_history(message: Any) -> dict[str, Any]:

@@ -308,7 +308,9 @@ def test_tool_results_and_text_keep_their_order():
     ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "'input[0].content[0]'"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "'input[0].type'"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "'tools[0].type'"),
+    ({"input": "x", "tools": [{"type": "custom", "name": "apply_patch"}]}, "'tools[0].type'"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "custom"}]}]},
+     "'tools[0].tools[0].type'"),
     ({"input": "x", "include": ["file_search_call.results"]}, "'include'"),
     ({"input": "x", "background": True}, "'background'"),
     ({"input": "x", "truncation": "auto"}, "'truncation'"),
@@ -365,3 +367,18 @@ def test_reasoning_tokens_count_up_to_the_closing_marker(families):
     assert facts.reasoning_tokens == expected and facts.ending == "stop"
     facts = reply_facts(family, type(result)(), {**message, "reasoning_content": None})  # type: ignore[arg-type]
     assert facts.reasoning_tokens == 0
+
+
+def test_namespace_tools_are_flattened_and_hosted_tools_ignored():
+    """Codex sends a `namespace` of sub-agent functions and a hosted `web_search` beside its function tools."""
+    member = {"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}
+    turn = parse_responses({"input": "x", "tools": [
+        {"type": "web_search", "external_web_access": False},
+        {"type": "namespace", "name": "multi_agent_v1", "description": "d", "tools": [member]}]}, None)
+    assert turn.chat["tools"] == [{"type": "function", "function": {"name": "spawn_agent",
+                                                                    "parameters": {"type": "object"}}}]
+    assert turn.namespaces == {"spawn_agent": "multi_agent_v1"} and turn.ignored == ["tools.web_search"]
+    call = {"id": "call_r_0", "type": "function", "function": {"name": "spawn_agent", "arguments": "{}"}}
+    body = response_body("r", "m", 0, turn, {"role": "assistant", "content": "", "tool_calls": [call]},
+                         ReplyFacts("tool_calls", None, 1, 0, 1, 0))
+    assert body["output"][0]["namespace"] == "multi_agent_v1"

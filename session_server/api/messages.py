@@ -1,0 +1,67 @@
+"""The Anthropic Messages API's routes: `POST .../v1/messages` (a turn, on the turn pipeline) and
+`POST .../v1/messages/count_tokens`, under the session URL (Claude Code's ANTHROPIC_BASE_URL) and at the root; errors
+in Anthropic's shape. Query strings (`?beta=true`) are accepted as they are: they change nothing here. Here the
+Messages front end is handed the chat reader it maps its requests onto."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from session_server.anthropic.serving import Messages, parse_body
+from session_server.api.session_header import resolve_session, serve_root_turn
+from session_server.errors import json_response
+from session_server.openai.chat import read_chat
+from session_server.state import server_of
+from session_server.turns.pipeline import read_body, serve_turn
+from trajectory import LinearTrajectory
+from trajectory.errors import SessionError
+
+MESSAGES = Messages(read_chat)
+
+
+async def create(request: Request) -> Response:
+    return await serve_turn(request, request.path_params["session_id"], MESSAGES)
+
+
+async def create_at_root(request: Request) -> Response:
+    return await serve_root_turn(request, MESSAGES)
+
+
+def count_tokens(body: bytes, trajectory: LinearTrajectory) -> int:
+    """The length of the prompt the request would get on this trajectory (a snapshot; pure): the stored tokens plus
+    the appended messages when it continues the stored history, else the conversation rendered afresh."""
+    turn = parse_body(body, trajectory.family, read_chat, count_only=True)
+    try:
+        plan = trajectory.prepare(turn.messages, turn.tools, turn.template_kwargs)
+    except SessionError:  # not a continuation of the stored history
+        fresh = LinearTrajectory(trajectory.family, special_tokens="text" if trajectory.text_only else "engine")
+        plan = fresh.prepare(turn.messages, turn.tools, turn.template_kwargs)
+    return len(plan.prompt_ids)
+
+
+async def _count(request: Request, session_id: str) -> Response:
+    """Reads a snapshot of the session, on the CPU pool; never claims the session."""
+    server = server_of(request)
+    config = server.config
+    try:
+        session = server.registry.require(session_id)
+        body = await read_body(request, config.max_request_bytes, config.body_timeout)
+        async with session.lock:
+            snapshot = session.trajectory.snapshot()
+        tokens = await server.pool.run_sized(len(body), count_tokens, body, snapshot)
+    except SessionError as err:
+        return MESSAGES.error(err)
+    return json_response({"input_tokens": tokens})
+
+
+async def count(request: Request) -> Response:
+    return await _count(request, request.path_params["session_id"])
+
+
+async def count_at_root(request: Request) -> Response:
+    try:
+        sid = resolve_session(server_of(request), request, create=True)
+    except SessionError as err:
+        return MESSAGES.error(err)
+    return await _count(request, sid)
