@@ -114,7 +114,11 @@ class DeltaTracker:
         self._text.append(opening)
         self._think = getattr(family, "reasoning_markers", None)
         self._calls = getattr(family, "tool_call_markers", None) if parse_tool_calls else None
-        self._markers = tuple(m for pair in (self._think, self._calls) if pair for m in pair)
+        # A family's reasoning may end where a tool call opens even when calls are not parsed (Qwen3.5): the opening
+        # marker stays a place where text can change meaning either way.
+        opening = getattr(family, "tool_call_markers", None)
+        self._markers = tuple(dict.fromkeys(
+            m for pair in (self._think, self._calls, opening[:1] if opening else None) if pair for m in pair))
         self._overlap = max((len(m) for m in self._markers), default=1) - 1
         self._prefixes = frozenset(m[:n] for m in self._markers for n in range(1, len(m)))  # partial markers
         self._starts = frozenset(m[0] for m in self._markers)
@@ -241,6 +245,8 @@ class DeltaTracker:
                 cut = open_call = opened  # an unclosed tool-call block
             else:
                 cut -= _partial_suffix(text[:cut], calls[0])
+        elif self._markers:
+            cut -= max(_partial_suffix(text[:cut], m) for m in self._markers)
         if think is not None and text.startswith(think[0]) and think[1] not in text:
             cut -= _partial_suffix(text[:cut], think[1])
             # A tool-call opener inside an unclosed reasoning block ends it (Qwen3.5, as SGLang parses it) unless the
