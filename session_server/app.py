@@ -43,8 +43,8 @@ logger = logging.getLogger("session_server")
 def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpened | None = None) -> ServerState:
     registry = Registry(config.tombstones, id_prefix=config.session_id_prefix)
     engine = build_engines(config)
-    engine_sessions = EngineSessions(engine, config.session_idle_timeout) if config.engine_sessions else None
     metrics = Metrics()
+    engine_sessions = EngineSessions(engine, config.session_idle_timeout, metrics) if config.engine_sessions else None
     journal = journaled[0] if journaled is not None else None
     drains = EngineDrains(engine, metrics, config.abort_grace)
     server = ServerState(

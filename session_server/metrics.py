@@ -103,6 +103,14 @@ class Metrics:
         self.engine_session_reopens = counter(
             "engine_session_reopens", "turns resent in a reopened engine session after the engine lost the old one"
         )
+        self.engine_session_fallbacks = counter(
+            "engine_session_fallbacks", "turns sent without an engine session because none could be opened in time"
+        )
+        self.engine_close_retries = counter(
+            "engine_close_retries", "close_session calls retried in the background after a failure, by outcome: "
+            "retry (one more attempt), closed (it landed), moot (the engine's own idle timeout closes it)",
+            ("outcome",),
+        )
         self.limit_refusals = counter(
             "limit_refusals", "requests refused by a configured limit: sessions (--max-sessions, 503), session_tokens "
             "(--max-session-tokens, 400), context (a prompt that cannot fit the engine's context, 400)", ("limit",),

@@ -215,17 +215,19 @@ class EngineClient:
 
     async def open_session(
         self, capacity_of_str_len: int, routing_key: str, idle_timeout: float | None = None,
-        session_id: str | None = None,
+        session_id: str | None = None, deadline: float | None = None,
     ) -> str:
         """POST /open_session (streaming). `idle_timeout` is sent as the engine session's `timeout` (seconds):
         without one, a session whose owner died holds its KV on the engine forever. `session_id` names the session
-        ourselves, so one whose open timed out can still be closed (the engine may open it later)."""
+        ourselves, so one whose open timed out can still be closed (the engine may open it later). `deadline`: the
+        seconds the call may take (default: the control timeout; a turn passes what its own deadline leaves)."""
         req: dict[str, Any] = {"capacity_of_str_len": capacity_of_str_len, "streaming": True}
         if session_id is not None:
             req["session_id"] = session_id
         if idle_timeout is not None:
             req["timeout"] = idle_timeout
-        reply = await self._request("POST", "/open_session", _json.encode(req), headers=self._routed(routing_key))
+        reply = await self._request("POST", "/open_session", _json.encode(req), headers=self._routed(routing_key),
+                                    deadline=deadline)
         if not reply.ok:
             raise EngineUnavailableError(f"engine refused open_session ({reply.status}): {reply.body[:200]!r}")
         try:

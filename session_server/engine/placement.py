@@ -189,10 +189,10 @@ class EnginePlacement:
 
     async def open_session(
         self, capacity_of_str_len: int, routing_key: str, idle_timeout: float | None = None,
-        session_id: str | None = None,
+        session_id: str | None = None, deadline: float | None = None,
     ) -> str:
         worker = self._client(routing_key)
-        return await worker.client.open_session(capacity_of_str_len, routing_key, idle_timeout, session_id)
+        return await worker.client.open_session(capacity_of_str_len, routing_key, idle_timeout, session_id, deadline)
 
     async def close_session(self, sid: str, routing_key: str) -> bool:
         """Close on the session's worker; a session no longer placed (an orphaned open closed after DELETE) is

@@ -6,6 +6,14 @@ that ran in it (502, abort, disconnect) -- replaces it with a fresh one that rec
 tokens are therefore identical with and without the flag; only the engine's prefill work differs.
 
 The state of each trajectory's engine session is kept here, by session id: engine code never sees the session record.
+
+Under load the engine answers control calls late (a burst of 300 new sessions on a slow machine: many `/open_session`
+calls took over a second). An open on a turn's path therefore gets half of what the turn's deadline leaves, not the
+control timeout; if it still fails, the turn is sent without an engine session (the whole prompt, as without
+--engine-sessions), counted, never a 502 for a missing optimisation. A close that fails (the engine busy, or down for a
+moment) is retried in the background with backoff until it lands or the engine session's own idle timeout (sent with
+the open) has closed it anyway; at most MAX_CLOSE_RETRIES run at once, beyond which the idle timeout is left to do it.
+Both are counted in /metrics.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Any
 
 from session_server.engine.placement import EnginePlacement, Worker
 from session_server.errors import EngineUnavailableError
+from session_server.metrics import Metrics
 
 logger = logging.getLogger("session_server.engine.sessions")
 
@@ -30,6 +39,9 @@ CAPACITY_OF_STR_LEN = 1 << 20
 ENGINE_TIMEOUT_MARGIN = 60.0
 ORPHAN_WAIT = 60.0
 NO_IDLE_TIMEOUT_ENGINE_TIMEOUT = 24 * 3600.0
+OPEN_SHARE = 0.5  # of the turn's remaining deadline an open on its path may take; the rest is for the turn itself
+CLOSE_BACKOFF = (0.5, 30.0)  # first and largest pause between retries of a failed close (doubling)
+MAX_CLOSE_RETRIES = 10_000  # failed closes retried at once (a task each); beyond, the engine's idle timeout closes
 
 # SGLang's 400 messages for a session the engine does not hold (scheduler.py handle_generate_request): after an
 # engine restart, or once the engine's own idle timeout closed it.
@@ -51,10 +63,12 @@ class EngineSessionState:
 
 
 class EngineSessions:
-    def __init__(self, engine: EnginePlacement, idle_timeout: float = 0.0) -> None:
+    def __init__(self, engine: EnginePlacement, idle_timeout: float = 0.0, metrics: Metrics | None = None) -> None:
         self._engine = engine
+        self._metrics = metrics or Metrics()
         self._states: dict[str, EngineSessionState] = {}  # by session id: the sessions that hold one now
         self._orphans: set[asyncio.Task[Any]] = set()
+        self._closing: set[asyncio.Task[Any]] = set()  # failed closes being retried
         self.engine_timeout = (idle_timeout + ENGINE_TIMEOUT_MARGIN if idle_timeout > 0
                                else NO_IDLE_TIMEOUT_ENGINE_TIMEOUT)
         engine.on_move.append(self._moved)
@@ -62,20 +76,29 @@ class EngineSessions:
     def state(self, session_id: str) -> EngineSessionState | None:
         return self._states.get(session_id)
 
-    async def begin_turn(self, session_id: str, new_token_start: int) -> tuple[int, dict[str, Any]]:
-        """Return (first prompt index to send, session_params), opening or replacing the engine session as needed."""
+    async def begin_turn(
+        self, session_id: str, new_token_start: int, remaining: float | None = None,
+    ) -> tuple[int, dict[str, Any] | None]:
+        """Return (first prompt index to send, session_params), opening or replacing the engine session as needed.
+
+        `remaining`: seconds left of the turn's deadline; an open may take OPEN_SHARE of it. An open that fails
+        gives (0, None): the whole prompt, no engine session (counted)."""
         st = self._states.get(session_id)
         if st is not None and not st.dirty and st.tokens > 0 and st.tokens == new_token_start:
             return new_token_start, {"id": st.sid}
         if st is not None:
-            await self.close(session_id)
+            await self.close(session_id)  # first: its KV is freed before the new one fills (a failed close retries)
         sid = f"{session_id}-{secrets.token_hex(4)}"
+        deadline = None if remaining is None else max(remaining * OPEN_SHARE, 0.001)
         try:
-            opened = await self._engine.open_session(CAPACITY_OF_STR_LEN, session_id, self.engine_timeout, sid)
-        except EngineUnavailableError:
+            opened = await self._engine.open_session(CAPACITY_OF_STR_LEN, session_id, self.engine_timeout, sid,
+                                                     deadline)
+        except EngineUnavailableError as exc:
             # A timed-out open may still be carried out once the engine moves again: close that id later.
             self._spawn(self._orphan_closer(sid, session_id))
-            raise
+            logger.warning("session %s: no engine session (%s); the turn goes without one", session_id, exc)
+            self._metrics.engine_session_fallbacks.inc()
+            return 0, None
         self._states[session_id] = EngineSessionState(opened)
         return 0, {"id": opened}
 
@@ -96,10 +119,43 @@ class EngineSessions:
         self._states.pop(session_id, None)
 
     async def close(self, session_id: str) -> None:
-        """Close the engine session, if any. Called by DELETE/shutdown only after the in-flight chat has finished."""
+        """Close the engine session, if any. Called by DELETE/shutdown only after the in-flight chat has finished.
+        A close that fails is retried in the background (`_retry_close`)."""
         st = self._states.pop(session_id, None)
         if st is not None and not await self._engine.close_session(st.sid, session_id):
-            logger.warning("session %s: engine session %s may not be closed", session_id, st.sid)
+            self._retry_later(st.sid, session_id)
+
+    def _retry_later(self, sid: str, routing_key: str) -> None:
+        if len(self._closing) >= MAX_CLOSE_RETRIES:
+            logger.warning("engine session %s not closed; %d closes are already being retried: the engine's idle "
+                           "timeout will close it", sid, len(self._closing))
+            self._metrics.engine_close_retries.labels("moot").inc()
+            return
+        task = asyncio.get_running_loop().create_task(self._retry_close(sid, routing_key))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _retry_close(self, sid: str, routing_key: str) -> None:
+        """Retry a failed close with doubling pauses until it lands or the engine session's own idle timeout (from
+        its last use, which was before the first failed close) has closed it anyway."""
+        moot_at = time.monotonic() + self.engine_timeout
+        pause, largest = CLOSE_BACKOFF
+        while True:
+            if time.monotonic() + pause >= moot_at:
+                logger.warning("engine session %s: close failed until its idle timeout closes it", sid)
+                self._metrics.engine_close_retries.labels("moot").inc()
+                return
+            await asyncio.sleep(pause)
+            self._metrics.engine_close_retries.labels("retry").inc()
+            if await self._engine.close_session(sid, routing_key):
+                self._metrics.engine_close_retries.labels("closed").inc()
+                return
+            pause = min(pause * 2, largest)
+
+    @property
+    def closes_pending(self) -> int:
+        """Failed closes still being retried."""
+        return len(self._closing)
 
     def _moved(self, session_id: str, old: Worker) -> None:
         """The session left `old` (placement.py), where its engine session lived: close it there, best effort (a
@@ -125,5 +181,5 @@ class EngineSessions:
         logger.warning("engine session %s may be open; the engine's idle timeout will close it", sid)
 
     async def aclose(self) -> None:
-        for task in list(self._orphans):
+        for task in [*self._orphans, *self._closing]:
             task.cancel()

@@ -158,7 +158,8 @@ async def engine_payload(server: ServerState, claim: Claim, turn: Turn[Any]) -> 
     plan, request = turn.plan, turn.request
     start, session_params = 0, None
     if server.engine_sessions is not None:
-        start, session_params = await server.engine_sessions.begin_turn(claim.session.id, plan.new_token_start)
+        start, session_params = await server.engine_sessions.begin_turn(
+            claim.session.id, plan.new_token_start, _remaining(server, claim))
         claim.raise_if_aborted()
     return await server.pool.run_sized(
         4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, request.sampling_params,

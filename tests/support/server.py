@@ -169,7 +169,10 @@ def sse_events(body: bytes) -> list[Any]:
 
 class RecordingProxy:
     """A loopback HTTP proxy in front of the engine that records every call, so tests can compare what the
-    session server stored with what the engine actually received and generated (and in which order)."""
+    session server stored with what the engine actually received and generated (and in which order).
+
+    `refuse[path] = status` answers calls to `path` with that status instead of forwarding them, and `delay[path] =
+    seconds` forwards them that much later: an engine whose control calls fail or lag under load."""
 
     def __init__(self, target: str) -> None:
         import socket
@@ -184,6 +187,8 @@ class RecordingProxy:
 
         self.target = target
         self.calls: list[dict[str, Any]] = []
+        self.refuse: dict[str, int] = {}
+        self.delay: dict[str, float] = {}
         client = httpx.AsyncClient(base_url=target, timeout=120)
 
         async def forward(request: Request) -> Response:
@@ -195,6 +200,13 @@ class RecordingProxy:
             if body:
                 entry["request"] = msgspec.json.decode(body)
             self.calls.append(entry)
+            path = request.url.path
+            if path in self.delay:
+                await asyncio.sleep(self.delay[path])
+            if path in self.refuse:
+                entry.update(status=self.refuse[path], finished=time.monotonic(), response=None)
+                return Response(b'{"error": {"message": "refused by the test proxy"}}', status_code=self.refuse[path],
+                                media_type="application/json")
             forwarded = ("content-type", "x-smg-routing-key", "authorization")
             headers = {k: v for k, v in request.headers.items() if k.lower() in forwarded}
             resp = await client.request(request.method, request.url.path, content=body, headers=headers)

@@ -31,7 +31,7 @@ class FakeClient:
         return self.abort_ok
 
     async def open_session(self, capacity: int, routing_key: str, idle_timeout: float | None = None,
-                           session_id: str | None = None) -> str:
+                           session_id: str | None = None, deadline: float | None = None) -> str:
         self.calls.append(("open_session", routing_key))
         return f"sid-{self.base_url}"
 

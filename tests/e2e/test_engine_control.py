@@ -1,0 +1,93 @@
+"""Engine control calls when the engine is slow or failing (--engine-sessions), through a proxy that delays or refuses
+them: an open on a turn's path waits for what the turn's deadline allows, not the 1 s control timeout; an open that
+fails sends the turn without an engine session (counted), never a 502; a close that fails is retried in the
+background until it lands, and the engine is left with nothing open."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from support.server import assert_engine_baseline, chat_url, engine_info, metric, new_session
+from support.stack import Stack, StackFactory
+
+FAMILY = "qwen3"
+CHAT = {"messages": [{"role": "user", "content": "hi [[sim: tokens 3]]"}]}
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(family=FAMILY, sim_args=["--enable-streaming-session"],
+                       servers={"es": ["--engine-sessions", "--engine-control-timeout", "0.5"]},
+                       proxied={"es"}) as stack:
+        yield stack
+
+
+@pytest.fixture
+def proxy(stack: Stack) -> Iterator[None]:
+    assert stack.proxy is not None
+    stack.proxy.clear()
+    yield
+    stack.proxy.refuse.clear()
+    stack.proxy.delay.clear()
+
+
+def _generates(stack: Stack) -> list[dict[str, object]]:
+    assert stack.proxy is not None
+    return [c["request"] for c in stack.proxy.settled() if c["path"] == "/generate"]
+
+
+def test_a_slow_open_on_a_turns_path_gets_the_turns_deadline(stack: Stack, proxy: None) -> None:
+    assert stack.proxy is not None
+    stack.proxy.delay["/open_session"] = 1.5  # three control timeouts
+    sid = new_session(stack["es"])
+    r = httpx.post(chat_url(stack["es"], sid), json=CHAT, timeout=30)
+    assert r.status_code == 200, r.text
+    (generate,) = _generates(stack)
+    assert generate["session_params"]  # the turn ran in the engine session it waited for
+    assert httpx.delete(f"{stack['es']}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(stack.engine)
+
+
+def test_an_open_that_fails_degrades_to_a_plain_turn(stack: Stack, proxy: None) -> None:
+    assert stack.proxy is not None
+    server = stack["es"]
+    before = metric(server, "session_server_engine_session_fallbacks_total")
+    stack.proxy.refuse["/open_session"] = 503
+    sid = new_session(server)
+    history = [CHAT["messages"][0]]
+    r = httpx.post(chat_url(server, sid), json={"messages": history}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert metric(server, "session_server_engine_session_fallbacks_total") == before + 1
+    (generate,) = _generates(stack)
+    assert "session_params" not in generate or generate["session_params"] is None  # the whole prompt, no session
+    stack.proxy.refuse.clear()
+    history += [r.json()["choices"][0]["message"], {"role": "user", "content": "again [[sim: tokens 3]]"}]
+    assert httpx.post(chat_url(server, sid), json={"messages": history}, timeout=30).status_code == 200
+    assert _generates(stack)[-1]["session_params"]  # the engine answers again: the next turn opens one
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(stack.engine)
+
+
+def test_a_failed_close_is_retried_until_it_lands(stack: Stack, proxy: None) -> None:
+    assert stack.proxy is not None
+    server = stack["es"]
+    sid = new_session(server)
+    assert httpx.post(chat_url(server, sid), json=CHAT, timeout=30).status_code == 200
+    assert engine_info(stack.engine)["open_sessions"] == 1
+    closed = metric(server, 'session_server_engine_close_retries_total{outcome="closed"}', 0.0)
+    stack.proxy.refuse["/close_session"] = 503
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204  # DELETE does not wait for the engine
+    time.sleep(1.0)  # a retry or two fail while the engine refuses
+    assert engine_info(stack.engine)["open_sessions"] == 1
+    assert metric(server, 'session_server_engine_close_retries_total{outcome="retry"}') >= 1
+    stack.proxy.refuse.clear()
+    deadline = time.monotonic() + 10
+    while engine_info(stack.engine)["open_sessions"]:
+        assert time.monotonic() < deadline, "the close never landed"
+        time.sleep(0.05)
+    assert metric(server, 'session_server_engine_close_retries_total{outcome="closed"}') == closed + 1
+    assert_engine_baseline(stack.engine)
