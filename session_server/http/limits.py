@@ -5,8 +5,10 @@ httptools (llhttp) has no such limit and uvicorn sets none: one request with a 6
 process by 121 MiB and stalled /health for 3 s while it was parsed. h11 has `h11_max_incomplete_event_size`, but h11
 costs far more CPU per request than httptools on the hot path. So we count the bytes fed to the parser while a
 request's head is incomplete; past the limit the client gets 431 (RFC 6585) and the connection is closed, before the
-application ever sees the request. The count is per connection and per request (it restarts at each message), and
-the parser never buffers more than the limit plus one read.
+application ever sees the request. The count is per connection and per request (it restarts at each message; the read
+in which a head begins is not counted, since pipelined requests before it share that read), and the parser never
+buffers more than the limit plus one read. Pipelined requests are answered in order, with uvicorn's flow control
+(reading pauses while a request waits for the one before it): 2000 on one keep-alive connection are all answered.
 
 One piece: uvicorn writes a response's status line and headers as soon as the app sends `http.response.start`, and
 the body with the next message, so every reply costs two write syscalls and two TCP segments (with TCP_NODELAY), and
@@ -95,7 +97,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._in_head = False
-        self._head_bytes = 0  # bytes of the current request's head fed while it was incomplete
+        self._head_bytes = 0  # bytes of reads fed whole while the current request's head was incomplete
+        self._head_began = False  # the current request's head began in the read being fed
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
@@ -104,6 +107,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._in_head = True
         self._head_bytes = 0
+        self._head_began = True
 
     def on_headers_complete(self) -> None:
         """The exact size of the head (URL, names and values, 4 bytes of separators each), once it is complete:
@@ -136,9 +140,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self._unsupported_upgrade_warning()
             return
         if self._in_head and not self.transport.is_closing():
-            self._head_bytes += len(data)
+            # The read in which the head began may hold whole pipelined requests before it: it is not counted (at
+            # most one read of head bytes goes uncounted), every later read the head spans is, in full.
+            if not self._head_began:
+                self._head_bytes += len(data)
             if self._head_bytes > self.max_header_bytes:
                 self._refuse()
+        self._head_began = False
 
     def _invalid(self) -> None:
         msg = "Invalid HTTP request received."
