@@ -116,9 +116,9 @@ class DeltaTracker:
         self._calls = getattr(family, "tool_call_markers", None) if parse_tool_calls else None
         # A family's reasoning may end where a tool call opens even when calls are not parsed (Qwen3.5): the opening
         # marker stays a place where text can change meaning either way.
-        opening = getattr(family, "tool_call_markers", None)
+        call_markers = getattr(family, "tool_call_markers", None)
         self._markers = tuple(dict.fromkeys(
-            m for pair in (self._think, self._calls, opening[:1] if opening else None) if pair for m in pair))
+            m for pair in (self._think, self._calls, call_markers[:1] if call_markers else None) if pair for m in pair))
         self._overlap = max((len(m) for m in self._markers), default=1) - 1
         self._prefixes = frozenset(m[:n] for m in self._markers for n in range(1, len(m)))  # partial markers
         self._starts = frozenset(m[0] for m in self._markers)
@@ -139,11 +139,10 @@ class DeltaTracker:
     def update(self, text: str) -> dict[str, Any] | None:
         """The delta for the completion text so far (None: nothing new is settled). `text` extends every earlier
         one, except that a trailing incomplete character (U+FFFD) may be completed later."""
-        text = self.opening + text
         known = self._text.length
-        stored = self._text.tail(known - 1) if known else ""
-        if stored == "\ufffd":  # the character it stood for may have arrived: take the text from there again
-            known -= self._drop_last()
+        if known and self._text.tail(known - 1) == "\ufffd":  # the character it stood for may have arrived:
+            known -= self._drop_last()  # take the text from there again
+        known -= len(self.opening)  # `text` does not repeat the opening (and is not copied to prepend it)
         return self.extend(text[known:]) if len(text) > known else None
 
     def _drop_last(self) -> int:
