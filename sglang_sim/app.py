@@ -27,7 +27,7 @@ from sglang_sim import wire
 from sglang_sim.auth import ApiKeyMiddleware
 from sglang_sim.engine import Engine
 from sglang_sim.faults import BODY_FAULTS, Fault, FaultInjector, corrupt
-from sglang_sim.requests import BadRequest, GenerateInput, SimRequest, parse_generate
+from sglang_sim.requests import BadRequest, ContractError, GenerateInput, SimRequest, parse_generate
 from sglang_sim.routed_experts import payload as routed_payload
 
 JSON = "application/json"
@@ -120,6 +120,8 @@ class SimServer:
             inp = parse_generate(await _json_body(request), self.engine.family.vocab_size,
                                  request.headers.get("x-smg-routing-key"))
             fault = self.faults.pick(request.headers.get("x-sim-fault"))
+        except ContractError as exc:  # http_server.py generate_request: the contract gate's own text, unwrapped
+            return json_response({"error": str(exc)}, 400)
         except BadRequest as exc:
             return error_response(str(exc))
         if fault is not None and fault.name == "http_500":
@@ -204,7 +206,7 @@ class SimServer:
                     break
                 if req.generated == seen:
                     await req.progress.wait()
-            body = wire.generate_body(self.engine, req, final=True, routed=self._routed(req))
+            body = wire.generate_body(self.engine, req, final=True, routed=self._routed(req), streamed=events.sent)
             if deltas:
                 body = wire.incremental(body, events.count, events.text_sent)
             if fault is not None and fault.name in BODY_FAULTS:

@@ -67,6 +67,9 @@ class Engine:
         self.last_routing_key: str | None = None
         self.routing_keys: dict[str, int] = {}  # X-SMG-Routing-Key -> requests seen (bounded, oldest dropped)
         self.finished_total = 0
+        # scheduler.py `_accumulate_decode_moment` sums per decode step: steps, batch size, step time (us), batch
+        # size squared, batch size x step time, tokens generated. Each sim request decodes on its own (batch 1).
+        self._decode_moments = [0.0] * 6
         self.aborted_total = 0
         self.generated_tokens_total = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -98,8 +101,10 @@ class Engine:
             raise BadRequest(f"routed_experts_start_len={start_len} is outside [0, {len(prompt)}] (the number of "
                              "input tokens).")
         if inp.sampling.max_new_tokens is None:
-            # scheduler.py init_req_max_new_tokens: null means "until the context (or the KV pool) is full".
-            room = min(self.config.context_length, self.pool.capacity) - len(prompt) - 1
+            # scheduler.py init_req_max_new_tokens: null means "until the context (or the KV pool) is full": at most
+            # max_req_len - input_len - 1 with max_req_len = context_len - 1, and at most the pool's capacity - input
+            # - page_size - 1 (allocator max_new_tokens_for_memory, page_size 1).
+            room = min(self.config.context_length, self.pool.capacity) - len(prompt) - 2
             inp = dataclasses.replace(inp, sampling=dataclasses.replace(inp.sampling, max_new_tokens=max(0, room)))
         self._check_context(len(prompt), inp.sampling.max_new_tokens)
         try:
@@ -236,6 +241,9 @@ class Engine:
                 step = min(step, int((time.perf_counter() - started) / latency + 1e-9))
             req.generated += step
             if step:
+                step_us = latency * 1e6
+                for i, value in enumerate((1.0, 1.0, step_us, 1.0, step_us, 1.0)):
+                    self._decode_moments[i] += step * value
                 req.progress.set()
 
     @staticmethod
@@ -407,6 +415,10 @@ class Engine:
         return True
 
     # -- observability --------------------------------------------------------------------------------------------
+
+    def decode_moments(self) -> list[float] | None:
+        """The decode step moment sums of `/v1/loads` (load_inquirer.py: None until a token was decoded)."""
+        return list(self._decode_moments) if self._decode_moments[0] > 0 else None
 
     def counts(self) -> dict[str, int]:
         running = sum(1 for r in self.requests.values() if r.state == "running")

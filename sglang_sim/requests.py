@@ -28,6 +28,26 @@ class BadRequest(Exception):
     """A request SGLang would refuse with HTTP 400 and `{"error": {"message": ...}}`."""
 
 
+class ContractError(BadRequest):
+    """A `/generate` body that breaks SGLang's JSON contract (sglang/api/v1/api_types.py: unknown keys, wrong JSON
+    types), which SGLang refuses before anything else with HTTP 400 and `{"error": "<the contract's text>"}`."""
+
+
+def _unexpected(v: Any) -> str:
+    """serde's `Unexpected` display, which SGLang's contract error texts use."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"boolean `{'true' if v else 'false'}`"
+    if isinstance(v, int):
+        return f"integer `{v}`"
+    if isinstance(v, float):
+        return f"floating point `{v}`"
+    if isinstance(v, str):
+        return f'string "{v}"'
+    return "sequence" if isinstance(v, list) else "map" if isinstance(v, dict) else type(v).__name__
+
+
 @dataclass(frozen=True)
 class GenerateInput:
     rid: str
@@ -54,9 +74,9 @@ def _opt(d: dict[str, Any], key: str, kind: type | tuple[type, ...], default: An
     if v is None:
         return default
     if kind is int and not _is_int(v):
-        raise BadRequest(f"{key} must be an integer")
+        raise ContractError(f"invalid type: {_unexpected(v)}, expected i64")
     if kind is float and (isinstance(v, bool) or not isinstance(v, int | float)):
-        raise BadRequest(f"{key} must be a number")
+        raise ContractError(f"invalid type: {_unexpected(v)}, expected f64")
     if kind not in (int, float) and not isinstance(v, kind):
         raise BadRequest(f"{key} has the wrong type")
     return v
@@ -105,7 +125,8 @@ def parse_sampling(raw: Any, vocab_size: int = 1 << 30) -> SamplingParams:
         raise BadRequest("sampling_params must be an object")
     for key in raw:
         if key not in SAMPLING_KEYS:
-            raise BadRequest(f"unknown field `{key}`, expected one of {', '.join(f'`{k}`' for k in SAMPLING_KEYS)}")
+            raise ContractError(
+                f"unknown field `{key}`, expected one of {', '.join(f'`{k}`' for k in SAMPLING_KEYS)}")
     for key in _NOT_EMULATED:
         if raw.get(key) not in (None, [], {}):
             raise BadRequest(f"sglang-sim does not emulate the sampling parameter {key!r}")
@@ -139,11 +160,12 @@ def parse_sampling(raw: Any, vocab_size: int = 1 << 30) -> SamplingParams:
     # client gives no limit): up to the context length, resolved at submission (scheduler init_req_max_new_tokens).
     max_new = None if "max_new_tokens" in raw and raw["max_new_tokens"] is None else _opt(
         raw, "max_new_tokens", int, 128)
-    if max_new is not None and max_new < 0:
-        raise BadRequest("max_new_tokens must be at least 0")
-    temperature = float(_opt(raw, "temperature", float, 1.0))
-    if temperature < 0:
-        raise BadRequest("temperature must be non-negative")
+    if max_new is not None and max_new < 0:  # sampling_params.py SamplingParams.verify's texts
+        raise BadRequest(f"max_new_tokens must be at least 0, got {max_new}.")
+    temperature = _opt(raw, "temperature", float, 1.0)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise BadRequest(f"temperature must be a non-negative finite number, got {temperature}.")
+    temperature = float(temperature)
     seed = _opt(raw, "sampling_seed", int, None)
     if seed is not None and not -(2**63) <= seed < 2**63:
         raise BadRequest("sampling_seed must be a 64-bit integer")

@@ -104,31 +104,45 @@ def _output_logprobs(engine: Engine, req: SimRequest, start: int, end: int) -> d
     return lists
 
 
-def generate_body(engine: Engine, req: SimRequest, final: bool, routed: str | None) -> dict[str, Any]:
-    """The `/generate` response (or one cumulative stream chunk) for a request's current progress."""
+def _counts(req: SimRequest, completion: int) -> dict[str, Any]:
+    return {"reasoning_tokens": 0, "completion_tokens": completion, "cached_tokens": req.cached_tokens}
+
+
+def _cache_and_rank(req: SimRequest) -> dict[str, Any]:
+    """output_streamer.py `get_cached_tokens_details`: None without a cache hit, else where the hit came from (all
+    from the device here: the sim has no host or storage tier); the DP rank is None without data parallelism."""
+    details = {"device": req.cached_tokens, "host": 0} if req.cached_tokens > 0 else None
+    return {"cached_tokens_details": details, "dp_rank": None}
+
+
+def generate_body(engine: Engine, req: SimRequest, final: bool, routed: str | None,
+                  streamed: bool = False) -> dict[str, Any]:
+    """The `/generate` response (or the last event of a stream, `streamed`) for a request's current progress."""
     if final and req.aborted_waiting:
         return queued_abort_body(engine, req)
     inp = req.inp
     out_ids = req.output_ids
     finish = req.finish_reason if final else None
-    meta: dict[str, Any] = {
-        "id": req.rid,
-        "finish_reason": finish,
-        "prompt_tokens": len(req.prompt),
-        "weight_version": engine.weight_version,
-        "total_retractions": req.retractions,
-        "completion_tokens": len(out_ids),
-        "cached_tokens": req.cached_tokens,
-        "e2e_latency": ((req.finished_at or 0.0) - req.created) if final else None,
-    }
-    if final:  # the scheduler attaches spans to every finished request (output_streamer.py)
-        meta["weight_versions"] = weight_version_spans(req.weight_events, engine.weight_version, len(out_ids))
-        meta["weight_version"] = meta["weight_versions"][-1]["version"]
+    # tokenizer_manager.py `_handle_batch_output`, in its order: the head, the logprob lists, the counts, the spans
+    # of a finished request, the cache breakdown, the DP rank; e2e_latency when finished; the time the response was
+    # sent with the first reply of a request (the only one unstreamed, the first event of a stream).
+    meta: dict[str, Any] = {"id": req.rid, "finish_reason": finish, "prompt_tokens": len(req.prompt),
+                            "weight_version": engine.weight_version, "num_retractions": req.retractions}
     if inp.return_logprob:
         meta["input_token_logprobs"] = _input_logprobs(req, inp.logprob_start_len)
         if inp.top_logprobs_num > 0:
             meta["input_top_logprobs"] = [None for _ in meta["input_token_logprobs"]]
         meta.update(_output_logprobs(engine, req, 0, len(out_ids)))
+        meta["output_token_logprobs_length"] = len(out_ids)
+    meta.update(_counts(req, len(out_ids)))
+    if final:  # the scheduler attaches spans to every finished request (output_streamer.py)
+        meta["weight_versions"] = weight_version_spans(req.weight_events, engine.weight_version, len(out_ids))
+        meta["weight_version"] = meta["weight_versions"][-1]["version"]
+    meta.update(_cache_and_rank(req))
+    if final:
+        meta["e2e_latency"] = (req.finished_at or 0.0) - req.created
+        if not streamed:
+            meta["response_sent_to_client_ts"] = time.time()
     if final and routed is not None:
         meta["routed_experts"] = routed  # base64 of int32 [rows, layers, top_k] (routed_experts.py)
     text = output_text(engine.family, out_ids, finish, inp.sampling)
@@ -161,6 +175,7 @@ class StreamEvents:
         self.text = bytearray()  # ... and that text, JSON-escaped without its quotes
         self.text_chars = 0  # its length in characters
         self.text_sent = 0  # characters already sent (deltas)
+        self.sent = False  # whether an event went out (only the first carries response_sent_to_client_ts)
         inp = req.inp
         self.head: dict[str, Any] = {}
         if inp.return_logprob:
@@ -196,15 +211,20 @@ class StreamEvents:
             self.text += encode(tail)[1:-1] if not self.deltas else b""
             self.text_chars += len(tail)
             self.text_at = count
-        meta = encode({
-            "id": req.rid, "finish_reason": None, "prompt_tokens": len(req.prompt),
-            "weight_version": engine.weight_version, "total_retractions": req.retractions, "completion_tokens": count,
-            "cached_tokens": req.cached_tokens, "e2e_latency": None, **self.head,
-        })[:-1]
-        parts = [b'{"text":', text, b',"output_ids":[', ids, b'],"meta_info":', meta]
+        head = encode({"id": req.rid, "finish_reason": None, "prompt_tokens": len(req.prompt),
+                       "weight_version": engine.weight_version, "num_retractions": req.retractions, **self.head})
+        parts = [b'{"text":', text, b',"output_ids":[', ids, b'],"meta_info":', head[:-1]]
         for key, items in lists.items():
             parts += [b',"', key.encode(), b'":[', items, b"]"]
-        parts.append(b"}}")
+        tail: dict[str, Any] = {}
+        if req.inp.return_logprob:
+            tail["output_token_logprobs_length"] = count
+        tail.update(_counts(req, count))
+        tail.update(_cache_and_rank(req))
+        if not self.sent:  # the first event carries the time the response started (tokenizer_manager.py)
+            tail["response_sent_to_client_ts"] = time.time()
+            self.sent = True
+        parts += [b",", encode(tail)[1:], b"}"]
         return b"".join(parts)
 
 
@@ -223,11 +243,29 @@ def incremental(body: dict[str, Any], tokens_sent: int, text_sent: int) -> dict[
     return {"text": body["text"][text_sent:], "output_ids": body["output_ids"][tokens_sent:], "meta_info": meta}
 
 
+# The prefill batch sizes SGLang 0.5.23 lists for a 2048-token capture budget (its default chunked prefill here).
+_BCG_BATCH_SIZES = [4, 8, 12, 16, 20, 24, 28, 32, *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
+                    1280, 1536, 1792, 2048]
+
+
 def model_info(engine: Engine, model_path: str, tokenizer_path: str) -> dict[str, Any]:
-    return {"model_path": model_path, "tokenizer_path": tokenizer_path, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": engine.weight_version,
+    """http_server.py `/model_info` of a generation model (its embedding plan says: not an embedding model)."""
+    return {"model_path": model_path, "served_model_name": model_path, "tokenizer_path": tokenizer_path,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": engine.weight_version,
+            "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": engine.family.name,
-            "architectures": None}
+            "architectures": ["SglangSimForCausalLM"], "embedding": {
+                "family": "none", "task": "none", "execution": "none", "attention": "none",
+                "pooling": "model_defined", "normalize": False, "postprocessor": "none",
+                "tokenizer_special_tokens": "model_default", "supports_dimensions": False,
+                "supports_token_embeddings": False, "supports_multimodal": False, "requires_embedding_flag": False,
+                "auto_enable_embedding": False, "bcg_eligibility": "disabled", "safe_disable_kv_cache": False,
+                "safe_disable_radix_cache": False, "safe_disable_chunked_prefill": False, "enabled": False,
+                "matryoshka_dimensions": [], "bcg": {"prefill_backend": "disabled", "enabled": False,
+                                                     "capture_token_budget": 2048,
+                                                     "capture_batch_sizes": _BCG_BATCH_SIZES},
+                "cache": {"kv_cache_disabled": False, "radix_cache_disabled": False,
+                          "chunked_prefill_disabled": False}}}
 
 
 def server_info(engine: Engine, model_path: str, tokenizer_path: str, host: str, port: int) -> dict[str, Any]:
@@ -240,7 +278,7 @@ def server_info(engine: Engine, model_path: str, tokenizer_path: str, host: str,
         "served_model_name": model_path,
         "host": host,
         "port": port,
-        "context_length": cfg.context_length,
+        "context_length": None,  # the --context-length server arg, unset: the model's own is the sim's context
         "page_size": 1,
         "random_seed": cfg.seed,
         "enable_streaming_session": cfg.enable_streaming_session,
@@ -248,7 +286,8 @@ def server_info(engine: Engine, model_path: str, tokenizer_path: str, host: str,
         "skip_tokenizer_init": False,
         "weight_version": engine.weight_version,
         "max_total_num_tokens": engine.pool.capacity,
-        "max_req_input_len": min(cfg.context_length - 1, engine.pool.capacity - 1),
+        # tp_worker.py: max_req_len = min(context_len - 1, kv_capacity - 1), max_req_input_len = max_req_len - 5
+        "max_req_input_len": min(cfg.context_length - 1, engine.pool.capacity - 1) - 5,
         "internal_states": [{
             "last_gen_throughput": 0.0,
             "memory_usage": {"token_capacity": engine.pool.capacity, "kv_used_tokens": counts["kv_used_tokens"]},
@@ -292,7 +331,7 @@ def load_snapshot(engine: Engine) -> dict[str, Any]:
         "utilization": used / capacity if capacity else 0.0,
         "total_prefill_uncached_tokens": 0,
         "total_prefill_busy_us": 0,
-        "decode_moments": None,
+        "decode_moments": engine.decode_moments(),
     }
 
 
@@ -301,7 +340,7 @@ def v1_loads(engine: Engine) -> dict[str, Any]:
     return {
         "timestamp": datetime.now(UTC).isoformat(),
         "version": SIM_VERSION,
-        "accelerator": "cpu",
+        "accelerator": None,  # v1_loads.py _accelerator_name(): None on a CPU, as the real-engine tier sees
         "num_accelerators": 1,
         "loads": [load_snapshot(engine)],
     }
@@ -322,4 +361,5 @@ def get_load(engine: Engine) -> list[dict[str, Any]]:
 
 def models_list(engine: Engine, model_path: str) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": model_path, "object": "model", "created": 0, "owned_by": "sglang",
-                                        "root": model_path, "max_model_len": engine.config.context_length}]}
+                                        "root": model_path, "parent": None,
+                                        "max_model_len": engine.config.context_length}]}

@@ -16,7 +16,7 @@ from support.sim import assert_baseline, books, chat_ids, info
 from trajectory import get_family
 
 META_KEYS = {"id", "finish_reason", "prompt_tokens", "weight_version", "completion_tokens", "cached_tokens",
-             "e2e_latency", "output_token_logprobs", "input_token_logprobs", "total_retractions"}
+             "e2e_latency", "output_token_logprobs", "input_token_logprobs", "num_retractions"}
 
 
 @pytest.fixture(scope="module", params=PLAIN_REPLY)
@@ -200,7 +200,7 @@ def test_info_endpoints(client, sim):
         assert m["model_path"] == f"sim-{family}" and m["is_generation"] is True and "weight_version" in m
     s = info(client)
     for key in ("max_total_num_tokens", "kv_used_tokens", "kv_capacity_tokens", "kv_cached_tokens",
-                "open_sessions", "running_requests", "waiting_requests", "context_length", "version",
+                "open_sessions", "running_requests", "waiting_requests", "max_req_input_len", "version",
                 "internal_states"):
         assert key in s
     assert s["max_total_num_tokens"] == s["kv_capacity_tokens"] == 20000

@@ -126,7 +126,7 @@ def test_pause_retract_and_in_place_resume_to_the_same_reply(client, pool, tok, 
     reference = _post(sim_url, {"input_ids": ids, "return_logprob": True}).json()
     assert body["output_ids"] == reference["output_ids"]
     assert body["meta_info"]["output_token_logprobs"] == reference["meta_info"]["output_token_logprobs"]
-    assert body["meta_info"]["total_retractions"] == (1 if mode == "retract" else 0)
+    assert body["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
     assert client.post("/pause_generation", json={"mode": "sideways"}).status_code == 400
 
 

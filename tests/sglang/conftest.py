@@ -12,7 +12,7 @@ import pytest
 
 from rollout.processes import start_session_server
 from support.server import RecordingProxy
-from support.sglang_engine import Engines, Served, ServeFactory, assert_engine_clean
+from support.sglang_engine import SPECS, Engines, Served, ServeFactory, assert_engine_clean
 
 FAMILY = "qwen3"
 
@@ -31,23 +31,26 @@ def engines(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(scope="session")
 def serve(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> ServeFactory:
-    """`with serve("dense", "--engine-sessions") as s:` -- a session server (these args) in front of the shared engine;
-    on exit the server must stop cleanly and the engine hold nothing (no request, no session, no KV)."""
+    """`with serve("dense", "--engine-sessions") as s:` -- a session server (these args) in front of the shared engine,
+    through a recording proxy unless `proxied=False` (`s.proxy` is then None); on exit the server must stop cleanly
+    and the engine hold nothing (no request, no session, no KV)."""
 
     @contextlib.contextmanager
-    def factory(engine_name: str, *args: str) -> Iterator[Served]:
+    def factory(engine_name: str, *args: str, proxied: bool = True) -> Iterator[Served]:
         engine = engines.get(engine_name)
-        checkpoint = engines.checkpoint(engine.cmd[engine.cmd.index("--model-path") + 1].rsplit("/", 1)[-1])
-        proxy = RecordingProxy(engine.url)
+        checkpoint = engines.checkpoint(SPECS[engine_name].checkpoint)
+        proxy = RecordingProxy(engine.url) if proxied else None
         logs = tmp_path_factory.mktemp("served")
-        proc = start_session_server(proxy.url, checkpoint, FAMILY, *args, log_dir=logs)
+        proc = start_session_server(engine.url if proxy is None else proxy.url, checkpoint, FAMILY, *args,
+                                    log_dir=logs)
         try:
-            yield Served(proc.url, engine.url, proxy, proc, checkpoint)
+            yield Served(proc.url, engine.url, proxy, proc, checkpoint)  # type: ignore[arg-type]
         finally:
             try:
                 proc.close()
             finally:
-                proxy.close()
+                if proxy is not None:
+                    proxy.close()
         assert_engine_clean(engines.get(engine_name).url)
 
     return factory

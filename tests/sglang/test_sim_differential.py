@@ -45,8 +45,10 @@ class Target:
 
         self.url = url
         tok = AutoTokenizer.from_pretrained(checkpoint)
-        text = tok.apply_chat_template([{"role": "user", "content": "Say something."}], tokenize=False,
-                                       add_generation_prompt=True)
+        # The directive makes the sim generate up to the request's limit, as the random model does (which never
+        # stops on its own); the real engine reads it as any text.
+        text = tok.apply_chat_template([{"role": "user", "content": "Say something. [[sim: tokens 5000]]"}],
+                                       tokenize=False, add_generation_prompt=True)
         self.prompt: list[int] = list(tok.encode(text, add_special_tokens=False))
         self.http = httpx.Client(base_url=url, timeout=120)
         self.rids = iter(range(10**6))
@@ -57,7 +59,7 @@ class Target:
     def generate(self, **body: Any) -> httpx.Response:
         sp = {"temperature": 0, "max_new_tokens": 4, **body.pop("sampling_params", {})}
         payload = {"input_ids": self.prompt, "sampling_params": sp, "return_logprob": True,
-                   "logprob_start_len": -1, "rid": self.rid(), **body}
+                   "logprob_start_len": -1, "rid": body.pop("rid", None) or self.rid(), **body}
         return self.http.post("/generate", json=payload)
 
 
@@ -94,9 +96,13 @@ def reply(resp: httpx.Response) -> dict[str, Any]:
             "shape": shape(body_of(resp))}
 
 
-def error(resp: httpx.Response) -> dict[str, Any]:
-    """An error reply: status, shape, and the message (SGLang's messages are fixed text up to the values)."""
-    return {**reply(resp), "body": body_of(resp)}
+def error(resp: httpx.Response, *values: str) -> dict[str, Any]:
+    """An error reply: status, shape, and the message (SGLang's messages are fixed text up to the `values` the
+    request chose, e.g. a session id, which are replaced by `<value>`)."""
+    text = resp.text
+    for value in values:
+        text = text.replace(value, "<value>")
+    return {**reply(resp), "body": text}
 
 
 # -- the probes -----------------------------------------------------------------------------------------------------
@@ -104,9 +110,9 @@ def error(resp: httpx.Response) -> dict[str, Any]:
 @probe
 def generate_plain(t: Target) -> dict[str, Any]:
     r = t.generate()
-    meta = r.json()["meta_info"]
-    lengths = (len(meta["output_token_logprobs"]), meta["completion_tokens"], len(r.json()["output_ids"]))
-    return {**reply(r), "finish_reason": meta["finish_reason"]["type"], "lengths_agree": len(set(lengths)) == 1}
+    meta, n = r.json()["meta_info"], len(r.json()["output_ids"])
+    return {**reply(r), "finish_reason": meta["finish_reason"]["type"],
+            "lengths_agree": len(meta["output_token_logprobs"]) == meta["completion_tokens"] == n}
 
 
 @probe
@@ -138,13 +144,23 @@ def generate_max_new_tokens_null(t: Target) -> dict[str, Any]:
     r = t.http.post("/generate", json={"input_ids": filler, "sampling_params": {"temperature": 0,
                                        "max_new_tokens": None}, "rid": t.rid()})
     meta = r.json()["meta_info"]
-    total = meta["prompt_tokens"] + meta["completion_tokens"]
-    return {**reply(r), "finish_reason": meta["finish_reason"], "total": total}
+    return {**reply(r), "finish_reason": meta["finish_reason"],
+            "total": meta["prompt_tokens"] + meta["completion_tokens"]}
 
 
 @probe
 def unknown_sampling_key(t: Target) -> dict[str, Any]:
     return error(t.generate(sampling_params={"bogus_key": 1}))
+
+
+@probe
+def sampling_key_of_the_wrong_type(t: Target) -> dict[str, Any]:
+    return error(t.generate(sampling_params={"max_new_tokens": "4"}))
+
+
+@probe
+def sampling_value_out_of_range(t: Target) -> dict[str, Any]:
+    return error(t.generate(sampling_params={"temperature": -1}))
 
 
 @probe
@@ -198,23 +214,31 @@ def session_lifecycle(t: Target) -> dict[str, Any]:
         "first": reply(first), "second": reply(second),
         "second_cached_covers_first": second.json()["meta_info"]["cached_tokens"] >= len(t.prompt),
         "replace": error(replace), "close": {"status": closed.status_code, "body": closed.text},
-        "after_close": error(after_close), "unknown": error(unknown),
+        "after_close": error(after_close, sid), "unknown": error(unknown),
     }
 
 
 @probe
 def session_concurrent_request(t: Target) -> dict[str, Any]:
-    sid = t.http.post("/open_session", json={"capacity_of_str_len": 10000, "streaming": True, "timeout": 60}).json()
+    """A second request on a streaming session while its first runs is refused; the first is then aborted. (The
+    session's timeout is long: SGLang 0.5.23's scheduler dies on an assertion in release_kv_cache when a streaming
+    session times out while its request runs.)"""
+    sid = t.http.post("/open_session", json={"capacity_of_str_len": 10000, "streaming": True, "timeout": 600}).json()
+    rid = t.rid()
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(t.generate, session_params={"id": sid}, sampling_params={"max_new_tokens": 300})
+        running = pool.submit(t.generate, rid=rid, session_params={"id": sid},
+                              sampling_params={"max_new_tokens": 1500})
         deadline = time.monotonic() + 60
         while loads(t.url)["num_running_reqs"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.02)
+        time.sleep(0.3)  # a few tokens in
         second = t.generate(session_params={"id": sid})
+        t.http.post("/abort_request", json={"rid": rid, "abort_all": False})
         first = running.result(120)
-    t.http.post("/close_session", json={"session_id": sid})
-    return {"first": reply(first), "second": error(second)}
+    closed = t.http.post("/close_session", json={"session_id": sid})
+    return {"first": reply(first), "first_finish": first.json()["meta_info"]["finish_reason"],
+            "second": error(second), "close": closed.status_code}
 
 
 @probe
@@ -225,9 +249,15 @@ def admin_and_info_routes(t: Target) -> dict[str, Any]:
         out[path] = {"status": r.status_code, "body": r.text}
     for path in ("/model_info", "/get_model_info", "/v1/models"):
         out[path] = reply(t.http.get(path))
+    # /server_info is SGLang's whole configuration (hundreds of server args); what is compared is what the session
+    # server reads (turns/limits.py: max_req_input_len, context_length, and their values here) and the figures
+    # tests read from both engines.
     info = t.http.get("/server_info").json()
-    out["/server_info"] = {k: shape(info.get(k)) for k in ("max_total_num_tokens", "internal_states", "version",
-                                                           "weight_version", "enable_streaming_session")}
+    out["/server_info"] = {k: info.get(k) for k in ("max_req_input_len", "context_length", "max_total_num_tokens",
+                                                    "enable_streaming_session", "page_size")}
+    out["/server_info"]["internal_states"] = shape([{"memory_usage": {"token_capacity": s["memory_usage"][
+        "token_capacity"]}, "last_gen_throughput": s["last_gen_throughput"]} for s in info["internal_states"]])
+    out["/server_info"]["weight_version"] = shape(info.get("weight_version"))
     out["/v1/loads?include=core"] = reply(t.http.get("/v1/loads?include=core"))
     flushed = t.http.post("/flush_cache")
     out["/flush_cache"] = {"status": flushed.status_code, "body": flushed.text}

@@ -128,7 +128,8 @@ def assert_engine_clean(engine: str, timeout: float = 30.0) -> None:
 
 @dataclass
 class Served:
-    """A session server in front of a real engine, through a recording proxy."""
+    """A session server in front of a real engine, through a recording proxy (always, unless the test asked for none:
+    then `proxy` is None and the test does not read it)."""
 
     server: str
     engine: str
