@@ -4,6 +4,10 @@ The only module of the package that imports torch, so a rollout worker that neve
 for it. Every per-token array of a `Sample` (tokens, loss mask, rollout logprobs) has the sample's full length,
 with mask 0 and logprob 0.0 on prompt and inter-turn tokens; padding keeps those conventions (mask 0, logprob
 0.0, attention 0), so `(loss * loss_mask).sum() / loss_mask.sum()` is correct on the padded batch as is.
+
+A session whose history forked (a compaction, a sub-agent: trajectory/segments.py) yields one sample per segment,
+so an episode may own several rows; `episodes` (e.g. `[r.samples for r in results if r.ok]`) builds the batch from
+per-episode lists and adds `episode_index`, the row's episode, to spread one reward over all of an episode's rows.
 """
 
 from __future__ import annotations
@@ -17,17 +21,25 @@ from trajectory import Sample
 
 
 def to_torch_batch(
-    samples: Sequence[Sample],
-    pad_id: int,
+    samples: Sequence[Sample] = (),
+    pad_id: int = 0,
     *,
+    episodes: Sequence[Sequence[Sample]] | None = None,
     pad_to_multiple_of: int | None = None,
     device: torch.device | str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Pad `samples` on the right to one length.
+    """Pad `samples` (or every sample of `episodes`, in order) on the right to one length.
 
     Returns `input_ids` int64 [B, L], `loss_mask` float32 [B, L] (1.0 on sampled tokens), `rollout_log_probs`
-    float32 [B, L], `attention_mask` int64 [B, L] (1 on real tokens) and `response_lengths` int64 [B].
+    float32 [B, L], `attention_mask` int64 [B, L] (1 on real tokens) and `response_lengths` int64 [B]; with
+    `episodes`, also `episode_index` int64 [B] (the episode each row belongs to).
     """
+    episode_index = None
+    if episodes is not None:
+        if samples:
+            raise ValueError("give samples or episodes, not both")
+        samples = [s for episode in episodes for s in episode]
+        episode_index = [i for i, episode in enumerate(episodes) for _ in episode]
     if not samples:
         raise ValueError("cannot build a batch from zero samples")
     lengths = [len(s.tokens) for s in samples]
@@ -58,6 +70,8 @@ def to_torch_batch(
         "attention_mask": torch.from_numpy(attention),
         "response_lengths": torch.tensor([s.response_length for s in samples], dtype=torch.int64),
     }
+    if episode_index is not None:
+        batch["episode_index"] = torch.tensor(episode_index, dtype=torch.int64)
     if device is not None:
         batch = {name: tensor.to(device) for name, tensor in batch.items()}
     return batch

@@ -769,8 +769,11 @@ class Episode:
 
 def start_stack(cfg: SoakConfig) -> tuple[RunningProcess, RunningProcess]:
     tok = cfg.tokenizer or ROOT / ".cache" / "tokenizers" / cfg.family
+    # Sessions stay one line (--on-divergence reject): the contender check is the single-line gate's 409 that never
+    # reads the body; requests that start segments beside a running turn are tests/e2e/test_server_segments.py's.
     extra = ["--admin-token", ADMIN_TOKEN, "--max-request-bytes", str(MAX_REQUEST_BYTES),
-             "--body-timeout", str(BODY_TIMEOUT)] + (["--engine-sessions"] if cfg.engine_sessions else [])
+             "--body-timeout", str(BODY_TIMEOUT), "--on-divergence", "reject"] + (
+                 ["--engine-sessions"] if cfg.engine_sessions else [])
     return start_pair(
         tokenizer=str(tok), family=cfg.family, engine_cpu=None, server_cpu=None, log_dir=cfg.log_dir,
         engine_args=["--token-latency-ms", str(cfg.token_latency_ms), "--enable-streaming-session",

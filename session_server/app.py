@@ -66,7 +66,7 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
         drains=drains,
     )
     if journaled is not None:
-        restored = restore_sessions(server.registry, server.family, journaled[1])
+        restored = restore_sessions(server.registry, server.family, journaled[1], server.new_segments)
         if restored:
             logger.warning("restored %d sessions from journal %s", restored, config.journal)
     engine.on_move.append(lambda _session_id, _worker: metrics.sessions_moved.inc())

@@ -31,6 +31,7 @@ from session_server.sessions.journal import SYNC_MODES
 from trajectory.families import family_names
 from trajectory.linear import SPECIAL_TOKEN_MODES
 from trajectory.messages import MATCHER_NAMES as MATCHERS
+from trajectory.segments import DIVERGENCE_POLICIES
 
 if TYPE_CHECKING:
     from trajectory import ModelFamily
@@ -83,6 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-rollback", type=int, default=_default("max_rollback"),
         help="checkpoints a diverging request may drop (default %(default)s)")
+    p.add_argument(
+        "--on-divergence", choices=DIVERGENCE_POLICIES, default=_default("on_divergence"),
+        help="a request whose history extends no segment of its session within --max-rollback (a compaction, a "
+             "sub-agent, a side request): 'segment' starts a new segment of the session, 'reject' is a 400 "
+             "(default %(default)s)",
+    )
+    p.add_argument("--max-segments", type=int, default=_default("max_segments"),
+        help="segments one session may hold; a request that would start one more gets 400 (default %(default)s)")
+    p.add_argument(
+        "--merge-segments", action="store_true",
+        help="continue a segment instead of starting one when the new history's full render extends every token "
+             "of it (one sample per episode where the tokens allow it)",
+    )
     p.add_argument(
         "--engine-sessions", action="store_true",
         help="one SGLang streaming session per trajectory; turns send only new tokens (engine: streaming sessions on)",

@@ -16,6 +16,7 @@ from session_server.engine.client import ENGINE_CLIENTS
 from session_server.sessions.journal import SYNC_MODES
 from trajectory.linear import SPECIAL_TOKEN_MODES
 from trajectory.messages import MATCHER_NAMES as MATCHERS
+from trajectory.segments import DIVERGENCE_POLICIES
 
 # A replica's name starts the ids it mints (`NAME.<hex>`), which a load balancer maps back to it: lowercase, short,
 # and with no dot, so the name is exactly what precedes an id's first dot.
@@ -36,6 +37,11 @@ class ServerConfig:
     port: int = 8000
     cpu_workers: int = dataclasses.field(default_factory=default_cpu_workers)
     max_rollback: int = 1
+    # A request that extends no segment within max_rollback: "segment" starts a new one, "reject" is a 400.
+    on_divergence: str = "segment"
+    max_segments: int = 16  # segments per session (trajectory/segments.py); a request past it gets 400
+    # A full render that extends a segment's every token continues that segment (LinearTrajectory.merge_plan).
+    merge_segments: bool = False
     engine_sessions: bool = False
     request_timeout: float = 600.0
     max_request_bytes: int = 16 * 1024 * 1024
@@ -92,6 +98,10 @@ class ServerConfig:
             problems.append("--max-rollback must be >= 0")
         if not self.stream_coalesce_ms >= 0:
             problems.append("--stream-coalesce-ms must be >= 0")
+        if self.on_divergence not in DIVERGENCE_POLICIES:
+            problems.append(f"--on-divergence must be one of {', '.join(DIVERGENCE_POLICIES)}")
+        if self.max_segments < 1:
+            problems.append("--max-segments must be >= 1")
         if self.request_timeout <= 0:
             problems.append("--request-timeout must be > 0")
         if self.engine_control_timeout <= 0:

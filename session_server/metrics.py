@@ -39,6 +39,7 @@ from prometheus_client.gc_collector import GCCollector
 
 from session_server.errors import AbortReason
 from trajectory.messages import ROLLBACK_REASONS
+from trajectory.segments import SEGMENT_REASONS
 
 # `<name>_created` timestamp series double the output and nobody graphs them (process-wide switch, set once).
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -95,6 +96,9 @@ class Metrics:
             "tokens", "tokens of committed turns: prompt, cached (prefix hits), completion", ("kind",)
         )
         self.rollbacks = counter("rollbacks", "turns committed after rolling back history, by reason", ("reason",))
+        self.segments_started = counter(
+            "segments_started", "segments started by a history that extends none (compaction, sub-agent, side "
+            "request), by reason", ("reason",))
         self.validation_failures = counter(
             "engine_validation_failures", "engine responses refused (502), by the rule they broke", ("rule",)
         )
@@ -139,6 +143,7 @@ class Metrics:
         self._rollbacks: dict[str, Any] = {r: self.rollbacks.labels(r) for r in ROLLBACK_REASONS}
         self._validation: dict[str, Any] = {}
         self._ignored: dict[tuple[str, str], Any] = {}
+        self._segments: dict[str, Any] = {r: self.segments_started.labels(r) for r in SEGMENT_REASONS if r != "first"}
 
     # -- gauges of live state, read at scrape time ------------------------------------------------------
     def watch(self, name: str, doc: str, read: Callable[[], float]) -> None:
@@ -163,6 +168,9 @@ class Metrics:
 
     def rollback(self, reason: str) -> None:
         _child(self._rollbacks, reason, self.rollbacks, reason).inc()
+
+    def segment_started(self, reason: str) -> None:
+        _child(self._segments, reason, self.segments_started, reason).inc()
 
     def validation_failure(self, rule: str) -> None:
         _child(self._validation, rule, self.validation_failures, rule).inc()

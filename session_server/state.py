@@ -16,7 +16,7 @@ from session_server.metrics import Metrics
 from session_server.sessions.journal import Journal
 from session_server.sessions.lifecycle import Lifecycle
 from session_server.sessions.registry import Registry
-from trajectory import LinearTrajectory, ModelFamily
+from trajectory import LinearTrajectory, ModelFamily, SegmentSet
 
 
 @dataclass(eq=False)
@@ -39,6 +39,11 @@ class ServerState:
             self.family, max_rollback=self.config.max_rollback, matcher=self.config.message_matcher,
             special_tokens=self.config.special_tokens_in_content,
         )
+
+    def new_segments(self) -> SegmentSet:
+        config = self.config
+        return SegmentSet(self.new_trajectory, max_segments=config.max_segments, on_divergence=config.on_divergence,
+                          merge=config.merge_segments)
 
 
 def server_of(request: Request) -> ServerState:

@@ -27,14 +27,14 @@ the bound counts them; `stage` + `apply` split the commit as LinearTrajectory's 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 from .engine_output import GenerateResult
 from .errors import InvariantError, RequestValidationError, RollbackLimitError
 from .linear import LinearTrajectory, TurnDelta, TurnPlan, TurnRecord
-from .messages import RollbackReason
+from .messages import Message, RollbackReason
 
 # Why a segment exists: the session's first; a request that shares leading messages with a segment but leaves its
 # history further back than the rollback window (a compaction that keeps the system prompt, an edited history); a
@@ -135,14 +135,20 @@ class SegmentSet:
 
     # -- prepare ------------------------------------------------------------------------------------------
     def prepare(self, messages: Any, tools: Any = None, template_kwargs: dict[str, Any] | None = None,
-                busy: Collection[int] = ()) -> SegmentPlan:
+                busy: Mapping[int, Message] | None = None) -> SegmentPlan:
         """The segment this request continues and its TITO plan, or a new segment's full render. Mutates nothing.
 
-        `busy`: segments with a turn in flight; among equally good matches a free one wins (a busy winner is the
-        caller's 409). RollbackLimitError under `on_divergence="reject"`; SegmentLimitError past `max_segments`.
+        `busy`: the segments with a turn in flight, each with that turn's first message. Among equally good matches a
+        free one wins (a busy winner is the caller's 409). A segment whose first turn is in flight has no history
+        yet: it takes a request that begins with that turn's first message (a duplicate: 409), any other starts a
+        segment (a side request next to the first turn). RollbackLimitError under `on_divergence="reject"`;
+        SegmentLimitError past `max_segments`.
         """
+        busy = busy or {}
         if len(self.segments) == 1:  # a single-line session: exactly LinearTrajectory's turn, nothing added
             only = self.segments[0]
+            if self._beside_first_turn(only, messages, busy):
+                return self._start(messages, tools, template_kwargs, [(only, 0, None, None)])
             try:
                 plan = only.trajectory.prepare(messages, tools, template_kwargs)
                 # matched messages are the stored objects: a rollback whose first message is not shares nothing
@@ -154,6 +160,7 @@ class SegmentSet:
                     raise
             return self._start(messages, tools, template_kwargs, [(only, *self._reach(only, messages))])
         ranked = [(segment, *self._reach(segment, messages)) for segment in self.segments.values()]
+        ranked = [(s, m, None if self._beside_first_turn(s, messages, busy) else k, r) for s, m, k, r in ranked]
         fitting = [(s, matched, keep) for s, matched, keep, _ in ranked if keep is not None]
         if fitting:
             best, _, _ = min(fitting, key=lambda f: (-f[1], len(f[0].trajectory.checkpoints) - (f[2] or 0),
@@ -163,6 +170,12 @@ class SegmentSet:
             raise RollbackLimitError("the request's history extends no segment of the session within "
                                      f"max_rollback={self.main.max_rollback}")
         return self._start(messages, tools, template_kwargs, ranked)
+
+    def _beside_first_turn(self, segment: Segment, messages: Any, busy: Mapping[int, Message]) -> bool:
+        """Is `segment` empty with a first turn in flight that the request does not begin like?"""
+        if self.on_divergence == "reject" or segment.trajectory.checkpoints or segment.id not in busy:
+            return False
+        return segment.trajectory.matcher.common_prefix([busy[segment.id]], messages)[0] == 0
 
     @staticmethod
     def _reach(segment: Segment, messages: Any) -> tuple[int, int | None, RollbackReason | None]:

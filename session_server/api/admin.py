@@ -98,7 +98,7 @@ async def sessions(request: Request) -> Response:
         "replica": server.config.replica_name, "total": len(live), "sessions": [{
             "id": s.id, "metadata": s.metadata, "turns": len(s.trajectory.records), "tokens": s.trajectory.num_tokens,
             "age_s": round(wall - s.created_at, 3), "idle_s": round(now - s.last_active, 3),
-            "in_flight": s.claim is not None,
+            "in_flight": bool(s.claims),
         } for s in newest],
     })
 

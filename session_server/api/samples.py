@@ -2,8 +2,9 @@
 
 The merged sample is snapshotted under the session lock (cheap array copies, no await inside), then truncated and
 serialized on the CPU pool, so a large trajectory never stalls the loop. JSON by default; one safetensors payload
-with `Accept: application/octet-stream`. The body is a list with the session's merged sample (empty before the
-first turn), decoded by trajectory.samples_from_json / samples_from_safetensors.
+with `Accept: application/octet-stream`. The body is a list with one merged sample per segment of the session (one for
+a single-line session, empty before the first turn; trajectory/segments.py), decoded by
+trajectory.samples_from_json / samples_from_safetensors.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from session_server.api.sessions import lookup
 from session_server.http.body import read_object
 from session_server.openai.fields import MAX_INT32, is_int
 from session_server.state import server_of
-from trajectory import Sample, build_merged_sample, samples_to_json, samples_to_safetensors, truncate_sample
+from trajectory import Sample, build_segment_samples, samples_to_json, samples_to_safetensors, truncate_sample
 from trajectory.errors import RequestValidationError
 
 OCTET_STREAM = "application/octet-stream"
@@ -46,7 +47,7 @@ async def collect_samples(request: Request) -> Response:
     config = server.config
     max_seq_len = _max_seq_len(await read_object(request, config.max_request_bytes, config.body_timeout))
     async with session.lock:
-        samples = [build_merged_sample(session.trajectory)] if session.trajectory.records else []
+        samples = build_segment_samples([(s, s.trajectory) for s in sorted(session.segments, key=lambda s: s.id)])
     binary = OCTET_STREAM in request.headers.get("accept", "")
     body = await server.pool.run(_encode, samples, max_seq_len, binary)
     return Response(body, media_type=OCTET_STREAM if binary else "application/json")

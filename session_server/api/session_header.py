@@ -71,7 +71,7 @@ def resolve_session(server: ServerState, request: Request, create: bool) -> str:
         raise _not_found(server, sid)
     server.lifecycle.check_accepting()
     # Synchronous from the lookup to the insert: two first requests with one new id cannot both create it.
-    server.lifecycle.create(server.new_trajectory(), session_id=sid)
+    server.lifecycle.create(server.new_segments(), session_id=sid)
     return sid
 
 

@@ -27,7 +27,7 @@ from session_server.errors import (
 from session_server.http.body import read_object
 from session_server.sessions.session import Session
 from session_server.state import ServerState, server_of
-from trajectory import LinearTrajectory
+from trajectory import LinearTrajectory, Segment
 from trajectory.errors import RequestValidationError
 
 _encoder = msgspec.json.Encoder()
@@ -61,7 +61,7 @@ async def create_session(request: Request) -> Response:
         raise RequestTooLargeError(
             f"'metadata' is {size} bytes encoded; the limit is {config.max_metadata_bytes} bytes"
         )
-    session = await server.lifecycle.create_durably(server.new_trajectory(), metadata)  # 503 if not journaled
+    session = await server.lifecycle.create_durably(server.new_segments(), metadata)  # 503 if not journaled
     return json_response({"session_id": session.id})
 
 
@@ -69,23 +69,34 @@ async def get_session(request: Request) -> Response:
     server = server_of(request)
     session = lookup(server, request.path_params["session_id"])
     async with session.lock:  # a consistent snapshot: a memcpy of the tokens, no await inside
-        snapshot = session.trajectory.snapshot()
+        snapshot = session.segments.snapshot()
+        busy = set(session.busy_segments())
         live = {
-            "nbytes": session.trajectory.nbytes,  # the live footprint (the snapshot has no growth slack)
+            "nbytes": session.segments.nbytes,  # the live footprint (the snapshot has no growth slack)
             "session_id": session.id,
             "metadata": session.metadata,
             "created_at": session.created_at,
-            "busy": session.claim is not None,
+            "busy": bool(session.claims),
         }
-    body = await server.pool.run(_session_body, snapshot, live)
+    body = await server.pool.run(_session_body, snapshot, busy, live)
     return Response(body, media_type="application/json")
 
 
-def _session_body(snapshot: LinearTrajectory, live: dict[str, Any]) -> bytes:
-    """Pool side of GET: records, token list, mismatch report (a re-render + diff) and the JSON encode."""
-    info = snapshot.to_dict()
-    info["mismatch_report"] = snapshot.mismatch_report()
+def _session_body(snapshot: list[tuple[Segment, LinearTrajectory]], busy: set[int], live: dict[str, Any]) -> bytes:
+    """Pool side of GET: records, token list, mismatch report (a re-render + diff) and the JSON encode.
+
+    The top level is the session's first segment, as a single-line session always showed it; `segments` lists every
+    segment (where it came from, its size, whether a turn runs on it) and the others' trajectories in full."""
+    (_, main), *others = snapshot
+    info = main.to_dict()
+    info["mismatch_report"] = main.mismatch_report()
     info.update(live)
+    info["segments"] = [
+        {**segment.info(), "num_tokens": traj.num_tokens, "num_turns": len(traj.records), "busy": segment.id in busy,
+         "rollbacks_by_reason": dict(traj.rollbacks)}
+        for segment, traj in snapshot
+    ]
+    info["segment_trajectories"] = {str(segment.id): traj.to_dict() for segment, traj in others}
     return _encoder.encode(info)
 
 

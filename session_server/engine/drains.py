@@ -36,13 +36,16 @@ class EngineDrains:
         self._by_session: dict[str, asyncio.Task[None]] = {}  # the latest drain of each session
         self._all: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
 
-    def start(self, session_id: str, rid: str, engine_task: asyncio.Future[Any]) -> asyncio.Task[None]:
-        """Abort `rid` and let its engine task end, in the background; the session's next chat waits for it."""
+    def start(self, session_id: str, rid: str, engine_task: asyncio.Future[Any],
+              lane: str | None = None) -> asyncio.Task[None]:
+        """Abort `rid` (on the session's worker) and let its engine task end, in the background; the next chat of
+        `lane` (the session, or one segment of it: Claim.lane) waits for it."""
         self._metrics.engine_aborts.inc()
+        key = lane or session_id
         task = asyncio.get_running_loop().create_task(self._drain(session_id, rid, engine_task), name=f"drain-{rid}")
-        self._by_session[session_id] = task
+        self._by_session[key] = task
         self._all.add(task)
-        task.add_done_callback(lambda t: self._forget(session_id, t))
+        task.add_done_callback(lambda t: self._forget(key, t))
         return task
 
     def _forget(self, session_id: str, task: asyncio.Task[None]) -> None:

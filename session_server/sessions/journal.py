@@ -5,7 +5,8 @@ can open with the `sqlite3` shell. What is stored (DESIGN.md 7 Durability):
 
     sessions    id, family, settings (max_rollback, matcher), metadata, created_at, last_active (wall clock)
     turns       one row per committed turn, as deltas (trajectory/restore.py): appended prompt tokens, completion and
-                logprobs as blobs, messages past the unchanged prefix, tools when changed, the record, routed experts
+                logprobs as blobs, messages past the unchanged prefix, tools when changed, the record, routed experts;
+                the segment it belongs to, and on a segment's first turn where the segment came from (Segment.info)
     tombstones  ids of deleted sessions and why, bounded like the in-memory ones (oldest pruned first)
 
 Ordering and guarantees. The chat stages its commit (validated, nothing mutated), waits for the turn's row to be
@@ -54,7 +55,7 @@ from trajectory.restore import StoredTurn, store_turn
 logger = logging.getLogger("session_server.sessions.journal")
 
 APPLICATION_ID = 0x534A524E  # "SJRN"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: turns carry their segment (1 is migrated on open: every turn of segment 0)
 SYNC_MODES = ("normal", "full")
 MAX_BATCH = 512  # operations per transaction
 VACUUM_FREE_PAGES = 2048  # return free pages to the file system once this many accumulate (8 MiB at 4 KiB pages)
@@ -82,9 +83,11 @@ CREATE TABLE turns (
     tools BLOB,
     tools_changed INTEGER NOT NULL,
     record BLOB NOT NULL,
-    routed_experts BLOB
+    routed_experts BLOB,
+    segment INTEGER NOT NULL DEFAULT 0,
+    segment_info BLOB
 );
-CREATE UNIQUE INDEX turns_by_session ON turns (session_id, version);
+CREATE UNIQUE INDEX turns_by_segment ON turns (session_id, segment, version);
 CREATE TABLE tombstones (
     n INTEGER PRIMARY KEY,
     id TEXT NOT NULL UNIQUE,
@@ -137,7 +140,10 @@ class RestoredSession(SessionInfo):
     declared once), its wall-clock last activity, and its turns in order."""
 
     last_active: float  # wall clock
-    turns: list[StoredTurn] = field(default_factory=list)
+    turns: list[StoredTurn] = field(default_factory=list)  # the first segment's
+    # The other segments' turns, and where each segment came from (Segment.info, from its first stored turn).
+    segment_turns: dict[int, list[StoredTurn]] = field(default_factory=dict)
+    segment_infos: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -160,6 +166,8 @@ class _Turn:
     prev_messages: list[Message]
     prev_tools: list[dict[str, Any]] | None
     last_active: float
+    segment: int = 0
+    segment_info: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +195,14 @@ def _check_schema(conn: sqlite3.Connection, path: str) -> bool:
             f"{path} was written by a newer session-server (journal schema {version}; this one reads "
             f"{SCHEMA_VERSION}): refusing to read it. Upgrade the server or start with another --journal"
         )
+    if version == 1:  # before segments: every turn is of the first segment
+        conn.executescript(
+            "BEGIN IMMEDIATE;ALTER TABLE turns ADD COLUMN segment INTEGER NOT NULL DEFAULT 0;"
+            "ALTER TABLE turns ADD COLUMN segment_info BLOB;DROP INDEX turns_by_session;"
+            "CREATE UNIQUE INDEX turns_by_segment ON turns (session_id, segment, version);"
+            f"PRAGMA user_version = {SCHEMA_VERSION};COMMIT;"
+        )
+        return False
     if version != SCHEMA_VERSION:
         raise JournalError(f"{path} has an unknown journal schema version {version} (this server reads "
                            f"{SCHEMA_VERSION})")
@@ -254,13 +270,19 @@ class Journal:
                 metadata=msgspec.json.decode(metadata), created_at=created_at, last_active=last_active,
             )
         cols = ", ".join(_TURN_COLUMNS)
-        for row in conn.execute(f"SELECT session_id, {cols} FROM turns ORDER BY session_id, version"):
+        for row in conn.execute(
+            f"SELECT session_id, segment, segment_info, {cols} FROM turns ORDER BY session_id, segment, version"
+        ):
             session = sessions.get(row[0])
             if session is None:
                 raise JournalError(f"journal has turns of session {row[0]} but no session row")
-            values = dict(zip(_TURN_COLUMNS, row[1:], strict=True))
+            values = dict(zip(_TURN_COLUMNS, row[3:], strict=True))
             values["tools_changed"] = bool(values["tools_changed"])
-            session.turns.append(StoredTurn(**values))
+            segment, info = row[1], row[2]
+            turns = session.turns if segment == 0 else session.segment_turns.setdefault(segment, [])
+            turns.append(StoredTurn(**values))
+            if info is not None:
+                session.segment_infos[segment] = msgspec.json.decode(info)
         tombstones = [(sid, why) for sid, why in conn.execute("SELECT id, why FROM tombstones ORDER BY n")]
         return Restored(sessions=list(sessions.values()), tombstones=tombstones)
 
@@ -309,9 +331,11 @@ class Journal:
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def write_turn(self, info: SessionInfo, delta: TurnDelta, prev_messages: list[Message],
-                   prev_tools: list[dict[str, Any]] | None) -> asyncio.Future[None]:
-        """Queue a staged turn; the future resolves once it is on disk (JournalUnavailableError if it is not)."""
-        return self._submit(_Turn(info, delta, prev_messages, prev_tools, time.time()))
+                   prev_tools: list[dict[str, Any]] | None, segment: int = 0,
+                   segment_info: dict[str, Any] | None = None) -> asyncio.Future[None]:
+        """Queue a staged turn of `segment` (`segment_info` on the turn that starts it); the future resolves once it
+        is on disk (JournalUnavailableError if it is not)."""
+        return self._submit(_Turn(info, delta, prev_messages, prev_tools, time.time(), segment, segment_info))
 
     async def deleted(self, session_id: str, why: str) -> None:
         await self._write(_Delete(session_id, why, time.time()))
@@ -392,10 +416,11 @@ class Journal:
                 self._upsert_session(conn, op.info, op.last_active)
             stored = store_turn(op.delta, op.prev_messages, op.prev_tools)
             values = [getattr(stored, c) for c in _TURN_COLUMNS]
+            info = None if op.segment_info is None else _encoder.encode(op.segment_info)
             conn.execute(
-                f"INSERT INTO turns (session_id, {', '.join(_TURN_COLUMNS)}) "
-                f"VALUES (?, {', '.join('?' * len(_TURN_COLUMNS))})",
-                [op.info.id, *values],
+                f"INSERT INTO turns (session_id, segment, segment_info, {', '.join(_TURN_COLUMNS)}) "
+                f"VALUES (?, ?, ?, {', '.join('?' * len(_TURN_COLUMNS))})",
+                [op.info.id, op.segment, info, *values],
             )
         else:
             conn.execute("DELETE FROM turns WHERE session_id = ?", (op.session_id,))

@@ -3,11 +3,13 @@
 Routes, the idle sweep, the admin pause and the process shutdown all go through `Lifecycle`; nothing else mutates a
 session's slot or removes a session, so every path that ends a chat or a session is written once.
 
-The in-flight gate: at most one chat per session, decided before the request body is read. A session's trajectory
-is linear, so two concurrent turns on it cannot both be right; miles' contract is that the second one is refused at
-once with 409 (it never reads its body and never reaches the engine) rather than queued. Claiming is synchronous (no
-await between the check and the set), so on a single event loop it is race-free without a lock (the claim itself:
-session.py).
+The in-flight gate: at most one turn per segment. A segment's trajectory is linear, so two concurrent turns on it
+cannot both be right; miles' contract is that the second one is refused with 409 rather than queued. Under
+`--on-divergence reject` a session is one segment and the 409 comes before the body is read, as it always did; with
+segments (the default) a second request may be a sub-agent or a side request that starts another segment, so its body
+is read and matched, and it is refused (409) only when the segment it continues is busy (`bind`) -- before the body
+still when every segment is busy and no new one fits. Claiming and binding are synchronous (no await between the
+check and the set), so on a single event loop they are race-free without a lock (the claim itself: session.py).
 
 Closing: DELETE marks the session closing (new chats get 404 at once), asks the in-flight chat to abort and waits
 until its handler has released the slot -- by then the engine request is aborted -- and only then closes the engine
@@ -28,7 +30,7 @@ from session_server.metrics import Metrics
 from session_server.sessions.journal import Journal, SessionInfo
 from session_server.sessions.registry import Registry
 from session_server.sessions.session import Claim, Session
-from trajectory import LinearTrajectory
+from trajectory import SegmentPlan, SegmentSet
 
 
 class Lifecycle:
@@ -52,26 +54,26 @@ class Lifecycle:
         self._drain_wait = drain_wait
 
     # -- sessions ----------------------------------------------------------------------------------------
-    def create(self, trajectory: LinearTrajectory, metadata: dict[str, Any] | None = None,
+    def create(self, segments: SegmentSet, metadata: dict[str, Any] | None = None,
                session_id: str | None = None) -> Session:
         """A new session (a random id, or `session_id` for on-demand creation by X-Session-ID)."""
         self._check_capacity()
         if session_id is None:
-            session = self.registry.create(trajectory, metadata)
+            session = self.registry.create(segments, metadata)
         else:
-            session = self.registry.create_named(session_id, trajectory)
+            session = self.registry.create_named(session_id, segments)
             if self.journal is not None:  # not awaited: the first turn writes the session's row with it anyway
                 self.journal.created_later(SessionInfo.of(session))
         self._metrics.sessions_created.inc()
         return session
 
-    async def create_durably(self, trajectory: LinearTrajectory, metadata: dict[str, Any] | None = None) -> Session:
+    async def create_durably(self, segments: SegmentSet, metadata: dict[str, Any] | None = None) -> Session:
         """POST /sessions: with a journal, the session is on disk before its id is handed out (else 503, no
         session): a client that got an id can use it after a restart."""
         if self.journal is None:
-            return self.create(trajectory, metadata)
+            return self.create(segments, metadata)
         self._check_capacity()
-        session = self.registry.create(trajectory, metadata)
+        session = self.registry.create(segments, metadata)
         try:
             await self.journal.created(SessionInfo.of(session))
         except BaseException:
@@ -91,11 +93,12 @@ class Lifecycle:
             )
 
     async def close(self, session: Session, reason: AbortReason) -> None:
-        """Abort the in-flight chat, wait for its handler, close the engine session, forget. Safe to call twice."""
+        """Abort every turn in flight, wait for their handlers, close the engine session, forget. Safe to call twice."""
         session.closing = True
-        claim = session.claim
-        if claim is not None:
+        claims = list(session.claims)
+        for claim in claims:
             claim.abort(reason)
+        for claim in claims:
             await claim.done.wait()
         if self._engine_sessions is not None:
             if self._drains is not None:
@@ -134,13 +137,15 @@ class Lifecycle:
             raise SessionPausedError("server is paused", self.retry_after)
 
     def claim(self, session_id: str) -> Claim:
-        """404 unknown/deleted/closing, 503 paused, 409 busy -- in that order (DESIGN.md 3)."""
+        """404 unknown/deleted/closing, 503 paused, 409 busy -- in that order (DESIGN.md 3). Busy before the body:
+        a single-line session (`--on-divergence reject`) with a turn in flight, or every segment busy and no room for
+        another."""
         session = self.registry.require(session_id)
         self.check_accepting()
-        if session.claim is not None:
+        if session.claims and self.busy_before_body(session):
             raise SessionBusyError(f"session {session_id} already has a chat in flight")
         claim = Claim(session, self.release, self.retry_after)
-        session.claim = claim
+        session.claims.add(claim)
         self._in_flight.add(claim)
         return claim
 
@@ -155,11 +160,35 @@ class Lifecycle:
         claim.raise_if_aborted()
         claim.admitted = True
 
+    @staticmethod
+    def busy_before_body(session: Session) -> bool:
+        segments = session.segments
+        if segments.on_divergence == "reject" or segments.max_segments == 1:
+            return True
+        room = len(segments) + len(segments.reserved) < segments.max_segments
+        return not room and session.busy_segments().keys() >= {s.id for s in segments}
+
+    def bind(self, claim: Claim, plan: SegmentPlan) -> SegmentPlan:
+        """Give the matched turn its segment: 409 if another turn holds that segment or committed to it since the
+        plan was built (a concurrent request for the same segment); a new segment's id is reserved (400 past
+        --max-segments). Synchronous, like `claim`."""
+        session = claim.session
+        if plan.start is None:
+            segment = session.segments.get(plan.segment)
+            if plan.segment in session.busy_segments() or segment.trajectory.version != plan.turn.version:
+                raise SessionBusyError(f"session {session.id} already has a chat in flight on segment {plan.segment}")
+        plan = session.segments.reserve(plan)
+        claim.segment, claim.plan = plan.segment, plan
+        return plan
+
     def release(self, claim: Claim) -> None:
-        """Free the slot. Idempotent; a no-op unless `claim` still owns its session's slot."""
-        if claim.session.claim is claim:
-            claim.session.claim = None
-            claim.session.last_active = time.monotonic()
+        """Free the slot. Idempotent; a no-op unless `claim` still owns a slot of its session."""
+        session = claim.session
+        if claim in session.claims:
+            session.claims.discard(claim)
+            session.last_active = time.monotonic()
+            if claim.plan is not None:
+                session.segments.unreserve(claim.plan)  # a new segment that never committed
         self._in_flight.discard(claim)
         claim.done.set()
 

@@ -1,21 +1,25 @@
 """Restart on a journal: rebuild every journaled session and tombstone into a fresh registry before serving.
 
-Trajectories are rebuilt by replaying their stored turns (trajectory.restore), so GET, samples and the next chat see
-exactly what was committed. Engine sessions are not restored: a restored session starts without one and the next
-turn opens a new one and re-prefills (engine/sessions.py), as after an engine restart. Idle clocks continue from the
-journaled wall-clock time of each session's last write, so the idle sweep expires a session as it would have.
+Trajectories are rebuilt by replaying their stored turns (trajectory.restore), each segment's on its own, so GET,
+samples and the next chat see exactly what was committed. Engine sessions are not restored: a restored session starts
+without one and the next turn opens a new one and re-prefills (engine/sessions.py), as after an engine restart. Idle
+clocks continue from the journaled wall-clock time of each session's last write, so the idle sweep expires a session as
+it would have.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from session_server.sessions.journal import JournalError, Restored, wall_to_monotonic
 from session_server.sessions.registry import Registry
 from session_server.sessions.session import Session
-from trajectory import ModelFamily
+from trajectory import ModelFamily, Segment, SegmentSet
 from trajectory.restore import restore_trajectory
 
 
-def restore_sessions(registry: Registry, family: ModelFamily, restored: Restored) -> int:
+def restore_sessions(registry: Registry, family: ModelFamily, restored: Restored,
+                     new_segments: Callable[[], SegmentSet]) -> int:
     """Put every restored session and tombstone into a fresh registry; returns the number of sessions."""
     for tomb_id, why in restored.tombstones:
         registry.restore_tombstone(tomb_id, why)
@@ -25,14 +29,21 @@ def restore_sessions(registry: Registry, family: ModelFamily, restored: Restored
                 f"journal session {saved.id} is of model family {saved.family!r} but the server runs "
                 f"{family.name!r}: start with the journal's family or another --journal"
             )
+        segments = new_segments()
         try:
-            trajectory = restore_trajectory(
-                family, saved.turns, max_rollback=saved.max_rollback, matcher=saved.matcher
-            )
+            for segment, turns in [(0, saved.turns), *sorted(saved.segment_turns.items())]:
+                trajectory = restore_trajectory(family, turns, max_rollback=saved.max_rollback, matcher=saved.matcher)
+                if segment == 0:
+                    segments.get(0).trajectory = trajectory
+                    continue
+                info = saved.segment_infos[segment]
+                segments.restore(Segment(segment, trajectory, parent=info["parent"], branch_turn=info["branch_turn"],
+                                         reason=info["reason"], divergence=info["divergence"],
+                                         shared_messages=info["shared_messages"]))
         except Exception as exc:
             raise JournalError(f"journal session {saved.id} cannot be replayed: {exc}") from exc
         registry.restore(Session(
-            id=saved.id, trajectory=trajectory, metadata=saved.metadata, created_at=saved.created_at,
+            id=saved.id, segments=segments, metadata=saved.metadata, created_at=saved.created_at,
             last_active=wall_to_monotonic(saved.last_active),
         ))
     return len(restored.sessions)

@@ -1,10 +1,12 @@
-"""A session and the claim on its single in-flight slot.
+"""A session and the claims on its in-flight slots, one per segment.
 
-The record is what a session is: its trajectory, its metadata, the lock that makes each mutation of the trajectory
-atomic, and the claim of the chat in flight. The claim is a token object: only the handler that took it releases
-it (`Lifecycle.release` compares identity), and release is idempotent, so a cancellation-safe `finally` can always
-call it. Other parties (DELETE, expiry, pause-abort, shutdown) never release a slot; they ask the owner to stop
-(`Claim.abort`) and wait for `Claim.done`.
+The record is what a session is: its segments (trajectory/segments.py; one linear trajectory until the agent's history
+forks), its metadata, the lock that makes each mutation of a trajectory atomic, and the claims of the turns in flight. A
+claim is taken before the body is read and bound to its segment once the request is matched (`Lifecycle.bind`): at most
+one turn per segment, turns of different segments run side by side. The claim is a token object: only the handler that
+took it releases it (`Lifecycle.release` compares identity), and release is idempotent, so a cancellation-safe `finally`
+can always call it. Other parties (DELETE, expiry, pause-abort, shutdown) never release a slot; they ask the owner to
+stop (`Claim.abort`) and wait for `Claim.done`.
 """
 
 from __future__ import annotations
@@ -16,32 +18,45 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from session_server.errors import AbortReason, SessionNotFoundError, SessionPausedError, tag_abort
-from trajectory import LinearTrajectory
+from trajectory import LinearTrajectory, SegmentPlan, SegmentSet
 from trajectory.errors import SessionError
 
 
 @dataclass(eq=False, slots=True)
 class Session:
     id: str
-    trajectory: LinearTrajectory
+    segments: SegmentSet
     metadata: dict[str, Any]
     created_at: float = field(default_factory=time.time)
-    # Guards every read-modify of `trajectory`; never held across an await on the engine or the pool.
+    # Guards every read-modify of `segments`; never held across an await on the engine or the pool.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    claim: Claim | None = None  # the in-flight chat
+    claims: set[Claim] = field(default_factory=set)  # the turns in flight
     closing: bool = False
     last_active: float = field(default_factory=time.monotonic)  # last request naming this session (idle sweep)
 
+    @property
+    def trajectory(self) -> LinearTrajectory:
+        """The first segment: all there is of a single-line session."""
+        return self.segments.main
+
+    def busy_segments(self) -> dict[int, dict[str, Any]]:
+        """The segments with a turn in flight, each with that turn's first message (SegmentSet.prepare)."""
+        return {c.segment: c.plan.turn.messages[0] for c in self.claims if c.segment is not None and c.plan}
+
 
 class Claim:
-    """Ownership of a session's single in-flight slot."""
+    """Ownership of an in-flight slot of a session: of the session until its request is matched, then of one segment
+    (`segment`, and `plan`, the matched turn; a new segment's id is reserved until the turn commits or ends)."""
 
-    __slots__ = ("_on_abort", "_release", "admitted", "done", "reason", "retry_after", "session", "started")
+    __slots__ = ("_on_abort", "_release", "admitted", "done", "plan", "reason", "retry_after", "segment", "session",
+                 "started")
 
     def __init__(self, session: Session, release: Callable[[Claim], None], retry_after: int) -> None:
         self.session = session
         self.retry_after = retry_after
         self.started = time.monotonic()
+        self.segment: int | None = None
+        self.plan: SegmentPlan | None = None
         self.reason: AbortReason | None = None
         self.admitted = False  # its request has arrived and goes to the engine (Lifecycle.admit): a drain waits for it
         self.done = asyncio.Event()  # set once, when the owner has released the slot
@@ -79,6 +94,12 @@ class Claim:
         else:
             err = SessionPausedError("chat aborted: the server is shutting down", self.retry_after)
         return tag_abort(err, reason)
+
+    @property
+    def lane(self) -> str:
+        """The key of this turn's engine-side books (drains): the session's id for its first segment, else the
+        session and segment, so concurrent segments never wait for each other's aborted requests."""
+        return self.session.id if not self.segment else f"{self.session.id}#{self.segment}"
 
     def raise_if_aborted(self) -> None:
         err = self.abort_error()

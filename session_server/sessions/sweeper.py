@@ -39,8 +39,7 @@ def idle_sessions(sessions: list[Session], now: float, idle_timeout: float, requ
     for session in sessions:
         if session.closing or now - session.last_active <= idle_timeout:
             continue
-        claim = session.claim
-        if claim is not None and now - claim.started <= request_timeout:
+        if any(now - claim.started <= request_timeout for claim in session.claims):
             continue
         out.append(session)
     return out

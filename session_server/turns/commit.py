@@ -1,6 +1,7 @@
 """Committing a turn: the one place a chat (plain or streamed) changes a trajectory.
 
-Without a journal: `LinearTrajectory.commit` under the session lock. With `--journal`: stage the commit (validated,
+Without a journal: `SegmentSet.commit` (the turn's segment; a new segment is added with its first turn) under the
+session lock. With `--journal`: stage the commit (validated,
 nothing mutated), write it to the journal, then apply it -- the reply is sent only for a turn that is on disk. The
 apply runs in the write's done-callback, so a handler cancelled while it waits (shutdown) still applies a turn that
 reached the disk: memory never falls behind the journal. The callback is synchronous, like every other holder of
@@ -17,41 +18,43 @@ from typing import Any
 from session_server.sessions.journal import SessionInfo
 from session_server.sessions.session import Session
 from session_server.state import ServerState
-from trajectory import GenerateResult, TurnPlan, TurnRecord
+from trajectory import GenerateResult, SegmentPlan, TurnRecord
 from trajectory.errors import InvariantError
 
 logger = logging.getLogger("session_server.turns.commit")
 
 
 async def commit_turn(
-    server: ServerState, session: Session, plan: TurnPlan, result: GenerateResult, message: dict[str, Any]
+    server: ServerState, session: Session, plan: SegmentPlan, result: GenerateResult, message: dict[str, Any]
 ) -> TurnRecord:
     """Commit (and journal, with --journal) one turn; InvariantError (500) or JournalUnavailableError (503)."""
-    trajectory = session.trajectory
+    segments = session.segments
     journal = server.journal
     async with session.lock:
         try:
             if journal is None:
-                return trajectory.commit(plan, result, message)
-            delta = trajectory.stage(plan, result, message)
+                return segments.commit(plan, result, message)
+            staged = segments.stage(plan, result, message)
         except InvariantError as err:
             logger.error("session %s: invariant broken at commit: %s", session.id, err)
             raise
+        trajectory = plan.start.trajectory if plan.start is not None else segments.get(plan.segment).trajectory
         prev_messages, prev_tools = trajectory.messages, trajectory.tools
 
     def apply(written: asyncio.Future[None]) -> None:
         if written.cancelled() or written.exception() is not None:
             return
         try:
-            trajectory.apply(delta)
+            segments.apply(staged)
         except InvariantError:
             logger.exception("session %s: journaled turn does not apply", session.id)
 
     started = time.perf_counter()
-    written = journal.write_turn(SessionInfo.of(session), delta, prev_messages, prev_tools)
+    info = None if staged.start is None else staged.start.info()
+    written = journal.write_turn(SessionInfo.of(session), staged.delta, prev_messages, prev_tools, plan.segment, info)
     written.add_done_callback(apply)
     await asyncio.shield(written)
     server.metrics.stage("journal", time.perf_counter() - started)
-    if trajectory.version != delta.version + 1:
+    if trajectory.version != staged.delta.version + 1:
         raise InvariantError(f"session {session.id}: journaled turn was not applied")
-    return delta.record
+    return staged.delta.record

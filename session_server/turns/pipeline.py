@@ -1,11 +1,12 @@
 """One turn, whatever API carried it (the front end parses and formats; turn.py says how they meet):
 
-    claim the slot (before the body is read)  ->  read the body  ->  parse + prepare (pure) + encode (pooled if large)
+    claim the slot (before the body is read)  ->  read the body  ->  parse + match a segment + prepare (pure)
+    ->  bind the claim to the segment (409 if busy)  ->  encode (pooled if large)
     ->  engine call + decode WITHOUT the lock, raced against client disconnect, abort requests and the timeout
     ->  commit under the lock  ->  reply (or, with `stream: true`, stream.py from the engine call on)
 
-Why no lock across the engine call: the gate already guarantees a single turn per session -- the claim owner is the
-trajectory's only writer -- and the lock only has to make each mutation atomic with respect to GET/samples/DELETE on
+Why no lock across the engine call: the gate already guarantees a single turn per segment -- the claim owner is the
+segment's only writer -- and the lock only has to make each mutation atomic with respect to GET/samples/DELETE on
 the same loop. Holding it across a multi-second engine call would make those readers wait for the engine, and a
 cancelled holder could leave it taken. Prepare is pure and commit checks `version`, so nothing slips in unnoticed.
 
@@ -20,6 +21,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -44,9 +46,10 @@ from session_server.turns.limits import TurnLimits
 from session_server.turns.output import TurnOutput, decode_turn
 from session_server.turns.race import Ending, race
 from session_server.turns.stream import StreamedTurn
-from session_server.turns.turn import FrontEnd, Turn, TurnRequest, commit_output, count_failure
-from trajectory import LinearTrajectory, TurnPlan
+from session_server.turns.turn import FrontEnd, Turn, TurnRequest, commit_output, count_failure, engine_sessions_of
+from trajectory import SegmentPlan, SegmentSet
 from trajectory.errors import SessionError
+from trajectory.messages import Message
 
 logger = logging.getLogger("session_server.turns.pipeline")
 
@@ -108,9 +111,22 @@ async def _claim(server: ServerState, session_id: str) -> Claim:
         for _ in range(SETTLE_LOOP_TURNS):
             await asyncio.sleep(0)
             session = server.registry.get(session_id)
-            if session is None or session.claim is None:
+            if session is None or not session.claims:
                 break
         return server.lifecycle.claim(session_id)
+
+
+async def _bind(server: ServerState, claim: Claim, plan: SegmentPlan) -> SegmentPlan:
+    """Bind the claim to its segment (Lifecycle.bind); on 409, the same bounded settling as `_claim`: a retry of a
+    turn whose client just vanished finds the segment free."""
+    try:
+        return server.lifecycle.bind(claim, plan)
+    except SessionBusyError:
+        for _ in range(SETTLE_LOOP_TURNS):
+            await asyncio.sleep(0)
+            if plan.segment not in claim.session.busy_segments():
+                break
+        return server.lifecycle.bind(claim, plan)
 
 
 async def read_body(request: Request, limit: int, deadline: float) -> bytes:
@@ -135,20 +151,21 @@ async def _read_body_or_abort(claim: Claim, request: Request, limit: int, deadli
 
 
 def prepare_turn(
-    body: bytes, trajectory: LinearTrajectory, api: FrontEnd[R], limits: TurnLimits = NO_LIMITS
-) -> tuple[TurnRequest[R], TurnPlan]:
-    """Parse the request and build the TITO prompt: the CPU work of a turn before the engine call, in one step.
+    body: bytes, segments: SegmentSet, api: FrontEnd[R], limits: TurnLimits = NO_LIMITS,
+    busy: Mapping[int, Message] | None = None,
+) -> tuple[TurnRequest[R], SegmentPlan]:
+    """Parse the request, match its segment and build the TITO prompt: the CPU work of a turn before the engine call.
 
-    Runs in a worker thread without the session lock when it is large, which is safe because prepare only reads the
-    trajectory and the only writer of a trajectory is the turn holding its lifecycle claim -- this one. Readers on
-    the loop (GET, samples) only read. Rendering the chat template and tokenizing are the most expensive steps of a
-    turn; on the loop they would delay every other request, /health included.
+    Runs in a worker thread without the session lock when it is large. Prepare only reads, and a plan built while
+    another segment's turn commits on the loop is at worst stale: `Lifecycle.bind` refuses a plan whose segment
+    moved since (409), and a commit checks the version again. Rendering the chat template and tokenizing are the most
+    expensive steps of a turn; on the loop they would delay every other request, /health included.
     """
-    family = trajectory.family
-    turn = api.parse(body, trajectory)
+    family = segments.main.family
+    turn = api.parse(body, segments.main)  # previous_response_id: resolved on the session's first segment
     limits.before_render(turn.messages, family, len(body))
-    plan = trajectory.prepare(turn.messages, turn.tools, turn.template_kwargs)
-    limits.after_render(plan, turn.sampling_params)
+    plan = segments.prepare(turn.messages, turn.tools, turn.template_kwargs, busy)
+    limits.after_render(plan.turn, turn.sampling_params)
     return turn, plan
 
 
@@ -157,7 +174,8 @@ async def engine_payload(server: ServerState, claim: Claim, turn: Turn[Any]) -> 
     session's engine-side KV does not hold yet (which `begin_turn` opens or reopens as needed)."""
     plan, request = turn.plan, turn.request
     start, session_params = 0, None
-    if server.engine_sessions is not None:
+    if engine_sessions_of(server, claim) is not None:
+        assert server.engine_sessions is not None
         start, session_params = await server.engine_sessions.begin_turn(
             claim.session.id, plan.new_token_start, _remaining(server, claim))
         claim.raise_if_aborted()
@@ -180,16 +198,18 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
     # /health p99 89 ms under 64-chat waves of first turns with 8 tools).
     cost = len(body) if session.trajectory.checkpoints else FIRST_TURN_BYTE_WEIGHT * len(body)
     t0 = time.perf_counter()
-    parsed, plan = await server.pool.run_sized(
-        cost, prepare_turn, body, session.trajectory, api,
-        TurnLimits(server.prompt_token_limit, server.config.max_session_tokens),
+    parsed, matched = await server.pool.run_sized(
+        cost, prepare_turn, body, session.segments, api,
+        TurnLimits(server.prompt_token_limit, server.config.max_session_tokens), session.busy_segments(),
     )
     metrics.stage("prepare", time.perf_counter() - t0)
     if parsed.ignored:
         metrics.ignored(api.name, parsed.ignored)
     claim.raise_if_aborted()
+    matched = await _bind(server, claim, matched)
+    plan = matched.turn
     # The rid has a fixed length: no rid is a prefix of another (abort matches by prefix).
-    turn = Turn(parsed, plan, uuid.uuid4().hex, parsed.model or server.family.name, server.family)
+    turn = Turn(parsed, plan, uuid.uuid4().hex, parsed.model or server.family.name, server.family, matched)
     server.engine.place(session.id)  # its worker, or a healthy one if its worker failed (placement.py)
     # The session's previous, aborted engine request must have ended first (with engine sessions: left its
     # streaming session) -- once, before anything of this turn reaches the engine.
@@ -198,7 +218,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
     if parsed.stream:
         return StreamedTurn(server, claim, turn, payload, api)  # type: ignore[return-value]  # an ASGI response
 
-    engine_sessions = server.engine_sessions
+    engine_sessions = engine_sessions_of(server, claim)
     committed = False
     try:
         try:
@@ -232,9 +252,9 @@ def _remaining(server: ServerState, claim: Claim) -> float:
 async def _settle_previous(server: ServerState, claim: Claim) -> None:
     """Wait (bounded) until this session's previously aborted engine request has ended, so the engine never runs
     two requests of one session at once (engine/drains.py)."""
-    if server.drains is None or server.drains.pending(claim.session.id) is None:
+    if server.drains is None or server.drains.pending(claim.lane) is None:
         return
-    if not await server.drains.settle(claim.session.id, _remaining(server, claim)):
+    if not await server.drains.settle(claim.lane, _remaining(server, claim)):
         raise tag_abort(EngineTimeoutError(
             f"the session's previous engine request was still being aborted after "
             f"{server.config.request_timeout:g}s; nothing was sent"), AbortReason.TIMEOUT)
@@ -302,6 +322,6 @@ def _abort_engine(server: ServerState, claim: Claim, rid: str, engine_task: asyn
     """Abort by rid and let the engine end the request in the background (engine/drains.py): the client's answer
     and the slot never wait for the engine."""
     if server.drains is not None:
-        server.drains.start(claim.session.id, rid, engine_task)
+        server.drains.start(claim.session.id, rid, engine_task, claim.lane)
     else:  # no lifespan state (unit use): at least close the connection
         engine_task.cancel()

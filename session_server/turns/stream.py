@@ -43,7 +43,7 @@ from session_server.state import ServerState
 from session_server.turns.deltas import DeltaTracker, StreamDivergedError
 from session_server.turns.output import TurnOutput, call_id_prefix, decode_turn
 from session_server.turns.race import Ending, race
-from session_server.turns.turn import FrontEnd, NewTokens, Turn, commit_output, count_failure
+from session_server.turns.turn import FrontEnd, NewTokens, Turn, commit_output, count_failure, engine_sessions_of
 from trajectory.errors import InvariantError, SessionError, UpstreamError
 
 logger = logging.getLogger("session_server.turns.stream")
@@ -98,8 +98,9 @@ class StreamedTurn(Generic[R]):
         if self._settled:
             return
         self._settled = True
-        if self.server.engine_sessions is not None and not self.committed:
-            self.server.engine_sessions.mark_dirty(self.claim.session.id)
+        engine_sessions = engine_sessions_of(self.server, self.claim)
+        if engine_sessions is not None and not self.committed:
+            engine_sessions.mark_dirty(self.claim.session.id)
         self.claim.release()
 
     async def _run(self, receive: Receive, send: Send) -> None:
@@ -154,7 +155,7 @@ class StreamedTurn(Generic[R]):
         drains = self.server.drains
         if drains is not None:  # the engine ends it in the background; the client and the slot do not wait
             self._abandoned = True
-            drains.start(self.claim.session.id, self.turn.rid, pump)
+            drains.start(self.claim.session.id, self.turn.rid, pump, self.claim.lane)
             return
         self.server.metrics.engine_aborts.inc()
         await self.server.engine.abort(self.turn.rid)

@@ -17,13 +17,14 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 from starlette.responses import Response
 
+from session_server.engine.sessions import EngineSessions
 from session_server.errors import AbortReason, LimitExceededError
 from session_server.metrics import Metrics
 from session_server.sessions.session import Claim
 from session_server.state import ServerState
 from session_server.turns.commit import commit_turn
 from session_server.turns.output import TurnOutput
-from trajectory import LinearTrajectory, ModelFamily, TurnPlan, TurnRecord
+from trajectory import LinearTrajectory, ModelFamily, SegmentPlan, TurnPlan, TurnRecord
 from trajectory.errors import SessionError, UpstreamError
 
 R = TypeVar("R")
@@ -54,11 +55,15 @@ class Turn(Generic[R]):
     rid: str
     model: str
     family: ModelFamily
+    segment: SegmentPlan | None = None  # the segment matched (None: a caller without segments)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def headers(self) -> dict[str, str]:
-        return rollback_headers(self.plan)
+        headers = rollback_headers(self.plan)
+        if self.segment is not None and self.segment.segment:
+            headers[SEGMENT_HEADER] = segment_header(self.segment)
+        return headers
 
 
 @dataclass(slots=True)
@@ -113,6 +118,25 @@ def rollback_headers(plan: TurnPlan) -> dict[str, str]:
     return {ROLLBACK_HEADER: f"{plan.rolled_back}; reason={plan.rollback_reason or 'retry'}"}
 
 
+SEGMENT_HEADER = "X-Session-Segment"
+
+
+def segment_header(plan: SegmentPlan) -> str:
+    """`X-Session-Segment: <id>` on every turn of a segment other than the session's first, and on the turn that
+    starts it `<id>; started; reason=<why>; parent=<id>; branch_turn=<n>`: the agent's side sees that its history
+    forked (a compaction, a sub-agent), as it sees a rollback."""
+    start = plan.start
+    if start is None:
+        return str(plan.segment)
+    return f"{plan.segment}; started; reason={start.reason}; parent={start.parent}; branch_turn={start.branch_turn}"
+
+
+def engine_sessions_of(server: ServerState, claim: Claim) -> EngineSessions | None:
+    """The SGLang streaming session of this turn: the session's first segment keeps one (--engine-sessions); other
+    segments send their whole prompt, as a streaming session holds one history and takes one request at a time."""
+    return server.engine_sessions if not claim.segment else None
+
+
 def count_failure(metrics: Metrics, err: SessionError) -> None:
     """A turn that ended in an error, counted once by what it was: an abort by its reason, a refused limit, an engine
     reply that broke a rule. Every other error is counted only as its response."""
@@ -130,11 +154,15 @@ async def commit_output(server: ServerState, claim: Claim, plan: TurnPlan, out: 
     session's books (it now holds exactly the trajectory)."""
     metrics = server.metrics
     t0 = time.perf_counter()
-    record = await commit_turn(server, claim.session, plan, out.result, out.message)
+    assert claim.plan is not None and claim.plan.turn is plan  # bound by the pipeline before the engine call
+    record = await commit_turn(server, claim.session, claim.plan, out.result, out.message)
     metrics.stage("commit", time.perf_counter() - t0)
+    if claim.plan.start is not None:
+        metrics.segment_started(claim.plan.start.reason)
     metrics.turn_tokens(len(plan.prompt_ids), record.cached_tokens, record.completion_len)
     if plan.rolled_back:
         metrics.rollback(plan.rollback_reason or "retry")
-    if server.engine_sessions is not None:
-        server.engine_sessions.committed(claim.session.id, len(plan.prompt_ids) + len(out.result.output_ids))
+    engine_sessions = engine_sessions_of(server, claim)
+    if engine_sessions is not None:
+        engine_sessions.committed(claim.session.id, len(plan.prompt_ids) + len(out.result.output_ids))
     return record

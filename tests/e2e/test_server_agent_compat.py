@@ -207,8 +207,9 @@ def test_paused_server_creates_nothing(stack: Stack) -> None:
 
 
 def test_one_id_is_one_episode_others_run_alongside(stack: Stack) -> None:
-    """Over one base URL, a second concurrent request with the same X-Session-ID is that session's 409 (never a
-    second trajectory, never interleaved), while other ids run at the same time."""
+    """Over one base URL, a second concurrent request with the same X-Session-ID for the same conversation is that
+    session's 409 (never a second trajectory, never interleaved), while other ids run at the same time. (A request
+    that starts another conversation on the id is a segment of it: tests/e2e/test_server_segments.py.)"""
     server, engine = stack.server, stack.engine
 
     async def main() -> tuple[int, int, int]:
@@ -218,7 +219,7 @@ def test_one_id_is_one_episode_others_run_alongside(stack: Stack) -> None:
                                  json={"messages": [{"role": "user", "content": content}]})
             owner = asyncio.ensure_future(chat("race-1", "long [[sim: tokens 400]]"))
             await wait_running(engine, 1)
-            contender = await chat("race-1", "me too [[sim: tokens 3]]")
+            contender = await chat("race-1", "long [[sim: tokens 400]]")
             other = await chat("race-2", "another episode [[sim: tokens 3]]")
             assert not owner.done()  # both answers came while the owner was still generating
             return (await owner).status_code, contender.status_code, other.status_code

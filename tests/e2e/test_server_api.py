@@ -252,12 +252,17 @@ async def _rollback_one_turn_and_refuse_deeper_divergence(
     first_turn_len = turn2["checkpoints"][0]["num_tokens"]
     assert after["token_ids"][:first_turn_len] == turn2["token_ids"][:first_turn_len]
 
-    # Diverging before the first turn would drop two checkpoints: 400, nothing changes.
-    deeper = [{"role": "user", "content": "something else entirely"}, *retry[1:]]
-    with pytest.raises(openai.BadRequestError) as exc:
-        await client.chat.completions.create(model="m", messages=deeper, tools=TOOLS)
-    assert "roll" in str(exc.value).lower()
-    assert (await http.get(f"{server}/sessions/{sid}")).json() == after
+    # Diverging before the first turn would drop two checkpoints: a new segment (a 400 under --on-divergence reject,
+    # tests/e2e/test_server_segments.py); the first segment is unchanged.
+    deeper = [{"role": "user", "content": "something else entirely [[sim: reply fine]]"}]
+    raw = await client.chat.completions.with_raw_response.create(model="m", messages=deeper, tools=TOOLS)
+    assert raw.headers["x-session-segment"] == "1; started; reason=new_conversation; parent=0; branch_turn=2"
+    now = (await http.get(f"{server}/sessions/{sid}")).json()
+
+    def first_segment(info: dict) -> dict:
+        return {k: v for k, v in info.items() if "segment" not in k and k != "nbytes"}
+
+    assert first_segment(now) == first_segment(after)
     assert r2.choices[0].message is not None
     assert (await http.delete(f"{server}/sessions/{sid}")).status_code == 204
 

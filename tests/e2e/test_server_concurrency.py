@@ -42,7 +42,8 @@ def stack(stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(
         family=FAMILY,
         sim_args=["--token-latency-ms", str(TOKEN_MS)],
-        servers={"server": ["--admin-token", "s3cret"], "timeout_server": ["--request-timeout", "0.5"]},
+        servers={"server": ["--admin-token", "s3cret"], "timeout_server": ["--request-timeout", "0.5"],
+                 "one_line": ["--on-divergence", "reject"]},
     ) as stack:
         yield stack
 
@@ -54,6 +55,8 @@ def faults(stack: dict[str, str]) -> Iterator[None]:
 
 
 def test_race_contract_contenders_get_409_at_once(stack: dict[str, str]) -> None:
+    """Contenders for the segment in flight (here: the same first turn again) are refused at once. Requests that
+    start another segment run beside it (tests/e2e/test_server_segments.py)."""
     server, engine = stack["server"], stack["engine"]
     sid = new_session(server)
     before = engine_info(engine)["finished_requests"]
@@ -65,7 +68,7 @@ def test_race_contract_contenders_get_409_at_once(stack: dict[str, str]) -> None
 
             async def contend() -> tuple[int, float]:
                 started = time.monotonic()
-                resp = await http.post(chat_url(server, sid), json=SHORT_CHAT)
+                resp = await http.post(chat_url(server, sid), json=LONG_CHAT)
                 return resp.status_code, time.monotonic() - started
 
             contenders = await asyncio.gather(*(contend() for _ in range(3)))
@@ -85,7 +88,9 @@ def test_race_contract_contenders_get_409_at_once(stack: dict[str, str]) -> None
 
 
 def test_busy_409_never_reads_the_body(stack: dict[str, str]) -> None:
-    server, engine = stack["server"], stack["engine"]
+    """A single-line session (--on-divergence reject) knows a second request is for its busy segment before reading
+    it; with segments the body says which segment a request is for (it may start another)."""
+    server, engine = stack["one_line"], stack["engine"]
     sid = new_session(server)
     host, port = urlsplit(server).hostname, urlsplit(server).port
 

@@ -159,8 +159,8 @@ def test_a_chat_stuck_past_the_request_timeout_is_expired(stack: dict[str, str])
 
 def test_idle_selection_rules() -> None:
     def session(last_active: float, claim_started: float | None = None, closing: bool = False) -> SimpleNamespace:
-        claim = None if claim_started is None else SimpleNamespace(started=claim_started)
-        return SimpleNamespace(last_active=last_active, claim=claim, closing=closing)
+        claims = [] if claim_started is None else [SimpleNamespace(started=claim_started)]
+        return SimpleNamespace(last_active=last_active, claims=claims, closing=closing)
 
     now = 1000.0
     fresh, idle, closing = session(now - 5), session(now - 11), session(now - 50, closing=True)

@@ -35,20 +35,20 @@ def test_invariant_error_at_commit_is_500_and_logged(
 ) -> None:
     family = get_family(FAMILY, AutoTokenizer.from_pretrained(tokenizer_dirs[FAMILY]))
     config = ServerConfig(engine_url=engine, tokenizer=str(tokenizer_dirs[FAMILY]), model_family=FAMILY)
-    real_commit = LinearTrajectory.commit
+    real_stage = LinearTrajectory.stage
 
     def broken_commit(self: LinearTrajectory, *args: object, **kwargs: object) -> object:
         raise InvariantError("stored ids are not a prefix of the prompt (sabotaged)")
 
     with TestClient(build_app(config, family)) as client:
         sid = client.post("/sessions").json()["session_id"]
-        monkeypatch.setattr(LinearTrajectory, "commit", broken_commit)
+        monkeypatch.setattr(LinearTrajectory, "stage", broken_commit)  # the validating half of every commit
         with caplog.at_level(logging.ERROR, logger="session_server"):
             resp = client.post(f"/sessions/{sid}/v1/chat/completions", json=CHAT)
         assert resp.status_code == 500
         assert resp.json()["error"]["type"] == "invariant_violation"
         assert any(sid in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
         assert client.get(f"/sessions/{sid}").json()["records"] == []
-        monkeypatch.setattr(LinearTrajectory, "commit", real_commit)
+        monkeypatch.setattr(LinearTrajectory, "stage", real_stage)
         assert client.post(f"/sessions/{sid}/v1/chat/completions", json=CHAT).status_code == 200
         assert client.delete(f"/sessions/{sid}").status_code == 204

@@ -104,12 +104,14 @@ def test_responses_tokens_and_latencies(stack: Stack) -> None:
 def test_rollback_and_validation_failure_are_counted(stack: Stack) -> None:
     server, engine = stack.server, stack.engine
     sid = new_session(server)
-    history = [{"role": "user", "content": "one [[sim: tokens 3]]"}]
+    history = [{"role": "system", "content": "s"}, {"role": "user", "content": "one [[sim: tokens 3]]"}]
     first = httpx.post(chat_url(server, sid), json={"messages": history}, timeout=30)
     assert first.status_code == 200
     before = scrape(server)
-    # Regenerate the first turn: the history diverges inside the stored turn, a one-step rollback.
-    retry = httpx.post(chat_url(server, sid), json={"messages": [history[0] | {"content": "uno [[sim: tokens 3]]"}]})
+    # Regenerate the first turn: the history diverges inside the stored turn, a one-step rollback (sharing the first
+    # message: a request that shares none starts a segment, trajectory/segments.py).
+    retry = httpx.post(chat_url(server, sid), json={"messages": [
+        history[0], history[1] | {"content": "uno [[sim: tokens 3]]"}]})
     assert retry.status_code == 200
     assert httpx.post(f"{engine}/sim/faults", json={"nan_logprob": 1.0}).status_code == 200
     try:

@@ -73,6 +73,18 @@ def test_masked_policy_loss_counts_only_sampled_tokens(samples: list[Sample]) ->
     assert masked_mean.item() == pytest.approx(float(-sampled.mean()))
 
 
+def test_episodes_with_several_segments_keep_their_rows_together(samples: list[Sample]) -> None:
+    """An episode whose history forked has one sample per segment: its rows carry the same episode index, so one
+    reward spreads over all of them."""
+    batch = to_torch_batch(episodes=[samples[:2], [], samples[2:]], pad_id=0)
+    assert batch["episode_index"].tolist() == [0, 0, 2]
+    assert torch.equal(batch["input_ids"], to_torch_batch(samples, pad_id=0)["input_ids"])
+    rewards = torch.tensor([1.0, 0.0, -1.0])
+    assert rewards[batch["episode_index"]].tolist() == [1.0, 1.0, -1.0]
+    with pytest.raises(ValueError, match="not both"):
+        to_torch_batch(samples, episodes=[samples])
+
+
 def test_rejects_empty_input() -> None:
     with pytest.raises(ValueError, match="zero samples"):
         to_torch_batch([], pad_id=0)

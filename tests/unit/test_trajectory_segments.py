@@ -48,7 +48,7 @@ def segment_set(family: ModelFamily, max_rollback: int = 1, **kwargs: Any) -> Se
 
 def play(segments: SegmentSet, request: list[dict[str, Any]], reply: Reply, rid: str,
          busy: frozenset[int] = frozenset()) -> SegmentPlan:
-    plan = segments.reserve(segments.prepare(request, None, busy=busy))
+    plan = segments.reserve(segments.prepare(request, None, busy=dict.fromkeys(busy, request[0])))
     segments.commit(plan, *generate(segments.main.family, plan.turn, reply, rid=rid))
     return plan
 
@@ -157,16 +157,17 @@ def test_random_episodes_keep_every_sampled_token(families, name, data):
         else:
             request = target.messages[:target.checkpoints[-1].num_messages - 1]
         busy = frozenset(data.draw(st.sets(st.sampled_from(ids)), label="busy"))
+        in_flight = {i: segments.get(i).trajectory.messages[0] for i in busy}
         expected = expected_segment(segments, request, busy)
         before = fingerprint(segments)
         if expected is None and len(segments) >= max_segments:
             with pytest.raises(SegmentLimitError) as info:
-                segments.prepare(request, None, busy=busy)
+                segments.prepare(request, None, busy=in_flight)
             assert info.value.status == 400 and fingerprint(segments) == before
             continue
-        plan = segments.prepare(request, None, busy=busy)
+        plan = segments.prepare(request, None, busy=in_flight)
         assert fingerprint(segments) == before  # prepare is pure
-        again = segments.prepare(request, None, busy=busy)  # and deterministic
+        again = segments.prepare(request, None, busy=in_flight)  # and deterministic
         assert (again.segment, again.turn.prompt_ids.tolist()) == (plan.segment, plan.turn.prompt_ids.tolist())
         if expected is not None:
             assert not plan.new_segment and plan.segment == expected
@@ -239,6 +240,17 @@ def test_reserved_segments_count_against_the_bound_and_get_distinct_ids(families
     assert plan.segment == 3  # ids are never reused
 
 
+def test_a_request_beside_an_in_flight_first_turn_starts_a_segment(families):
+    segments = segment_set(families["qwen3"])
+    in_flight = {0: {"role": "user", "content": "main task"}}
+    assert segments.prepare([user("main task")], busy=in_flight).segment == 0  # a duplicate: the caller's 409
+    side = segments.prepare([user("a title for this chat")], busy=in_flight)
+    assert side.start is not None and (side.start.reason, side.start.parent, side.start.branch_turn) == (
+        "new_conversation", 0, 0)
+    assert segment_set(families["qwen3"], on_divergence="reject").prepare(
+        [user("a title")], busy=in_flight).segment == 0  # one line: the caller's 409, as before
+
+
 def test_a_busy_segment_loses_a_tie_to_an_identical_free_one(families):
     family = families["qwen3"]
     segments = segment_set(family, max_rollback=0)
@@ -247,8 +259,8 @@ def test_a_busy_segment_loses_a_tie_to_an_identical_free_one(families):
         play(segments, [user("same task")], Reply("same"), rid)
     request = [*segments.get(1).trajectory.messages, user("next")]
     assert segments.prepare(request).segment == 1
-    assert segments.prepare(request, busy={1}).segment == 2
-    assert segments.prepare(request, busy={1, 2}).segment == 1  # both busy: the caller's 409
+    assert segments.prepare(request, busy={1: request[0]}).segment == 2
+    assert segments.prepare(request, busy={1: request[0], 2: request[0]}).segment == 1  # both busy: the 409
 
 
 def test_merge_continues_a_segment_whose_tokens_the_new_render_extends(families):
