@@ -248,6 +248,17 @@ def tito_in_process(args: argparse.Namespace) -> dict[str, Any]:
         nxt = [*messages, user_message(rng, 0, 999, args.user_words, args.reply_tokens)]
         reps = args.tito_reps if size <= 8192 else max(5, args.tito_reps // 4)
         prepare_s = median_seconds(lambda traj=traj, nxt=nxt: traj.prepare(nxt, None), reps)
+        # The same turn matched through a session's segments: one segment (every single-line session) and, up to
+        # 8k tokens, eight (seven other conversations of the same size, compared by message prefix only).
+        segments = trajectory.SegmentSet(lambda: trajectory.LinearTrajectory(family))
+        segments.get(0).trajectory = traj
+        segment_s = median_seconds(lambda segments=segments, nxt=nxt: segments.prepare(nxt, None), reps)
+        eight_s = None
+        if size <= 8192:
+            for k in range(1, 8):
+                other, _ = build_trajectory(family, size, min(1000, size // 4), args.user_words, args.seed + 100 + k)
+                segments.restore(trajectory.Segment(k, other))
+            eight_s = median_seconds(lambda segments=segments, nxt=nxt: segments.prepare(nxt, None), reps)
         plan = traj.prepare(nxt, None)
 
         def full(nxt: list[dict[str, Any]] = nxt) -> None:
@@ -265,11 +276,15 @@ def tito_in_process(args: argparse.Namespace) -> dict[str, Any]:
             "target": size, "history_tokens": int(plan.new_token_start),
             "prompt_tokens": len(plan.prompt_ids), "new_tokens": len(plan.prompt_ids) - plan.new_token_start,
             "prepare_ms": 1000 * prepare_s, "full_retokenize_ms": 1000 * full_s, "commit_ms": 1000 * commit_s,
+            "segments_1_prepare_ms": 1000 * segment_s,
+            "segments_8_prepare_ms": None if eight_s is None else 1000 * eight_s,
             "decode_reply_ms": 1000 * decode_s, "nbytes_per_token": traj.nbytes / traj.num_tokens,
         }
         out["sizes"].append(row)
         print(f"[tito] history {size}: prepare {row['prepare_ms']:.3f} ms (new {row['new_tokens']} tokens), "
-              f"full re-tokenize {row['full_retokenize_ms']:.2f} ms, commit {row['commit_ms']:.3f} ms",
+              f"full re-tokenize {row['full_retokenize_ms']:.2f} ms, commit {row['commit_ms']:.3f} ms; through "
+              f"segments: 1 {row['segments_1_prepare_ms']:.3f} ms"
+              + ("" if eight_s is None else f", 8 {row['segments_8_prepare_ms']:.3f} ms"),
               file=sys.stderr, flush=True)
 
     # Everything a 32k-token trajectory keeps alive (arrays, messages, records), built under tracemalloc.
