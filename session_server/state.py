@@ -33,6 +33,7 @@ class ServerState:
     drains: EngineDrains | None = None  # aborted engine requests ending in the background (engine/drains.py)
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))
     prompt_token_limit: int | None = None  # the engine's largest input, once learned (turns/limits.py)
+    paused_in_place: bool = False  # /admin/pause mode in_place paused the engines too (api/admin.py)
 
     def new_trajectory(self) -> LinearTrajectory:
         return LinearTrajectory(

@@ -1,10 +1,14 @@
 """Operational routes: liveness, readiness, metrics, and pause/continue for weight updates.
 
 /health must stay cheap and never touch the engine: it is what a load balancer (and the responsiveness benchmark)
-polls while chats are in flight. Pause has two modes: `drain` refuses new chats (503 + Retry-After) and waits for the
-in-flight ones that reached the engine to finish, for at most --drain-timeout seconds, then aborts the rest (a chat
+polls while chats are in flight. Pause has three modes: `drain` refuses new chats (503 + Retry-After) and waits for
+the in-flight ones that reached the engine to finish, for at most --drain-timeout seconds, then aborts the rest (a chat
 still uploading its body is refused when it arrives); `abort` aborts them at once. An
 aborted chat returns 503 + Retry-After and commits nothing, and its agent retries the same turn after `continue`.
+`in_place` loses no turn: new chats are refused as in a drain, but the in-flight ones stay where they are, in the
+engine (SGLang's `/pause_generation` mode `in_place` on every worker: requests keep their KV), while the trainer
+updates the weights; `continue` resumes the engine, and each of those replies records which tokens each weight
+version sampled (the sample's `weight_version_spans`).
 """
 
 from __future__ import annotations
@@ -58,9 +62,14 @@ async def pause(request: Request) -> Response:
     config = server.config
     obj = await read_object(request, config.max_request_bytes, config.body_timeout)
     mode = obj.get("mode", "drain")
-    if not isinstance(mode, str) or mode not in ("drain", "abort"):
-        raise RequestValidationError("'mode' must be 'drain' or 'abort'")
+    if not isinstance(mode, str) or mode not in ("drain", "abort", "in_place"):
+        raise RequestValidationError("'mode' must be 'drain', 'abort' or 'in_place'")
     lifecycle = server.lifecycle
+    if mode == "in_place":
+        await server.engine.pause_in_place()  # a refusal is a 502 and nothing is paused
+        lifecycle.paused = True
+        server.paused_in_place = True
+        return json_response({"status": "paused", "mode": mode, "aborted": 0})
     lifecycle.paused = True
     aborted = len(lifecycle.abort_all(AbortReason.PAUSE)) if mode == "abort" else 0
     try:
@@ -106,6 +115,9 @@ async def sessions(request: Request) -> Response:
 async def resume(request: Request) -> Response:
     server = server_of(request)
     _authorize(request)
+    if server.paused_in_place:
+        await server.engine.continue_in_place()
+        server.paused_in_place = False
     server.lifecycle.paused = False
     server.registry.touch_all()  # the pause does not count as idleness (see sessions/sweeper.py)
     return json_response({"status": "running"})

@@ -213,6 +213,13 @@ class EngineClient:
             logger.warning("abort of rid %s refused by the engine (%d): %r", rid, reply.status, reply.body[:200])
         return reply.ok
 
+    async def generation_control(self, path: str, body: dict[str, Any]) -> None:
+        """POST /pause_generation or /continue_generation (admin calls); an engine that refuses is a 502 that says
+        so, since the operator's weight update depends on it."""
+        reply = await self._request("POST", path, _json.encode(body), headers=self._admin_auth)
+        if not reply.ok:
+            raise EngineUnavailableError(f"engine refused {path} ({reply.status}): {reply.body[:200]!r}")
+
     async def open_session(
         self, capacity_of_str_len: int, routing_key: str, idle_timeout: float | None = None,
         session_id: str | None = None, deadline: float | None = None,

@@ -187,6 +187,15 @@ class EnginePlacement:
         results = await asyncio.gather(*(w.client.abort(rid) for w in self._holders(routing_key)))
         return any(results)
 
+    async def pause_in_place(self) -> None:
+        """SGLang's `/pause_generation` mode `in_place` on every worker: running requests keep their KV and resume,
+        with the weights in place then, on `continue_in_place`."""
+        await asyncio.gather(*(w.client.generation_control("/pause_generation", {"mode": "in_place"})
+                               for w in self.workers))
+
+    async def continue_in_place(self) -> None:
+        await asyncio.gather(*(w.client.generation_control("/continue_generation", {}) for w in self.workers))
+
     async def open_session(
         self, capacity_of_str_len: int, routing_key: str, idle_timeout: float | None = None,
         session_id: str | None = None, deadline: float | None = None,

@@ -27,6 +27,7 @@ from support.server import (
     wait_running,
 )
 from support.stack import Stack, StackFactory
+from trajectory import samples_from_json
 
 FAMILY = "qwen3"
 TOKEN_MS = 10
@@ -248,6 +249,43 @@ def test_pause_drain_waits_for_in_flight_chats(stack: dict[str, str]) -> None:
     assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 503
     assert httpx.post(f"{server}/admin/continue", headers=ADMIN).status_code == 200
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(engine)
+
+
+def test_pause_in_place_keeps_in_flight_chats_across_a_weight_update(stack: dict[str, str]) -> None:
+    """Mode in_place: new chats are refused, the in-flight one stays parked in the engine (SGLang's own in_place
+    pause) while the weights change, and completes after continue with each token's weight version recorded."""
+    server, engine = stack["server"], stack["engine"]
+    sid, other = new_session(server), new_session(server)
+
+    async def main() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as http:
+            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json=LONG_CHAT))
+            await wait_running(engine, 1)
+            await asyncio.sleep(0.3)  # some tokens under the old weights
+            paused = await http.post(f"{server}/admin/pause", json={"mode": "in_place"}, headers=ADMIN)
+            assert paused.status_code == 200 and paused.json() == {"status": "paused", "mode": "in_place",
+                                                                   "aborted": 0}
+            info = engine_info(engine)
+            assert info["paused"] and info["pause_mode"] == "in_place" and info["running_requests"] == 1
+            refused = await http.post(chat_url(server, other), json=SHORT_CHAT)
+            assert refused.status_code == 503 and "retry-after" in refused.headers
+            updated = await http.post(f"{engine}/update_weight_version",
+                                      json={"new_version": "step-2", "abort_all_requests": False})
+            assert updated.status_code == 200
+            assert not chat.done()
+            resumed = await http.post(f"{server}/admin/continue", headers=ADMIN)
+            assert resumed.status_code == 200 and not engine_info(engine)["paused"]
+            return await chat
+
+    reply = asyncio.run(main())
+    assert reply.status_code == 200, reply.text
+    sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples", json={}).json())[0]
+    spans = sample.metadata["weight_version_spans"]
+    assert [v for v, _, _ in spans] == ["default", "step-2"] and spans[0][2] == spans[1][1], spans
+    httpx.post(f"{engine}/update_weight_version", json={"new_version": "default", "abort_all_requests": False})
+    for s in (sid, other):
+        assert httpx.delete(f"{server}/sessions/{s}").status_code == 204
     assert_engine_baseline(engine)
 
 
