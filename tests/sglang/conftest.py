@@ -15,6 +15,16 @@ from support.server import RecordingProxy
 from support.sglang_engine import SPECS, Engines, Served, ServeFactory, assert_engine_clean
 
 FAMILY = "qwen3"
+HERE = Path(__file__).resolve().parent
+# A test's setup includes the launch of the engine it is the first to need: 40 s on an idle machine, minutes on a
+# loaded one (seen: 150 s at a load average of 18 on 2 cores). The suite's 300 s default is for loopback sims.
+ENGINE_TEST_TIMEOUT = 1200
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(HERE):
+            item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT))
 
 
 @pytest.fixture(scope="session")
