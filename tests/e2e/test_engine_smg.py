@@ -111,7 +111,8 @@ def test_routed_experts_and_streams_pass_through(stack: SmgStack) -> None:
         assert r.status_code == 200, r.text
         if turn == 1:
             events = sse_events(r.content)
-            assert len(events) >= 5 and events[-1]["choices"][0]["finish_reason"] == "stop"
+            # The server may batch the engine's events (engine/http11.EngineStream), so at least content and the end.
+            assert len(events) >= 2 and events[-1]["choices"][0]["finish_reason"] == "stop"
             content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
         else:
             content = r.json()["choices"][0]["message"]["content"]
