@@ -44,7 +44,8 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
     registry = Registry(config.tombstones, id_prefix=config.session_id_prefix)
     engine = build_engines(config)
     metrics = Metrics()
-    engine_sessions = EngineSessions(engine, config.session_idle_timeout, metrics) if config.engine_sessions else None
+    engine_sessions = (EngineSessions(engine, config.session_idle_timeout, metrics, config.request_timeout)
+                       if config.engine_sessions else None)
     journal = journaled[0] if journaled is not None else None
     drains = EngineDrains(engine, metrics, config.abort_grace)
     server = ServerState(

@@ -35,7 +35,10 @@ logger = logging.getLogger("session_server.engine.sessions")
 CAPACITY_OF_STR_LEN = 1 << 20
 # The engine session's own idle timeout (OpenSessionReqInput.timeout) is ours plus this margin: long enough that the
 # engine never closes a session we still use between two turns, short enough that a crashed session server's
-# engine sessions (and their KV) do not outlive it by much. Without any idle timeout of ours, a day.
+# engine sessions (and their KV) do not outlive it by much. Without any idle timeout of ours, a day. Never shorter
+# than the longest turn (--request-timeout) plus the margin: SGLang 0.5.23 counts a session's idleness from the start
+# of its last request (session_controller.py `last_active_time`), and a streaming session that times out while its
+# request runs kills the scheduler (an assertion in release_kv_cache when the request ends; seen on the real engine).
 ENGINE_TIMEOUT_MARGIN = 60.0
 ORPHAN_WAIT = 60.0
 NO_IDLE_TIMEOUT_ENGINE_TIMEOUT = 24 * 3600.0
@@ -63,13 +66,16 @@ class EngineSessionState:
 
 
 class EngineSessions:
-    def __init__(self, engine: EnginePlacement, idle_timeout: float = 0.0, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, engine: EnginePlacement, idle_timeout: float = 0.0, metrics: Metrics | None = None,
+        request_timeout: float = 0.0,
+    ) -> None:
         self._engine = engine
         self._metrics = metrics or Metrics()
         self._states: dict[str, EngineSessionState] = {}  # by session id: the sessions that hold one now
         self._orphans: set[asyncio.Task[Any]] = set()
         self._closing: set[asyncio.Task[Any]] = set()  # failed closes being retried
-        self.engine_timeout = (idle_timeout + ENGINE_TIMEOUT_MARGIN if idle_timeout > 0
+        self.engine_timeout = (max(idle_timeout, request_timeout) + ENGINE_TIMEOUT_MARGIN if idle_timeout > 0
                                else NO_IDLE_TIMEOUT_ENGINE_TIMEOUT)
         engine.on_move.append(self._moved)
 

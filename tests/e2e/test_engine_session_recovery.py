@@ -27,7 +27,9 @@ SIM_ARGS = ("--enable-streaming-session", "--token-latency-ms", "2")
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(
         family=FAMILY, sim_args=SIM_ARGS,
-        servers={"server": ["--engine-sessions", "--session-idle-timeout", str(IDLE)]}, proxied={"server"},
+        servers={"server": ["--engine-sessions", "--session-idle-timeout", str(IDLE), "--request-timeout", "30"],
+                 "slow_turns": ["--engine-sessions", "--session-idle-timeout", str(IDLE), "--request-timeout", "600"]},
+        proxied={"server", "slow_turns"},
     ) as stack:
         yield stack
 
@@ -53,6 +55,19 @@ def test_open_session_carries_the_idle_timeout_plus_a_margin(stack: Stack) -> No
     opens = [c for c in stack.proxy.calls if c["path"] == "/open_session"]
     assert len(opens) == 1 and opens[0]["request"]["timeout"] == IDLE + 60 and opens[0]["request"]["streaming"]
     assert httpx.delete(f"{stack.server}/sessions/{sid}").status_code == 204
+
+
+def test_the_engine_session_outlives_the_longest_turn(stack: Stack) -> None:
+    """SGLang counts a session's idleness from the start of its last request, and a streaming session that times out
+    while its request runs kills SGLang 0.5.23's scheduler (seen on the real engine): the engine timeout is never
+    shorter than --request-timeout plus the margin."""
+    assert stack.proxy is not None
+    stack.proxy.clear()
+    sid = new_session(stack["slow_turns"])
+    _turns(stack["slow_turns"], sid, [], 1)
+    (opened,) = [c for c in stack.proxy.calls if c["path"] == "/open_session"]
+    assert opened["request"]["timeout"] == 600 + 60
+    assert httpx.delete(f"{stack['slow_turns']}/sessions/{sid}").status_code == 204
 
 
 def test_session_closed_by_the_engine_is_reopened_transparently(stack: Stack) -> None:
