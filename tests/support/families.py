@@ -9,7 +9,7 @@ FAMILIES: tuple[str, ...] = tuple(BUILDERS)
 # Families whose template re-renders a generated turn without reasoning exactly as it was generated, so a TITO prompt
 # equals the full render of the conversation. Qwen3.5/3.6 are not: with thinking on the generation prompt opens
 # `<think>` and a re-render drops the block from turns before the last user query (renderers' bridge is their oracle).
-APPEND_STABLE: tuple[str, ...] = ("qwen3", "deepseek")
+APPEND_STABLE: tuple[str, ...] = ("qwen3", "deepseek", "deepseek-v4")
 # Families whose reply text is exactly what the model generated from an empty start, with JSON tool-call arguments
 # and a structural-tag format: the emulated engine's own tests (tests/e2e/test_sim_*.py) read replies that way. The
 # others run through the sim in the server's family tests and the demo.

@@ -237,4 +237,7 @@ def test_parse_inverts_format(families, name, content, reasoning, calls):
     tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {
         k: {"type": _json_type(v)} for k, v in json.loads(a).items()}}}} for n, a in calls]
     parsed = family.parse_completion(family.format_completion(content, reasoning, calls), tools)
+    if name == "deepseek-v4":  # DSML string values are stripped when parsed, as SGLang's deepseekv4 detector does
+        calls = [(n, json.dumps({k: v.strip() if isinstance(v, str) else v for k, v in json.loads(a).items()},
+                                ensure_ascii=False)) for n, a in calls]
     assert parsed == ParsedCompletion(content, reasoning, [ToolCall(n, a) for n, a in calls])

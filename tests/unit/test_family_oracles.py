@@ -6,9 +6,10 @@
   `bridge_to_next_turn` (its own incremental rule).
 - Parsers: SGLang's tool-call detector and reasoning detector for the family (imported through
   support/sglang_real.py) on hypothesis-generated replies (nested JSON, unicode, marker look-alikes, several calls;
-  for Qwen3.5/3.6 also output cut anywhere): our parse equals SGLang's, for every registered family. The one normalisation: SGLang's strings keep the separators the
-  template writes around the reasoning block (`\\n` inside it, `\\n\\n` after it) and before the first call (`\\n\\n`),
-  which our parse drops because the template writes them back.
+  for Qwen3.5/3.6 also output cut anywhere): our parse equals SGLang's, for every registered family. The one
+  normalisation: SGLang's strings keep the separators the template writes around the reasoning block (`\\n` inside
+  it, `\\n\\n` after it) and before the first call (`\\n\\n`), which our parse drops because the template writes
+  them back.
 """
 
 from __future__ import annotations
@@ -222,4 +223,48 @@ def test_parse_equals_sglangs_json_detectors(json_families, name, content, reaso
     sg_content = parsed.normal_text if calls else rest.removeprefix(after) if reasoning is not None else rest
     assert (ours.reasoning_content or None, ours.content.strip() if calls else ours.content) == (
         sg_reasoning or None, sg_content)
+    assert [(c.name, c.arguments) for c in ours.tool_calls] == [(c.name, c.parameters) for c in parsed.calls]
+
+
+# DeepSeek V4: renderers' DeepSeekV4Renderer (DeepSeek's own encoder mirrored; chat and thinking mode), and SGLang's
+# `deepseekv4` tool-call detector with the `deepseek-v4` reasoning parser (forced open in thinking mode, as SGLang
+# does for `thinking: true`).
+from renderers.configs import DeepSeekV4RendererConfig  # noqa: E402
+
+_deepseekv4 = import_sglang_schema("sglang.srt.function_call.deepseekv4_detector")
+
+
+@pytest.fixture(scope="module")
+def deepseek_v4(hf_tokenizers: dict[str, Any]) -> ModelFamily:
+    return get_family("deepseek-v4", hf_tokenizers["deepseek-v4"])
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["chat", "thinking"])
+@pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no-tools"])
+def test_deepseek_v4_ids_equal_the_models_encoder(deepseek_v4, hf_tokenizers, thinking, tools):
+    oracle = renderers.create_renderer(hf_tokenizers["deepseek-v4"], DeepSeekV4RendererConfig(enable_thinking=thinking))
+    for end in range(2, len(CONVERSATION) + 1):
+        messages = CONVERSATION[:end]
+        for generation in (True, False):
+            ours = deepseek_v4.encode(deepseek_v4.render(messages, tools, generation, {"thinking": thinking}))
+            assert ours == oracle.render_ids(messages, tools=tools, add_generation_prompt=generation), (end, generation)
+
+
+@SETTINGS
+@given(content=_PROSE, reasoning=st.none() | _PROSE, calls=_CALLS, thinking=st.booleans(),
+       cut=st.none() | st.integers(0, 400))
+def test_deepseek_v4_parse_equals_sglangs(deepseek_v4, content, reasoning, calls, thinking, cut):
+    family = deepseek_v4
+    tools = _tools_for(calls)
+    opening = family.reply_opening if thinking else ""
+    text = family.format_completion(content.strip(), (reasoning or "") if thinking else None,
+                                    [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls])
+    engine_text = text.removeprefix(opening)[:cut]
+    ours = family.parse_reply(opening + engine_text, True, tools)
+    thought = _reasoning.DeepSeekV4Detector(stream_reasoning=False, force_reasoning=thinking).detect_and_parse(
+        engine_text)
+    rest = thought.normal_text or ""
+    parsed = _deepseekv4.DeepSeekV4Detector().detect_and_parse(rest, [_protocol.Tool(**tool) for tool in tools])
+    content_sg = parsed.normal_text if _deepseekv4.DeepSeekV4Detector().has_tool_call(rest) else rest
+    assert (ours.reasoning_content or None, ours.content) == (thought.reasoning_text or None, content_sg)
     assert [(c.name, c.arguments) for c in ours.tool_calls] == [(c.name, c.parameters) for c in parsed.calls]

@@ -18,8 +18,10 @@ SPECIALS = {
                 "<tool_response>", "</tool_response>"],
 }
 SPECIALS["qwen3.6"] = SPECIALS["qwen3.5"]
+SPECIALS["deepseek-v4"] = [*SPECIALS["deepseek"], "｜DSML｜"]
 GENERATION_PROMPTS = {"qwen3": "<|im_start|>assistant\n", "deepseek": "<｜Assistant｜>",
-                      "qwen3.5": "<|im_start|>assistant\n<think>\n", "qwen3.6": "<|im_start|>assistant\n<think>\n"}
+                      "qwen3.5": "<|im_start|>assistant\n<think>\n", "qwen3.6": "<|im_start|>assistant\n<think>\n",
+                      "deepseek-v4": "<｜Assistant｜></think>"}
 TEXTS = ["hello world", "naïve café – 東京 🚀", "def f(x):\n    return {\"a\": [1, 2.5, None]}\n", "  spaced  \t\n"]
 
 

@@ -2,12 +2,14 @@
 
 from .base import ModelFamily, ParsedCompletion, ToolCall
 from .deepseek import DeepSeekFamily
+from .deepseek_v4 import DeepSeekV4Family
 from .qwen3 import Qwen3Family
 from .qwen35 import Qwen35Family, Qwen36Family
 from .registry import family_names, get_family, register_family
 
 __all__ = [
     "DeepSeekFamily",
+    "DeepSeekV4Family",
     "ModelFamily",
     "ParsedCompletion",
     "Qwen3Family",

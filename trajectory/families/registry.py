@@ -6,11 +6,12 @@ from typing import Any
 
 from .base import ModelFamily
 from .deepseek import DeepSeekFamily
+from .deepseek_v4 import DeepSeekV4Family
 from .qwen3 import Qwen3Family
 from .qwen35 import Qwen35Family, Qwen36Family
 
 _FAMILIES: dict[str, type[ModelFamily]] = {
-    cls.name: cls for cls in (Qwen3Family, DeepSeekFamily, Qwen35Family, Qwen36Family)
+    cls.name: cls for cls in (Qwen3Family, DeepSeekFamily, Qwen35Family, Qwen36Family, DeepSeekV4Family)
 }
 
 
