@@ -87,7 +87,9 @@ JSON_VALUE = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(_ALPHABET, max_size=6), inner, max_size=3),
     max_leaves=6,
 )
-ARGUMENTS = st.dictionaries(st.text(_ALPHABET, max_size=8), JSON_VALUE, max_size=3).map(
+# Argument names as tools declare them: not empty, no quote (DSML writes `name="..."`, XML `<parameter=...>`).
+ARGUMENTS = st.dictionaries(st.text(_ALPHABET.filter(lambda c: c != '"'), min_size=1, max_size=8), JSON_VALUE,
+                            max_size=3).map(
     lambda obj: json.dumps(obj, ensure_ascii=False)
 )
 TOOL_NAME = st.from_regex(r"[a-z][a-z0-9_]{0,11}", fullmatch=True)
