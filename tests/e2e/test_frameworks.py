@@ -7,7 +7,9 @@ answer. Three model calls, so the session must hold exactly three committed turn
 on exactly the sampled tokens, and tokens equal to the `input_ids` the engine received and the `output_ids` (and
 logprobs) it generated -- read from a recording proxy between the server and the sim, not from the server's records.
 
-Each framework runs on qwen3 plain and streaming, and streaming on deepseek (the non-ChatML family). Frameworks:
+Each framework runs on qwen3 plain and streaming, and streaming on every other family (their own tool-call and
+reasoning markup: DeepSeek's special tokens, Qwen3.5's XML calls after an opened `<think>`, DeepSeek V4's DSML; DeepSeek
+V4's default is chat mode, so it does not reason there). Frameworks:
 openai-agents 0.24, langchain-openai 1.7 + langgraph 1.2, pydantic-ai 2.62, litellm 1.83 (its own
 completion API in the loop it documents). verifiers 0.4 is not installed (it would downgrade openai 3.x to 2.x in
 the shared environment); its pattern -- one client for the whole run, one `X-Session-ID` per rollout at the root
@@ -34,6 +36,7 @@ import httpx
 import openai
 import pytest
 
+from support.families import CHAT_MODE_BY_DEFAULT, FAMILIES
 from support.server import assert_training_data, metric, new_session
 from support.stack import Stack, StackFactory
 
@@ -356,9 +359,9 @@ def stack(stack_factory: StackFactory) -> Iterator[Stack]:
         yield s
 
 
-@pytest.fixture(scope="module")
-def deepseek_stack(stack_factory: StackFactory) -> Iterator[Stack]:
-    with _stack(stack_factory, "deepseek") as s:
+@pytest.fixture(scope="module", params=[f for f in FAMILIES if f != FAMILY])
+def family_stack(request: pytest.FixtureRequest, stack_factory: StackFactory) -> Iterator[Stack]:
+    with _stack(stack_factory, request.param) as s:
         yield s
 
 
@@ -421,9 +424,9 @@ def test_framework_tool_loop_training_data(stack: Stack, framework: str, stream:
 
 @pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
 @pytest.mark.parametrize("framework", list(FRAMEWORKS))
-def test_framework_streaming_tool_loop_on_deepseek(deepseek_stack: Stack, framework: str) -> None:
-    """The non-ChatML family too (its own tool-call and reasoning markup, parsed from streamed deltas)."""
-    _tool_loop(deepseek_stack, framework, stream=True)
+def test_framework_streaming_tool_loop_on_every_family(family_stack: Stack, framework: str) -> None:
+    """Every other family too (its own tool-call and reasoning markup, parsed from streamed deltas)."""
+    _tool_loop(family_stack, framework, stream=True)
 
 
 def _tool_loop(stack: Stack, framework: str, stream: bool) -> None:
@@ -434,8 +437,11 @@ def _tool_loop(stack: Stack, framework: str, stream: bool) -> None:
     task.check(final)
     info = assert_training_data(stack, sid, model_calls=3, streamed=stream)
     first, second, third = (r["message"] for r in info["records"])
-    assert first["reasoning_content"] and [c["function"]["name"] for c in first["tool_calls"]] == ["lookup"] * 2
-    assert second["reasoning_content"] and [c["function"]["name"] for c in second["tool_calls"]] == ["calculator"]
+    reasons = stack.family not in CHAT_MODE_BY_DEFAULT
+    assert bool(first.get("reasoning_content")) is reasons
+    assert bool(second.get("reasoning_content")) is reasons
+    assert [c["function"]["name"] for c in first["tool_calls"]] == ["lookup"] * 2
+    assert [c["function"]["name"] for c in second["tool_calls"]] == ["calculator"]
     assert third["content"] == task.answer and not third.get("tool_calls")
     _delete(server, sid)
 

@@ -14,3 +14,6 @@ APPEND_STABLE: tuple[str, ...] = ("qwen3", "deepseek", "deepseek-v4")
 # and a structural-tag format: the emulated engine's own tests (tests/e2e/test_sim_*.py) read replies that way. The
 # others run through the sim in the server's family tests and the demo.
 PLAIN_REPLY: tuple[str, ...] = ("qwen3", "deepseek")
+# Families whose generation prompt closes the reasoning block unless the request turns thinking on: the model answers
+# without reasoning (DeepSeek V4's chat mode, its reference encoder's default).
+CHAT_MODE_BY_DEFAULT: tuple[str, ...] = ("deepseek-v4",)
