@@ -25,6 +25,7 @@ class FamilyLike(Protocol):
     vocab_size: int
     stop_token_ids: tuple[int, ...]
     eos_token_id: int
+    inline_message_starts: tuple[str, ...]
 
     def encode(self, text: str) -> list[int]: ...
 

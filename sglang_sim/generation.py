@@ -122,6 +122,8 @@ def find_script(family: EngineFamily, prompt: np.ndarray) -> Script | None:
     for seg in reversed(family.message_segments(prompt)):
         text = family.segment_text(seg)
         if MARK in text and PATTERN.search(text):
+            for start in family.family.inline_message_starts:  # messages merged into one turn: the last one's
+                text = next((part for part in reversed(text.split(start)) if PATTERN.search(part)), text)
             return parse_script(text)
     return None
 

@@ -112,6 +112,9 @@ class ModelFamily(ABC):
     # Text a generation prompt may end with that belongs to the reply (Qwen3.5's `<think>\n` with thinking on): the
     # engine's text then starts after it, so parsing a reply puts it back first (`opened_reply`).
     reply_opening: ClassVar[str] = ""
+    # Where a message starts inside one rendered turn without an added token to mark it (DeepSeek V4 merges tool
+    # results into a user turn as `<tool_result>` text): the emulated engine reads the last message's directives.
+    inline_message_starts: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -115,6 +115,7 @@ class DeepSeekV4Family(ModelFamily):
     tool_call_markers = (CALLS_OPEN, CALLS_CLOSE)
     reply_opening = THINK_OPEN
     thinking_switch = "thinking"  # SGLang's deepseek-v4 reasoning parser: explicit `thinking: true`
+    inline_message_starts = ("<tool_result>",)
 
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> str:
