@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from .base import ModelFamily, ParsedCompletion, ToolCall, tool_call_from_json
 
@@ -59,8 +59,8 @@ class DeepSeekFamily(ModelFamily):
     content_markup = (THINK_OPEN, THINK_CLOSE)  # the template splits an assistant's reasoning off on them
     reasoning_markers = (THINK_OPEN, THINK_CLOSE)
     tool_call_markers = (CALLS_BEGIN, CALLS_END)
-    tool_call_structure = (CALLS_BEGIN + CALL_BEGIN + "function" + TOOL_SEP, "\n```json\n",
-                           "\n```" + CALL_END + CALLS_END, CALLS_BEGIN)
+    tool_call_structure: ClassVar[tuple[str, str, str, str] | None] = (
+        CALLS_BEGIN + CALL_BEGIN + "function" + TOOL_SEP, "\n```json\n", "\n```" + CALL_END + CALLS_END, CALLS_BEGIN)
 
     def split_reasoning(self, text: str) -> tuple[str | None, str]:
         return split_reasoning(text)

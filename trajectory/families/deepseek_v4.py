@@ -16,9 +16,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .base import ModelFamily, ParsedCompletion, ToolCall
-from .deepseek import THINK_CLOSE, THINK_OPEN
-from .deepseek import split_reasoning as split_reasoning
+from .base import ParsedCompletion, ToolCall
+from .deepseek import THINK_CLOSE, THINK_OPEN, DeepSeekFamily, split_reasoning
 from .qwen35 import _arguments_as_objects
 
 DSML = "｜DSML｜"
@@ -102,17 +101,13 @@ def format_call(name: str, arguments: Mapping[str, Any]) -> str:
     return f'<{DSML}invoke name="{name}">\n{params}\n</{DSML}invoke>'
 
 
-class DeepSeekV4Family(ModelFamily):
+class DeepSeekV4Family(DeepSeekFamily):
+    """The DeepSeek turn tokens, stop token, roles (a system message renders as bare text: only first) and reasoning
+    markup; V4's own template conventions, DSML calls and thinking-mode opening."""
+
     name = "deepseek-v4"
-    eos_token = "<｜end▁of▁sentence｜>"
-    message_trailer = ""
-    assistant_header = "<｜Assistant｜>"
-    # A system message renders as bare text (no role token): only first. A tool result becomes a user turn.
-    appendable_roles = frozenset({"user", "tool", "assistant"})
-    tools_only_in_preamble = True
-    content_markup = (THINK_OPEN, THINK_CLOSE)
-    reasoning_markers = (THINK_OPEN, THINK_CLOSE)
     tool_call_markers = (CALLS_OPEN, CALLS_CLOSE)
+    tool_call_structure = None  # SGLang's structural tag for DSML is not the JSON-arguments shape
     reply_opening = THINK_OPEN
     thinking_switch = "thinking"  # SGLang's deepseek-v4 reasoning parser: explicit `thinking: true`
     inline_message_starts = ("<tool_result>",)
@@ -120,9 +115,6 @@ class DeepSeekV4Family(ModelFamily):
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> str:
         return super().render(_arguments_as_objects(messages), tools, add_generation_prompt, template_kwargs)
-
-    def split_reasoning(self, text: str) -> tuple[str | None, str]:
-        return split_reasoning(text)
 
     def parse_completion(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedCompletion:
         reasoning, rest = split_reasoning(text)
