@@ -238,10 +238,12 @@ class Soak:
             self.pause_epoch += 1  # odd from just before the pause until the server confirmed it runs again
 
     async def check_quiescent(self, when: str) -> None:
-        """With the server paused and idle, nothing the server sent may still run at the engine."""
+        """With the server paused and idle, nothing the server sent may still run at the engine. A chat still
+        uploading its body may be in flight (the pause refuses it when the body arrives), never at the engine."""
         metrics = parse_metrics((await self.http.get(f"{self.server}/metrics")).text)
-        if metrics.get("session_server_in_flight") != 0:
-            self.violation("in_flight_while_paused", f"{when}: in_flight={metrics.get('session_server_in_flight')}")
+        if metrics.get("session_server_in_flight_at_engine") != 0:
+            self.violation("in_flight_while_paused",
+                           f"{when}: in_flight_at_engine={metrics.get('session_server_in_flight_at_engine')}")
         info = (await self.http.get(f"{self.engine}/server_info")).json()
         if not engine_idle(info):
             self.violation("engine_busy_while_paused",

@@ -113,6 +113,7 @@ def watch_state(server: ServerState) -> None:
     """Gauges of live state, read when /metrics is scraped (nothing on the hot path updates them)."""
     lifecycle, registry, watch = server.lifecycle, server.registry, server.metrics.watch
     watch("in_flight", "chats in flight", lambda: lifecycle.in_flight)
+    watch("in_flight_at_engine", "chats in flight whose request reached the engine", lambda: lifecycle.at_engine)
     watch("sessions", "live sessions", lambda: len(registry))
     watch("tombstones", "deleted session ids remembered", lambda: registry.num_tombstones)
     watch("paused", "1 while /admin/pause holds new chats", lambda: int(lifecycle.paused))

@@ -196,6 +196,11 @@ class Lifecycle:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def at_engine(self) -> int:
+        """Chats in flight whose request reached the engine (`admit`): what a drain waits for."""
+        return sum(c.admitted for c in self._in_flight)
+
     def abort_all(self, reason: AbortReason) -> list[Claim]:
         claims = list(self._in_flight)
         for claim in claims:

@@ -154,6 +154,7 @@ def test_aborts_by_cause_and_live_gauges(stack: Stack) -> None:
     status, during = asyncio.run(main())
     assert status == 404
     assert value(during, "session_server_in_flight") == 1
+    assert value(during, "session_server_in_flight_at_engine") == 1  # its request reached the engine
     assert value(during, "session_server_sessions") == value(before, "session_server_sessions") + 2
     deadline = time.monotonic() + 10
     while value(after := scrape(server), "session_server_aborts_total", cause="disconnect") == value(
