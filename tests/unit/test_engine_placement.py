@@ -142,6 +142,9 @@ class _Counts:
     def counts(self) -> dict[str, int]:
         return {"running_requests": 3, "waiting_requests": 2, "kv_used_tokens": 40}
 
+    def decode_moments(self) -> list[float] | None:
+        return None  # no decode step timed yet
+
 
 def test_loads_from_both_shapes() -> None:
     engine: Any = _Counts()
