@@ -160,7 +160,9 @@ class DeltaTracker:
         self._text.append(piece)
         if not self._markers:
             return None  # a family without declared markers: everything is sent at the end
-        window = self._text.tail(start - self._overlap)  # the new text and enough before it to see a marker
+        # Everything not yet settled (a held-back tail may hold a whole marker: an opener that ends reasoning is
+        # never settled past) and enough before it to see a marker that straddles the settled end.
+        window = self._text.tail(min(start, self._settled_end) - self._overlap)
         if self._open_call is not None:
             assert self._calls is not None
             if self._calls[1] not in self._text.tail(max(self._open_call, start - self._overlap)):

@@ -100,6 +100,8 @@ def test_a_call_opener_ends_open_reasoning_even_when_calls_are_not_parsed(family
     opening, opener = family.reasoning_markers[0], family.tool_call_markers[0]
     _assemble_both_ways(family, f"{opening}a{opener}", [len(opening) + 1])
     _assemble_both_ways(family, f"{opening}{opener}", [len(opening) + 2])  # a partial opener is held back too
+    # The opener arrives whole with the text before it, which settles up to the opener; plain text follows.
+    _assemble_both_ways(family, f"{opening}aa{opener}a", [len(opening) + 2 + len(opener)])
 
 
 def test_plain_text_between_markers_is_not_reparsed_per_event(family: Any) -> None:
