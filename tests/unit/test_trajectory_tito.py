@@ -94,6 +94,16 @@ def test_incremental_prompts_extend_what_the_engine_saw(families, name, data):
     _check_episode(family, play(family, tools, turns), append_stable=False)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_identical_turns_keep_every_difference_in_its_own_reply(families, name):
+    """Hypothesis found it (Qwen3.5/3.6): a reply cut by length, then two identical empty turns. The re-render drops
+    each earlier turn's think block, and a longest-block-first diff aligned the second stored turn with the third
+    re-rendered one, reporting the glue between them as a template difference."""
+    turn = {"role": "user", "content": "0"}
+    turns = [Turn([turn], Reply("A", stop="length")), Turn([turn], Reply("")), Turn([turn], Reply(""))]
+    _check_episode(families[name], play(families[name], None, turns), append_stable=False)
+
+
 @pytest.mark.parametrize("name", APPEND_STABLE)
 @SETTINGS
 @given(data=st.data())
