@@ -7,23 +7,47 @@ one reply whose tokens are each recorded with the weight version that sampled th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
 from support.server import assert_sample_is_what_the_engine_saw, chat_url, new_session
-from support.sglang_engine import Engines, Served, ServeFactory, assert_engine_clean, wait_loads
+from support.sglang_engine import Engines, Served, ServeFactory, assert_engine_clean
 from trajectory import samples_from_json
 
-MAX_TOKENS = 120
+MAX_TOKENS = 400  # at 50-300 tokens/s: seconds of generation left when the pause lands after the first chunk
+
+
+async def _chunks(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
+    """The stream's JSON chunks, up to `[DONE]`."""
+    async for line in lines:
+        if line.startswith("data:"):
+            data = line.removeprefix("data:").strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
+
+
+def _content(chunk: dict[str, Any]) -> bool:
+    return any(choice["delta"].get("content") or choice["delta"].get("reasoning_content")
+               for choice in chunk.get("choices", []))
 
 
 @pytest.fixture(scope="module")
-def served(serve: ServeFactory) -> Iterator[Served]:
+def served(serve: ServeFactory, engines: Engines) -> Iterator[Served]:
+    """The dense engine is shared with the tier's other modules: whatever a test here leaves behind (a pause, the
+    second weights), they get it back running on the first weights."""
     with serve("dense") as s:
-        yield s
+        try:
+            yield s
+        finally:
+            httpx.post(f"{s.engine}/continue_generation", json={}, timeout=30)
+            assert_engine_clean(s.engine)
+            update_weights(s.engine, str(engines.checkpoint("qwen3-dense")), "default", True)
 
 
 def update_weights(engine: str, checkpoint: str, version: str, flush: bool) -> None:
@@ -37,28 +61,32 @@ def test_in_place_pause_and_a_real_weight_update_keep_the_turn(served: Served, e
     served.proxy.clear()
     second = str(engines.checkpoint("qwen3-dense-b"))
 
-    async def main() -> httpx.Response:
-        async with httpx.AsyncClient(timeout=600) as http:
-            chat = asyncio.create_task(http.post(chat_url(served.server, sid), json={
-                "messages": [{"role": "user", "content": "Write a long story."}], "temperature": 0,
-                "max_tokens": MAX_TOKENS}))
-            async with asyncio.timeout(120):
-                await wait_loads(served.engine, lambda report: report["num_running_reqs"] >= 1)
-            await asyncio.sleep(1.0)  # some tokens under the first weights
-            paused = await http.post(f"{served.server}/admin/pause", json={"mode": "in_place"})
-            assert paused.status_code == 200, paused.text
-            refused = await http.post(chat_url(served.server, other), json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-            assert refused.status_code == 503
-            await asyncio.to_thread(update_weights, served.engine, second, "step-2", False)
-            assert not chat.done()
-            resumed = await http.post(f"{served.server}/admin/continue")
+    async def main() -> list[dict[str, Any]]:
+        """Stream the chat, pause as soon as its first tokens arrive (so the pause lands early in a long reply on any
+        machine, not after a fixed sleep that a fast one outruns), update, continue; return the chunks."""
+        body = {"messages": [{"role": "user", "content": "Write a long story."}], "temperature": 0,
+                "max_tokens": MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
+        async with httpx.AsyncClient(timeout=600) as http, http.stream("POST", chat_url(served.server, sid),
+                                                                         json=body) as reply:
+            assert reply.status_code == 200
+            lines = reply.aiter_lines()
+            chunks = [await anext(chunk async for chunk in _chunks(lines) if _content(chunk))]
+            try:
+                paused = await http.post(f"{served.server}/admin/pause", json={"mode": "in_place"})
+                assert paused.status_code == 200, paused.text
+                refused = await http.post(chat_url(served.server, other), json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+                assert refused.status_code == 503
+                await asyncio.to_thread(update_weights, served.engine, second, "step-2", False)
+            finally:
+                resumed = await http.post(f"{served.server}/admin/continue")
             assert resumed.status_code == 200, resumed.text
-            return await chat
+            chunks += [chunk async for chunk in _chunks(lines)]
+            return chunks
 
-    reply = asyncio.run(main())
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    chunks = asyncio.run(main())
+    assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     (call,) = [c for c in served.proxy.settled() if c["path"] == "/generate"]
     versions = call["response"]["meta_info"]["weight_versions"]
     assert [v["version"] for v in versions] == ["default", "step-2"], versions
@@ -72,6 +100,3 @@ def test_in_place_pause_and_a_real_weight_update_keep_the_turn(served: Served, e
     assert np.array_equal(covered, np.flatnonzero(sample.loss_mask))
     for s in (sid, other):
         assert httpx.delete(f"{served.server}/sessions/{s}", timeout=30).status_code == 204
-    # Back to the first weights for the rest of the run (nothing runs now: the cache is flushed with them).
-    assert_engine_clean(served.engine)
-    update_weights(served.engine, str(engines.checkpoint("qwen3-dense")), "default", True)

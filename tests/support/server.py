@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -182,7 +182,7 @@ class RecordingProxy:
         import uvicorn
         from starlette.applications import Starlette
         from starlette.requests import Request
-        from starlette.responses import Response
+        from starlette.responses import Response, StreamingResponse
         from starlette.routing import Route
 
         self.target = target
@@ -209,18 +209,33 @@ class RecordingProxy:
                                 media_type="application/json")
             forwarded = ("content-type", "x-smg-routing-key", "authorization")
             headers = {k: v for k, v in request.headers.items() if k.lower() in forwarded}
-            resp = await client.request(request.method, request.url.path, content=body, headers=headers)
-            entry["status"] = resp.status_code
-            entry["finished"] = time.monotonic()
+            upstream = await client.send(client.build_request(request.method, path, content=body, headers=headers),
+                                         stream=True)
+            media_type = upstream.headers.get("content-type")
+            if media_type and media_type.startswith("text/event-stream"):  # relayed as it comes, recorded at its end
+                return StreamingResponse(relay(upstream, entry), upstream.status_code, media_type=media_type)
+            content = await upstream.aread()
+            await upstream.aclose()
             try:
-                entry["response"] = msgspec.json.decode(resp.content)
+                entry["response"] = msgspec.json.decode(content)
             except msgspec.DecodeError:
                 entry["response"] = None
-                if resp.content.startswith(b"data:"):  # a streamed /generate: SGLang's chunks are cumulative,
-                    events = sse_events(resp.content)    # so the last one is the whole response
-                    entry["stream_chunks"] = len(events)
-                    entry["response"] = events[-1] if events else None
-            return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+            entry.update(finished=time.monotonic(), status=upstream.status_code)  # `status` last: `settled` reads it
+            return Response(content, status_code=upstream.status_code, media_type=media_type)
+
+        async def relay(upstream: httpx.Response, entry: dict[str, Any]) -> AsyncIterator[bytes]:
+            """Pass a stream (SGLang's cumulative chunks) through piece by piece; the last event is the whole
+            response. A reader that goes away closes the engine's stream too, as it would without the proxy."""
+            received = bytearray()
+            try:
+                async for piece in upstream.aiter_raw():
+                    received += piece
+                    yield piece
+            finally:
+                events = sse_events(bytes(received[: received.rfind(b"\n\n") + 1]))  # whole events only
+                entry.update(stream_chunks=len(events), response=events[-1] if events else None,
+                             finished=time.monotonic(), status=upstream.status_code)
+                await upstream.aclose()
 
         app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
         with socket.socket() as sock:
