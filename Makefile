@@ -80,9 +80,10 @@ $(CHECKPOINTS)/.built: $(SGLANG_STAMP) $(TOKENIZERS)/.built scripts/build_tiny_c
 test-sglang: $(STAMP) $(CHECKPOINTS)/.built
 	$(PY) -m pytest -q -p no:xdist tests/sglang --sglang-venv $(SGLANG_VENV) --checkpoints $(CHECKPOINTS)
 
-# The pure tier only, in seconds: run it constantly.
+# The pure tier only, in seconds: run it constantly. Two workers: most of its time is hypothesis examples, and each
+# worker loads the five tokenizers (a few seconds) once.
 test-fast: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n 2 tests/unit
 
 # Benchmarks (timing goals live here, never in tests). Extra flags: make bench BENCH_ARGS="--duration 20".
 BENCH_OUT := out/bench

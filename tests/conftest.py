@@ -17,6 +17,7 @@ import pytest
 from scripts.build_tokenizers import build_all
 from support.families import FAMILIES
 from support.stack import Fleet, FleetFactory, Stack, StackFactory, launch_fleet, launch_stack
+from trajectory import ModelFamily, get_family
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,6 +81,13 @@ def hf_tokenizers(tokenizer_dirs: dict[str, Path]) -> dict[str, object]:
     from transformers import AutoTokenizer
 
     return {name: AutoTokenizer.from_pretrained(path) for name, path in tokenizer_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def families(hf_tokenizers: dict[str, object]) -> dict[str, ModelFamily]:
+    """Every family bound to its real tokenizer, once per test process: binding one compiles its template and indexes
+    its vocabulary (about half a second), which a fixture per module paid a dozen times over."""
+    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
 
 
 @pytest.fixture(scope="session")

@@ -24,16 +24,11 @@ from session_server.responses.reply import ResponseBuilder, response_body
 from session_server.turns.deltas import DeltaTracker
 from session_server.turns.reply_facts import ReplyFacts, reply_facts
 from support.tito import Reply, conversations, generate
-from trajectory import LinearTrajectory, ModelFamily, get_family, normalize_messages
+from trajectory import LinearTrajectory, ModelFamily, normalize_messages
 from trajectory.errors import RequestValidationError
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FACTS = ReplyFacts("stop", None, 10, 4, 5, 0)
-
-
-@pytest.fixture(scope="module")
-def families(hf_tokenizers: dict[str, Any]) -> dict[str, ModelFamily]:
-    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
 
 
 # -- a client's view of a history, in each API -------------------------------------------------------------------

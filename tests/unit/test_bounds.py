@@ -7,14 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from support.families import FAMILIES
-from trajectory import ModelFamily, get_family
 from trajectory.bounds import min_prompt_tokens, min_tokens
-
-
-@pytest.fixture(scope="module")
-def families(hf_tokenizers) -> dict[str, ModelFamily]:
-    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
-
 
 TEXT = st.lists(
     st.one_of(

@@ -14,17 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from support.families import FAMILIES
-from trajectory import LinearTrajectory, ModelFamily, get_family
+from trajectory import LinearTrajectory, ModelFamily
 from trajectory.families.control import trie_pattern
 from trajectory.tito import continuation_ids, first_turn_ids
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.function_scoped_fixture])
 
-
-@pytest.fixture(scope="module")
-def families(hf_tokenizers) -> dict[str, ModelFamily]:
-    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
 
 
 def control_counts(family: ModelFamily, ids: Any) -> Counter[int]:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from support.tito import engine_body
-from trajectory import LinearTrajectory, decode_generate_response, get_family
+from trajectory import LinearTrajectory, decode_generate_response
 from trajectory.errors import UpstreamError
 
 VOCAB = 1000
@@ -141,8 +141,8 @@ CORRUPTIONS: list[tuple[str, Callable[[dict], None], str]] = [
 
 
 @pytest.fixture(scope="module")
-def trajectory_with_a_turn(hf_tokenizers) -> tuple[LinearTrajectory, Any]:
-    family = get_family("qwen3", hf_tokenizers["qwen3"])
+def trajectory_with_a_turn(families) -> tuple[LinearTrajectory, Any]:
+    family = families["qwen3"]
     traj = LinearTrajectory(family)
     plan = traj.prepare([{"role": "user", "content": "hi"}], None)
     ids = [*family.encode("Hello!"), family.eos_token_id]

@@ -11,18 +11,13 @@ from hypothesis import strategies as st
 
 from support.families import FAMILIES
 from support.tito import ARGUMENTS, TEXT, TOOL_NAME
-from trajectory import ModelFamily, ParsedCompletion, ToolCall, family_names, get_family, register_family
+from trajectory import ParsedCompletion, ToolCall, family_names, get_family, register_family
 from trajectory.errors import RequestValidationError, TemplateError
 from trajectory.families import registry
 from trajectory.families.base import _ANCHOR as ANCHOR
 from trajectory.families.base import tools_cache_key
 from trajectory.families.qwen3 import Qwen3Family
 from trajectory.families.xml_tool_calls import _json_type
-
-
-@pytest.fixture(scope="module")
-def families(hf_tokenizers) -> dict[str, ModelFamily]:
-    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
 
 
 def test_registry(hf_tokenizers, monkeypatch):

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from support.sglang_real import import_sglang_schema
 from support.tito import _ALPHABET
-from trajectory import LinearTrajectory, ModelFamily, get_family
+from trajectory import LinearTrajectory, ModelFamily
 from trajectory.families.xml_tool_calls import _json_type
 
 renderers = pytest.importorskip("renderers")
@@ -31,11 +31,6 @@ from renderers.configs import Qwen35RendererConfig, Qwen36RendererConfig  # noqa
 
 RENDERER_CONFIGS = {"qwen3.5": Qwen35RendererConfig, "qwen3.6": Qwen36RendererConfig}
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@pytest.fixture(scope="module")
-def families(hf_tokenizers: dict[str, Any]) -> dict[str, ModelFamily]:
-    return {name: get_family(name, hf_tokenizers[name]) for name in RENDERER_CONFIGS}
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +188,8 @@ _SGLANG_PARSERS = {
 
 
 @pytest.fixture(scope="module")
-def json_families(hf_tokenizers: dict[str, Any]) -> dict[str, ModelFamily]:
-    return {name: get_family(name, hf_tokenizers[name]) for name in _SGLANG_PARSERS}
+def json_families(families: dict[str, ModelFamily]) -> dict[str, ModelFamily]:
+    return {name: families[name] for name in _SGLANG_PARSERS}
 
 
 @pytest.mark.parametrize("name", _SGLANG_PARSERS)
@@ -235,8 +230,8 @@ _deepseekv4 = import_sglang_schema("sglang.srt.function_call.deepseekv4_detector
 
 
 @pytest.fixture(scope="module")
-def deepseek_v4(hf_tokenizers: dict[str, Any]) -> ModelFamily:
-    return get_family("deepseek-v4", hf_tokenizers["deepseek-v4"])
+def deepseek_v4(families: dict[str, ModelFamily]) -> ModelFamily:
+    return families["deepseek-v4"]
 
 
 @pytest.mark.parametrize("thinking", [False, True], ids=["chat", "thinking"])

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from session_server.engine.wire import encode_generate
 from session_server.openai.protocol import ChatRequest, parse_chat_request, turn_tools
-from trajectory import GenerateResult, LinearTrajectory, get_family
+from trajectory import GenerateResult, LinearTrajectory
 from trajectory.errors import RequestValidationError
 
 STOP = (151645, 151643)
@@ -53,8 +53,8 @@ def sglang_api() -> Any:
 
 
 @pytest.fixture(scope="module")
-def qwen3(hf_tokenizers: dict[str, Any]) -> Any:
-    return get_family("qwen3", hf_tokenizers["qwen3"])
+def qwen3(families: dict[str, Any]) -> Any:
+    return families["qwen3"]
 
 
 def _parse(body: dict[str, Any], family: Any = None) -> tuple[ChatRequest, Any]:

@@ -17,7 +17,6 @@ from trajectory import (
     build_merged_sample,
     build_turn_samples,
     decode_generate_response,
-    get_family,
     samples_from_json,
     samples_from_safetensors,
     samples_to_json,
@@ -64,8 +63,8 @@ def test_truncation_keeps_whole_turns(max_len, kept, response_length):
 
 
 @pytest.fixture(scope="module")
-def qwen(hf_tokenizers):
-    return get_family("qwen3", hf_tokenizers["qwen3"])
+def qwen(families):
+    return families["qwen3"]
 
 
 def test_samples_from_a_trajectory_carry_statuses(qwen):

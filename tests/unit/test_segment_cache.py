@@ -8,15 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from support.families import FAMILIES
-from trajectory import ModelFamily, get_family
+from trajectory import ModelFamily
 from trajectory.families.segments import MIN_SEGMENT_CHARS
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-
-@pytest.fixture(scope="module")
-def families(hf_tokenizers) -> dict[str, ModelFamily]:
-    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
 
 
 def _spellings(family: ModelFamily) -> list[str]:

@@ -4,17 +4,11 @@ named like a config field reaches the config (nothing is parsed and then dropped
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from session_server.cli import _default, build_parser, config_from_args
 from session_server.config import ServerConfig
-from support.families import FAMILIES
 
 REQUIRED = ["--engine-url", "http://127.0.0.1:1", "--tokenizer", "T", "--model-family", "qwen3"]
 
@@ -53,34 +47,3 @@ def test_replica_name_is_the_prefix_of_minted_ids() -> None:
     for bad in ("Pod", "3pod", "a.b", "", "x" * 33):
         with pytest.raises(ValueError, match="--replica-name"):
             config_from_args(build_parser().parse_args([*REQUIRED, "--replica-name", bad]))
-
-
-_CLI_LOAD = """
-import json, sys
-from session_server.cli import load_family
-family = load_family(sys.argv[1], sys.argv[2], without_torch=True)
-messages = json.loads(sys.argv[3])
-text = family.render(messages, None, add_generation_prompt=True)
-json.dump({"torch": "torch" in sys.modules, "class": type(family.tokenizer).__qualname__, "text": text,
-           "ids": family.tokenizer.encode(text, add_special_tokens=False)}, sys.stdout)
-"""
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_the_cli_loads_the_same_tokenizer_without_importing_torch(
-    tokenizer_dirs: dict[str, Path], hf_tokenizers: dict[str, Any], name: str
-) -> None:
-    """The server's start-up (`main`) loads transformers in its tokenizer-only mode: torch is never imported, the
-    tokenizer is the class AutoTokenizer picks with torch around, and it renders and tokenizes identically."""
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": "ünï 中文 😀 <think> {\"a\": 1}"},
-                {"role": "assistant", "content": "ok\n\n  done"},
-                {"role": "user", "content": "again\t<|im_end|>"}]
-    run = subprocess.run([sys.executable, "-c", _CLI_LOAD, str(tokenizer_dirs[name]), name, json.dumps(messages)],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and run.stderr == "", run.stderr
-    got = json.loads(run.stdout)
-    tokenizer = hf_tokenizers[name]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert got == {"torch": False, "class": type(tokenizer).__qualname__, "text": text,
-                   "ids": tokenizer.encode(text, add_special_tokens=False)}

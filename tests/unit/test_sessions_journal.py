@@ -23,13 +23,13 @@ from session_server.sessions.journal import (
     wall_to_monotonic,
 )
 from support.tito import Reply, generate
-from trajectory import LinearTrajectory, get_family
+from trajectory import LinearTrajectory
 from trajectory.restore import restore_trajectory
 
 
 @pytest.fixture(scope="module")
-def family(hf_tokenizers):
-    return get_family("qwen3", hf_tokenizers["qwen3"])
+def family(families):
+    return families["qwen3"]
 
 
 def info(sid: str, **metadata: Any) -> SessionInfo:

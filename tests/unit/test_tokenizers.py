@@ -74,13 +74,6 @@ _PIECES = ["hello", " world", "\n", "\t", "  ", "naïve", "é\u0301", "東京", 
            "<｜User｜>", "<｜end▁of▁sentence｜>", "{\"a\": 1}", "\u3000", "x" * 40]
 
 
-@pytest.fixture(scope="module")
-def families(hf_tokenizers):
-    from trajectory import get_family
-
-    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.lists(st.sampled_from(_PIECES) | st.text(max_size=6), max_size=24).map("".join))

@@ -11,7 +11,7 @@ import pytest
 
 from support.families import FAMILIES
 from support.tito import Reply, engine_body, generate
-from trajectory import LinearTrajectory, ModelFamily, decode_generate_response, get_family
+from trajectory import LinearTrajectory, ModelFamily, decode_generate_response
 from trajectory.buffer import TokenBuffer
 from trajectory.errors import InvariantError, RequestValidationError, RollbackLimitError
 from trajectory.messages import normalize_tools
@@ -20,10 +20,6 @@ from trajectory.tito import continuation_ids
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
 CALL = (("calc", '{"expr": "2+2", "meta": {"ü": [1, null]}}'),)
 
-
-@pytest.fixture(scope="module")
-def families(hf_tokenizers) -> dict[str, ModelFamily]:
-    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
 
 
 @pytest.fixture

@@ -18,17 +18,13 @@ from hypothesis import strategies as st
 
 from support.families import FAMILIES
 from support.tito import Reply, generate
-from trajectory import LinearTrajectory, ModelFamily, get_family
+from trajectory import LinearTrajectory
 from trajectory.errors import InvariantError
 from trajectory.restore import StoredTurn, load_turn, restore_trajectory, store_turn
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
 OTHER_TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 
-
-@pytest.fixture(scope="module")
-def families(hf_tokenizers) -> dict[str, ModelFamily]:
-    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
 
 
 def state(traj: LinearTrajectory) -> str:

@@ -23,7 +23,6 @@ from trajectory import (
     SegmentSet,
     build_merged_sample,
     build_segment_samples,
-    get_family,
     samples_from_json,
     samples_to_json,
 )
@@ -32,10 +31,6 @@ from trajectory.segments import SegmentLimitError, SegmentPlan
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-
-@pytest.fixture(scope="module")
-def families(hf_tokenizers) -> dict[str, ModelFamily]:
-    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
 
 
 def user(text: str) -> dict[str, str]:

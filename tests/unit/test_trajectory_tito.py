@@ -11,14 +11,10 @@ from hypothesis import strategies as st
 
 from support.families import APPEND_STABLE, FAMILIES
 from support.tito import Reply, Turn, conversations, generate
-from trajectory import LinearTrajectory, ModelFamily, build_merged_sample, build_turn_samples, get_family
+from trajectory import LinearTrajectory, ModelFamily, build_merged_sample, build_turn_samples
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-
-@pytest.fixture(scope="module")
-def families(hf_tokenizers) -> dict[str, ModelFamily]:
-    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
 
 
 def play(family: ModelFamily, tools: Any, turns: list[Turn], traj: LinearTrajectory | None = None) -> dict[str, Any]:

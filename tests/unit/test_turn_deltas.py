@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from session_server.turns.deltas import DeltaTracker
-from trajectory import get_family
 from trajectory.families.registry import family_names
 
 _text = st.lists(st.sampled_from([*"ab \n<>/{}\"'tol_c", "é", "\n\n", "</think>", "<tool_call>", "</tool_call>"]),
@@ -23,10 +22,10 @@ _calls = st.lists(st.tuples(st.sampled_from(["add", "lookup"]),
 
 
 @pytest.fixture(scope="module", params=family_names())
-def family(request: pytest.FixtureRequest, hf_tokenizers: dict[str, Any]) -> Any:
-    if request.param not in hf_tokenizers:
+def family(request: pytest.FixtureRequest, families: dict[str, Any]) -> Any:
+    if request.param not in families:
         pytest.skip(f"no offline tokenizer for {request.param}")
-    return get_family(request.param, hf_tokenizers[request.param])
+    return families[request.param]
 
 
 def _assemble(family: Any, text: str, cuts: list[int], parse_tool_calls: bool = True, feed: str = "update",
@@ -131,8 +130,8 @@ def test_plain_text_between_markers_is_not_reparsed_per_event(family: Any) -> No
         del family.parse_reply
 
 
-def test_text_streams_early_and_calls_arrive_whole(hf_tokenizers: dict[str, Any]) -> None:
-    qwen = get_family("qwen3", hf_tokenizers["qwen3"])
+def test_text_streams_early_and_calls_arrive_whole(families: dict[str, Any]) -> None:
+    qwen = families["qwen3"]
     text = qwen.format_completion("Let me check.", "thinking hard", [("add", '{"a": 1}')])
     tracker = DeltaTracker(qwen, "call_x")
     assert tracker.update("<thi") is None
