@@ -341,13 +341,21 @@ def test_busy_turn_is_retried_after_retry_after(stack: dict) -> None:
     server = stack["b"]
     task, answer = shopping_tasks(1, seed=2)[0]
 
+    refused = 'session_server_responses_total{method="POST",route="/sessions/{session_id}/v1/chat/completions",' \
+        'status="503"}'
+
     async def main() -> EpisodeResult:
         async with SessionClient(server) as client, httpx.AsyncClient() as admin:
             assert (await admin.post(f"{server}/admin/pause", json={"mode": "drain"})).status_code == 200
+            before = await asyncio.to_thread(metric, server, refused, 0.0)
             episode = asyncio.create_task(
                 run_episode(client, task, config=AgentConfig(max_retry_after=0.2, busy_retries=50))
             )
-            await asyncio.sleep(0.6)
+            async with asyncio.timeout(60):  # two refusals seen, however slow the machine
+                while True:
+                    if await asyncio.to_thread(metric, server, refused, 0.0) >= before + 2:
+                        break
+                    await asyncio.sleep(0.05)
             assert not episode.done()
             assert (await admin.post(f"{server}/admin/continue")).status_code == 200
             return await episode
