@@ -539,8 +539,7 @@ def test_drain_has_a_deadline_and_aborts_a_chat_the_engine_holds(stack: Stack, a
         with ThreadPoolExecutor(1) as pool:
             chat = pool.submit(httpx.post, f"{server}/sessions/{sid}/v1/chat/completions",
                                json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
-            wait_for(lambda: metric(server, "session_server_in_flight") == 1, 5)
-            time.sleep(0.2)  # past the body: the request is at the engine
+            wait_for(lambda: metric(server, "session_server_in_flight_at_engine") == 1, 30)  # past the body
             paused = httpx.post(f"{server}/admin/pause", json={"mode": "drain"}, timeout=30)
             assert paused.status_code == 200 and paused.json()["aborted"] == 1, paused.text
             resp = chat.result()

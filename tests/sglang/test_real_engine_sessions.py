@@ -107,13 +107,17 @@ def test_engine_sigkill_mid_turn_then_restart(serve: ServeFactory, engines: Engi
         records = httpx.get(f"{s.server}/sessions/{sid}", timeout=10).json()["records"]
         assert len(records) == 2 and records[1]["prompt_len"] > records[0]["prompt_len"]
         # The turn ran in a new engine session on the restarted engine (the server's old one died with it).
-        assert engine_log_count(engines, "Session opened") == opened_before + 1
+        assert engine_log_count(engines, "Session opened", opened_before + 1) == opened_before + 1
         assert httpx.delete(f"{s.server}/sessions/{sid}", timeout=30).status_code == 204
         assert_engine_clean(engine.url)
 
 
-def engine_log_count(engines: Engines, text: str) -> int:
+def engine_log_count(engines: Engines, text: str, expected: int = 0, timeout: float = 30.0) -> int:
+    """How often the dense engine has logged `text`, once it has logged it at least `expected` times (or `timeout`
+    passed): the scheduler writes its line after the reply has left."""
     proc = engines.running["dense"]
     assert proc.log_path is not None
-    time.sleep(0.2)  # the engine's log line follows its reply
-    return proc.log_path.read_text(errors="replace").count(text)
+    deadline = time.monotonic() + timeout
+    while (count := proc.log_path.read_text(errors="replace").count(text)) < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return count

@@ -206,8 +206,9 @@ def session_lifecycle(t: Target) -> dict[str, Any]:
                          "logprob_start_len": -1})
     replace = t.generate(session_params={"id": sid, "replace": True})
     closed = t.http.post("/close_session", json={"session_id": sid})
-    time.sleep(0.5)  # close is asynchronous in SGLang
-    after_close = t.generate(session_params={"id": sid})
+    deadline = time.monotonic() + 30  # close is asynchronous in SGLang: the session goes a moment after the answer
+    while (after_close := t.generate(session_params={"id": sid})).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
     unknown = t.generate(session_params={"id": "no-such-session"})
     return {
         "open": {"status": opened.status_code, "type": shape(sid)},
