@@ -29,6 +29,7 @@ import httpx
 import msgspec
 
 from session_server.engine.http11 import EngineHTTP, EngineStream
+from session_server.engine.routers import fan_out_path, unpack_fan_out
 from session_server.errors import EngineUnavailableError
 
 logger = logging.getLogger("session_server.engine")
@@ -132,6 +133,9 @@ class EngineClient:
             transport=httpx.AsyncHTTPTransport(retries=0),
         )
 
+        # Behind smg --enable-rl (engine/routers.py): control calls go to every engine through smg's RL fan-out.
+        self.fan_out = False
+
     def __repr__(self) -> str:  # never show the keys
         return f"EngineClient({self.base_url!r})"
 
@@ -164,6 +168,16 @@ class EngineClient:
         except httpx.HTTPError as exc:
             raise EngineUnavailableError(f"engine {method} {path} failed: {type(exc).__name__}: {exc}") from exc
         return EngineReply(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))
+
+    async def _control_call(self, path: str, body: dict[str, Any], *, headers: dict[str, str],
+                       deadline: float | None = None) -> EngineReply:
+        """POST a control call (abort, pause, engine sessions) to the engine, or through smg's fan-out to every
+        engine behind it, its aggregate answered as one engine's (engine/routers.py)."""
+        if not self.fan_out:
+            return await self._request("POST", path, _json.encode(body), headers=headers, deadline=deadline)
+        reply = await self._request("POST", fan_out_path(path), _json.encode(body), headers=headers, deadline=deadline)
+        status, content = unpack_fan_out(reply.status, reply.body)
+        return EngineReply(status, content, "application/json")
 
     async def generate(self, payload: bytes, routing_key: str) -> EngineReply:
         """POST /generate with an already encoded body (encoded off the loop), on the lean keep-alive pool."""
@@ -203,9 +217,8 @@ class EngineClient:
 
         Bounded by the control timeout: a stalled engine costs the caller at most that long."""
         try:
-            reply = await self._request(
-                "POST", "/abort_request", _json.encode({"rid": rid, "abort_all": False}), headers=self._admin_auth
-            )
+            reply = await self._control_call("/abort_request", {"rid": rid, "abort_all": False},
+                                             headers=self._admin_auth)
         except EngineUnavailableError as exc:
             logger.warning("abort of rid %s failed: %s", rid, exc)
             return False
@@ -216,7 +229,7 @@ class EngineClient:
     async def generation_control(self, path: str, body: dict[str, Any]) -> None:
         """POST /pause_generation or /continue_generation (admin calls); an engine that refuses is a 502 that says
         so, since the operator's weight update depends on it."""
-        reply = await self._request("POST", path, _json.encode(body), headers=self._admin_auth)
+        reply = await self._control_call(path, body, headers=self._admin_auth)
         if not reply.ok:
             raise EngineUnavailableError(f"engine refused {path} ({reply.status}): {reply.body[:200]!r}")
 
@@ -233,8 +246,7 @@ class EngineClient:
             req["session_id"] = session_id
         if idle_timeout is not None:
             req["timeout"] = idle_timeout
-        reply = await self._request("POST", "/open_session", _json.encode(req), headers=self._routed(routing_key),
-                                    deadline=deadline)
+        reply = await self._control_call("/open_session", req, headers=self._routed(routing_key), deadline=deadline)
         if not reply.ok:
             raise EngineUnavailableError(f"engine refused open_session ({reply.status}): {reply.body[:200]!r}")
         try:
@@ -247,9 +259,7 @@ class EngineClient:
 
     async def close_session(self, sid: str, routing_key: str) -> bool:
         try:
-            reply = await self._request(
-                "POST", "/close_session", _json.encode({"session_id": sid}), headers=self._routed(routing_key)
-            )
+            reply = await self._control_call("/close_session", {"session_id": sid}, headers=self._routed(routing_key))
         except EngineUnavailableError as exc:
             logger.warning("close of engine session %s failed: %s", sid, exc)
             return False
@@ -266,9 +276,12 @@ class EngineClient:
         return reply.ok
 
     async def server_info(self) -> dict[str, Any] | None:
-        """GET /server_info as a dict, or None when the engine does not answer it."""
+        """GET /server_info (or its alias /get_server_info, the only one smg passes through) as a dict, or None when
+        the engine does not answer it."""
         try:
             reply = await self._request("GET", "/server_info", headers=self._normal_auth)
+            if reply.status == 404:
+                reply = await self._request("GET", "/get_server_info", headers=self._normal_auth)
         except EngineUnavailableError:
             return None
         if not reply.ok:

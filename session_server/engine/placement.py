@@ -18,10 +18,8 @@ probes the worker at once, so a dead worker is noticed on the first failed turn 
 session whose worker is down moves on its next turn (`place`): the trajectory is re-prefilled on the new worker and
 its engine session, if any, is reopened there (the old one died with its worker); moves are counted in /metrics.
 
-Behind a router (one URL whose `/get_server_info` says `router_manager`, or whose `/open_session` is 404), the
-features the router breaks are refused at startup with an error that says why (`detect_refusals`). The `smg` gateway
-(1.13) keeps `return_routed_experts` and routes by `X-SMG-Routing-Key` under `manual`, `consistent_hashing` or
-`--routing-key-override`, but answers 404 to the session and abort routes too (tests/e2e/test_engine_smg.py).
+Behind a router (engine/routers.py tells one from an engine), the features the router breaks are refused at startup
+with an error that says why (`startup_refusal`); behind smg --enable-rl the control calls go through its fan-out.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ import httpx
 import msgspec
 
 from session_server.engine.client import EngineClient, EngineReply, StreamedReply
+from session_server.engine.routers import EngineKind, classify, refusal
 from session_server.errors import EngineUnavailableError
 
 logger = logging.getLogger("session_server.engine.placement")
@@ -53,13 +52,13 @@ class Worker:
     healthy: bool = True  # optimistic until the first probe: a fresh server must not refuse its first sessions
     sessions: int = 0  # live sessions placed here
     load: int = 0  # running + waiting requests at the last probe (tie-break only)
-    is_router: bool = False
+    kind: EngineKind | None = None  # an engine or a router (engine/routers.py); None until it first answers
     ready_path: str = "/ready"
     probing: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def describe(self) -> dict[str, Any]:
         return {"url": self.url, "healthy": self.healthy, "sessions": self.sessions, "load": self.load,
-                "router": self.is_router}
+                "kind": str(self.kind) if self.kind is not None else None}
 
 
 def _total_load(body: Any) -> int | None:
@@ -100,7 +99,7 @@ class EnginePlacement:
         self.on_move: list[Callable[[str, Worker], None]] = []
         self._placement: dict[str, Worker] = {}
         self._probe = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT), headers=probe_headers or {})
-        self._loop_task: asyncio.Task[None] | None = None
+        self._loop_task: asyncio.Task[Any] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
 
     # -- placement ------------------------------------------------------------------------------------------
@@ -189,7 +188,13 @@ class EnginePlacement:
 
     async def pause_in_place(self) -> None:
         """SGLang's `/pause_generation` mode `in_place` on every worker: running requests keep their KV and resume,
-        with the weights in place then, on `continue_in_place`."""
+        with the weights in place then, on `continue_in_place`. Nothing is paused when a router in front of the
+        engines would not forward the call (EngineUnavailableError: 502, and why)."""
+        blocked = [f"{w.url} is {w.kind}" for w in self.workers if w.kind in (EngineKind.SGLANG_ROUTER, EngineKind.SMG)]
+        if blocked:
+            raise EngineUnavailableError(
+                f"pause in_place needs /pause_generation on the engines, and {'; '.join(blocked)}, which answers it "
+                "404: start smg with --enable-rl (the server then pauses every engine through its fan-out)")
         await asyncio.gather(*(w.client.generation_control("/pause_generation", {"mode": "in_place"})
                                for w in self.workers))
 
@@ -284,13 +289,15 @@ class EnginePlacement:
             worker.probing = asyncio.ensure_future(self.probe(worker))
 
     async def _run(self) -> None:
+        await self.classify()
         while True:
             await asyncio.sleep(self.health_interval)
+            await self.classify()
             await asyncio.gather(*(self.probe(w, load=True) for w in self.workers))
 
     def start(self) -> None:
-        if self.health_interval > 0 and self._loop_task is None:
-            self._loop_task = asyncio.ensure_future(self._run())
+        if self._loop_task is None:
+            self._loop_task = asyncio.ensure_future(self._run() if self.health_interval > 0 else self.classify())
 
     async def aclose(self) -> None:
         tasks = [t for t in (self._loop_task, *(w.probing for w in self.workers), *self._tasks) if t is not None]
@@ -303,73 +310,31 @@ class EnginePlacement:
         await self._probe.aclose()
 
     # -- routers --------------------------------------------------------------------------------------------
-    async def detect_routers(self, *, open_session_probe: bool) -> list[str]:
-        """Mark and return the workers that are routers: `/get_server_info` says `router_manager`, or (when engine
-        sessions are wanted) `/open_session` is 404. Unreachable workers are skipped (logged): the refusal is a
-        startup courtesy, the engines may come up later."""
-        found = []
+    async def classify(self) -> dict[str, EngineKind]:
+        """Find out what stands at each worker URL not yet known (engine/routers.py) and switch a client behind smg
+        --enable-rl to its fan-out; returns what is known. An unreachable URL stays unknown (logged) and is tried
+        again by the periodic probe: the engines may come up later."""
         for worker in self.workers:
-            try:
-                resp = await self._get(worker, "/get_server_info")
-            except httpx.HTTPError as exc:
-                logger.warning("engine %s unreachable at startup (%s); router detection skipped", worker.url, exc)
+            if worker.kind is not None:
                 continue
-            info: Any = None
-            with contextlib.suppress(msgspec.DecodeError):
-                info = msgspec.json.decode(resp.content)
-            # sglang-router answers this key; smg (1.13) passes one worker's server args through, so only the
-            # probe tells it from an engine: does it serve the session routes? (An open and a close on an engine.)
-            is_router = resp.status_code == 200 and isinstance(info, dict) and "router_manager" in info
-            if not is_router and open_session_probe:
-                is_router = await self._open_session_is_missing(worker)
-            worker.is_router = is_router
-            if is_router:
-                found.append(worker.url)
-        return found
-
-    async def _open_session_is_missing(self, worker: Worker) -> bool:
-        try:
-            sid = await worker.client.open_session(1024, "session-server-startup-probe")
-        except EngineUnavailableError as exc:
-            return "(404)" in str(exc)
-        await worker.client.close_session(sid, "session-server-startup-probe")
-        return False
-
-
-ROUTER_REFUSALS = {
-    "engine_sessions": (
-        "--engine-sessions needs /open_session and /close_session on the engine, and a router answers them 404 "
-        "(neither sglang-router 0.3.2 nor smg 1.13 forwards them)"
-    ),
-    "return_routed_experts": (
-        "--return-routed-experts needs the engine to see return_routed_experts, and a router rebuilds the /generate "
-        "body without it (sglang-router 0.3.2 drops the field)"
-    ),
-}
-
-
-def router_refusal(routers: list[str], *, engine_sessions: bool, return_routed_experts: bool) -> str | None:
-    """The startup error for features a router in front of the engines would silently break, or None."""
-    if not routers:
-        return None
-    wanted = [flag for flag, on in (("engine_sessions", engine_sessions),
-                                    ("return_routed_experts", return_routed_experts)) if on]
-    if not wanted:
-        return None
-    reasons = "; ".join(ROUTER_REFUSALS[f] for f in wanted)
-    return (
-        f"--engine-url {', '.join(routers)} is a router, not an SGLang engine: {reasons}. Give each engine's own URL "
-        "with --engine-url (repeat the flag for several): the session server places sessions itself"
-    )
+            try:
+                worker.kind = await classify(self._probe, worker.url)
+            except httpx.HTTPError as exc:
+                logger.info("engine %s unreachable (%s): not yet known whether it is a router", worker.url, exc)
+                continue
+            worker.client.fan_out = worker.kind is EngineKind.SMG_RL
+            if worker.kind.is_router:
+                logger.info("engine URL %s is %s", worker.url, worker.kind)
+        return {w.url: w.kind for w in self.workers if w.kind is not None}
 
 
 async def startup_refusal(pool: EnginePlacement, *, engine_sessions: bool, return_routed_experts: bool) -> str | None:
-    """Run once before serving: the error to exit with when a router stands where an engine should, else None.
-    Closes the pool (it was built for this check only)."""
+    """Run once before serving: the error to exit with when a router stands where an engine should and a flag needs
+    what it breaks, else None. Closes the pool (it was built for this check only)."""
     try:
         if not (engine_sessions or return_routed_experts):
             return None
-        routers = await pool.detect_routers(open_session_probe=engine_sessions)
+        kinds = await pool.classify()
     finally:
         await pool.aclose()
-    return router_refusal(routers, engine_sessions=engine_sessions, return_routed_experts=return_routed_experts)
+    return refusal(kinds, engine_sessions=engine_sessions, return_routed_experts=return_routed_experts)

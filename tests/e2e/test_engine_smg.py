@@ -13,6 +13,9 @@ session server behind it. The feature matrix, each entry proven here:
 - pause for weight updates: `/pause_generation` and `/continue_generation` are 404; with `--enable-rl`,
   `POST /v1/rl/engine/{path}?selector=engine=sglang` reaches every worker with the body unchanged and
   `/v1/rl/workers/{id}/engine/{path}` one of them (the trainer's path; the server's own `/admin/pause` needs none).
+- behind smg `--enable-rl` the server sends its control calls through that fan-out (session_server/engine/routers.py):
+  `--engine-sessions` works (each engine session open on every worker, the turns on one), an abort reaches the worker
+  by its rid, and `/admin/pause` `in_place` pauses every worker.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class SmgStack:
     tok: Path
     gateways: dict[str, Gateway]
     rl: RunningProcess
+    rl_server: RunningProcess  # --engine-sessions --return-routed-experts, behind `rl`
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +77,9 @@ def stack(fleet_factory: FleetFactory, tokenizer_dirs: dict[str, Path]) -> Itera
                                                   name=f"server-{name}", log_dir=f.logs))
             gateways[name] = Gateway(gw, server)
         rl = f.start(start_smg(f.urls, "--enable-rl", log_path=f.logs / "smg-rl.log"))
-        yield SmgStack(f.urls, f.tok, gateways, rl)
+        rl_server = f.start(start_session_server(rl.url, f.tok, FAMILY, "--engine-sessions", "--return-routed-experts",
+                                                 name="server-rl", log_dir=f.logs))
+        yield SmgStack(f.urls, f.tok, gateways, rl, rl_server)
 
 
 def _totals(sims: list[str]) -> tuple[int, int]:
@@ -196,3 +202,41 @@ def test_the_b64_shape_through_smg_is_the_engines(stack: SmgStack) -> None:
     meta = r.json()["meta_info"]
     rows = len(base64.b64decode(meta["routed_experts"])) // (4 * LAYERS * TOP_K)
     assert rows == len(ids) + meta["completion_tokens"] - 1 - 3
+
+
+def _open_sessions(sims: list[str]) -> list[int]:
+    return [engine_info(s)["open_sessions"] for s in sims]
+
+
+def test_behind_smg_rl_engine_sessions_aborts_and_pause_go_through_the_fan_out(stack: SmgStack) -> None:
+    server = stack.rl_server
+    wait_for(lambda: httpx.get(f"{server.url}/ready", timeout=10).json()["engines"][0]["kind"] == "smg --enable-rl", 30)
+    sid = new_session(server.url)
+    history: list[dict[str, str]] = []
+    for turn in range(2):
+        history.append({"role": "user", "content": f"turn {turn} [[sim: tokens 3]]"})
+        r = httpx.post(chat_url(server.url, sid), json={"messages": history}, timeout=60)
+        assert r.status_code == 200, r.text
+        history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        assert _open_sessions(stack.sims) == [1, 1]  # opened under the server's id on every worker
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the second turn appended to it
+
+    def running() -> bool:
+        return any(engine_info(s)["running_requests"] for s in stack.sims)
+
+    async def abort() -> tuple[int, int]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            chat = asyncio.ensure_future(http.post(chat_url(server.url, sid), json=LONG_CHAT))
+            await asyncio.to_thread(wait_for, running, 20)
+            deleted = await http.delete(f"{server.url}/sessions/{sid}")
+            return deleted.status_code, (await chat).status_code
+
+    assert asyncio.run(abort()) == (204, 404)
+    wait_for(lambda: not running() and _open_sessions(stack.sims) == [0, 0], 20)
+    assert not any("abort of rid" in line for line in server.output), server.tail()  # acknowledged, not 404
+    assert httpx.post(f"{server.url}/admin/pause", json={"mode": "in_place"}, timeout=10).status_code == 200
+    assert all(engine_info(s)["paused"] for s in stack.sims)
+    assert httpx.post(f"{server.url}/admin/continue", json={}, timeout=10).status_code == 200
+    assert not any(engine_info(s)["paused"] for s in stack.sims)
+    for sim in stack.sims:
+        assert_engine_baseline(sim)

@@ -1,17 +1,16 @@
 """EnginePlacement's rules and routing, with in-process fake workers (no sockets): which worker a session gets, when
-it moves (and its engine session with it), where its calls go, and how loads and router refusals are read."""
+it moves (and its engine session with it), where its calls go, and how loads are read."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from session_server.engine.client import EngineReply
-from session_server.engine.placement import EnginePlacement, _total_load, router_refusal
+from session_server.engine.placement import EnginePlacement, _total_load
 from session_server.engine.sessions import EngineSessions
 from sglang_sim.wire import get_load, v1_loads
 
@@ -152,17 +151,6 @@ def test_loads_from_both_shapes() -> None:
     assert _total_load(get_load(engine)) == 5  # legacy /get_load: num_reqs counts running and waiting
     assert _total_load({"loads": "nope"}) is None
     assert _total_load([1]) is None
-
-
-@pytest.mark.parametrize(
-    ("sessions", "experts", "needle"),
-    [(True, False, "--engine-sessions"), (False, True, "--return-routed-experts"), (True, True, "; ")],
-)
-def test_router_refusal_says_why(sessions: bool, experts: bool, needle: str) -> None:
-    msg = router_refusal(["http://r"], engine_sessions=sessions, return_routed_experts=experts)
-    assert msg is not None and "http://r is a router" in msg and needle in msg
-    assert router_refusal([], engine_sessions=True, return_routed_experts=True) is None
-    assert router_refusal(["http://r"], engine_sessions=False, return_routed_experts=False) is None
 
 
 def _sglang_struct_fields(relpath: str, cls: str) -> list[str]:
