@@ -9,10 +9,13 @@ benchmark's own speed; the ratio streamed / unstreamed is the goal of DESIGN.md 
 in both modes). The floor (scripts/floor_proxy.py: uvicorn + Starlette + our engine client relaying the same chats,
 each engine event decoded and relayed as a chunk) is measured the same way, in the same run, on the same core.
 
-A cumulative stream of n tokens with one event per token puts about n^2/2 tokens on the wire (text, ids and
-logprobs of every earlier token, again in every event: SGLang's shape, tokenizer_manager.py), ~21 GB for 32k tokens;
-what the server sends the engine decides how many events there are, so the run measures what it asks for. A chat
-that does not finish within `--chat-timeout` is reported as such.
+The engine is configured for one event per token; the server asks each streamed request for its own
+`stream_interval` (session_server/engine/pacing.py: 16 tokens per delta event, max_tokens/10 per cumulative event,
+since a cumulative stream of n tokens at one event per token puts about n^2/2 tokens on the wire, ~21 GB for 32k
+tokens), and the floor asks the same. `--engine-stream-interval 1` makes both ask for every token (the run then
+measures the per-token stream; cumulative replies of 16k tokens and more do not finish in reasonable time). A chat
+that does not finish within `--chat-timeout` is reported as such; the table gives the interval asked for and the
+chunks the agent got.
 
     python -m scripts.bench_stream --tokenizer .cache/tokenizers/qwen3 --json-out out/bench/stream.json
 """
@@ -33,9 +36,11 @@ import httpx
 from rollout.processes import RunningProcess
 from scripts.benchlib import (
     Figures,
+    add_stack_args,
     affinity,
     all_cpus,
     fmt,
+    parse_stack_args,
     pinning_plan,
     proc_io,
     proc_runtime_ns,
@@ -44,6 +49,7 @@ from scripts.benchlib import (
     start_pair,
     write_report,
 )
+from session_server.engine.pacing import stream_interval
 from sglang_sim import directives
 
 MODES = ("cumulative", "deltas")
@@ -117,7 +123,8 @@ def run_mode(mode: str, args: argparse.Namespace, cpus: tuple[int | None, int | 
     context = max(args.tokens) + 4096
     engine_args = ["--stream-interval", "1", "--context-length", str(context),
                    "--kv-capacity-tokens", str(4 * context), *args.engine_arg]
-    server_args = list(args.server_arg)
+    server_args = [*args.server_arg, "--engine-stream-interval", str(args.engine_stream_interval)]
+    floor_flags = ["--engine-stream-interval", str(args.engine_stream_interval)]
     if mode == "deltas":
         engine_args.append("--incremental-streaming-output")
         server_args.append("--engine-incremental-streaming")
@@ -128,7 +135,7 @@ def run_mode(mode: str, args: argparse.Namespace, cpus: tuple[int | None, int | 
     try:
         if floor:
             server.stop()
-            proc = start_floor(sim.url, *(["--engine-incremental-streaming"] if mode == "deltas" else []),
+            proc = start_floor(sim.url, *floor_flags, *(["--engine-incremental-streaming"] if mode == "deltas" else []),
                                cpu=server_cpu, log_dir=log_dir)
         if engine_cpu is not None:
             os.sched_setaffinity(0, {engine_cpu})  # the driver shares the engine's core
@@ -151,17 +158,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=2, help="chats of each kind per length (the median is reported)")
     p.add_argument("--chat-timeout", type=float, default=300.0, help="a chat slower than this is reported, not waited")
     p.add_argument("--no-floor", action="store_true", help="skip the floor proxy's run")
-    p.add_argument("--server-cpu", type=int, default=0)
-    p.add_argument("--engine-cpu", type=int, default=1)
-    p.add_argument("--server-arg", action="append", default=[], help="extra session-server argument (repeatable)")
+    p.add_argument("--engine-stream-interval", type=int, default=0,
+                   help="tokens per engine event the server (and the floor) ask for: 0 the server's default "
+                   "(engine/pacing.py), 1 one event per token")
     p.add_argument("--engine-arg", action="append", default=[], help="extra sglang-sim argument (repeatable)")
     p.add_argument("--server-src", default=None, help="run session-server from this source tree (a patched copy)")
-    p.add_argument("--log-dir", default=None)
-    p.add_argument("--json-out", default=None)
-    args = p.parse_args(argv)
-    args.server_cpu = None if args.server_cpu < 0 else args.server_cpu
-    args.engine_cpu = None if args.engine_cpu < 0 else args.engine_cpu
-    return args
+    add_stack_args(p)
+    return parse_stack_args(p, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                      floor)
     errors = 0
     print()
-    print(f"streamed vs unstreamed server CPU per chat, one engine event per token ({pin_note})")
+    print(f"streamed vs unstreamed server CPU per chat, the engine configured for one event per token ({pin_note})")
     print("| mode | reply tokens | unstreamed ms | streamed ms | streamed / unstreamed | floor unstreamed ms | "
-          "floor streamed ms | streamed x floor streamed | engine MiB streamed |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "floor streamed ms | streamed x floor streamed | engine MiB streamed | tokens per engine event | "
+          "agent chunks |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in args.modes:
         for tokens, row in results[mode].items():
             base = results.get(f"{mode}_floor", {}).get(tokens)
@@ -199,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             note = f" ({'; '.join(streamed['errors'])})" if streamed["errors"] else ""
             print(f"| {mode} | {tokens} | {fmt(plain['cpu_ms'])} | {fmt(streamed['cpu_ms'])}{note} | {fmt(ratio)} | "
                   f"{fmt(base and base['plain']['cpu_ms'])} | {fmt(base and base['streamed']['cpu_ms'])} | "
-                  f"{fmt(x_floor)} | {streamed['engine_mib']:.1f} |")
+                  f"{fmt(x_floor)} | {streamed['engine_mib']:.1f} | "
+                  f"{stream_interval(args.engine_stream_interval, mode == 'deltas', tokens + 16, None)} | "
+                  f"{streamed['chunks']} |")
     print("target: streamed / unstreamed <= 2 at 16k and 32k tokens, in both modes (DESIGN.md 7)")
     if args.json_out:
         write_report(args.json_out, "stream", {**vars(args), "pinning": pin_note}, figs, results=results)

@@ -36,11 +36,13 @@ import numpy as np
 
 from scripts.benchlib import (
     Figures,
+    add_stack_args,
     affinity,
     all_cpus,
     floor_args,
     fmt,
     median_seconds,
+    parse_stack_args,
     pct,
     pinning_plan,
     proc_kib,
@@ -320,9 +322,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tito-reps", type=int, default=40)
     p.add_argument("--routed-experts-bytes", type=int, default=0, help="0: measure token storage, not payloads")
     p.add_argument("--token-latency-ms", type=float, default=0.0)
-    p.add_argument("--server-cpu", type=int, default=0)
-    p.add_argument("--engine-cpu", type=int, default=1)
-    p.add_argument("--server-arg", action="append", default=[], help="extra session-server argument (repeatable)")
     p.add_argument("--server-src", default=None, help="run session-server from this source tree (a patched copy)")
     p.add_argument("--engine-arg", action="append", default=[])
     p.add_argument(
@@ -338,12 +337,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, help="py-spy the server during part 1 (.svg, or .txt for stacks)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--label", default=None)
-    p.add_argument("--log-dir", default=None)
-    p.add_argument("--json-out", default=None)
-    args = p.parse_args(argv)
-    args.server_cpu = None if args.server_cpu < 0 else args.server_cpu
-    args.engine_cpu = None if args.engine_cpu < 0 else args.engine_cpu
-    return args
+    add_stack_args(p)
+    return parse_stack_args(p, argv)
 
 
 def summarize_e2e(e2e: dict[str, Any], figs: Figures, args: argparse.Namespace) -> list[dict[str, Any]]:

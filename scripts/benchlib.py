@@ -7,6 +7,7 @@ launched by rollout.processes, the project's one launcher.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -59,6 +60,23 @@ def pinning_plan(server_cpu: int | None, engine_cpu: int | None) -> tuple[int | 
     if len(cpus) < 2 or any(c not in cpus for c in wanted):
         return None, None, f"unpinned (usable cpus {sorted(cpus)} do not allow the requested pinning)"
     return server_cpu, engine_cpu, "pinned"
+
+
+def add_stack_args(p: argparse.ArgumentParser) -> None:
+    """The flags every server benchmark shares: the pinning, extra server flags, where logs and figures go."""
+    p.add_argument("--server-cpu", type=int, default=0, help="core of session-server (-1: unpinned)")
+    p.add_argument("--engine-cpu", type=int, default=1, help="core of sglang-sim (-1: unpinned)")
+    p.add_argument("--server-arg", action="append", default=[], help="extra session-server argument (repeatable)")
+    p.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir)")
+    p.add_argument("--json-out", default=None, help="write the figures + config + git state to FILE")
+
+
+def parse_stack_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`p.parse_args(argv)` with a negative core read as unpinned (None)."""
+    args = p.parse_args(argv)
+    args.server_cpu = None if args.server_cpu < 0 else args.server_cpu
+    args.engine_cpu = None if args.engine_cpu < 0 else args.engine_cpu
+    return args
 
 
 def start_pair(

@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from session_server.engine import pacing
 from session_server.engine.client import EngineClient
 from session_server.engine.wire import split_routed_experts
 
@@ -64,10 +65,12 @@ _decode_chat = msgspec.json.Decoder(_Chat).decode
 _decode_reply = msgspec.json.Decoder(_Reply).decode
 
 
-def _generate_body(chat: _Chat, rid: str, routed_experts: bool) -> bytes:
+def _generate_body(chat: _Chat, rid: str, routed_experts: bool, deltas: bool, stream_interval: int) -> bytes:
     sampling: dict[str, Any] = {"max_new_tokens": chat.max_tokens}
     if chat.temperature is not None:
         sampling["temperature"] = chat.temperature
+    if chat.stream and stream_interval >= 0:  # what the session server asks for the same chat
+        sampling["stream_interval"] = pacing.stream_interval(stream_interval, deltas, chat.max_tokens, None)
     body: dict[str, Any] = {
         "text": "\n".join(m.content or "" for m in chat.messages), "sampling_params": sampling,
         "return_logprob": True, "logprob_start_len": -1, "rid": rid, "stream": chat.stream,
@@ -77,7 +80,7 @@ def _generate_body(chat: _Chat, rid: str, routed_experts: bool) -> bytes:
     return _encode(body)
 
 
-def build_app(engine: EngineClient, routed_experts: bool, deltas: bool) -> Starlette:
+def build_app(engine: EngineClient, routed_experts: bool, deltas: bool, stream_interval: int = 0) -> Starlette:
     async def health(request: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type="application/json")
 
@@ -92,7 +95,7 @@ def build_app(engine: EngineClient, routed_experts: bool, deltas: bool) -> Starl
         sid = request.path_params["sid"]
         body = _decode_chat(await request.body())
         rid = f"{sid}-{next(_ids)}"
-        payload = _generate_body(body, rid, routed_experts)
+        payload = _generate_body(body, rid, routed_experts, deltas, stream_interval)
         if body.stream:
             return StreamingResponse(_relay(engine, payload, sid, rid, deltas), media_type="text/event-stream")
         reply = await engine.generate(payload, sid)
@@ -158,9 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--return-routed-experts", action="store_true", help="ask the engine for routed experts")
     p.add_argument("--engine-incremental-streaming", action="store_true",
                    help="the engine streams deltas (SGLang --incremental-streaming-output), as the server's flag")
+    p.add_argument("--engine-stream-interval", type=int, default=0,
+                   help="tokens per engine stream event asked for, as the session server's flag (0: what the server "
+                   "chooses by default, engine/pacing.py); -1: none asked, the engine's own interval")
     args = p.parse_args(argv)
     engine = EngineClient(args.engine_url, timeout=600.0, connections=args.engine_connections)
-    app = build_app(engine, args.return_routed_experts, args.engine_incremental_streaming)
+    app = build_app(engine, args.return_routed_experts, args.engine_incremental_streaming,
+                    args.engine_stream_interval)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, loop="uvloop",
         http="httptools", lifespan="off", workers=1, access_log=False, log_level="warning", server_header=False,

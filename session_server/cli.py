@@ -167,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default %(default)s)",
     )
     p.add_argument(
+        "--engine-stream-interval", type=int, default=_default("engine_stream_interval"),
+        help="tokens per engine stream event asked for (SGLang's per-request stream_interval; the first token "
+        "always comes at once). 0 (default) chooses: 16 when the engine streams deltas; with cumulative events "
+        "(each holds the whole reply so far) one per max_tokens/10 tokens, so a streamed reply stays linear "
+        "(engine/pacing.py)",
+    )
+    p.add_argument(
         "--create-sessions-on-demand", action="store_true",
         help="a chat at the root URL (POST /v1/chat/completions) whose X-Session-ID names no session creates it "
         "(ids: 1-128 characters of A-Z a-z 0-9 . _ : -); the client then chooses the id, so it is not a secret",

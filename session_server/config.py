@@ -76,6 +76,9 @@ class ServerConfig:
     # A streamed turn reads the engine at most once per this many milliseconds after its first chunk: the events
     # that arrived meanwhile are handled (and sent to the agent) as one batch. 0 = every event as it arrives.
     stream_coalesce_ms: float = 20.0
+    # Tokens per engine stream event asked of the engine (SGLang's per-request stream_interval); 0 chooses by the
+    # streaming mode and the reply's size (engine/pacing.py).
+    engine_stream_interval: int = 0
     # Data-parallel workers (--engine-url repeated); empty means just engine_url. See engine/placement.py.
     engine_urls: tuple[str, ...] = ()
     engine_health_interval: float = 5.0  # seconds between readiness/load probes of each engine; 0 = only on demand
@@ -98,6 +101,8 @@ class ServerConfig:
             problems.append("--max-rollback must be >= 0")
         if not self.stream_coalesce_ms >= 0:
             problems.append("--stream-coalesce-ms must be >= 0")
+        if self.engine_stream_interval < 0:
+            problems.append("--engine-stream-interval must be >= 0 (0 chooses by the engine's streaming mode)")
         if self.on_divergence not in DIVERGENCE_POLICIES:
             problems.append(f"--on-divergence must be one of {', '.join(DIVERGENCE_POLICIES)}")
         if self.max_segments < 1:

@@ -11,16 +11,18 @@ Why batches: at SGLang's default `stream_interval` 1 there is one event per toke
 (a line, a JSON decode, a delta, a chunk to the agent) costs tens of microseconds -- far more than the token costs
 in an unstreamed reply. So everything that arrived in one read is handled at once: the events are split and decoded
 by msgspec in one call, and one `Progress` says what they add (the agent gets one chunk for them: when the agent or
-the server is slower than the engine, chunks coalesce instead of queueing). Nothing is re-read: a delta event adds
-its pieces; of a batch of cumulative events only the last one's text is decoded (its other fields are skipped
-unparsed), and the new text is its tail. The final event is returned as the raw bytes of a complete /generate body
-for the strict decoder (for delta engines: the summed body, encoded once).
+the server is slower than the engine, chunks coalesce instead of queueing). SGLang's framing is split with bytes
+operations, never a Python step per event. Nothing is re-read: a delta event adds its pieces; of a batch of
+cumulative events only the last one is decoded at all (its big fields skipped unparsed but its text), and the new
+text is its tail. How many events there are is asked of the engine per request (engine/pacing.py). The final
+event is returned as the raw bytes of a complete /generate body for the strict decoder (for delta engines: the
+summed body, encoded once).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ from trajectory.errors import UpstreamError
 
 _encoder = msgspec.json.Encoder()
 _PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs")
+_SEPARATOR = b"\n\ndata: "  # between two events in SGLang's own framing (`data: <json>\n\n`, no other lines)
 
 
 _ABSENT = msgspec.Raw()  # a field the event does not have (msgspec's Raw cannot be in a union with None)
@@ -43,7 +46,7 @@ class _Meta(msgspec.Struct):
 
 
 class _Event(msgspec.Struct):
-    """A cumulative event, its large parts left as raw JSON (only the last of a batch is decoded further)."""
+    """A cumulative event, its large parts left as raw JSON (only the last of a batch is decoded at all)."""
 
     text: msgspec.Raw = _ABSENT
     output_ids: msgspec.Raw = _ABSENT
@@ -52,7 +55,7 @@ class _Event(msgspec.Struct):
 
 
 class _Delta(msgspec.Struct):
-    """A delta event: its text decoded (it is streamed), the rest kept raw for the final body."""
+    """A delta event: its text decoded (it is streamed), its ids and per-token lists kept raw for the final body."""
 
     text: str = ""
     output_ids: msgspec.Raw = _ABSENT
@@ -60,7 +63,7 @@ class _Delta(msgspec.Struct):
     error: Any = None
 
 
-_decode_cumulative = msgspec.json.Decoder(list[_Event]).decode
+_decode_cumulative = msgspec.json.Decoder(_Event).decode
 _decode_deltas = msgspec.json.Decoder(list[_Delta]).decode
 _decode_str = msgspec.json.Decoder(str).decode
 _decode_list = msgspec.json.Decoder(list[Any]).decode
@@ -92,8 +95,13 @@ class EngineError(Exception):
         self.error = error
 
 
+def _stops(event: _Event | _Delta) -> bool:
+    """An error event, or the final one (finish_reason set): nothing after it is read."""
+    return event.error is not None or (event.meta_info is not None and event.meta_info.finish_reason is not None)
+
+
 class _Reader:
-    """The state of one stream: what was seen (cumulative) or the pieces of the summed body (deltas)."""
+    """The state of one stream: what was seen (cumulative) or the summed pieces of the body (deltas)."""
 
     def __init__(self, incremental: bool, logprobs: bool) -> None:
         self.incremental = incremental
@@ -103,22 +111,73 @@ class _Reader:
         self.texts: list[str] = []  # deltas: every event's text, and its raw ids and per-token lists
         self.raws: dict[str, list[msgspec.Raw]] = {"output_ids": [], **{k: [] for k in _PER_TOKEN_META}}
 
+    def block(self, block: bytes) -> tuple[Progress | None, Final | None]:
+        """Progress and maybe the final event of a run of whole events (`data: ...` lines; `[DONE]` dropped).
+
+        SGLang's framing (each event one `data: <json>` line, then a blank line) is read with bytes-level splits,
+        never a Python step per event: of cumulative events only the last (and the one before a final event) is
+        decoded, delta events by one msgspec call over the run. Other framings (comments, CR LF) go line by line."""
+        if block.startswith(b"data: "):
+            if not self.incremental:
+                last = block.rfind(_SEPARATOR)
+                payload = block[last + len(_SEPARATOR) if last >= 0 else 6:]
+                if b"\n" not in payload:
+                    def before() -> bytes | None:
+                        if last < 0:
+                            return None
+                        start = block.rfind(_SEPARATOR, 0, last)
+                        return block[start + len(_SEPARATOR) if start >= 0 else 6: last]
+                    return self._cumulative(payload, before)
+            else:
+                joined = b"[" + block[6:].replace(_SEPARATOR, b",") + b"]"
+                if b"\n" not in joined:
+                    try:
+                        events = _decode_deltas(joined)
+                    except msgspec.DecodeError:
+                        return self.batch(block[6:].split(_SEPARATOR))
+                    return self._judge(events, lambda: block[6:].split(_SEPARATOR))
+        payloads = [line[5:].strip() for line in block.split(b"\n") if line.startswith(b"data:")]
+        if b"[DONE]" in payloads:
+            payloads = payloads[: payloads.index(b"[DONE]")]
+        return self.batch(payloads) if payloads else (None, None)
+
     def batch(self, payloads: list[bytes]) -> tuple[Progress | None, Final | None]:
         """Progress of the batch's intermediate events, and the final event if the batch holds it."""
-        joined = b"[" + b",".join(payloads) + b"]"
-        events: Sequence[_Event | _Delta]
+        if not self.incremental:
+            return self._cumulative(payloads[-1], lambda: payloads[-2] if len(payloads) > 1 else None)
         try:
-            events = _decode_deltas(joined) if self.incremental else _decode_cumulative(joined)
+            decoded: Sequence[_Event | _Delta] = _decode_deltas(b"[" + b",".join(payloads) + b"]")
         except msgspec.DecodeError:
-            events = [self._one(p) for p in payloads]  # find the culprit, with the rule it breaks
-        stop = next((i for i, e in enumerate(events) if e.error is not None or (
-            e.meta_info is not None and e.meta_info.finish_reason is not None)), len(events))
+            decoded = [self._one(p) for p in payloads]  # find the culprit, with the rule it breaks
+        return self._judge(decoded, lambda: payloads)
+
+    def _cumulative(self, last: bytes, before: Callable[[], bytes | None]) -> tuple[Progress | None, Final | None]:
+        """A cumulative event holds everything of the ones before it: only the last of a batch is read, and the one
+        before it when the last ends the stream (what that adds goes out before the end, as in any other batch)."""
+        events = [self._cumulative_event(last)]
+        payloads = [last]
+        if _stops(events[0]) and (previous := before()) is not None:
+            events.insert(0, self._cumulative_event(previous))
+            payloads.insert(0, previous)
+        return self._judge(events, lambda: payloads)
+
+    def _cumulative_event(self, payload: bytes) -> _Event:
+        try:
+            return _decode_cumulative(payload)
+        except msgspec.DecodeError:
+            return self._one(payload)
+
+    def _judge(self, events: Sequence[_Event | _Delta],
+               payloads: Callable[[], list[bytes]]) -> tuple[Progress | None, Final | None]:
+        """What the events add, up to an error or final event (whose raw payload is then looked up)."""
+        stop = next((i for i, e in enumerate(events) if _stops(e)), len(events))
         progress = self._progress(events[:stop])
         if stop == len(events):
             return progress, None
+        raw = payloads()[stop]
         if events[stop].error is not None:
-            raise EngineError(payloads[stop], msgspec.json.decode(payloads[stop]).get("error"))
-        return progress, Final(self._final(payloads[stop]))
+            raise EngineError(raw, msgspec.json.decode(raw).get("error"))
+        return progress, Final(self._final(raw))
 
     @staticmethod
     def _one(payload: bytes) -> _Event:
@@ -140,7 +199,7 @@ class _Reader:
             return None
         if not self.incremental:
             last = events[-1]
-            return self._cumulative(last) if isinstance(last, _Event) else None
+            return self._cumulative_progress(last) if isinstance(last, _Event) else None
         deltas = [e for e in events if isinstance(e, _Delta)]
         texts = [e.text for e in deltas]
         self.texts += texts
@@ -148,7 +207,6 @@ class _Reader:
         metas = [e.meta_info for e in deltas if e.meta_info is not None]
         for key in _PER_TOKEN_META:
             self.raws[key] += [raw for raw in (getattr(m, key) for m in metas) if raw]
-        text = "".join(texts)
         entries = tops = None
         if self.logprobs:  # unvalidated; the consumer checks them
             try:
@@ -156,11 +214,12 @@ class _Reader:
                 tops = [x for m in metas if m.output_top_logprobs for x in _decode_list(m.output_top_logprobs)]
             except msgspec.DecodeError:
                 entries = tops = None
+        text = "".join(texts)
         if not text and not entries:
             return None
         return Progress(text, entries or None, tops or None)
 
-    def _cumulative(self, event: _Event) -> Progress | None:
+    def _cumulative_progress(self, event: _Event) -> Progress | None:
         """The last cumulative event of a batch: its tail beyond what was seen; the counts checked."""
         meta = event.meta_info
         if event.output_ids and meta is not None:
@@ -194,8 +253,8 @@ class _Reader:
         return Progress(fresh, entries, tops)
 
     def _final(self, payload: bytes) -> bytes:
-        """The complete body: the final event itself, or (deltas) the final event with everything summed in --
-        the summed lists spliced from the events' raw JSON, encoded once."""
+        """The complete body: the final event itself, or (deltas) the final event with everything summed in -- the
+        summed lists spliced from the events' raw JSON, encoded once."""
         if not self.incremental:
             return payload
         event = msgspec.json.decode(payload)
@@ -213,10 +272,10 @@ class _Reader:
 
 def _spliced(raws: list[msgspec.Raw], last: list[Any]) -> msgspec.Raw:
     """One JSON list of the items of raw JSON lists (the events' deltas) and `last`. A raw piece that is not a list
-    makes the whole invalid, which the strict decode then reports."""
-    items = [bytes(raw).strip()[1:-1].strip() for raw in raws]
+    becomes an object item, which the strict decode then refuses (nothing goes missing unnoticed)."""
+    items = [b[1:-1] if b[:1] == b"[" else b"{}" for b in map(bytes, raws)]
     items.append(_encoder.encode(last)[1:-1])
-    return msgspec.Raw(b"[" + b",".join(i for i in items if i) + b"]")
+    return msgspec.Raw(b"[" + b",".join(filter(None, items)) + b"]")
 
 
 async def engine_events(chunks: AsyncIterator[bytes], incremental: bool, logprobs: bool = False,
@@ -228,38 +287,44 @@ async def engine_events(chunks: AsyncIterator[bytes], incremental: bool, logprob
     reader = _Reader(incremental, logprobs)
     loop = asyncio.get_running_loop()
     source = chunks.__aiter__()
-    buffer = b""
+    pending: list[bytes] = []  # what arrived since the last complete event, joined only once an event completes
     next_read = 0.0
-    while True:
+    done = False
+    while not done:
         if coalesce > 0 and (delay := next_read - loop.time()) > 0:
             await asyncio.sleep(delay)
         try:
             chunk = await source.__anext__()
         except StopAsyncIteration:
-            break
-        end = chunk.rfind(b"\n")
-        if end < 0:
-            buffer += chunk
+            rest, done = b"".join(pending), True  # whole lines left, however they are framed; not a cut-off one
+            block = rest[: rest.rfind(b"\n") + 1].rstrip()
+        else:
+            ends = b"\n\n" in chunk or b"\r\n\r\n" in chunk or (pending and b"\n\n" in pending[-1][-3:] + chunk[:3])
+            pending.append(chunk)
+            if not ends:
+                continue
+            block, rest = _whole_events(b"".join(pending))
+            pending[:] = [rest] if rest else []
+        if block.endswith(b"data: [DONE]"):
+            block, done = block[: -len(b"data: [DONE]")].rstrip(), True
+        if not block:
             continue
-        lines = (buffer + chunk[:end]).split(b"\n")
-        buffer = chunk[end + 1:]
-        payloads = []
-        done = False
-        for line in lines:
-            if line.startswith(b"data:"):
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                payloads.append(data)
-        if payloads:
-            progress, final = reader.batch(payloads)
-            if progress is not None:
-                yield progress
-                next_read = loop.time() + coalesce
-            if final is not None:
-                yield final
-                return
-        if done:
-            break
+        progress, final = reader.block(block)
+        if progress is not None:
+            yield progress
+            next_read = loop.time() + coalesce
+        if final is not None:
+            yield final
+            return
     raise UpstreamError("engine stream ended without a final event", rule="stream_incomplete")
+
+
+def _whole_events(buffer: bytes) -> tuple[bytes, bytes]:
+    """The buffer cut after its last complete event (an SSE event ends at a blank line): (events, the rest)."""
+    end = buffer.rfind(b"\n\n")
+    if end >= 0:
+        return buffer[:end], buffer[end + 2:]
+    end = buffer.rfind(b"\r\n\r\n")
+    if end >= 0:
+        return buffer[:end], buffer[end + 4:]
+    return b"", buffer

@@ -26,12 +26,16 @@ def encode_generate(
     top_logprobs: int = 0,
     stream: bool = False,
     routed_experts_start: int = 0,
+    stream_interval: int | None = None,
 ) -> bytes:
-    """The /generate body of DESIGN.md 5.1. `start` > 0 sends only the tokens an engine session does not hold.
+    """The /generate body of DESIGN.md 5.1. `start` > 0 sends only the tokens an engine session does not hold;
+    `stream_interval`: tokens per stream event (engine/pacing.py), for a streamed request.
 
     orjson writes the int32 id array straight from numpy: the prompt is the one part of the body that grows with the
     history, and going through a Python list first costs ~5x more per token.
     """
+    if stream and stream_interval is not None:
+        sp = {**sp, "stream_interval": stream_interval}
     payload: dict[str, Any] = {
         "input_ids": prompt_ids[start:],
         "sampling_params": sp,

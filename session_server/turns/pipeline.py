@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response
 
+from session_server.engine.pacing import stream_interval
 from session_server.engine.sessions import engine_session_gone
 from session_server.engine.wire import encode_generate, split_routed_experts
 from session_server.errors import (
@@ -179,10 +180,13 @@ async def engine_payload(server: ServerState, claim: Claim, turn: Turn[Any]) -> 
         start, session_params = await server.engine_sessions.begin_turn(
             claim.session.id, plan.new_token_start, _remaining(server, claim))
         claim.raise_if_aborted()
+    config = server.config
+    interval = stream_interval(config.engine_stream_interval, config.engine_incremental_streaming,
+                               request.sampling_params.get("max_new_tokens"), server.prompt_token_limit)
     return await server.pool.run_sized(
         4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, request.sampling_params,
-        turn.rid, session_params, server.config.return_routed_experts, request.top_logprobs, request.stream,
-        plan.routed_experts_start,
+        turn.rid, session_params, config.return_routed_experts, request.top_logprobs, request.stream,
+        plan.routed_experts_start, interval,
     )
 
 

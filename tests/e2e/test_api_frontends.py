@@ -334,7 +334,7 @@ def test_a_failure_after_the_first_byte_ends_the_stream_with_the_apis_error_even
             body = {"model": "m", "max_tokens": 64, "stream": True, "messages": [{"role": "user", "content": prompt}]}
             url, last = f"{server}/sessions/{sid}/v1/messages", "error"
         reply = httpx.post(url, json=body, timeout=30)
-        assert reply.status_code == 200
+        assert reply.status_code == 200, reply.text
         events = [line.removeprefix("event: ") for line in reply.text.splitlines() if line.startswith("event: ")]
         assert len(events) > 3 and events[-1] == last, events
         payload = json.loads(reply.text.rstrip().splitlines()[-1].removeprefix("data: "))

@@ -36,12 +36,16 @@ LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}
 
 
+PER_TOKEN = ["--engine-stream-interval", "1"]
+
+
 @pytest.fixture(scope="module")
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(
         family=FAMILY,
         sim_args=["--token-latency-ms", "4", "--enable-streaming-session", "--context-length", "4096"],
-        servers={"server": [], "sessions": ["--engine-sessions"]},
+        # one engine event per token (not the server's default pacing): what is streamed is checked token by token
+        servers={"server": [*PER_TOKEN], "sessions": ["--engine-sessions", *PER_TOKEN]},
     ) as stack:
         yield stack
 
@@ -254,7 +258,7 @@ def test_a_streaming_chat_holds_its_slot_until_the_last_byte(stack: Stack) -> No
 def incremental(stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(
         family=FAMILY, sim_args=["--token-latency-ms", "2", "--incremental-streaming-output"],
-        servers={"server": ["--engine-incremental-streaming"], "cumulative": []},
+        servers={"server": ["--engine-incremental-streaming", *PER_TOKEN], "cumulative": [*PER_TOKEN]},
     ) as stack:
         yield stack
 
@@ -297,7 +301,8 @@ def test_incremental_engine_streams_are_summed_or_refused_with_the_flag_named(in
 
 @pytest.fixture(scope="module")
 def deepseek(stack_factory: StackFactory) -> Iterator[Stack]:
-    with stack_factory(family="deepseek", sim_args=["--token-latency-ms", "2"]) as stack:
+    with stack_factory(family="deepseek", sim_args=["--token-latency-ms", "2"],
+                       servers={"server": [*PER_TOKEN]}) as stack:
         yield stack
 
 

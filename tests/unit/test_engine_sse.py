@@ -1,0 +1,120 @@
+"""engine/sse.py: an engine stream read in any split into reads gives the same text and the same final body as the
+stream read whole, in both of SGLang's streaming modes; SGLang's own framing and odd framings alike; errors and
+truncated streams are reported. engine/pacing.py: the stream interval asked of the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from session_server.engine import pacing
+from session_server.engine.sse import EngineError, Final, Progress, engine_events
+from trajectory.errors import UpstreamError
+
+_pieces = st.lists(st.tuples(st.lists(st.sampled_from([*'ab \n"\\é{}[],:', "data: ", "\n\ndata: "]),
+                                      max_size=6).map("".join),
+                             st.lists(st.integers(0, 99), min_size=1, max_size=3)),
+                   min_size=1, max_size=12)
+
+
+def _meta(ids: list[int], done: int, final: bool) -> dict[str, Any]:
+    return {"id": "r", "finish_reason": {"type": "stop"} if final else None, "completion_tokens": done,
+            "output_token_logprobs": [[-0.5, i, None] for i in ids], "cached_tokens": 0}
+
+
+def _stream(pieces: list[tuple[str, list[int]]], incremental: bool, framing: str = "sglang") -> tuple[bytes, dict]:
+    """SGLang's SSE for a reply made of `pieces` (text, ids), and the /generate body it amounts to."""
+    events, text, ids = [], "", []
+    for n, (piece, piece_ids) in enumerate(pieces):
+        text, ids = text + piece, ids + piece_ids
+        final = n == len(pieces) - 1
+        if incremental:
+            events.append({"text": piece, "output_ids": piece_ids, "meta_info": _meta(piece_ids, len(ids), final)})
+        else:
+            events.append({"text": text, "output_ids": ids, "meta_info": _meta(ids, len(ids), final)})
+    whole = {"text": text, "output_ids": ids, "meta_info": _meta(ids, len(ids), True)}
+    sep = {"sglang": "\n\n", "crlf": "\r\n\r\n", "comments": "\n: keep-alive\n\n"}[framing]
+    body = "".join(f"data: {json.dumps(e, separators=(',', ':'), ensure_ascii=False)}{sep}" for e in events)
+    return (body + f"data: [DONE]{sep}").encode(), whole
+
+
+async def _read(raw: bytes, cuts: list[int], incremental: bool) -> tuple[str, list[Any], Any]:
+    async def chunks() -> AsyncIterator[bytes]:
+        bounds = [0, *sorted(c % (len(raw) + 1) for c in cuts), len(raw)]
+        for a, b in itertools.pairwise(bounds):
+            if b > a:
+                yield raw[a:b]
+
+    text, logprobs, final = "", [], None
+    async for event in engine_events(chunks(), incremental, logprobs=True):
+        if isinstance(event, Progress):
+            text += event.text
+            logprobs += event.logprobs or []
+        else:
+            assert isinstance(event, Final)
+            final = json.loads(event.raw)
+    return text, logprobs, final
+
+
+@settings(max_examples=150, deadline=None)
+@given(pieces=_pieces, cuts=st.lists(st.integers(0, 10_000), max_size=8), incremental=st.booleans(),
+       framing=st.sampled_from(["sglang", "crlf", "comments"]))
+def test_any_split_reads_the_same_reply(pieces: list[tuple[str, list[int]]], cuts: list[int], incremental: bool,
+                                        framing: str) -> None:
+    raw, whole = _stream(pieces, incremental, framing)
+    text, logprobs, final = asyncio.run(_read(raw, cuts, incremental))
+    assert final is not None
+    assert final["text"] == whole["text"]
+    assert final["output_ids"] == whole["output_ids"]
+    assert final["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
+    assert whole["text"].startswith(text)  # what was streamed is a prefix of the reply (the final event adds the rest)
+    assert [e[1] for e in logprobs] == whole["output_ids"][: len(logprobs)]
+
+
+def test_an_error_event_raises_with_its_bytes() -> None:
+    raw = b'data: {"text":"a","output_ids":[1],"meta_info":{"finish_reason":null}}\n\n' \
+          b'data: {"error":{"message":"boom","code":400}}\n\ndata: [DONE]\n\n'
+    for incremental in (False, True):
+        with pytest.raises(EngineError) as caught:
+            asyncio.run(_read(raw, [], incremental))
+        assert caught.value.error == {"message": "boom", "code": 400}
+
+
+@pytest.mark.parametrize("raw", [b'data: {"text":"a","output_ids":[1],"meta_info":{"finish_reason":null}}\n\n'
+                                 b"data: [DONE]\n\n", b'data: {"text":"a","output_ids":[1]', b""])
+def test_a_stream_without_its_final_event_is_a_502(raw: bytes) -> None:
+    for incremental in (False, True):
+        with pytest.raises(UpstreamError, match="without a final event"):
+            asyncio.run(_read(raw, [7], incremental))
+
+
+def test_an_event_that_is_not_json_is_a_502() -> None:
+    raw = b'data: {"text":"a",\n\ndata: [DONE]\n\n'
+    for incremental in (False, True):
+        with pytest.raises(UpstreamError, match="not valid JSON"):
+            asyncio.run(_read(raw, [], incremental))
+
+
+def test_a_delta_piece_that_is_not_a_list_makes_the_final_body_invalid() -> None:
+    raw = b'data: {"text":"a","output_ids":5,"meta_info":{"finish_reason":null}}\n\n' \
+          b'data: {"text":"b","output_ids":[2],"meta_info":{"finish_reason":{"type":"stop"}}}\n\n'
+    _, _, final = asyncio.run(_read(raw, [], True))
+    assert final["output_ids"] == [{}, 2]  # refused by the strict decode, never silently one id short
+
+
+def test_stream_interval_by_mode_and_reply_size() -> None:
+    assert pacing.stream_interval(3, True, 100, None) == 3  # the flag wins in both modes
+    assert pacing.stream_interval(1, False, 32_768, None) == 1
+    assert pacing.stream_interval(0, True, 32_768, None) == pacing.DELTA_INTERVAL
+    events = pacing.CUMULATIVE_EVENTS
+    assert pacing.stream_interval(0, False, 32_768, None) == -(-32_768 // events)
+    assert pacing.stream_interval(0, False, None, 65_536) == -(-65_536 // events)  # no max_tokens: the context
+    assert pacing.stream_interval(0, False, None, None) == -(-pacing.UNKNOWN_REPLY_TOKENS // events)
+    assert pacing.stream_interval(0, False, 10, None) == pacing.DELTA_INTERVAL  # never finer than a delta engine's
