@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test test-sglang test-fast lint harnesses bench bench-overhead bench-stream bench-compare soak soak-crash tokenizers clean nginx demo-cluster
+.PHONY: demo test test-sglang test-fast lint harnesses bench bench-overhead bench-stream bench-scale bench-compare soak soak-crash tokenizers clean nginx demo-cluster
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -96,10 +96,14 @@ bench: $(STAMP) $(TOKENIZERS)/.built
 bench-overhead: $(STAMP) $(TOKENIZERS)/.built
 	$(PY) -m scripts.bench_turn_overhead --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/overhead.json $(BENCH_ARGS)
 
-# Streamed vs unstreamed server CPU per reply (1k/4k/16k/32k tokens, one engine event per token, cumulative and delta
-# engine events), the floor proxy beside each figure.
+# Streamed vs unstreamed server CPU per reply (1k/4k/16k/32k tokens, an engine configured for one event per token,
+# cumulative and delta engine events; the server asks for its stream interval, engine/pacing.py), the floor beside.
 bench-stream: $(STAMP) $(TOKENIZERS)/.built
 	$(PY) -m scripts.bench_stream --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/stream.json $(BENCH_ARGS)
+
+# One process at scale: 10k live sessions of 4k tokens; RSS, CPU per turn, /health p99 while 64 chat; the floor beside.
+bench-scale: $(STAMP) $(TOKENIZERS)/.built
+	$(PY) -m scripts.bench_scale --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/scale.json $(BENCH_ARGS)
 
 # What the CPU pool and the lean engine client buy: the same run with the engine-response decode on the event loop,
 # and with httpx as the /generate client, each diffed against the default run.
