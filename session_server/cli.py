@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds an engine call may take before it is aborted and the chat gets 504 (default %(default)s)",
     )
     p.add_argument(
+        "--max-turn-continuations", type=int, default=_default("max_turn_continuations"),
+        help="times a turn goes on after the engine aborted every in-flight request (a weight update): prompt + the "
+             "tokens sampled so far are resubmitted and the agent sees one reply; past it the turn is a 503 to retry; "
+             "0 never continues (default %(default)s)",
+    )
+    p.add_argument(
         "--max-request-bytes", type=int, default=_default("max_request_bytes"),
         help="largest accepted request body in bytes; larger ones get 413 (default %(default)s)",
     )

@@ -44,6 +44,8 @@ class ServerConfig:
     merge_segments: bool = False
     engine_sessions: bool = False
     request_timeout: float = 600.0
+    # Times one turn is continued after the engine aborted every in-flight request (turns/resume.py); 0: never.
+    max_turn_continuations: int = 4
     max_request_bytes: int = 16 * 1024 * 1024
     max_metadata_bytes: int = 64 * 1024  # POST /sessions metadata, encoded (413 beyond)
     body_timeout: float = 30.0  # seconds for a request body to arrive in full (408 after)
@@ -107,6 +109,8 @@ class ServerConfig:
             problems.append(f"--on-divergence must be one of {', '.join(DIVERGENCE_POLICIES)}")
         if self.max_segments < 1:
             problems.append("--max-segments must be >= 1")
+        if self.max_turn_continuations < 0:
+            problems.append("--max-turn-continuations must be >= 0")
         if self.request_timeout <= 0:
             problems.append("--request-timeout must be > 0")
         if self.engine_control_timeout <= 0:

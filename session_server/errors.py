@@ -17,6 +17,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from trajectory import GenerateResult
 from trajectory.errors import RequestValidationError, SessionError, UpstreamError
 
 
@@ -78,6 +79,10 @@ class EngineAbortedError(SessionPausedError):
 
     code = "engine_aborted"
     abort_reason = AbortReason.ENGINE
+
+    def __init__(self, message: str, retry_after: int = 1, partial: GenerateResult | None = None) -> None:
+        super().__init__(message, retry_after)
+        self.partial = partial  # what the engine sampled before the abort (turns/resume.py may continue from it)
 
 
 class EngineRefusedError(SessionError):

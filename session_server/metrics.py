@@ -57,6 +57,7 @@ LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 STAGES = ("prepare", "decode", "commit", "journal")
 TOKEN_KINDS = ("prompt", "cached", "completion")
 LIMITS = ("sessions", "session_tokens", "context")
+CONTINUATION_RESULTS = ("continued", "limit", "constrained", "budget", "foreign")
 
 
 class Metrics:
@@ -104,6 +105,12 @@ class Metrics:
         )
         self.aborts = counter("aborts", "chats aborted before commit, by cause", ("cause",))
         self.engine_aborts = counter("engine_aborts", "abort_request calls sent to the engine")
+        self.continuations = counter(
+            "turn_continuations", "engine aborts of a turn for every in-flight request (a weight update), by what "
+            "followed: continued (prompt + the tokens sampled so far resubmitted), or the 503 the agent got instead: "
+            "limit (--max-turn-continuations reached), constrained (a grammar would restart), budget (no tokens "
+            "left), foreign (an abort with a reason of its own)", ("result",),
+        )
         self.engine_session_reopens = counter(
             "engine_session_reopens", "turns resent in a reopened engine session after the engine lost the old one"
         )
@@ -138,6 +145,7 @@ class Metrics:
         self._tokens = {k: self.tokens.labels(k) for k in TOKEN_KINDS}
         self._aborts = {c: self.aborts.labels(c.value) for c in AbortReason}
         self._refusals = {k: self.limit_refusals.labels(k) for k in LIMITS}
+        self._continuations = {r: self.continuations.labels(r) for r in CONTINUATION_RESULTS}
         self._responses: dict[tuple[str, str, int], Any] = {}
         # Every rollback reason is exported from the start (at 0), so a rate() has a series to start from.
         self._rollbacks: dict[str, Any] = {r: self.rollbacks.labels(r) for r in ROLLBACK_REASONS}
@@ -185,6 +193,9 @@ class Metrics:
 
     def abort(self, cause: AbortReason) -> None:
         self._aborts[cause].inc()
+
+    def continuation(self, result: str) -> None:
+        self._continuations[result].inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,7 +27,7 @@ from sglang_sim import wire
 from sglang_sim.auth import ApiKeyMiddleware
 from sglang_sim.engine import Engine
 from sglang_sim.faults import BODY_FAULTS, Fault, FaultInjector, corrupt
-from sglang_sim.requests import BadRequest, ContractError, GenerateInput, SimRequest, parse_generate
+from sglang_sim.requests import BadRequest, ContractError, GenerateInput, SimRequest, ValueRefusal, parse_generate
 from sglang_sim.routed_experts import payload as routed_payload
 
 JSON = "application/json"
@@ -69,6 +69,13 @@ def _event_counts(seen: int, generated: int, emitted: int, interval: int | None)
 
 class _DropStream(Exception):
     """Raised inside a stream to cut the connection mid-body."""
+
+
+async def _refusal_stream(message: str) -> AsyncIterator[bytes]:
+    """SGLang reports a streamed request its tokenizer manager refused inside the stream, with HTTP 200 (http_server.py
+    `stream_results`): one error event, then `[DONE]`."""
+    yield b"data: " + wire.encode(wire.stream_error(message)) + b"\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 async def _watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> None:
@@ -116,12 +123,19 @@ class SimServer:
     # -- /generate ------------------------------------------------------------------------------------------------
 
     async def generate(self, request: Request) -> Response:
+        body: Any = None
         try:
-            inp = parse_generate(await _json_body(request), self.engine.family.vocab_size,
-                                 request.headers.get("x-smg-routing-key"))
+            body = await _json_body(request)
+            inp = parse_generate(body, self.engine.family.vocab_size, request.headers.get("x-smg-routing-key"))
             fault = self.faults.pick(request.headers.get("x-sim-fault"))
+            if fault is not None and fault.name == "value_error":
+                raise ValueRefusal("sglang-sim injected fault: value_error")
         except ContractError as exc:  # http_server.py generate_request: the contract gate's own text, unwrapped
             return json_response({"error": str(exc)}, 400)
+        except ValueRefusal as exc:
+            if isinstance(body, dict) and body.get("stream") is True:
+                return StreamingResponse(_refusal_stream(str(exc)), media_type="text/event-stream")
+            return error_response(str(exc))
         except BadRequest as exc:
             return error_response(str(exc))
         if fault is not None and fault.name == "http_500":
@@ -184,9 +198,9 @@ class SimServer:
                 await asyncio.sleep(fault.delay)
             try:
                 req = self.engine.submit(inp)
-            except BadRequest as exc:  # SGLang reports a refused streamed request inside the stream, with HTTP 200
-                yield b"data: " + wire.encode(wire.stream_error(str(exc))) + b"\n\n"
-                yield b"data: [DONE]\n\n"
+            except BadRequest as exc:
+                async for chunk in _refusal_stream(str(exc)):
+                    yield chunk
                 return
             deltas = self.engine.config.incremental_streaming_output
             events = wire.StreamEvents(self.engine, req, deltas)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from sglang_sim.family import EngineFamily
-from sglang_sim.generation import plan_reply
+from sglang_sim.generation import ReplyPlan, SamplingParams, plan_reply
 from sglang_sim.kv_pool import KVPool
 from sglang_sim.radix_cache import Node, RadixCache
 from sglang_sim.requests import BadRequest, GenerateInput, SimRequest
@@ -36,6 +36,7 @@ WAITING_ABORT_MESSAGE = "Abort in waiting queue"
 _MIN_SLEEP_S = 0.01  # emit at least this much latency per wake-up, so per-token latency stays cheap to emulate
 _EMPTY = np.zeros(0, dtype=np.int32)
 _MAX_ROUTING_KEYS = 4096
+_MAX_CUT_REPLIES = 1024
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class Engine:
         self.aborted_total = 0
         self.generated_tokens_total = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        # Replies an abort cut, by prompt + the tokens emitted before the cut (bounded, oldest dropped): see `_plan`.
+        self._cut: dict[bytes, tuple[ReplyPlan, int]] = {}
 
     # -- submission -----------------------------------------------------------------------------------------------
 
@@ -108,7 +111,7 @@ class Engine:
             inp = dataclasses.replace(inp, sampling=dataclasses.replace(inp.sampling, max_new_tokens=max(0, room)))
         self._check_context(len(prompt), inp.sampling.max_new_tokens)
         try:
-            plan = plan_reply(self.family, prompt, inp.sampling, self.config.seed)
+            plan = self._plan(prompt, inp.sampling)
         except ValueError as exc:  # a constraint the sim cannot satisfy (ConstraintError) or a bias banning every word
             raise BadRequest(str(exc)) from exc
         req = SimRequest(inp=inp, prompt=prompt, plan=plan, session=session)
@@ -128,6 +131,29 @@ class Engine:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return req
+
+    def _plan(self, prompt: np.ndarray, params: SamplingParams) -> ReplyPlan:
+        """The reply to `prompt`. A prompt that is an aborted request's prompt + the tokens it had emitted gets the
+        rest of that request's reply (within this request's max_new_tokens), as a model continues its own text: a
+        reply continued after an abort (a weight update) is then the reply an uninterrupted run gives."""
+        cut = self._cut.get(prompt.astype(np.int32, copy=False).tobytes())
+        if cut is None:
+            return plan_reply(self.family, prompt, params, self.config.seed)
+        whole, emitted = cut
+        ids, logprobs, finish = whole.output_ids[emitted:], whole.logprobs[emitted:], whole.finish_reason
+        limit = params.max_new_tokens
+        if finish.get("type") == "length" or len(ids) > limit:
+            ids, logprobs, finish = ids[:limit], logprobs[:limit], {"type": "length", "length": limit}
+        return ReplyPlan(output_ids=ids, logprobs=logprobs, finish_reason=finish)
+
+    def _remember_cut(self, req: SimRequest) -> None:
+        if not 0 < req.generated < len(req.plan.output_ids):
+            return
+        key = np.concatenate([req.prompt, req.output_ids]).astype(np.int32, copy=False).tobytes()
+        self._cut.pop(key, None)
+        self._cut[key] = (req.plan, req.generated)
+        if len(self._cut) > _MAX_CUT_REPLIES:
+            del self._cut[next(iter(self._cut))]
 
     def _check_context(self, n_prompt: int, max_new_tokens: int) -> None:
         ctx = self.config.context_length
@@ -264,6 +290,7 @@ class Engine:
         else:
             req.finish_reason = {"type": "abort", "message": req.abort_message or ABORT_MESSAGE,
                                  "status_code": None, "err_type": None}
+            self._remember_cut(req)
         session = req.session
         keep_in_session = completed and session is not None and session.streaming
         self._release(req, keep=completed, into_session=keep_in_session)
@@ -432,6 +459,8 @@ class Engine:
             "open_sessions": len(self.sessions),
             "running_requests": running,
             "waiting_requests": len(self.requests) - running,
+            # tokens the live requests emitted so far: what a test waits for before it cuts a reply (an abort)
+            "output_tokens_in_flight": sum(r.generated for r in self.requests.values()),
         }
 
     def check_books(self) -> dict[str, Any]:

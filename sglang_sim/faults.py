@@ -3,7 +3,8 @@
 Why in the engine: the session server must turn every malformed engine response into a 502 without committing
 anything, and must survive dropped connections and slow replies. Faults are chosen per request (header
 `X-Sim-Fault`) or at random (`POST /sim/faults` probabilities). They only ever corrupt the bytes on the wire, after
-the request has ended normally inside the engine, so they can never corrupt the KV books.
+the request has ended normally inside the engine, so they can never corrupt the KV books (`value_error` refuses the
+request before it reaches the engine, as SGLang refuses a bad value).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from sglang_sim.requests import BadRequest
 BODY_FAULTS = ("malformed_json", "nan_logprob", "str_logprob", "bool_token", "str_token", "oob_token",
                "length_mismatch", "nan_happened")
 FAILING_FAULTS = ("http_500", *BODY_FAULTS, "drop_connection")  # each one fails the chat (502) and commits nothing
-FAULTS = (*FAILING_FAULTS, "delay")
+# value_error: the request refused as SGLang's tokenizer manager refuses a bad value (a 400, or HTTP 200 with an error
+# event when streamed): the engine's own answer, which the session server passes on with its status.
+FAULTS = (*FAILING_FAULTS, "delay", "value_error")
 _NAN_MARK = "__sim_nan_logprob__"
 
 

@@ -28,6 +28,12 @@ class BadRequest(Exception):
     """A request SGLang would refuse with HTTP 400 and `{"error": {"message": ...}}`."""
 
 
+class ValueRefusal(BadRequest):
+    """A request SGLang refuses past its HTTP layer, in the tokenizer manager (SamplingParams.verify's ranges, a
+    prompt or budget past the context): a ValueError there, which http_server.py answers 400 for a plain request and,
+    for a streamed one, HTTP 200 with an error event then `[DONE]` (`stream_results`)."""
+
+
 class ContractError(BadRequest):
     """A `/generate` body that breaks SGLang's JSON contract (sglang/api/v1/api_types.py: unknown keys, wrong JSON
     types), which SGLang refuses before anything else with HTTP 400 and `{"error": "<the contract's text>"}`."""
@@ -219,8 +225,14 @@ def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> Gener
         session = SessionParams(id=sp["id"], rid=sp.get("rid"), offset=_opt(sp, "offset", int, None),
                                 replace=bool(sp.get("replace") or False),
                                 drop_previous_output=bool(sp.get("drop_previous_output") or False))
+    try:
+        sampling = parse_sampling(body.get("sampling_params"), vocab_size)
+    except ContractError:
+        raise
+    except BadRequest as exc:
+        raise ValueRefusal(str(exc)) from None
     return GenerateInput(
-        rid=rid, input_ids=input_ids, text=text, sampling=parse_sampling(body.get("sampling_params"), vocab_size),
+        rid=rid, input_ids=input_ids, text=text, sampling=sampling,
         return_logprob=bool(body.get("return_logprob", False)),
         logprob_start_len=_opt(body, "logprob_start_len", int, -1),
         top_logprobs_num=_opt(body, "top_logprobs_num", int, 0),

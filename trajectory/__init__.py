@@ -17,6 +17,7 @@ trajectories (segments.py): the same prepare/commit, with the segment chosen by 
 """
 
 from . import errors
+from .continuation import continuable_abort, join_results
 from .engine_output import GenerateResult, decode_generate_response
 from .families import ModelFamily, ParsedCompletion, ToolCall, family_names, get_family, register_family
 from .linear import Checkpoint, LinearTrajectory, TurnPlan, TurnRecord
@@ -52,10 +53,12 @@ __all__ = [
     "build_merged_sample",
     "build_segment_samples",
     "build_turn_samples",
+    "continuable_abort",
     "decode_generate_response",
     "errors",
     "family_names",
     "get_family",
+    "join_results",
     "normalize_messages",
     "normalize_tools",
     "register_family",

@@ -33,6 +33,7 @@ class _Length(msgspec.Struct, tag_field="type", tag="length"):
 
 class _Abort(msgspec.Struct, tag_field="type", tag="abort"):
     message: str | None
+    status_code: int | None = None  # set when the abort has a reason of its own (a timeout's 503, a 400)
 
 
 class _LogprobEntry(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -141,7 +142,9 @@ def _finish_reason(reason: _Stop | _Length | _Abort) -> dict[str, Any]:
         return {"type": "stop", "matched": reason.matched}
     if isinstance(reason, _Length):
         return {"type": "length", "length": reason.length}
-    return {"type": "abort", "message": reason.message}
+    if reason.status_code is None:
+        return {"type": "abort", "message": reason.message}
+    return {"type": "abort", "message": reason.message, "status_code": reason.status_code}
 
 
 def _decode(body: bytes) -> _GenerateResponse[Any]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from session_server.engine.wire import decode_engine_reply
 from session_server.errors import EngineAbortedError
-from trajectory import GenerateResult, ModelFamily, TurnPlan
+from trajectory import GenerateResult, ModelFamily, TurnPlan, join_results
 
 
 @dataclass(slots=True)
@@ -29,17 +29,21 @@ def call_id_prefix(rid: str) -> str:
 def decode_turn(
     body: bytes, family: ModelFamily, rid: str, parse_tool_calls: bool = True,
     split: tuple[bytes, memoryview | None] | None = None, retry_after: int = 1, plan: TurnPlan | None = None,
+    before: GenerateResult | None = None,
 ) -> TurnOutput:
     """Strictly validate the engine reply (502 on any rule) and parse it with the family. A reply the engine itself
     aborted is EngineAbortedError (503 with `retry_after`): there is nothing to commit.
 
     `split` is `split_routed_experts(body)` when the caller already made the cut (to size the work that is left).
     `plan` is the turn's: its tools type XML tool-call arguments, and its `reply_opening` (the start of the reply the
-    prompt already wrote, Qwen3.5's `<think>\n`) is parsed in front of the engine's text.
+    prompt already wrote, Qwen3.5's `<think>\n`) is parsed in front of the engine's text. `before`: what earlier
+    engine requests of this turn sampled before the engine aborted them (turns/resume.py); the reply continues it.
     """
     result = decode_engine_reply(body, family.vocab_size, split)
+    if before is not None:
+        result = join_results(before, result)
     if result.finish_reason.get("type") == "abort":
-        raise EngineAbortedError("the engine aborted the request; retry the same turn", retry_after)
+        raise EngineAbortedError("the engine aborted the request; retry the same turn", retry_after, result)
     opening, tools = (plan.reply_opening, plan.tools) if plan is not None else ("", None)
     parsed = family.parse_reply(opening + result.text, parse_tool_calls, tools)
     return TurnOutput(result, parsed.to_message(call_id_prefix(rid)))

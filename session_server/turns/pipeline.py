@@ -28,12 +28,12 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response
 
-from session_server.engine.pacing import stream_interval
 from session_server.engine.sessions import engine_session_gone
-from session_server.engine.wire import encode_generate, split_routed_experts
+from session_server.engine.wire import split_routed_experts
 from session_server.errors import (
     AbortReason,
     ClientDisconnectedError,
+    EngineAbortedError,
     EngineRefusedError,
     EngineTimeoutError,
     RequestTimeoutError,
@@ -46,9 +46,18 @@ from session_server.state import ServerState, server_of
 from session_server.turns.limits import TurnLimits
 from session_server.turns.output import TurnOutput, decode_turn
 from session_server.turns.race import Ending, race
+from session_server.turns.resume import Continuation, continue_turn
 from session_server.turns.stream import StreamedTurn
-from session_server.turns.turn import FrontEnd, Turn, TurnRequest, commit_output, count_failure, engine_sessions_of
-from trajectory import SegmentPlan, SegmentSet
+from session_server.turns.turn import (
+    FrontEnd,
+    Turn,
+    TurnRequest,
+    commit_output,
+    count_failure,
+    encode_payload,
+    engine_sessions_of,
+)
+from trajectory import GenerateResult, SegmentPlan, SegmentSet
 from trajectory.errors import SessionError
 from trajectory.messages import Message
 
@@ -173,21 +182,13 @@ def prepare_turn(
 async def engine_payload(server: ServerState, claim: Claim, turn: Turn[Any]) -> bytes:
     """The /generate body of this turn, built in one place: the whole prompt, or with engine sessions only what the
     session's engine-side KV does not hold yet (which `begin_turn` opens or reopens as needed)."""
-    plan, request = turn.plan, turn.request
-    start, session_params = 0, None
+    turn.engine_start, turn.session_params = 0, None
     if engine_sessions_of(server, claim) is not None:
         assert server.engine_sessions is not None
-        start, session_params = await server.engine_sessions.begin_turn(
-            claim.session.id, plan.new_token_start, _remaining(server, claim))
+        turn.engine_start, turn.session_params = await server.engine_sessions.begin_turn(
+            claim.session.id, turn.plan.new_token_start, _remaining(server, claim))
         claim.raise_if_aborted()
-    config = server.config
-    interval = stream_interval(config.engine_stream_interval, config.engine_incremental_streaming,
-                               request.sampling_params.get("max_new_tokens"), server.prompt_token_limit)
-    return await server.pool.run_sized(
-        4 * (len(plan.prompt_ids) - start), encode_generate, plan.prompt_ids, start, request.sampling_params,
-        turn.rid, session_params, config.return_routed_experts, request.top_logprobs, request.stream,
-        plan.routed_experts_start, interval,
-    )
+    return await encode_payload(server, turn, turn.plan.prompt_ids, turn.request.sampling_params)
 
 
 async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontEnd[R], timing: TurnTiming) -> Response:
@@ -224,9 +225,10 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
 
     engine_sessions = engine_sessions_of(server, claim)
     committed = False
+    continuation = Continuation(server.config.max_turn_continuations)
     try:
         try:
-            out, reply = await _run_engine(server, claim, request, turn, payload, api, timing)
+            out, reply = await _engine_reply(server, claim, request, turn, payload, api, timing, continuation)
         except EngineRefusedError as refused:
             if engine_sessions is None or not engine_session_gone(refused.engine_status, refused.body):
                 raise
@@ -237,7 +239,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
             engine_sessions.forget(session.id)
             claim.raise_if_aborted()
             payload = await engine_payload(server, claim, turn)
-            out, reply = await _run_engine(server, claim, request, turn, payload, api, timing)
+            out, reply = await _engine_reply(server, claim, request, turn, payload, api, timing, continuation)
         metrics.stage("decode", timing.decode)
         claim.raise_if_aborted()
         await commit_output(server, claim, plan, out)
@@ -266,18 +268,21 @@ async def _settle_previous(server: ServerState, claim: Claim) -> None:
 
 
 def decode_and_reply(
-    body: bytes, split: tuple[bytes, memoryview | None], turn: Turn[R], api: FrontEnd[R], retry_after: int
+    body: bytes, split: tuple[bytes, memoryview | None], turn: Turn[R], api: FrontEnd[R], retry_after: int,
+    before: GenerateResult | None = None,
 ) -> tuple[TurnOutput, bytes]:
     """The strict decode and the front end's reply, in one step on the pool (or inline, by size)."""
-    out = decode_turn(body, turn.family, turn.rid, turn.request.parse_tool_calls, split, retry_after, turn.plan)
+    out = decode_turn(body, turn.family, turn.rid, turn.request.parse_tool_calls, split, retry_after, turn.plan,
+                      before)
     return out, api.reply(turn, out)
 
 
 async def _generate(
-    server: ServerState, session_id: str, turn: Turn[R], payload: bytes, api: FrontEnd[R], timing: TurnTiming
+    server: ServerState, session_id: str, turn: Turn[R], payload: bytes, api: FrontEnd[R], timing: TurnTiming,
+    before: GenerateResult | None,
 ) -> tuple[TurnOutput, bytes]:
-    """The engine call, the strict decode of its reply and the reply; the engine's own error is EngineRefusedError,
-    an abort on its side EngineAbortedError (503, retry the turn)."""
+    """The engine call, the strict decode of its reply (continuing `before`) and the reply; the engine's own error
+    is EngineRefusedError, an abort on its side EngineAbortedError (resume.py may continue the turn)."""
     t0 = time.perf_counter()
     reply = await server.engine.generate(payload, session_id)
     t1 = time.perf_counter()
@@ -289,27 +294,41 @@ async def _generate(
     # inline choice should weigh, and it is usually small enough that a pool hop would cost more than the decode.
     split = split_routed_experts(reply.body)
     out = await server.pool.run_decode(
-        len(split[0]), decode_and_reply, reply.body, split, turn, api, server.config.retry_after)
+        len(split[0]), decode_and_reply, reply.body, split, turn, api, server.config.retry_after, before)
     timing.decode = time.perf_counter() - t1
     return out
 
 
+async def _engine_reply(
+    server: ServerState, claim: Claim, request: Request, turn: Turn[R], payload: bytes, api: FrontEnd[R],
+    timing: TurnTiming, continuation: Continuation,
+) -> tuple[TurnOutput, bytes]:
+    """The turn's engine call, continued after each abort by the engine for everyone (resume.py) until its reply
+    is whole; every request raced as `_run_engine` races it, within the turn's one deadline."""
+    while True:
+        try:
+            return await _run_engine(server, claim, request, turn, payload, api, timing, continuation.before)
+        except EngineAbortedError as aborted:
+            payload = await continue_turn(server, turn, continuation, aborted)
+            claim.raise_if_aborted()
+
+
 async def _run_engine(
     server: ServerState, claim: Claim, request: Request, turn: Turn[R], payload: bytes, api: FrontEnd[R],
-    timing: TurnTiming,
+    timing: TurnTiming, before: GenerateResult | None = None,
 ) -> tuple[TurnOutput, bytes]:
     """The engine call raced against the client, the claim and the deadline (race.py). Every way out that is not a
     finished call aborts the engine request by our rid and commits nothing."""
-    engine_task = asyncio.ensure_future(_generate(server, claim.session.id, turn, payload, api, timing))
+    engine_task = asyncio.ensure_future(_generate(server, claim.session.id, turn, payload, api, timing, before))
     try:
         ending = await race(engine_task, request.receive, claim, _remaining(server, claim))
     except asyncio.CancelledError:
         # The handler itself is being cancelled: the engine request is still aborted (in the background).
-        _abort_engine(server, claim, turn.rid, engine_task)
+        _abort_engine(server, claim, turn.engine_rid, engine_task)
         raise
     if ending is Ending.FINISHED:
         return engine_task.result()
-    _abort_engine(server, claim, turn.rid, engine_task)
+    _abort_engine(server, claim, turn.engine_rid, engine_task)
     if ending is Ending.DISCONNECTED:
         raise tag_abort(
             ClientDisconnectedError("client disconnected during the chat; engine request aborted"),

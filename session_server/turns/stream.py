@@ -7,6 +7,10 @@ the front end wants them), computed by deltas.DeltaTracker so they can never con
 event goes through exactly the plain turn's path: strict validation (DESIGN.md 5.3), family parse, the commit under
 the session lock (turn.commit_output); then the front end's closing events.
 
+When the engine aborts the request for everyone (a weight update), the turn goes on in a new engine request
+(resume.py) and the stream simply continues: what the aborted request's last event added is sent first, then the
+continuation's events.
+
 Failure rules: before the first byte to the agent, errors keep their real status, in the front end's shape (the
 engine's own non-2xx or in-stream error passes through unrecorded; validation 502, abort 503, ...). After it, the
 stream ends with the front end's error event and nothing is committed. A client that disconnects (or a DELETE,
@@ -34,6 +38,7 @@ from session_server.engine.wire import split_routed_experts
 from session_server.errors import (
     AbortReason,
     ClientDisconnectedError,
+    EngineAbortedError,
     EngineRefusedError,
     EngineTimeoutError,
     tag_abort,
@@ -43,7 +48,9 @@ from session_server.state import ServerState
 from session_server.turns.deltas import DeltaTracker, StreamDivergedError
 from session_server.turns.output import TurnOutput, call_id_prefix, decode_turn
 from session_server.turns.race import Ending, race
+from session_server.turns.resume import Continuation, continue_turn
 from session_server.turns.turn import FrontEnd, NewTokens, Turn, commit_output, count_failure, engine_sessions_of
+from trajectory import GenerateResult
 from trajectory.errors import InvariantError, SessionError, UpstreamError
 
 logger = logging.getLogger("session_server.turns.stream")
@@ -80,6 +87,8 @@ class StreamedTurn(Generic[R]):
         self._settled = False
         self._abandoned = False  # handed to the engine drain: whatever the engine still sends is never committed
         self._total_tokens = 0
+        self._text_seen = 0  # characters of reply text handed to the tracker, over every engine request
+        self.continuation = Continuation(server.config.max_turn_continuations)
 
     # -- ASGI -----------------------------------------------------------------------------------------------------
 
@@ -120,7 +129,7 @@ class StreamedTurn(Generic[R]):
                 return
             if not self.committed:  # whatever broke, the engine request must not outlive the turn
                 metrics.engine_aborts.inc()
-                await self.server.engine.abort(self.turn.rid)
+                await self.server.engine.abort(self.turn.engine_rid)
             if isinstance(error, _Gone):
                 self.status = ClientDisconnectedError.status
                 metrics.abort(AbortReason.DISCONNECT)
@@ -155,10 +164,10 @@ class StreamedTurn(Generic[R]):
         drains = self.server.drains
         if drains is not None:  # the engine ends it in the background; the client and the slot do not wait
             self._abandoned = True
-            drains.start(self.claim.session.id, self.turn.rid, pump, self.claim.lane)
+            drains.start(self.claim.session.id, self.turn.engine_rid, pump, self.claim.lane)
             return
         self.server.metrics.engine_aborts.inc()
-        await self.server.engine.abort(self.turn.rid)
+        await self.server.engine.abort(self.turn.engine_rid)
         pump.cancel()
         await asyncio.wait((pump,))
         if not pump.cancelled():
@@ -214,23 +223,46 @@ class StreamedTurn(Generic[R]):
     # -- the engine stream ----------------------------------------------------------------------------------------
 
     async def _pump(self, send: Send) -> None:
-        config = self.server.config
-        async with self.server.engine.stream_generate(self.payload, self.claim.session.id) as engine:
-            if not 200 <= engine.status_code < 300:  # the engine's own error: pass it through, unrecorded
-                content_type = engine.headers.get("content-type", "application/json").encode("latin-1")
-                await self._passthrough(send, engine.status_code, content_type, await engine.aread())
+        """The engine stream, then the commit; after an abort by the engine for everyone, the continuation's stream
+        (resume.py), whose events go on where the aborted one's stopped."""
+        payload = self.payload
+        while True:
+            final = await self._engine_stream(send, payload)
+            if final is None:
                 return
+            try:
+                await self._finish(send, final)
+                return
+            except EngineAbortedError as aborted:
+                payload = await continue_turn(self.server, self.turn, self.continuation, aborted)
+                self.claim.raise_if_aborted()
+                if self._abandoned:
+                    raise _Gone("the turn ended while the engine aborted it; nothing is continued") from None
+                assert self.continuation.before is not None
+                await self._catch_up(send, self.continuation.before)
+
+    async def _engine_stream(self, send: Send, payload: bytes) -> bytes | None:
+        """One engine request's events, sent on as they come; its final event's raw body, or None when the engine's
+        own error ended the turn (passed through before the first byte)."""
+        config = self.server.config
+        async with self.server.engine.stream_generate(payload, self.claim.session.id) as engine:
+            if not 200 <= engine.status_code < 300:  # the engine's own error: pass it through, unrecorded
+                content_type = engine.headers.get("content-type", "application/json")
+                body = await engine.aread()
+                if self.started:  # a continuation refused after the reply began: an error event
+                    raise EngineRefusedError(engine.status_code, body, content_type)
+                await self._passthrough(send, engine.status_code, content_type.encode("latin-1"), body)
+                return None
             try:
                 async for event in engine_events(engine.aiter_bytes(), config.engine_incremental_streaming,
                                                  self.logprobs, config.stream_coalesce_ms / 1000):
                     if isinstance(event, Final):
-                        final = event.raw
-                        break
+                        return event.raw
                     await self._progress(send, event)
             except EngineError as failed:
                 await self._engine_error(send, failed)
-                return
-        await self._finish(send, final)
+                return None
+        raise InvariantError("the engine stream ended without its final event")  # engine_events raises first
 
     async def _engine_error(self, send: Send, failed: EngineError) -> None:
         error = failed.error
@@ -245,12 +277,26 @@ class StreamedTurn(Generic[R]):
         """What a batch of intermediate events adds: send whatever it settles, as one chunk. Not yet validated, so
         only what the final, validated event is later checked against (text deltas, logprobs of new tokens) is taken
         from it."""
-        delta = self.tracker.extend(progress.text)
-        tokens = self._new_tokens(progress.logprobs, progress.top_logprobs)
+        await self._send_new(send, progress.text, self._new_tokens(progress.logprobs, progress.top_logprobs))
+
+    async def _send_new(self, send: Send, text: str, tokens: NewTokens | None) -> None:
+        delta = self.tracker.extend(text)
+        self._text_seen += len(text)
         if delta is None and tokens is None:
             return
         await self._start(send)
         await self._events(send, self.format.delta(delta, tokens))
+
+    async def _catch_up(self, send: Send, partial: GenerateResult) -> None:
+        """Before a continuation's events: what the aborted request's last event added (its text and tokens were
+        not sent as progress), so the continuation's text and logprobs follow on exactly."""
+        n = len(self.lp_sent)
+        tokens = None
+        if self.logprobs and not self._lp_broken and n < len(partial.output_ids):
+            top = partial.top_logprobs[n:] if partial.top_logprobs is not None else None
+            tokens = NewTokens(partial.output_ids[n:], partial.logprobs[n:], top)
+            self.lp_sent.extend(tokens.logprobs.tolist())
+        await self._send_new(send, partial.text[self._text_seen:], tokens)
 
     def _new_tokens(self, fresh: list[Any] | None, rows: list[Any] | None) -> NewTokens | None:
         """The new tokens' logprobs, if the entries are sound (else they are left to the final, validated event,
@@ -286,7 +332,7 @@ class StreamedTurn(Generic[R]):
         split = split_routed_experts(raw)
         out: TurnOutput = await server.pool.run_decode(
             len(split[0]), decode_turn, raw, self.family, turn.rid, turn.request.parse_tool_calls, split,
-            server.config.retry_after, turn.plan,
+            server.config.retry_after, turn.plan, self.continuation.before,
         )
         server.metrics.stage("decode", time.perf_counter() - t0)
         result = out.result

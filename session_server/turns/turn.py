@@ -17,7 +17,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 from starlette.responses import Response
 
+from session_server.engine.pacing import stream_interval
 from session_server.engine.sessions import EngineSessions
+from session_server.engine.wire import encode_generate
 from session_server.errors import AbortReason, LimitExceededError
 from session_server.metrics import Metrics
 from session_server.sessions.session import Claim
@@ -48,7 +50,12 @@ class TurnRequest(Generic[R]):
 
 @dataclass(slots=True)
 class Turn(Generic[R]):
-    """One prepared turn: the request, its TITO plan and the ids it goes by."""
+    """One prepared turn: the request, its TITO plan and the ids it goes by.
+
+    `rid` names the turn (its reply ids, its tool calls, its first engine request); `engine_rid` is the engine
+    request running now, which is what an abort must name: a new one for each continuation (turns/resume.py).
+    `engine_start` and `session_params` say how the turn's prompt reached the engine (all of it, or past what its
+    SGLang streaming session holds); a continuation goes the same way."""
 
     request: TurnRequest[R]
     plan: TurnPlan
@@ -57,6 +64,12 @@ class Turn(Generic[R]):
     family: ModelFamily
     segment: SegmentPlan | None = None  # the segment matched (None: a caller without segments)
     created: int = field(default_factory=lambda: int(time.time()))
+    engine_rid: str = ""
+    engine_start: int = 0
+    session_params: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.engine_rid = self.engine_rid or self.rid
 
     @property
     def headers(self) -> dict[str, str]:
@@ -129,6 +142,21 @@ def segment_header(plan: SegmentPlan) -> str:
     if start is None:
         return str(plan.segment)
     return f"{plan.segment}; started; reason={start.reason}; parent={start.parent}; branch_turn={start.branch_turn}"
+
+
+async def encode_payload(
+    server: ServerState, turn: Turn[Any], prompt_ids: Any, sampling_params: dict[str, Any]
+) -> bytes:
+    """The /generate body of the turn's engine request now running (`turn.engine_rid`): `prompt_ids` past
+    `turn.engine_start`, on the pool when large."""
+    request, config = turn.request, server.config
+    interval = stream_interval(config.engine_stream_interval, config.engine_incremental_streaming,
+                               sampling_params.get("max_new_tokens"), server.prompt_token_limit)
+    return await server.pool.run_sized(
+        4 * (len(prompt_ids) - turn.engine_start), encode_generate, prompt_ids, turn.engine_start, sampling_params,
+        turn.engine_rid, turn.session_params, config.return_routed_experts, request.top_logprobs, request.stream,
+        turn.plan.routed_experts_start, interval,
+    )
 
 
 def engine_sessions_of(server: ServerState, claim: Claim) -> EngineSessions | None:

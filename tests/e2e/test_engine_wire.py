@@ -57,12 +57,17 @@ def test_sim_null_max_new_tokens_and_absent_default(stack: Stack) -> None:
     assert short["meta_info"]["completion_tokens"] == 128
 
 
-def test_queued_abort_is_a_503_retry_and_commits_nothing(stack: Stack) -> None:
+def test_queued_abort_is_continued_once_the_engine_continues(stack: Stack) -> None:
     """A request aborted in the engine's waiting queue (pause_generation mode abort, abort_all, a weight update)
-    comes back 200 with the reduced meta_info of tokenizer_manager.py `_handle_abort_req`."""
+    comes back 200 with the reduced meta_info of tokenizer_manager.py `_handle_abort_req`: nothing was sampled, so
+    the turn's continuation is the same request again (turns/resume.py), which waits in the paused engine and runs
+    once it continues."""
     server, engine = stack.server, stack.engine
     sid = new_session(server)
-    before = metric(server, 'session_server_aborts_total{cause="engine"}', default=0.0)
+    continued = 'session_server_turn_continuations_total{result="continued"}'
+    before = metric(server, continued, default=0.0)
+    assert stack.proxy is not None
+    stack.proxy.clear()
     assert httpx.post(f"{engine}/pause_generation", json={"mode": "in_place"}).status_code == 200
     try:
         with httpx.Client(timeout=30) as http:
@@ -76,22 +81,25 @@ def test_queued_abort_is_a_503_retry_and_commits_nothing(stack: Stack) -> None:
                     assert time.monotonic() < deadline, "the chat never reached the engine's queue"
                     time.sleep(0.01)
                 assert httpx.post(f"{engine}/abort_request", json={"rid": "", "abort_all": True}).status_code == 200
+                while not (metric(server, continued, default=0.0) == before + 1
+                           and httpx.get(f"{engine}/server_info").json()["waiting_requests"] == 1):
+                    assert time.monotonic() < deadline, "the continuation never reached the engine's queue"
+                    time.sleep(0.01)
+                assert not fut.done()
+                assert httpx.post(f"{engine}/continue_generation", json={}).status_code == 200
                 r = fut.result()
     finally:
         assert httpx.post(f"{engine}/continue_generation", json={}).status_code == 200
-    assert r.status_code == 503, r.text
-    assert r.headers["retry-after"]
-    assert _records(server, sid) == []
-    assert metric(server, 'session_server_aborts_total{cause="engine"}') == before + 1
-    assert stack.proxy is not None
-    reply = stack.proxy.generates()[-1]["response"]
-    meta = reply["meta_info"]
+    assert r.status_code == 200, r.text
+    assert len(_records(server, sid)) == 1
+    aborted, resent = stack.proxy.settled()[-2:]
+    meta = aborted["response"]["meta_info"]
     assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
     assert "prompt_tokens" not in meta and "cached_tokens" not in meta
-    assert reply["output_ids"] == [] and reply["text"] == "" and meta["completion_tokens"] == 0
-    # the same turn, retried, goes through
-    assert httpx.post(chat_url(server, sid), json={"messages": [{"role": "user", "content": "queued"}]},
-                      timeout=30).status_code == 200
+    assert aborted["response"]["output_ids"] == [] and aborted["response"]["text"] == ""
+    assert meta["completion_tokens"] == 0
+    assert resent["request"]["input_ids"] == aborted["request"]["input_ids"]
+    assert resent["request"]["rid"] != aborted["request"]["rid"]
     wait_engine_idle(engine)
 
 
@@ -109,3 +117,32 @@ def test_nan_happened_is_a_502_counted_by_rule(stack: Stack) -> None:
     assert r.status_code == 502 and "NaN happened" in r.text
     assert _records(server, sid) == []
     assert metric(server, 'session_server_engine_validation_failures_total{rule="nan_happened"}') == before + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_value_the_engine_refuses_passes_through_as_its_400(stack: Stack, stream: bool) -> None:
+    """http_server.py: a value SGLang's tokenizer manager refuses is a 400 for a plain request and, for a streamed
+    one, HTTP 200 with an `{"error": ...}` event and `[DONE]` (the sim's `value_error` fault answers both forms).
+    Either way the agent gets the engine's 400 and its message, before any byte of a reply, and nothing is recorded."""
+    server = stack.server
+    sid = new_session(server)
+    assert stack.proxy is not None
+    stack.proxy.clear()
+    assert httpx.post(f"{stack.engine}/sim/faults", json={"value_error": 1.0}).status_code == 200
+    try:
+        r = httpx.post(chat_url(server, sid), json={"messages": [{"role": "user", "content": "hi"}], "stream": stream},
+                       timeout=30)
+    finally:
+        httpx.post(f"{stack.engine}/sim/faults", json={})
+    (call,) = stack.proxy.settled()
+    assert call["status"] == (200 if stream else 400)  # the engine's own form of the refusal
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+    error = r.json()["error"]
+    assert error["message"] == "sglang-sim injected fault: value_error"
+    if stream:
+        assert error == {"message": "sglang-sim injected fault: value_error", "type": "invalid_request_error",
+                         "code": 400, "retryable": False}
+    assert _records(server, sid) == []
+    assert httpx.post(chat_url(server, sid), json={"messages": [{"role": "user", "content": "hi"}]},
+                      timeout=30).status_code == 200
+    wait_engine_idle(stack.engine)

@@ -100,3 +100,61 @@ def test_in_place_pause_and_a_real_weight_update_keep_the_turn(served: Served, e
     assert np.array_equal(covered, np.flatnonzero(sample.loss_mask))
     for s in (sid, other):
         assert httpx.delete(f"{served.server}/sessions/{s}", timeout=30).status_code == 204
+
+
+def test_a_real_weight_update_that_aborts_the_reply_is_continued(served: Served, engines: Engines) -> None:
+    """The trainer loads the second checkpoint with `abort_all_requests` (no pause): SGLang aborts the streamed reply
+    mid-generation, the server resubmits prompt + the tokens already sampled, and the agent's stream simply goes on
+    to the full `max_tokens`; the sample is both requests' tokens and logprobs, each with its weight version."""
+    sid = new_session(served.server)
+    served.proxy.clear()
+    second = str(engines.checkpoint("qwen3-dense-b"))
+
+    async def main() -> list[dict[str, Any]]:
+        body = {"messages": [{"role": "user", "content": "Write a long story."}], "temperature": 0,
+                "max_tokens": MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
+        async with httpx.AsyncClient(timeout=600) as http, http.stream("POST", chat_url(served.server, sid),
+                                                                         json=body) as reply:
+            assert reply.status_code == 200
+            lines = reply.aiter_lines()
+            chunks = [await anext(chunk async for chunk in _chunks(lines) if _content(chunk))]
+            r = await http.post(f"{served.engine}/update_weights_from_disk", timeout=300, json={
+                "model_path": second, "weight_version": "step-2", "flush_cache": False, "abort_all_requests": True})
+            assert r.status_code == 200 and r.json()["success"], r.text
+            chunks += [chunk async for chunk in _chunks(lines)]
+            return chunks
+
+    try:
+        chunks = asyncio.run(main())
+    finally:
+        update_weights(served.engine, str(engines.checkpoint("qwen3-dense")), "default", True)
+    assert not any("error" in chunk for chunk in chunks), chunks[-3:]
+    assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    cut, rest = [c for c in served.proxy.settled() if c["path"] == "/generate"]
+    finish = cut["response"]["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and finish["message"] == "Aborted" and finish["status_code"] is None, finish
+    sampled = len(cut["response"]["output_ids"])
+    assert 0 < sampled < MAX_TOKENS
+    assert rest["request"]["input_ids"] == cut["request"]["input_ids"] + cut["response"]["output_ids"]
+    assert rest["request"]["sampling_params"]["max_new_tokens"] == MAX_TOKENS - sampled
+    assert rest["response"]["meta_info"]["weight_version"] == "step-2"
+    sample = samples_from_json(httpx.post(f"{served.server}/sessions/{sid}/samples", json={}, timeout=30).json())[0]
+    (start, middle), (_, end) = assert_sample_is_what_the_engine_saw(sample, [cut, rest])
+    # Each token's version as the engine reported it: the continuation's are the new weights'. (Seen on 0.5.23: the
+    # cut request's last decode step can run after the update reached the scheduler, and SGLang then reports all of
+    # its tokens under the new version; the sample records what the engine said.)
+    metas = [cut["response"]["meta_info"], rest["response"]["meta_info"]]
+    expected: list[list[Any]] = []
+    for meta, offset in zip(metas, (start, middle), strict=True):
+        for span in meta.get("weight_versions") or [{"version": meta["weight_version"], "start": 0,
+                                                     "end": meta["completion_tokens"]}]:
+            version, a, b = span["version"], span["start"] + offset, span["end"] + offset
+            if expected and expected[-1][0] == version and expected[-1][2] == a:
+                expected[-1][2] = b
+            else:
+                expected.append([version, a, b])
+    assert sample.metadata["weight_version_spans"] == expected, metas
+    assert expected[-1][0] == "step-2" and expected[0][1] == start and expected[-1][2] == end
+    print("cut:", {k: metas[0].get(k) for k in ("weight_version", "weight_versions")}, "sampled", sampled)
+    assert httpx.delete(f"{served.server}/sessions/{sid}", timeout=30).status_code == 204

@@ -164,6 +164,55 @@ def sampling_value_out_of_range(t: Target) -> dict[str, Any]:
 
 
 @probe
+def sampling_value_out_of_range_streamed(t: Target) -> dict[str, Any]:
+    """A value SamplingParams.verify refuses is a ValueError in the tokenizer manager: a streamed request gets HTTP
+    200, one error event and `[DONE]` (http_server.py `stream_results`), not the plain request's 400."""
+    with t.http.stream("POST", "/generate", json={
+        "input_ids": t.prompt, "sampling_params": {"temperature": -1, "max_new_tokens": 4}, "rid": t.rid(),
+        "stream": True,
+    }) as r:
+        raw = r.read()
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
+    return {"status": r.status_code, "content_type": r.headers.get("content-type", "").split(";")[0],
+            "events": [e.decode() if e == b"[DONE]" else msgspec.json.decode(e) for e in events]}
+
+
+def _cut_stream(t: Target, cut: Callable[[], httpx.Response]) -> dict[str, Any]:
+    """A long streamed request, cut by `cut()` once its first tokens have arrived: what the cut answered and how
+    the stream ended."""
+    with t.http.stream("POST", "/generate", json={
+        "input_ids": t.prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 1500}, "return_logprob": True,
+        "logprob_start_len": -1, "rid": t.rid(), "stream": True,
+    }) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        next(lines)  # tokens were sampled
+        answer = cut()
+        events = [line.removeprefix("data: ") for line in lines]
+    final = msgspec.json.decode(events[-2])
+    meta = final["meta_info"]
+    return {"cut": error(answer), "status": r.status_code, "last": events[-1], "final_shape": shape(final),
+            "finish_reason": meta["finish_reason"], "partial": 0 < meta["completion_tokens"] < 1500}
+
+
+@probe
+def weight_update_aborts_running_requests(t: Target) -> dict[str, Any]:
+    """`/update_weight_version` aborts every in-flight request (abort_all_requests defaults to true): the stream
+    ends with SGLang's bare abort finish reason and the tokens sampled so far (what turns/resume.py continues)."""
+    try:
+        return _cut_stream(t, lambda: t.http.post("/update_weight_version", json={"new_version": "diff-v2"}))
+    finally:
+        t.http.post("/update_weight_version", json={"new_version": "default", "abort_all_requests": False})
+
+
+@probe
+def pause_abort_aborts_running_requests(t: Target) -> dict[str, Any]:
+    try:
+        return _cut_stream(t, lambda: t.http.post("/pause_generation", json={"mode": "abort"}))
+    finally:
+        t.http.post("/continue_generation", json={})
+
+
+@probe
 def prompt_too_long(t: Target) -> dict[str, Any]:
     r = t.http.post("/generate", json={"input_ids": [t.prompt[0]] * 2100, "sampling_params": {"max_new_tokens": 4},
                                        "rid": t.rid()})

@@ -1,0 +1,84 @@
+"""Continuing a turn whose engine request the engine aborted for everyone (a weight update), instead of failing it.
+
+SGLang aborts every in-flight request on `/update_weight_version`, `/update_weights_from_*` with
+`abort_all_requests` and `/pause_generation` mode `abort`; the request comes back as HTTP 200 with an abort finish
+reason and what it sampled so far. Answering 503 would make the agent redo the whole turn (and the trainer lose
+what was sampled). So the turn goes on: its next engine request is prompt + the tokens already sampled, under a new
+rid, with `max_new_tokens` reduced by them, sent the same way as the first (whole, or past what the SGLang streaming
+session holds). The engine queues it while it is paused and runs it once it continues, under the new weights. The
+pieces are joined by trajectory.join_results (every token's logprob and weight version kept), so the sample is
+prompt + all sampled tokens with loss mask 1, and the agent sees one reply (a streamed one simply goes on).
+
+Which aborts are continued is trajectory.continuable_abort's rule (an abort of everything, read from SGLang's
+source). Every abort the server makes itself (client gone, DELETE, timeout, /admin/pause, shutdown) ends the turn
+before its engine reply is read, so it never gets here. Not continued, and answered 503 as before: a turn past
+--max-turn-continuations; a grammar-constrained turn that had sampled tokens (the grammar would restart at the
+continuation's first token); one whose token budget is spent. The turn's deadline (--request-timeout) covers all of
+its requests. What continuation cannot keep exact is the engine's sampling state across the cut: penalties count
+output tokens from the continuation's start, and a stop string split across the cut is not seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from session_server.errors import EngineAbortedError
+from session_server.state import ServerState
+from session_server.turns.turn import Turn, encode_payload
+from trajectory import GenerateResult, continuable_abort
+
+logger = logging.getLogger("session_server.turns.resume")
+
+# Sampling keys of constrained decoding (DESIGN.md 5.1): their grammar state starts at the first output token.
+CONSTRAINED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+@dataclass(slots=True)
+class Continuation:
+    """One turn across its engine requests: what they sampled before the last abort, and how many followed."""
+
+    limit: int
+    before: GenerateResult | None = None
+    count: int = 0
+
+    def refusal(self, turn: Turn[Any], partial: GenerateResult | None) -> str | None:
+        """Why the turn cannot go on after `partial` (a metrics label), or None."""
+        if partial is None or not continuable_abort(partial.finish_reason):
+            return "foreign"
+        if self.count >= self.limit:
+            return "limit"
+        sampled = len(partial.output_ids)
+        params = turn.request.sampling_params
+        if sampled and any(params.get(key) is not None for key in CONSTRAINED_KEYS):
+            return "constrained"
+        budget = params.get("max_new_tokens")
+        if isinstance(budget, int) and sampled >= budget:
+            return "budget"
+        return None
+
+
+async def continue_turn(
+    server: ServerState, turn: Turn[Any], state: Continuation, aborted: EngineAbortedError
+) -> bytes:
+    """The /generate body of the turn's next engine request (and `turn.engine_rid` set to it), or `aborted` raised
+    again when the turn cannot go on."""
+    partial = aborted.partial
+    refusal = state.refusal(turn, partial)
+    server.metrics.continuation(refusal or "continued")
+    if refusal is not None:
+        raise aborted
+    assert partial is not None
+    state.before, state.count = partial, state.count + 1
+    params = dict(turn.request.sampling_params)
+    if isinstance(params.get("max_new_tokens"), int):
+        params["max_new_tokens"] -= len(partial.output_ids)
+    turn.engine_rid = uuid.uuid4().hex
+    logger.info("turn %s: the engine aborted it after %d tokens (%r); continuing as %s", turn.rid,
+                len(partial.output_ids), partial.finish_reason.get("message"), turn.engine_rid)
+    prompt = np.concatenate([turn.plan.prompt_ids, partial.output_ids]).astype(np.int32, copy=False)
+    return await encode_payload(server, turn, prompt, params)

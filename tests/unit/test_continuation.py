@@ -1,0 +1,85 @@
+"""trajectory.continuation: a reply cut by an abort and continued is, joined, the reply sampled in one go."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trajectory import GenerateResult, continuable_abort, decode_generate_response, join_results
+
+ABORTED = {"type": "abort", "message": "Aborted"}
+
+
+def _result(ids: list[int], logprobs: list[float], finish: dict[str, object], version: str, prompt: int,
+            text: str, cached: int = 0, rid: str | None = None) -> GenerateResult:
+    return GenerateResult(
+        text=text, output_ids=np.asarray(ids, np.int32), logprobs=np.asarray(logprobs, np.float32),
+        finish_reason=finish, prompt_tokens=prompt, completion_tokens=len(ids), cached_tokens=cached,
+        weight_version=version, rid=rid)
+
+
+@given(
+    ids=st.lists(st.integers(0, 1000), min_size=1, max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=3),
+    prompt=st.integers(1, 50),
+)
+def test_pieces_joined_are_the_whole_reply(ids: list[int], cuts: list[int], prompt: int) -> None:
+    """Cut anywhere, any number of times, under a new weight version each time: tokens, logprobs and text are the
+    whole reply's, the prompt is the original, and the versions tile the reply in order."""
+    logprobs = [-(i % 7) / 3 for i in range(len(ids))]
+    text = [f"<{t}>" for t in ids]
+    bounds = sorted({min(c, len(ids)) for c in cuts} | {0, len(ids)})
+    joined = None
+    for i, (start, end) in enumerate(itertools.pairwise(bounds)):
+        last = end == len(ids)
+        piece = _result(ids[start:end], logprobs[start:end], {"type": "stop", "matched": 7} if last else ABORTED,
+                        f"v{i}", prompt + start, "".join(text[start:end]), rid=f"rid{i}")
+        joined = piece if joined is None else join_results(joined, piece)
+    assert joined is not None
+    assert joined.output_ids.tolist() == ids and joined.completion_tokens == len(ids)
+    np.testing.assert_array_equal(joined.logprobs, np.asarray(logprobs, np.float32))
+    assert joined.text == "".join(text) and joined.prompt_tokens == prompt and joined.rid == "rid0"
+    assert joined.finish_reason == {"type": "stop", "matched": 7}
+    pieces = len(bounds) - 1
+    if pieces == 1:
+        assert joined.weight_versions is None
+    else:
+        spans = joined.weight_versions
+        assert spans is not None and [v for v, _, _ in spans] == [f"v{i}" for i in range(pieces)]
+        assert spans[0][1] == 0 and spans[-1][2] == len(ids)
+        assert all(a[2] == b[1] and a[1] < a[2] for a, b in itertools.pairwise(spans))
+
+
+def test_a_length_finish_counts_the_whole_reply_and_spans_merge() -> None:
+    before = _result([1, 2, 3], [-0.1, -0.2, -0.3], ABORTED, "v1", 10, "abc", cached=4)
+    after = _result([4, 5], [-0.4, -0.5], {"type": "length", "length": 2}, "v1", 13, "de", cached=13)
+    joined = join_results(before, after)
+    assert joined.finish_reason == {"type": "length", "length": 5}
+    assert joined.cached_tokens == 4 and joined.weight_versions is None and joined.weight_version == "v1"
+
+
+def test_a_queued_abort_continued_keeps_the_continuations_prompt_facts() -> None:
+    """Nothing sampled before the cut (aborted in the queue: reduced meta_info without prompt_tokens)."""
+    body = b'{"text":"","output_ids":[],"meta_info":{"id":"r0","finish_reason":{"type":"abort","message":' \
+           b'"Abort in waiting queue"},"completion_tokens":0,"output_token_logprobs":[],"weight_version":"v1"}}'
+    queued = decode_generate_response(body, 1000)
+    assert continuable_abort(queued.finish_reason)
+    after = _result([4, 5], [-0.4, -0.5], {"type": "stop", "matched": 5}, "v2", 13, "de", cached=9, rid="r1")
+    joined = join_results(queued, after)
+    assert joined.prompt_tokens == 13 and joined.cached_tokens == 9 and joined.rid == "r0"
+    assert joined.weight_versions is None and joined.weight_version == "v2"
+
+
+def test_which_aborts_are_continued() -> None:
+    """SGLang 0.5.23: an abort of everything carries no status code; aborts with a reason of their own do."""
+    assert continuable_abort({"type": "abort", "message": "Aborted", "status_code": None, "err_type": None})
+    assert continuable_abort({"type": "abort", "message": "Abort in waiting queue"})
+    assert not continuable_abort({"type": "abort", "message": "Aborted", "status_code": 503})
+    assert not continuable_abort({"type": "abort", "message": "Request timed out"})
+    assert not continuable_abort({"type": "stop", "matched": 5})
+    body = b'{"text":"","output_ids":[],"meta_info":{"finish_reason":{"type":"abort","message":"Timeout",' \
+           b'"status_code":503,"err_type":null},"completion_tokens":0,"output_token_logprobs":[]}}'
+    assert not continuable_abort(decode_generate_response(body, 10).finish_reason)
