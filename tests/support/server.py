@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -172,9 +173,13 @@ class RecordingProxy:
     session server stored with what the engine actually received and generated (and in which order).
 
     `refuse[path] = status` answers calls to `path` with that status instead of forwarding them, and `delay[path] =
-    seconds` forwards them that much later: an engine whose control calls fail or lag under load."""
+    seconds` forwards them that much later: an engine whose control calls fail or lag under load.
 
-    def __init__(self, target: str) -> None:
+    `pass_disconnects`: a caller that goes away before a plain (unstreamed) answer closes the engine's connection too,
+    as it would without the proxy (the call is then recorded with `disconnected: True` and no response); by default
+    the proxy waits for the engine's answer and records it."""
+
+    def __init__(self, target: str, *, pass_disconnects: bool = False) -> None:
         import socket
         import threading
 
@@ -209,8 +214,14 @@ class RecordingProxy:
                                 media_type="application/json")
             forwarded = ("content-type", "x-smg-routing-key", "authorization")
             headers = {k: v for k, v in request.headers.items() if k.lower() in forwarded}
-            upstream = await client.send(client.build_request(request.method, path, content=body, headers=headers),
-                                         stream=True)
+            send = client.send(client.build_request(request.method, path, content=body, headers=headers), stream=True)
+            if pass_disconnects:
+                upstream = await until_disconnect(request, send)
+                if upstream is None:
+                    entry.update(disconnected=True, finished=time.monotonic(), response=None, status=499)
+                    return Response(status_code=499)
+            else:
+                upstream = await send
             media_type = upstream.headers.get("content-type")
             if media_type and media_type.startswith("text/event-stream"):  # relayed as it comes, recorded at its end
                 return StreamingResponse(relay(upstream, entry), upstream.status_code, media_type=media_type)
@@ -222,6 +233,31 @@ class RecordingProxy:
                 entry["response"] = None
             entry.update(finished=time.monotonic(), status=upstream.status_code)  # `status` last: `settled` reads it
             return Response(content, status_code=upstream.status_code, media_type=media_type)
+
+        async def until_disconnect(request: Request, send: Any) -> httpx.Response | None:
+            """The engine's answer (headers and, unless streamed, its whole body), or None when the caller went away
+            first: the engine's request is then cancelled, which closes its connection."""
+
+            async def disconnected() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+
+            async def answer() -> httpx.Response:
+                upstream: httpx.Response = await send
+                if not (upstream.headers.get("content-type") or "").startswith("text/event-stream"):
+                    await upstream.aread()
+                return upstream
+
+            call, gone = asyncio.ensure_future(answer()), asyncio.ensure_future(disconnected())
+            await asyncio.wait((call, gone), return_when=asyncio.FIRST_COMPLETED)
+            for task in (call, gone):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+            try:
+                return await call
+            except asyncio.CancelledError:
+                return None
 
         async def relay(upstream: httpx.Response, entry: dict[str, Any]) -> AsyncIterator[bytes]:
             """Pass a stream (SGLang's cumulative chunks) through piece by piece; the last event is the whole
