@@ -47,7 +47,7 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
     engine_sessions = (EngineSessions(engine, config.session_idle_timeout, metrics, config.request_timeout)
                        if config.engine_sessions else None)
     journal = journaled[0] if journaled is not None else None
-    drains = EngineDrains(engine, metrics, config.abort_grace)
+    drains = EngineDrains(engine, metrics, config.abort_grace, horizon=config.request_timeout)
     server = ServerState(
         config=config,
         family=family,
@@ -123,6 +123,10 @@ def watch_state(server: ServerState) -> None:
     journal = server.journal
     watch("journal_queue_depth", "journal writes queued or being written (0 without --journal)",
           lambda: journal.queue_depth if journal is not None else 0)
+    drains, engine_sessions = server.drains, server.engine_sessions
+    watch("engine_retries_pending", "failed engine control calls (aborts, closes) being retried in the background",
+          lambda: (drains.retries_pending if drains is not None else 0)
+          + (engine_sessions.closes_pending if engine_sessions is not None else 0))
     workers = server.engine.workers
     watch("engines", "engine workers configured (--engine-url)", lambda: len(workers))
     watch("engines_healthy", "engine workers passing their health checks", lambda: sum(w.healthy for w in workers))
@@ -132,6 +136,7 @@ async def shutdown(server: ServerState) -> None:
     await server.lifecycle.shutdown()
     if server.drains is not None:
         await server.drains.wait_all()  # every engine abort sent (each drain is bounded) before the client closes
+        await server.drains.aclose()  # unanswered aborts stop being retried: their connections close
     if server.engine_sessions is not None:
         await server.engine_sessions.aclose()
     await server.engine.aclose()

@@ -122,6 +122,11 @@ class Metrics:
             "retry (one more attempt), closed (it landed), moot (the engine's own idle timeout closes it)",
             ("outcome",),
         )
+        self.engine_abort_retries = counter(
+            "engine_abort_retries", "abort_request calls retried in the background after the engine did not answer, "
+            "by outcome: retry (one more attempt), aborted (it landed), moot (the request ended by itself or with its "
+            "engine, or the retry gave up at its horizon), refused (the engine refused it for good)", ("outcome",),
+        )
         self.limit_refusals = counter(
             "limit_refusals", "requests refused by a configured limit: sessions (--max-sessions, 503), session_tokens "
             "(--max-session-tokens, 400), context (a prompt that cannot fit the engine's context, 400)", ("limit",),

@@ -16,6 +16,7 @@ import pytest
 
 from scripts.build_tokenizers import build_all
 from support.families import FAMILIES
+from support.server import RecordingProxy
 from support.stack import Fleet, FleetFactory, Stack, StackFactory, launch_fleet, launch_stack
 from trajectory import ModelFamily, get_family
 
@@ -101,6 +102,17 @@ def stack_factory(
         return launch_stack(tokenizer_dirs, tmp_path_factory.mktemp("stack"), **options)
 
     return factory
+
+
+@pytest.fixture
+def proxy(stack: Stack) -> Iterator[RecordingProxy]:
+    """The module stack's recording proxy, with no calls recorded and no faults set, and none left afterwards (the
+    module defines `stack` with `proxied` servers)."""
+    assert stack.proxy is not None, "the module's stack has no proxied server"
+    stack.proxy.clear()
+    yield stack.proxy
+    stack.proxy.refuse.clear()
+    stack.proxy.delay.clear()
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -48,6 +49,20 @@ class EngineReply:
     @property
     def ok(self) -> bool:
         return 200 <= self.status < 300
+
+
+class Answer(enum.Enum):
+    """How the engine took a control call, for whoever decides whether to try it again (engine/retries.py)."""
+
+    DONE = "done"  # 2xx: the engine took it
+    RETRY = "retry"  # no answer in time, a broken connection, or a passing refusal (5xx, 408, 429): try again later
+    REFUSED = "refused"  # any other 4xx (e.g. a router's 404): no later try would land
+
+    @classmethod
+    def of(cls, status: int) -> Answer:
+        if 200 <= status < 300:
+            return cls.DONE
+        return cls.RETRY if status >= 500 or status in (408, 429) else cls.REFUSED
 
 
 ENGINE_CLIENTS = ("httptools", "httpx")
@@ -212,8 +227,8 @@ class EngineClient:
         finally:
             await response.aclose()
 
-    async def abort(self, rid: str) -> bool:
-        """POST /abort_request for exactly this rid; True when the engine acknowledged it (SGLang answers 200).
+    async def abort(self, rid: str) -> Answer:
+        """POST /abort_request for exactly this rid; DONE when the engine acknowledged it (SGLang answers 200).
 
         Bounded by the control timeout: a stalled engine costs the caller at most that long."""
         try:
@@ -221,10 +236,10 @@ class EngineClient:
                                              headers=self._admin_auth)
         except EngineUnavailableError as exc:
             logger.warning("abort of rid %s failed: %s", rid, exc)
-            return False
+            return Answer.RETRY
         if not reply.ok:
             logger.warning("abort of rid %s refused by the engine (%d): %r", rid, reply.status, reply.body[:200])
-        return reply.ok
+        return Answer.of(reply.status)
 
     async def generation_control(self, path: str, body: dict[str, Any]) -> None:
         """POST /pause_generation or /continue_generation (admin calls); an engine that refuses is a 502 that says

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from session_server.engine.client import EngineClient, EngineReply, StreamedReply
+from session_server.engine.client import Answer, EngineClient, EngineReply, StreamedReply
 from session_server.engine.routers import EngineKind, classify, refusal
 from session_server.errors import EngineUnavailableError
 
@@ -179,12 +179,12 @@ class EnginePlacement:
             self._probe_soon(worker)
             raise
 
-    async def abort(self, rid: str, routing_key: str | None = None) -> bool:
-        """Abort `rid` on the session's worker (on every worker when the session is unknown). False when no worker
-        acknowledged it (e.g. a router's 404): the caller then closes the /generate connection at once."""
+    async def abort(self, rid: str, routing_key: str | None = None) -> Answer:
+        """Abort `rid` on the session's worker (on every worker when the session is unknown): DONE when a worker
+        acknowledged it, else RETRY when one may later (no answer, 5xx), else REFUSED (e.g. a router's 404)."""
         # Each failure logs a warning.
-        results = await asyncio.gather(*(w.client.abort(rid) for w in self._holders(routing_key)))
-        return any(results)
+        answers = set(await asyncio.gather(*(w.client.abort(rid) for w in self._holders(routing_key))))
+        return next(a for a in (Answer.DONE, Answer.RETRY, Answer.REFUSED) if a in answers)
 
     async def pause_in_place(self) -> None:
         """SGLang's `/pause_generation` mode `in_place` on every worker: running requests keep their KV and resume,

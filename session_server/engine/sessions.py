@@ -11,9 +11,9 @@ Under load the engine answers control calls late (a burst of 300 new sessions on
 calls took over a second). An open on a turn's path therefore gets half of what the turn's deadline leaves, not the
 control timeout; if it still fails, the turn is sent without an engine session (the whole prompt, as without
 --engine-sessions), counted, never a 502 for a missing optimisation. A close that fails (the engine busy, or down for a
-moment) is retried in the background with backoff until it lands or the engine session's own idle timeout (sent with
-the open) has closed it anyway; at most MAX_CLOSE_RETRIES run at once, beyond which the idle timeout is left to do it.
-Both are counted in /metrics.
+moment) is retried in the background with backoff (engine/retries.py, the same machinery as failed aborts) until it
+lands or the engine session's own idle timeout (sent with the open) has closed it anyway; at most MAX_CLOSE_RETRIES run
+at once, beyond which the idle timeout is left to do it. Both are counted in /metrics.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from session_server.engine.client import Answer
 from session_server.engine.placement import EnginePlacement, Worker
+from session_server.engine.retries import ControlRetries
 from session_server.errors import EngineUnavailableError
 from session_server.metrics import Metrics
 
@@ -74,7 +76,8 @@ class EngineSessions:
         self._metrics = metrics or Metrics()
         self._states: dict[str, EngineSessionState] = {}  # by session id: the sessions that hold one now
         self._orphans: set[asyncio.Task[Any]] = set()
-        self._closing: set[asyncio.Task[Any]] = set()  # failed closes being retried
+        self._closing = ControlRetries(self._metrics.engine_close_retries, "closed", backoff=CLOSE_BACKOFF,
+                                       limit=MAX_CLOSE_RETRIES)
         self.engine_timeout = (max(idle_timeout, request_timeout) + ENGINE_TIMEOUT_MARGIN if idle_timeout > 0
                                else NO_IDLE_TIMEOUT_ENGINE_TIMEOUT)
         engine.on_move.append(self._moved)
@@ -126,42 +129,26 @@ class EngineSessions:
 
     async def close(self, session_id: str) -> None:
         """Close the engine session, if any. Called by DELETE/shutdown only after the in-flight chat has finished.
-        A close that fails is retried in the background (`_retry_close`)."""
+        A close that fails is retried in the background until it lands or the engine's idle timeout (from its last
+        use, which was before the first failed close) has closed it anyway."""
         st = self._states.pop(session_id, None)
-        if st is not None and not await self._engine.close_session(st.sid, session_id):
-            self._retry_later(st.sid, session_id)
-
-    def _retry_later(self, sid: str, routing_key: str) -> None:
-        if len(self._closing) >= MAX_CLOSE_RETRIES:
-            logger.warning("engine session %s not closed; %d closes are already being retried: the engine's idle "
-                           "timeout will close it", sid, len(self._closing))
-            self._metrics.engine_close_retries.labels("moot").inc()
+        if st is None or await self._engine.close_session(st.sid, session_id):
             return
-        task = asyncio.get_running_loop().create_task(self._retry_close(sid, routing_key))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        if not self._closing.start(self._retry_close(st.sid, session_id)):
+            logger.warning("engine session %s not closed; %d closes are already being retried: the engine's "
+                               "idle timeout will close it", st.sid, self._closing.pending)
 
     async def _retry_close(self, sid: str, routing_key: str) -> None:
-        """Retry a failed close with doubling pauses until it lands or the engine session's own idle timeout (from
-        its last use, which was before the first failed close) has closed it anyway."""
-        moot_at = time.monotonic() + self.engine_timeout
-        pause, largest = CLOSE_BACKOFF
-        while True:
-            if time.monotonic() + pause >= moot_at:
-                logger.warning("engine session %s: close failed until its idle timeout closes it", sid)
-                self._metrics.engine_close_retries.labels("moot").inc()
-                return
-            await asyncio.sleep(pause)
-            self._metrics.engine_close_retries.labels("retry").inc()
-            if await self._engine.close_session(sid, routing_key):
-                self._metrics.engine_close_retries.labels("closed").inc()
-                return
-            pause = min(pause * 2, largest)
+        async def attempt() -> Answer:
+            return Answer.DONE if await self._engine.close_session(sid, routing_key) else Answer.RETRY
+
+        if not await self._closing.until_landed(attempt, horizon=self.engine_timeout):
+            logger.warning("engine session %s: close failed until its idle timeout closes it", sid)
 
     @property
     def closes_pending(self) -> int:
         """Failed closes still being retried."""
-        return len(self._closing)
+        return self._closing.pending
 
     def _moved(self, session_id: str, old: Worker) -> None:
         """The session left `old` (placement.py), where its engine session lived: close it there, best effort (a
@@ -187,5 +174,6 @@ class EngineSessions:
         logger.warning("engine session %s may be open; the engine's idle timeout will close it", sid)
 
     async def aclose(self) -> None:
-        for task in [*self._orphans, *self._closing]:
+        for task in self._orphans:
             task.cancel()
+        await self._closing.aclose()

@@ -277,6 +277,8 @@ class StreamedTurn(Generic[R]):
         """What a batch of intermediate events adds: send whatever it settles, as one chunk. Not yet validated, so
         only what the final, validated event is later checked against (text deltas, logprobs of new tokens) is taken
         from it."""
+        if self._abandoned:  # the engine drain owns the request now: read on until the engine ends it, send nothing
+            return
         await self._send_new(send, progress.text, self._new_tokens(progress.logprobs, progress.top_logprobs))
 
     async def _send_new(self, send: Send, text: str, tokens: NewTokens | None) -> None:

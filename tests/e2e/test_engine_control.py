@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from support.server import assert_engine_baseline, chat_url, engine_info, metric, new_session
+from support.server import RecordingProxy, assert_engine_baseline, chat_url, engine_info, metric, new_session
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
@@ -31,65 +31,55 @@ def stack(stack_factory: StackFactory) -> Iterator[Stack]:
         yield stack
 
 
-@pytest.fixture
-def proxy(stack: Stack) -> Iterator[None]:
-    assert stack.proxy is not None
-    stack.proxy.clear()
-    yield
-    stack.proxy.refuse.clear()
-    stack.proxy.delay.clear()
+def _generates(proxy: RecordingProxy) -> list[dict[str, object]]:
+    return [c["request"] for c in proxy.settled() if c["path"] == "/generate"]
 
 
-def _generates(stack: Stack) -> list[dict[str, object]]:
-    assert stack.proxy is not None
-    return [c["request"] for c in stack.proxy.settled() if c["path"] == "/generate"]
-
-
-def test_a_slow_open_on_a_turns_path_gets_the_turns_deadline(stack: Stack, proxy: None) -> None:
-    assert stack.proxy is not None
-    stack.proxy.delay["/open_session"] = 1.5  # three control timeouts
+def test_a_slow_open_on_a_turns_path_gets_the_turns_deadline(stack: Stack, proxy: RecordingProxy) -> None:
+    proxy.delay["/open_session"] = 1.5  # three control timeouts
     sid = new_session(stack["es"])
     r = httpx.post(chat_url(stack["es"], sid), json=CHAT, timeout=30)
     assert r.status_code == 200, r.text
-    (generate,) = _generates(stack)
+    (generate,) = _generates(proxy)
     assert generate["session_params"]  # the turn ran in the engine session it waited for
     assert httpx.delete(f"{stack['es']}/sessions/{sid}").status_code == 204
     assert_engine_baseline(stack.engine)
 
 
-def test_an_open_that_fails_degrades_to_a_plain_turn(stack: Stack, proxy: None) -> None:
-    assert stack.proxy is not None
+def test_an_open_that_fails_degrades_to_a_plain_turn(stack: Stack, proxy: RecordingProxy) -> None:
     server = stack["es"]
     before = metric(server, "session_server_engine_session_fallbacks_total")
-    stack.proxy.refuse["/open_session"] = 503
+    proxy.refuse["/open_session"] = 503
     sid = new_session(server)
     history = [CHAT["messages"][0]]
     r = httpx.post(chat_url(server, sid), json={"messages": history}, timeout=30)
     assert r.status_code == 200, r.text
     assert metric(server, "session_server_engine_session_fallbacks_total") == before + 1
-    (generate,) = _generates(stack)
+    (generate,) = _generates(proxy)
     assert "session_params" not in generate or generate["session_params"] is None  # the whole prompt, no session
-    stack.proxy.refuse.clear()
+    proxy.refuse.clear()
     history += [r.json()["choices"][0]["message"], {"role": "user", "content": "again [[sim: tokens 3]]"}]
     assert httpx.post(chat_url(server, sid), json={"messages": history}, timeout=30).status_code == 200
-    assert _generates(stack)[-1]["session_params"]  # the engine answers again: the next turn opens one
+    assert _generates(proxy)[-1]["session_params"]  # the engine answers again: the next turn opens one
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
     assert_engine_baseline(stack.engine)
 
 
-def test_a_failed_close_is_retried_until_it_lands(stack: Stack, proxy: None) -> None:
-    assert stack.proxy is not None
+def test_a_failed_close_is_retried_until_it_lands(stack: Stack, proxy: RecordingProxy) -> None:
     server = stack["es"]
     sid = new_session(server)
     assert httpx.post(chat_url(server, sid), json=CHAT, timeout=30).status_code == 200
     assert engine_info(stack.engine)["open_sessions"] == 1
     closed = metric(server, 'session_server_engine_close_retries_total{outcome="closed"}', 0.0)
-    stack.proxy.refuse["/close_session"] = 503
+    retried = metric(server, 'session_server_engine_close_retries_total{outcome="retry"}', 0.0)
+    proxy.refuse["/close_session"] = 503
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204  # DELETE does not wait for the engine
-    time.sleep(1.0)  # a retry or two fail while the engine refuses
+    deadline = time.monotonic() + 60
+    while metric(server, 'session_server_engine_close_retries_total{outcome="retry"}', 0.0) == retried:
+        assert time.monotonic() < deadline, "the failed close was never retried"
+        time.sleep(0.05)  # a retry fails while the engine refuses
     assert engine_info(stack.engine)["open_sessions"] == 1
-    assert metric(server, 'session_server_engine_close_retries_total{outcome="retry"}') >= 1
-    stack.proxy.refuse.clear()
+    proxy.refuse.clear()
     deadline = time.monotonic() + 10
     while engine_info(stack.engine)["open_sessions"]:
         assert time.monotonic() < deadline, "the close never landed"
@@ -98,7 +88,7 @@ def test_a_failed_close_is_retried_until_it_lands(stack: Stack, proxy: None) -> 
     assert_engine_baseline(stack.engine)
 
 
-def test_a_burst_of_new_sessions_under_cpu_contention_gets_no_502(stack: Stack, proxy: None) -> None:
+def test_a_burst_of_new_sessions_under_cpu_contention_gets_no_502(stack: Stack, proxy: RecordingProxy) -> None:
     """300 first turns at once with --engine-sessions while two busy loops compete for the cores (the burst that
     once gave 228 x 502, the opens not answering within the control timeout): every chat is answered 200, and after
     the DELETEs the engine holds no session and no KV."""

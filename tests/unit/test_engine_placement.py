@@ -6,28 +6,29 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from session_server.engine.client import EngineReply
+from session_server.engine.client import Answer, EngineReply
 from session_server.engine.placement import EnginePlacement, _total_load
 from session_server.engine.sessions import EngineSessions
 from sglang_sim.wire import get_load, v1_loads
 
 
 class FakeClient:
-    def __init__(self, url: str, *, abort_ok: bool = True) -> None:
+    def __init__(self, url: str, *, abort: Answer = Answer.DONE) -> None:
         self.base_url = url
         self.calls: list[tuple[str, Any]] = []
-        self.abort_ok = abort_ok
+        self.abort_answer = abort
 
     async def generate(self, payload: bytes, routing_key: str) -> EngineReply:
         self.calls.append(("generate", routing_key))
         return EngineReply(200, b"{}", "application/json")
 
-    async def abort(self, rid: str) -> bool:
+    async def abort(self, rid: str) -> Answer:
         self.calls.append(("abort", rid))
-        return self.abort_ok
+        return self.abort_answer
 
     async def open_session(self, capacity: int, routing_key: str, idle_timeout: float | None = None,
                            session_id: str | None = None, deadline: float | None = None) -> str:
@@ -115,21 +116,37 @@ def test_every_call_of_a_session_goes_to_its_worker() -> None:
     pool.place("x")
     pool.place("y")
 
-    async def calls() -> bool:
+    async def calls() -> Answer:
         await pool.generate(b"{}", "y")
         await pool.open_session(10, "y")
         await pool.close_session("sid", "y")
         return await pool.abort("rid-y", "y")
 
-    assert asyncio.run(calls())
+    assert asyncio.run(calls()) is Answer.DONE
     assert clients[0].calls == []
     assert [c[0] for c in clients[1].calls] == ["generate", "open_session", "close_session", "abort"]
 
 
 def test_abort_of_an_unknown_session_reaches_every_worker_and_reports_refusal() -> None:
-    pool, clients = _pool(2, abort_ok=False)
-    assert asyncio.run(pool.abort("rid")) is False
+    pool, clients = _pool(2, abort=Answer.REFUSED)
+    assert asyncio.run(pool.abort("rid")) is Answer.REFUSED
     assert [c.calls for c in clients] == [[("abort", "rid")], [("abort", "rid")]]
+
+
+def test_an_abort_is_retried_when_any_worker_may_take_it_later() -> None:
+    pool, clients = _pool(2, abort=Answer.REFUSED)
+    clients[1].abort_answer = Answer.RETRY
+    assert asyncio.run(pool.abort("rid")) is Answer.RETRY
+    clients[0].abort_answer = Answer.DONE
+    assert asyncio.run(pool.abort("rid")) is Answer.DONE
+
+
+@pytest.mark.parametrize(("status", "answer"), [
+    (200, Answer.DONE), (204, Answer.DONE), (503, Answer.RETRY), (500, Answer.RETRY), (429, Answer.RETRY),
+    (408, Answer.RETRY), (404, Answer.REFUSED), (400, Answer.REFUSED), (401, Answer.REFUSED),
+])
+def test_an_engine_status_says_whether_a_control_call_is_worth_retrying(status: int, answer: Answer) -> None:
+    assert Answer.of(status) is answer
 
 
 class _Counts:
