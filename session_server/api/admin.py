@@ -9,6 +9,12 @@ aborted chat returns 503 + Retry-After and commits nothing, and its agent retrie
 engine (SGLang's `/pause_generation` mode `in_place` on every worker: requests keep their KV), while the trainer
 updates the weights; `continue` resumes the engine, and each of those replies records which tokens each weight
 version sampled (the sample's `weight_version_spans`).
+
+With --journal the pause is durable: it is journaled before it is acknowledged, and a replica restarted during it
+(a crash, an OOM kill, a redeploy) comes back paused in the same mode, refusing new chats until `continue` -- a weight
+update in progress never gets traffic from a replica that forgot it. The admin plane cannot re-apply a pause itself:
+it does not see a replica restart between its calls. Without a journal nothing of a replica survives a restart, the
+pause included; `session-server-admin health` shows each replica's `paused`.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from trajectory.errors import RequestValidationError
 
 async def health(request: Request) -> Response:
     server = server_of(request)
-    return json_response({"status": "ok", "instance_id": server.instance_id, "replica": server.config.replica_name})
+    return json_response({"status": "ok", "instance_id": server.instance_id, "replica": server.config.replica_name,
+                          "paused": server.lifecycle.paused})
 
 
 async def ready(request: Request) -> Response:
@@ -65,8 +72,18 @@ async def pause(request: Request) -> Response:
     if not isinstance(mode, str) or mode not in ("drain", "abort", "in_place"):
         raise RequestValidationError("'mode' must be 'drain', 'abort' or 'in_place'")
     lifecycle = server.lifecycle
+    # Journaled first: a pause acknowledged is a pause a restart keeps (a failed write is a 503, nothing paused).
+    # Engines paused in place stay so until a continue, whatever mode a later pause asks for.
+    previous = ("in_place" if server.paused_in_place else "drain") if lifecycle.paused else None
+    if server.journal is not None:
+        await server.journal.paused("in_place" if server.paused_in_place else mode)
     if mode == "in_place":
-        await server.engine.pause_in_place()  # a refusal is a 502 and nothing is paused
+        try:
+            await server.engine.pause_in_place()  # a refusal is a 502 and nothing is paused
+        except BaseException:
+            if server.journal is not None:
+                await server.journal.paused(previous)
+            raise
         lifecycle.paused = True
         server.paused_in_place = True
         return json_response({"status": "paused", "mode": mode, "aborted": 0})
@@ -116,8 +133,10 @@ async def resume(request: Request) -> Response:
     server = server_of(request)
     _authorize(request)
     if server.paused_in_place:
-        await server.engine.continue_in_place()
+        await server.engine.continue_in_place()  # a refusal is a 502 and the server stays paused
         server.paused_in_place = False
+    if server.journal is not None:
+        await server.journal.paused(None)  # a failure (503) leaves the server paused, as the journal says
     server.lifecycle.paused = False
     server.registry.touch_all()  # the pause does not count as idleness (see sessions/sweeper.py)
     return json_response({"status": "running"})

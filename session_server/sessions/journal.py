@@ -8,6 +8,8 @@ can open with the `sqlite3` shell. What is stored (DESIGN.md 7 Durability):
                 logprobs as blobs, messages past the unchanged prefix, tools when changed, the record, routed experts;
                 the segment it belongs to, and on a segment's first turn where the segment came from (Segment.info)
     tombstones  ids of deleted sessions and why, bounded like the in-memory ones (oldest pruned first)
+    pause       at most one row: the /admin/pause in force (its mode), so a replica restarted during a weight update
+                comes back paused (api/admin.py) instead of sending traffic to engines whose weights are changing
 
 Ordering and guarantees. The chat stages its commit (validated, nothing mutated), waits for the turn's row to be
 written, then applies it in memory and replies: what a client received is on disk. A crash between the write and the
@@ -55,7 +57,8 @@ from trajectory.restore import StoredTurn, store_turn
 logger = logging.getLogger("session_server.sessions.journal")
 
 APPLICATION_ID = 0x534A524E  # "SJRN"
-SCHEMA_VERSION = 2  # 2: turns carry their segment (1 is migrated on open: every turn of segment 0)
+# 2: turns carry their segment (1 is migrated on open: every turn of segment 0); 3: the pause table (added on open)
+SCHEMA_VERSION = 3
 SYNC_MODES = ("normal", "full")
 MAX_BATCH = 512  # operations per transaction
 VACUUM_FREE_PAGES = 2048  # return free pages to the file system once this many accumulate (8 MiB at 4 KiB pages)
@@ -93,6 +96,11 @@ CREATE TABLE tombstones (
     id TEXT NOT NULL UNIQUE,
     why TEXT NOT NULL,
     deleted_at REAL NOT NULL
+);
+CREATE TABLE pause (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    mode TEXT NOT NULL,
+    since REAL NOT NULL
 );
 """
 
@@ -150,6 +158,7 @@ class RestoredSession(SessionInfo):
 class Restored:
     sessions: list[RestoredSession]
     tombstones: list[tuple[str, str]]  # (id, why), oldest first
+    paused: str | None = None  # the mode of the /admin/pause in force when the file was last written, if any
 
 
 # -- operations the writer applies -------------------------------------------------------------------------------
@@ -177,8 +186,23 @@ class _Delete:
     at: float
 
 
-_Op = _Create | _Turn | _Delete
+@dataclass(frozen=True, slots=True)
+class _Pause:
+    mode: str | None  # None: /admin/continue
+    at: float
+
+
+_Op = _Create | _Turn | _Delete | _Pause
 _STOP = object()
+
+
+# The statements that take a journal of schema N to N + 1.
+_MIGRATIONS = {
+    1: ("ALTER TABLE turns ADD COLUMN segment INTEGER NOT NULL DEFAULT 0;"  # before segments: all of the first
+        "ALTER TABLE turns ADD COLUMN segment_info BLOB;DROP INDEX turns_by_session;"
+        "CREATE UNIQUE INDEX turns_by_segment ON turns (session_id, segment, version);"),
+    2: "CREATE TABLE pause (id INTEGER PRIMARY KEY CHECK (id = 0), mode TEXT NOT NULL, since REAL NOT NULL);",
+}
 
 
 def _check_schema(conn: sqlite3.Connection, path: str) -> bool:
@@ -195,17 +219,12 @@ def _check_schema(conn: sqlite3.Connection, path: str) -> bool:
             f"{path} was written by a newer session-server (journal schema {version}; this one reads "
             f"{SCHEMA_VERSION}): refusing to read it. Upgrade the server or start with another --journal"
         )
-    if version == 1:  # before segments: every turn is of the first segment
-        conn.executescript(
-            "BEGIN IMMEDIATE;ALTER TABLE turns ADD COLUMN segment INTEGER NOT NULL DEFAULT 0;"
-            "ALTER TABLE turns ADD COLUMN segment_info BLOB;DROP INDEX turns_by_session;"
-            "CREATE UNIQUE INDEX turns_by_segment ON turns (session_id, segment, version);"
-            f"PRAGMA user_version = {SCHEMA_VERSION};COMMIT;"
-        )
-        return False
-    if version != SCHEMA_VERSION:
+    if version not in _MIGRATIONS and version != SCHEMA_VERSION:
         raise JournalError(f"{path} has an unknown journal schema version {version} (this server reads "
                            f"{SCHEMA_VERSION})")
+    if version != SCHEMA_VERSION:  # one transaction: every step up to the current schema, or none
+        steps = "".join(_MIGRATIONS[v] for v in range(version, SCHEMA_VERSION))
+        conn.executescript(f"BEGIN IMMEDIATE;{steps}PRAGMA user_version = {SCHEMA_VERSION};COMMIT;")
     return False
 
 
@@ -284,7 +303,9 @@ class Journal:
             if info is not None:
                 session.segment_infos[segment] = msgspec.json.decode(info)
         tombstones = [(sid, why) for sid, why in conn.execute("SELECT id, why FROM tombstones ORDER BY n")]
-        return Restored(sessions=list(sessions.values()), tombstones=tombstones)
+        paused = conn.execute("SELECT mode FROM pause").fetchone()
+        return Restored(sessions=list(sessions.values()), tombstones=tombstones,
+                        paused=None if paused is None else str(paused[0]))
 
     def start(self) -> None:
         """Begin writing: call on the event loop that will await the writes."""
@@ -339,6 +360,10 @@ class Journal:
 
     async def deleted(self, session_id: str, why: str) -> None:
         await self._write(_Delete(session_id, why, time.time()))
+
+    async def paused(self, mode: str | None) -> None:
+        """Record the /admin/pause in force (`mode`), or that none is (None: /admin/continue)."""
+        await self._write(_Pause(mode, time.time()))
 
     # -- the writer thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -422,6 +447,10 @@ class Journal:
                 f"VALUES (?, ?, ?, {', '.join('?' * len(_TURN_COLUMNS))})",
                 [op.info.id, op.segment, info, *values],
             )
+        elif isinstance(op, _Pause):
+            conn.execute("DELETE FROM pause")
+            if op.mode is not None:
+                conn.execute("INSERT INTO pause (id, mode, since) VALUES (0, ?, ?)", (op.mode, op.at))
         else:
             conn.execute("DELETE FROM turns WHERE session_id = ?", (op.session_id,))
             conn.execute("DELETE FROM sessions WHERE id = ?", (op.session_id,))

@@ -6,7 +6,7 @@ mid-run answers 502 through nginx for its sessions only, the others chat on undi
 journal its sessions continue exactly where they were; a replica added to a running balancer (config rewritten,
 nginx reloaded) takes its share of new sessions and moves no live one; and a reload loses no chat in flight, streamed
 or not; and one `session-server-admin` call pauses, continues and reads every replica, naming one that does not
-answer.
+answer; a replica restarted on its journal during a pause comes back paused until that call's continue.
 """
 
 from __future__ import annotations
@@ -210,6 +210,37 @@ def test_one_admin_call_pauses_and_continues_every_replica(
         ids = {entry["id"] for entry in answer["value"]["sessions"]}
         assert ids and all(owner(i) == name for i in ids if "." in i), (name, ids)
         assert episodes[name].sid in ids and answer["value"]["total"] == metrics[name]["value"]["sessions"]
+
+
+@pytest.mark.parametrize("mode", ["drain", "in_place"])
+def test_a_replica_restarted_during_a_pause_comes_back_paused(
+    cluster: LocalCluster, fleet: Fleet, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    """A weight update is in progress (every replica paused by one admin call) when a replica is SIGKILLed and
+    restarted on its journal: it comes back paused, in the same mode, and refuses chats through nginx until the
+    admin plane's continue; the pause ends there, so a later restart comes back running."""
+    episodes = {owner(e.sid): e for e in minted(cluster, 3 * len(cluster.replicas))}
+    assert set(episodes) == set(cluster.replicas)
+    code, paused = admin(cluster, capsys, "pause", "--mode", mode)
+    assert code == 0 and {p["value"]["status"] for p in paused.values()} == {"paused"}, paused
+    victim = "r1"
+    cluster.kill(victim)
+    cluster.restart(victim)
+    code, health = admin(cluster, capsys, "health")
+    assert code == 0 and all(h["value"]["paused"] for h in health.values()), health
+    r = episodes[victim].chat("during the update")
+    assert r.status_code == 503 and r.headers["retry-after"], r.text
+    if mode == "in_place":  # the restarted replica knows the engine is paused by it, and resumes it on continue
+        engine = fleet.urls[0]
+        assert httpx.get(f"{engine}/server_info", timeout=10).json()["paused"]
+        assert httpx.post(f"{cluster.replica_url(victim)}/admin/continue", timeout=30).status_code == 200
+        assert not httpx.get(f"{engine}/server_info", timeout=10).json()["paused"]
+    assert admin(cluster, capsys, "continue")[0] == 0
+    for e in episodes.values():
+        assert e.chat("after the update").status_code == 200, e.sid
+    cluster.kill(victim)
+    cluster.restart(victim)
+    assert episodes[victim].chat("after a restart").status_code == 200
 
 
 def test_a_replica_that_does_not_answer_is_named(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:

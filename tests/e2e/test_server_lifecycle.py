@@ -13,11 +13,12 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from rollout.processes import start_session_server
+from rollout.processes import RunningProcess, start_session_server
 from support.server import (
     TOOLS,
     RecordingProxy,
@@ -27,6 +28,7 @@ from support.server import (
     engine_info,
     new_session,
     session_client,
+    sse_events,
     wait_engine_idle,
     wait_running,
 )
@@ -125,7 +127,35 @@ def test_delete_aborts_before_closing_the_engine_session(stack: dict) -> None:
     assert_engine_baseline(engine)
 
 
-def test_sigterm_aborts_in_flight_closes_sessions_and_exits_0(stack: dict) -> None:
+ENDLESS_CHAT = {"messages": [{"role": "user", "content": "endless [[sim: tokens 20000]]"}], "max_tokens": 20000}
+
+
+async def _sigterm_during(proc: RunningProcess, url: str, engine: str, stream: bool) -> tuple[int, str, list[Any]]:
+    """Send SIGTERM while a chat runs at the engine (a streamed one once its first chunk has arrived); return the
+    chat's status, Retry-After header and, for a stream, its events."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        if not stream:
+            chat = asyncio.ensure_future(http.post(url, json=ENDLESS_CHAT))
+            await wait_running(engine)
+            proc.proc.send_signal(signal.SIGTERM)
+            r = await chat
+            return r.status_code, r.headers.get("retry-after", ""), []
+        async with http.stream("POST", url, json={**ENDLESS_CHAT, "stream": True}) as r:
+            lines = r.aiter_lines()
+            async for line in lines:
+                if line.startswith("data:"):
+                    break  # the stream has started: its status (200) is sent
+            proc.proc.send_signal(signal.SIGTERM)
+            rest = "\n".join([line async for line in lines])
+            return r.status_code, r.headers.get("retry-after", ""), sse_events(rest.encode())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sigterm_answers_in_flight_chats_503_retry_after_closes_sessions_and_exits_0(stack: dict,
+                                                                                    stream: bool) -> None:
+    """Shutdown aborts the chats in flight and says when to come back: a plain chat gets 503 + Retry-After; a
+    streamed one, whose 200 is already sent, ends with an error event carrying code 503 and retry_after. Then the
+    engine sessions are closed and the process exits 0, leaving the engine at its baseline."""
     engine = stack["engine"]
     proc = start_session_server(engine, stack["tok"], FAMILY, "--engine-sessions", log_dir=stack["logs"], name="t")
     server = proc.url
@@ -134,16 +164,14 @@ def test_sigterm_aborts_in_flight_closes_sessions_and_exits_0(stack: dict) -> No
         short = {"messages": [{"role": "user", "content": "hi [[sim: tokens 2]]"}]}
         assert httpx.post(chat_url(server, idle), json=short).status_code == 200
         busy = new_session(server)
-
-        async def main() -> int:
-            async with httpx.AsyncClient(timeout=60) as http:
-                chat = asyncio.ensure_future(http.post(chat_url(server, busy), json=LONG_CHAT))
-                await wait_running(engine)
-                proc.proc.send_signal(signal.SIGTERM)
-                return (await chat).status_code
-
-        assert asyncio.run(main()) == 503
-        assert proc.proc.wait(20) == 0
+        status, retry_after, events = asyncio.run(_sigterm_during(proc, chat_url(server, busy), engine, stream))
+        if stream:
+            assert status == 200
+            error = events[-1]["error"]
+            assert error["code"] == 503 and error["retry_after"] >= 1, events[-1]
+        else:
+            assert status == 503 and int(retry_after) >= 1, (status, retry_after)
+        assert proc.proc.wait(60) == 0
     finally:
         proc.stop()
     wait_engine_idle(engine)

@@ -125,6 +125,44 @@ def test_tombstones_are_bounded_oldest_first(tmp_path: Path) -> None:
     assert Journal(path).open().tombstones == [("b", "was deleted"), ("c", "was deleted")]
 
 
+def test_the_pause_in_force_is_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "j.sqlite"
+
+    async def write(*modes: str | None) -> None:
+        journal = Journal(path)
+        journal.open()
+        journal.start()
+        for mode in modes:
+            await journal.paused(mode)
+        await journal.close()
+
+    assert Journal(path).open().paused is None
+    asyncio.run(write("drain", "in_place"))  # the last one holds
+    assert Journal(path).open().paused == "in_place"
+    asyncio.run(write(None))
+    assert Journal(path).open().paused is None
+
+
+def test_a_journal_of_schema_2_gains_the_pause_table_and_keeps_its_sessions(tmp_path: Path) -> None:
+    path = tmp_path / "j.sqlite"
+
+    async def main() -> None:
+        journal = Journal(path)
+        journal.open()
+        journal.start()
+        await journal.created(info("a", run=1))
+        await journal.close()
+
+    asyncio.run(main())
+    with sqlite3.connect(path) as db:
+        db.executescript("DROP TABLE pause; PRAGMA user_version = 2;")
+    restored = Journal(path).open()
+    assert [s.id for s in restored.sessions] == ["a"] and restored.paused is None
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert db.execute("SELECT count(*) FROM pause").fetchone()[0] == 0
+
+
 def test_files_we_must_not_read_are_refused_untouched(tmp_path: Path) -> None:
     foreign = tmp_path / "foreign.sqlite"
     with sqlite3.connect(foreign) as db:
