@@ -162,8 +162,14 @@ def test_a_reload_loses_no_chat_in_flight(cluster: LocalCluster, fleet: Fleet) -
 
             chats = [asyncio.ensure_future(post(e, stream=i % 2 == 1)) for i, e in enumerate(episodes)]
             await wait_running(fleet.urls[0], len(episodes))
-            await asyncio.to_thread(cluster.reload)
-            assert not any(c.done() for c in chats), "the chats ended before the reload: make them longer"
+            # Held at the engine (paused in place) until nginx has reloaded, however fast or slow the machine.
+            engine = fleet.urls[0]
+            assert (await http.post(f"{engine}/pause_generation", json={"mode": "in_place"})).status_code == 200
+            try:
+                await asyncio.to_thread(cluster.reload)
+                assert not any(c.done() for c in chats), [c.result() for c in chats if c.done()]
+            finally:
+                assert (await http.post(f"{engine}/continue_generation", json={})).status_code == 200
             return list(await asyncio.gather(*chats))
 
     replies = asyncio.run(main())

@@ -58,15 +58,17 @@ def launch_stack(
     sim_args: Sequence[str] = (),
     servers: Mapping[str, Sequence[str]] | None = None,
     proxied: Collection[str] = (),
+    cpus: Collection[int] | None = None,
 ) -> Iterator[Stack]:
     """Start the sim, then one session server per entry of `servers` (name -> extra CLI args; default one plain
     server named "server"). The servers named in `proxied` reach the sim through one RecordingProxy
-    (`stack.proxy`), so a test can compare what a server stored with what the engine received and generated."""
+    (`stack.proxy`), so a test can compare what a server stored with what the engine received and generated.
+    `cpus`: the cores the sim and the servers may run on (tests/support/contention.py loads them)."""
     tok = tokenizer_dirs[family]
     stack = Stack(family=family, tok=tok, logs=logs, engine="")
     started: list[RunningProcess] = []
     try:
-        sim = start_sim(tok, family, *sim_args, log_dir=logs)
+        sim = start_sim(tok, family, *sim_args, log_dir=logs, cpus=cpus)
         started.append(sim)
         stack.engine = sim.url
         if proxied:
@@ -74,7 +76,7 @@ def launch_stack(
         pending = [
             start_session_server(
                 stack.proxy.url if stack.proxy is not None and name in proxied else sim.url,
-                tok, family, *args, name=name, log_dir=logs, wait=False,
+                tok, family, *args, name=name, log_dir=logs, wait=False, cpus=cpus,
             )
             for name, args in (servers if servers is not None else {"server": ()}).items()
         ]
