@@ -88,6 +88,7 @@ async def pause(request: Request) -> Response:
         server.paused_in_place = True
         return json_response({"status": "paused", "mode": mode, "aborted": 0})
     lifecycle.paused = True
+    deadline = time.monotonic() + config.drain_timeout
     aborted = len(lifecycle.abort_all(AbortReason.PAUSE)) if mode == "abort" else 0
     try:
         # A drain waits for the chats that reached the engine, but not forever: an engine that never answers must
@@ -100,8 +101,9 @@ async def pause(request: Request) -> Response:
         await lifecycle.wait_idle()
     if server.drains is not None:
         # Aborted chats answer at once and their engine requests end in the background (engine/drains.py); the
-        # pause returns once those have ended too (each drain is bounded), so the engine is quiet for the update.
-        await server.drains.wait_all()
+        # pause returns once those have ended too (each drain is bounded), so the engine is quiet for the update;
+        # aborts the engine did not answer are retried until it does, waited for until the drain's deadline.
+        await server.drains.wait_all(retries_within=deadline - time.monotonic())
     return json_response({"status": "paused", "mode": mode, "aborted": aborted})
 
 

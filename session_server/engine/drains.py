@@ -117,11 +117,13 @@ class EngineDrains:
             await asyncio.wait((task,), timeout=within)
         return task.done()
 
-    async def wait_all(self) -> None:
-        """Shutdown: every drain has ended (each is bounded)."""
+    async def wait_all(self, retries_within: float = 0.0) -> None:
+        """Every drain has ended (each is bounded), and, for at most `retries_within` s more, the aborts being
+        retried (a pause wants the engine quiet for the weight update)."""
         tasks = list(self._all)
         if tasks:
             await asyncio.wait(tasks)
+        await self._retries.wait(retries_within)
 
     async def aclose(self) -> None:
         """Shutdown, after wait_all: the retried aborts stop and close their connections."""

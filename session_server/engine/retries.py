@@ -76,6 +76,13 @@ class ControlRetries:
         """Retries still running."""
         return len(self._tasks)
 
+    async def wait(self, within: float) -> bool:
+        """Wait (at most `within` s) for the retries running now to end; True when they have."""
+        tasks = list(self._tasks)
+        if tasks and within > 0:
+            await asyncio.wait(tasks, timeout=within)
+        return all(t.done() for t in tasks)
+
     async def aclose(self) -> None:
         """Shutdown: stop every retry (the horizons' own mechanisms free what they would have)."""
         tasks = list(self._tasks)

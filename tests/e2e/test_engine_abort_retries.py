@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -30,7 +31,7 @@ WAIT = 60.0  # a bound on waiting for an event, never a measure of speed
 
 @pytest.fixture(scope="module")
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
-    control = ["--engine-control-timeout", "0.5"]
+    control = ["--engine-control-timeout", "0.5", "--drain-timeout", str(WAIT)]
     with stack_factory(family=FAMILY, sim_args=["--enable-streaming-session", "--token-latency-ms", "20"],
                        servers={"plain": control, "es": ["--engine-sessions", *control]},
                        proxied={"plain", "es"}) as stack:
@@ -96,4 +97,28 @@ def test_an_abort_the_engine_never_answers_leaves_nothing_behind(stack: Stack, p
     wait_for(lambda: _retries(server, "moot") == moot + 1, WAIT)
     wait_for(lambda: metric(server, "session_server_engine_retries_pending") == 0, WAIT)
     assert _retries(server, "aborted") == aborted  # none of ours landed
+    assert_engine_baseline(stack.engine)
+
+
+def test_a_pause_waits_for_a_retried_abort_so_the_engine_is_quiet(stack: Stack, proxy: RecordingProxy) -> None:
+    """/admin/pause mode abort returns once the engine is quiet for the weight update: an abort the engine does not
+    answer is waited for (until the drain deadline) while it is retried, and the pause returns once it landed."""
+    server = stack["plain"]
+    retried = _retries(server, "retry")
+    sid = new_session(server)
+    chat = _chat_in_background(server, sid, ENDLESS, stream=False)
+    wait_for(lambda: engine_info(stack.engine)["running_requests"] >= 1, WAIT)
+    proxy.refuse["/abort_request"] = 503
+    with ThreadPoolExecutor(1) as pool:
+        pause = pool.submit(httpx.post, f"{server}/admin/pause", json={"mode": "abort"}, timeout=WAIT)
+        chat.join()  # aborted at once: 503 + Retry-After
+        wait_for(lambda: _retries(server, "retry") > retried, WAIT)
+        assert not pause.done()  # the engine still runs the request: the pause waits
+        proxy.refuse.clear()
+        assert pause.result().status_code == 200
+    try:
+        assert engine_info(stack.engine)["running_requests"] == 0  # quiet when the pause returned
+    finally:
+        assert httpx.post(f"{server}/admin/continue", timeout=WAIT).status_code == 200
+    assert httpx.delete(f"{server}/sessions/{sid}", timeout=WAIT).status_code == 204
     assert_engine_baseline(stack.engine)
