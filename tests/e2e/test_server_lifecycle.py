@@ -44,7 +44,9 @@ def stack(stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(
         family=FAMILY,
         sim_args=["--enable-streaming-session", "--token-latency-ms", str(TOKEN_MS)],
-        servers={"plain": [], "es": ["--engine-sessions"]},
+        # The order of engine calls is under test, not the control timeout: a loaded machine must not time out the
+        # abort (which then is retried in the background, after the close).
+        servers={"plain": [], "es": ["--engine-sessions", "--engine-control-timeout", "60"]},
         proxied={"es"},
     ) as stack:
         yield stack
