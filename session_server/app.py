@@ -44,9 +44,12 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
     registry = Registry(config.tombstones, id_prefix=config.session_id_prefix)
     engine = build_engines(config)
     metrics = Metrics()
-    engine_sessions = (EngineSessions(engine, config.session_idle_timeout, metrics, config.request_timeout)
-                       if config.engine_sessions else None)
     journal = journaled[0] if journaled is not None else None
+    engine_sessions = (EngineSessions(
+        engine, config.session_idle_timeout, metrics, config.request_timeout,
+        on_opening=journal.engine_session_opening if journal is not None else None,
+        on_gone=journal.engine_session_gone if journal is not None else None,
+    ) if config.engine_sessions else None)
     drains = EngineDrains(engine, metrics, config.abort_grace, horizon=config.request_timeout)
     server = ServerState(
         config=config,
@@ -78,6 +81,20 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
     engine.on_move.append(lambda _session_id, _worker: metrics.sessions_moved.inc())
     watch_state(server)
     return server
+
+
+def close_stale_engine_sessions(server: ServerState, stale: list[tuple[str, str]]) -> None:
+    """The engine sessions a killed predecessor left open (the journal's book, engine/sessions.py) are closed now,
+    not at the engine's idle timeout."""
+    if not stale:
+        return
+    if server.engine_sessions is None:
+        logger.warning("journal lists %d engine sessions a previous run may have left open; without "
+                       "--engine-sessions they are left to the engine's idle timeout", len(stale))
+        return
+    logger.warning("closing %d engine sessions a previous run left open (journal %s)", len(stale),
+                   server.config.journal)
+    server.engine_sessions.close_stale(stale)
 
 
 JournalOpened = tuple[Journal, Restored]
@@ -172,6 +189,8 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         app.state.server = server
         if server.journal is not None:
             server.journal.start()
+            assert journaled is not None
+            close_stale_engine_sessions(server, journaled[1].engine_sessions)
         freeze_startup_heap()
         sweeper = Sweeper(server.lifecycle, server.config.session_idle_timeout, server.config.request_timeout)
         sweeper.start()

@@ -14,6 +14,11 @@ control timeout; if it still fails, the turn is sent without an engine session (
 moment) is retried in the background with backoff (engine/retries.py, the same machinery as failed aborts) until it
 lands or the engine session's own idle timeout (sent with the open) has closed it anyway; at most MAX_CLOSE_RETRIES run
 at once, beyond which the idle timeout is left to do it. Both are counted in /metrics.
+
+A server killed outright (SIGKILL, OOM) cannot close its engine sessions, and their KV would stay until the engine's
+idle timeout (the request timeout plus a minute at least). So every engine session id is put in a book before its
+open is sent (`on_opening`; with --journal, the journal's engine_sessions table) and taken out once it is closed or
+moot (`on_gone`); a server restarted on the journal closes whatever its predecessor left there (`close_stale`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,9 +75,14 @@ class EngineSessionState:
 class EngineSessions:
     def __init__(
         self, engine: EnginePlacement, idle_timeout: float = 0.0, metrics: Metrics | None = None,
-        request_timeout: float = 0.0,
+        request_timeout: float = 0.0, on_opening: Callable[[str, str], None] | None = None,
+        on_gone: Callable[[str], None] | None = None,
     ) -> None:
         self._engine = engine
+        # The book of engine session ids that may be open (see the module docstring): (session id, engine sid) in,
+        # engine sid out.
+        self._on_opening = on_opening or (lambda _session_id, _sid: None)
+        self._on_gone = on_gone or (lambda _sid: None)
         self._metrics = metrics or Metrics()
         self._states: dict[str, EngineSessionState] = {}  # by session id: the sessions that hold one now
         self._orphans: set[asyncio.Task[Any]] = set()
@@ -99,6 +109,7 @@ class EngineSessions:
             await self.close(session_id)  # first: its KV is freed before the new one fills (a failed close retries)
         sid = f"{session_id}-{secrets.token_hex(4)}"
         deadline = None if remaining is None else max(remaining * OPEN_SHARE, 0.001)
+        self._on_opening(session_id, sid)  # before the open: a crash after it leaves the id in the book
         try:
             opened = await self._engine.open_session(CAPACITY_OF_STR_LEN, session_id, self.engine_timeout, sid,
                                                      deadline)
@@ -125,18 +136,22 @@ class EngineSessions:
     def forget(self, session_id: str) -> None:
         """The engine no longer holds the session (restart, its idle timeout): drop it without a close call, so the
         next begin_turn opens a fresh one and sends the whole prompt."""
-        self._states.pop(session_id, None)
+        st = self._states.pop(session_id, None)
+        if st is not None:
+            self._on_gone(st.sid)
 
     async def close(self, session_id: str) -> None:
         """Close the engine session, if any. Called by DELETE/shutdown only after the in-flight chat has finished.
         A close that fails is retried in the background until it lands or the engine's idle timeout (from its last
         use, which was before the first failed close) has closed it anyway."""
         st = self._states.pop(session_id, None)
-        if st is None or await self._engine.close_session(st.sid, session_id):
+        if st is None:
             return
-        if not self._closing.start(self._retry_close(st.sid, session_id)):
-            logger.warning("engine session %s not closed; %d closes are already being retried: the engine's "
-                               "idle timeout will close it", st.sid, self._closing.pending)
+        if await self._engine.close_session(st.sid, session_id):
+            self._on_gone(st.sid)
+        elif not self._closing.start(self._retry_close(st.sid, session_id)):
+            logger.warning("engine session %s not closed; %d closes are already being retried: the engine's idle "
+                           "timeout will close it", st.sid, self._closing.pending)
 
     async def _retry_close(self, sid: str, routing_key: str) -> None:
         async def attempt() -> Answer:
@@ -144,6 +159,19 @@ class EngineSessions:
 
         if not await self._closing.until_landed(attempt, horizon=self.engine_timeout):
             logger.warning("engine session %s: close failed until its idle timeout closes it", sid)
+        self._on_gone(sid)
+
+    def close_stale(self, stale: Iterable[tuple[str, str]]) -> int:
+        """Close the engine sessions (session id, engine sid) a previous server process left in the book, on every
+        worker that may hold them (their placement died with it), retried like any failed close; returns how many
+        closes were started."""
+        return sum(self._closing.start(self._close_stale(sid, session_id)) for session_id, sid in stale)
+
+    async def _close_stale(self, sid: str, routing_key: str) -> None:
+        if await self._engine.close_session(sid, routing_key):
+            self._on_gone(sid)
+        else:
+            await self._retry_close(sid, routing_key)
 
     @property
     def closes_pending(self) -> int:
@@ -155,7 +183,11 @@ class EngineSessions:
         worker that was only slow must not keep the KV); the next turn opens a fresh one on the new worker."""
         st = self._states.pop(session_id, None)
         if st is not None:
-            self._spawn(old.client.close_session(st.sid, session_id))
+            self._spawn(self._close_on(old, st.sid, session_id))
+
+    async def _close_on(self, worker: Worker, sid: str, routing_key: str) -> None:
+        await worker.client.close_session(sid, routing_key)
+        self._on_gone(sid)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -169,9 +201,11 @@ class EngineSessions:
         while time.monotonic() < deadline:
             if await self._engine.ready():
                 await self._engine.close_session(sid, routing_key)
+                self._on_gone(sid)
                 return
             await asyncio.sleep(0.5)
         logger.warning("engine session %s may be open; the engine's idle timeout will close it", sid)
+        self._on_gone(sid)
 
     async def aclose(self) -> None:
         for task in self._orphans:

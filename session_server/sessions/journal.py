@@ -10,6 +10,8 @@ can open with the `sqlite3` shell. What is stored (DESIGN.md 7 Durability):
     tombstones  ids of deleted sessions and why, bounded like the in-memory ones (oldest pruned first)
     pause       at most one row: the /admin/pause in force (its mode), so a replica restarted during a weight update
                 comes back paused (api/admin.py) instead of sending traffic to engines whose weights are changing
+    engine_sessions  the engine session ids that may be open (engine/sessions.py's book): written before an open
+                is sent, removed once closed, so a restart after a SIGKILL closes what the killed process left
 
 Ordering and guarantees. The chat stages its commit (validated, nothing mutated), waits for the turn's row to be
 written, then applies it in memory and replies: what a client received is on disk. A crash between the write and the
@@ -57,8 +59,9 @@ from trajectory.restore import StoredTurn, store_turn
 logger = logging.getLogger("session_server.sessions.journal")
 
 APPLICATION_ID = 0x534A524E  # "SJRN"
-# 2: turns carry their segment (1 is migrated on open: every turn of segment 0); 3: the pause table (added on open)
-SCHEMA_VERSION = 3
+# 2: turns carry their segment (1 is migrated on open: every turn of segment 0); 3: the pause table; 4: the
+# engine_sessions table (each added on open)
+SCHEMA_VERSION = 4
 SYNC_MODES = ("normal", "full")
 MAX_BATCH = 512  # operations per transaction
 VACUUM_FREE_PAGES = 2048  # return free pages to the file system once this many accumulate (8 MiB at 4 KiB pages)
@@ -101,6 +104,10 @@ CREATE TABLE pause (
     id INTEGER PRIMARY KEY CHECK (id = 0),
     mode TEXT NOT NULL,
     since REAL NOT NULL
+);
+CREATE TABLE engine_sessions (
+    sid TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL
 );
 """
 
@@ -159,6 +166,7 @@ class Restored:
     sessions: list[RestoredSession]
     tombstones: list[tuple[str, str]]  # (id, why), oldest first
     paused: str | None = None  # the mode of the /admin/pause in force when the file was last written, if any
+    engine_sessions: list[tuple[str, str]] = field(default_factory=list)  # (session id, engine sid) maybe open
 
 
 # -- operations the writer applies -------------------------------------------------------------------------------
@@ -192,7 +200,13 @@ class _Pause:
     at: float
 
 
-_Op = _Create | _Turn | _Delete | _Pause
+@dataclass(frozen=True, slots=True)
+class _EngineSession:
+    sid: str
+    session_id: str | None  # None: closed (out of the book)
+
+
+_Op = _Create | _Turn | _Delete | _Pause | _EngineSession
 _STOP = object()
 
 
@@ -202,6 +216,7 @@ _MIGRATIONS = {
         "ALTER TABLE turns ADD COLUMN segment_info BLOB;DROP INDEX turns_by_session;"
         "CREATE UNIQUE INDEX turns_by_segment ON turns (session_id, segment, version);"),
     2: "CREATE TABLE pause (id INTEGER PRIMARY KEY CHECK (id = 0), mode TEXT NOT NULL, since REAL NOT NULL);",
+    3: "CREATE TABLE engine_sessions (sid TEXT PRIMARY KEY, session_id TEXT NOT NULL);",
 }
 
 
@@ -304,8 +319,10 @@ class Journal:
                 session.segment_infos[segment] = msgspec.json.decode(info)
         tombstones = [(sid, why) for sid, why in conn.execute("SELECT id, why FROM tombstones ORDER BY n")]
         paused = conn.execute("SELECT mode FROM pause").fetchone()
+        engine_sessions = [(session_id, sid) for sid, session_id in conn.execute(
+            "SELECT sid, session_id FROM engine_sessions ORDER BY rowid")]
         return Restored(sessions=list(sessions.values()), tombstones=tombstones,
-                        paused=None if paused is None else str(paused[0]))
+                        paused=None if paused is None else str(paused[0]), engine_sessions=engine_sessions)
 
     def start(self) -> None:
         """Begin writing: call on the event loop that will await the writes."""
@@ -348,8 +365,7 @@ class Journal:
 
     def created_later(self, info: SessionInfo) -> None:
         """Journal a creation without waiting (a session made on demand; its first turn writes the row anyway)."""
-        future = self._submit(_Create(info, time.time()))
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._later(_Create(info, time.time()))
 
     def write_turn(self, info: SessionInfo, delta: TurnDelta, prev_messages: list[Message],
                    prev_tools: list[dict[str, Any]] | None, segment: int = 0,
@@ -360,6 +376,19 @@ class Journal:
 
     async def deleted(self, session_id: str, why: str) -> None:
         await self._write(_Delete(session_id, why, time.time()))
+
+    def engine_session_opening(self, session_id: str, sid: str) -> None:
+        """Book an engine session id before its open is sent (not waited for: see engine/sessions.py)."""
+        self._later(_EngineSession(sid, session_id))
+
+    def engine_session_gone(self, sid: str) -> None:
+        """The engine session is closed (or moot): out of the book."""
+        self._later(_EngineSession(sid, None))
+
+    def _later(self, op: _Op) -> None:
+        """Queue a write nobody waits for; a failure is logged by the writer."""
+        future = self._submit(op)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def paused(self, mode: str | None) -> None:
         """Record the /admin/pause in force (`mode`), or that none is (None: /admin/continue)."""
@@ -447,6 +476,12 @@ class Journal:
                 f"VALUES (?, ?, ?, {', '.join('?' * len(_TURN_COLUMNS))})",
                 [op.info.id, op.segment, info, *values],
             )
+        elif isinstance(op, _EngineSession):
+            if op.session_id is None:
+                conn.execute("DELETE FROM engine_sessions WHERE sid = ?", (op.sid,))
+            else:
+                conn.execute("INSERT OR REPLACE INTO engine_sessions (sid, session_id) VALUES (?, ?)",
+                             (op.sid, op.session_id))
         elif isinstance(op, _Pause):
             conn.execute("DELETE FROM pause")
             if op.mode is not None:

@@ -13,7 +13,8 @@ generous bound only so that a hang fails instead of blocking the suite.
 - a session server SIGSTOPped mid-chat while its client gives up: once it runs again it sees the disconnect, aborts
   the engine request, and the session's next turn is answered;
 - a session server SIGKILLed mid-chat and restarted on its journal: every committed turn is back exactly, the killed
-  server's engine request is gone, and the session goes on.
+  server's engine request is gone, its engine session (--engine-sessions) is closed by the restarted server, and the
+  session goes on.
 """
 
 from __future__ import annotations
@@ -143,14 +144,18 @@ def _state(server: str, sid: str) -> dict[str, Any]:
     return {"info": info, "samples": httpx.post(f"{server}/sessions/{sid}/samples", timeout=WAIT).json()}
 
 
+@pytest.mark.parametrize("engine_sessions", [False, True], ids=["plain", "es"])
 def test_a_killed_server_restarted_on_its_journal_goes_on_and_leaves_nothing(
-    stack: Stack, core: int, tmp_path: Path
+    stack: Stack, core: int, tmp_path: Path, engine_sessions: bool
 ) -> None:
+    """With --engine-sessions the killed server's engine session outlives it (the engine's idle timeout is the
+    request timeout plus a minute): the restarted server closes it from the journal's book before anything else."""
     journal = tmp_path / "journal.sqlite"
+    extra = ["--engine-sessions"] if engine_sessions else []
 
     def start() -> Any:
-        return start_session_server(stack.engine, stack.tok, FAMILY, "--journal", str(journal), name="journaled",
-                                    log_dir=stack.logs, cpus=[core], startup_timeout=WAIT)
+        return start_session_server(stack.engine, stack.tok, FAMILY, "--journal", str(journal), *extra,
+                                    name="journaled", log_dir=stack.logs, cpus=[core], startup_timeout=WAIT)
 
     with busy_loops(core):
         proc = start()
@@ -175,10 +180,12 @@ def test_a_killed_server_restarted_on_its_journal_goes_on_and_leaves_nothing(
             asyncio.run(killed_mid_chat())
             proc.proc.wait(WAIT)
             wait_engine_idle(stack.engine, WAIT)  # the engine aborted the request whose connection died
+            assert engine_info(stack.engine)["open_sessions"] == (1 if engine_sessions else 0)  # left by the killed
         finally:
             proc.stop()
         proc = start()
         try:
+            wait_for(lambda: engine_info(stack.engine)["open_sessions"] == 0, WAIT, 0.05)  # closed by the restart
             assert _state(proc.url, sid) == before  # every committed turn, exactly
             r = httpx.post(chat_url(proc.url, sid), json={"messages": history}, timeout=WAIT)
             assert r.status_code == 200, r.text

@@ -143,7 +143,24 @@ def test_the_pause_in_force_is_read_back(tmp_path: Path) -> None:
     assert Journal(path).open().paused is None
 
 
-def test_a_journal_of_schema_2_gains_the_pause_table_and_keeps_its_sessions(tmp_path: Path) -> None:
+def test_engine_sessions_stay_in_the_book_until_closed(tmp_path: Path) -> None:
+    path = tmp_path / "j.sqlite"
+
+    async def main() -> None:
+        journal = Journal(path)
+        journal.open()
+        journal.start()
+        for session_id, sid in (("a", "a-1"), ("a", "a-2"), ("b", "b-1")):
+            journal.engine_session_opening(session_id, sid)
+        journal.engine_session_gone("a-1")
+        journal.engine_session_gone("never-booked")  # harmless
+        await journal.close()
+
+    asyncio.run(main())
+    assert Journal(path).open().engine_sessions == [("a", "a-2"), ("b", "b-1")]
+
+
+def test_a_journal_of_schema_2_gains_the_new_tables_and_keeps_its_sessions(tmp_path: Path) -> None:
     path = tmp_path / "j.sqlite"
 
     async def main() -> None:
@@ -155,12 +172,13 @@ def test_a_journal_of_schema_2_gains_the_pause_table_and_keeps_its_sessions(tmp_
 
     asyncio.run(main())
     with sqlite3.connect(path) as db:
-        db.executescript("DROP TABLE pause; PRAGMA user_version = 2;")
+        db.executescript("DROP TABLE pause; DROP TABLE engine_sessions; PRAGMA user_version = 2;")
     restored = Journal(path).open()
-    assert [s.id for s in restored.sessions] == ["a"] and restored.paused is None
+    assert [s.id for s in restored.sessions] == ["a"] and restored.paused is None and restored.engine_sessions == []
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert db.execute("SELECT count(*) FROM pause").fetchone()[0] == 0
+        assert db.execute("SELECT count(*) FROM engine_sessions").fetchone()[0] == 0
 
 
 def test_files_we_must_not_read_are_refused_untouched(tmp_path: Path) -> None:
