@@ -191,15 +191,26 @@ def test_routed_experts_through_smg_rl(routed: Routed) -> None:
     assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 @pytest.mark.parametrize("router", ROUTERS)
-def test_an_abort_through_the_router_frees_the_engines_kv(routed: Routed, router: str) -> None:
+def test_an_abort_through_the_router_frees_the_engines_kv(routed: Routed, router: str, stream: bool) -> None:
     server = routed.servers[router].url
     routed.clear()
     sid = new_session(server)
 
-    async def main() -> tuple[int, int]:
+    async def main() -> tuple[int, int, bytes]:
         async with httpx.AsyncClient(timeout=300) as http:
-            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json=LONG))
+            under_way = asyncio.Event()
+
+            async def chat() -> tuple[int, bytes]:
+                async with http.stream("POST", chat_url(server, sid), json={**LONG, "stream": stream}) as reply:
+                    body = b""
+                    async for piece in reply.aiter_bytes():
+                        body += piece
+                        under_way.set()  # a streamed reply's first bytes: its status is sent
+                    return reply.status_code, body
+
+            task = asyncio.ensure_future(chat())
             async with asyncio.timeout(120):  # the request reached an engine, which runs it
                 while True:
                     engine = [i for i, calls in enumerate(routed.generates(sid, settled=False)) if calls]
@@ -207,25 +218,38 @@ def test_an_abort_through_the_router_frees_the_engines_kv(routed: Routed, router
                         break
                     await asyncio.sleep(0.05)
                 await wait_loads(routed.engines[engine[0]], lambda report: report["num_running_reqs"] >= 1)
+                if stream:
+                    await under_way.wait()
             deleted = await http.delete(f"{server}/sessions/{sid}")
-            status = (await chat).status_code
+            status, body = await task
         async with asyncio.timeout(120):  # SGLang notices a plain request's caller gone within its own check (~4 s)
             for url in routed.engines:
                 await wait_loads(url, lambda report: report["num_running_reqs"] == 0)
-        return deleted.status_code, status
+        return deleted.status_code, status, body
 
-    assert asyncio.run(main()) == (204, 404)
+    deleted, status, body = asyncio.run(main())
+    assert deleted == 204
+    if stream:  # the stream had begun: it ends without a finish of its own
+        assert status == 200
+        finishes = [c.get("finish_reason") for e in sse_events(body) for c in e.get("choices") or []]
+        assert not {"stop", "length"} & set(finishes), body[-500:]
+    else:
+        assert status == 404
     (generate,) = [c for calls in routed.generates(sid) for c in calls]
     aborts = [[c for c in p.settled(timeout=60) if c["path"] == "/abort_request"] for p in routed.proxies]
     if router == "smg-rl":  # the abort reached every engine by its rid; the one running it ended it
         assert all(calls for calls in aborts), aborts
         assert {c["request"]["rid"] for calls in aborts for c in calls} == {generate["request"]["rid"]}
-        assert generate["status"] == 200
-        assert generate["response"]["meta_info"]["finish_reason"]["type"] == "abort"
-        assert generate["response"]["meta_info"]["completion_tokens"] < LONG["max_tokens"]
+        if not stream:
+            assert generate["status"] == 200
+            assert generate["response"]["meta_info"]["finish_reason"]["type"] == "abort"
+            assert generate["response"]["meta_info"]["completion_tokens"] < LONG["max_tokens"]
     else:  # the router answered the abort 404; it dropped the engine's request when the server closed the connection
         assert aborts == [[], []]
-        assert generate.get("disconnected") is True, generate
+        if stream:  # the engine's stream was cut before its end
+            assert generate["response"] is None or generate["response"]["meta_info"]["finish_reason"] is None
+        else:
+            assert generate.get("disconnected") is True, generate
     for url in routed.engines:
         assert_engine_clean(url)
 
