@@ -63,6 +63,7 @@ TOOLS = [{
     },
 }]
 # Turn kinds and their default weights; retries after a failure come on top.
+PAUSE_EVERY_OK = 8  # chats answered 200 between two pauses, at least (besides the pause period)
 DEFAULT_MIX = {"raw": 30, "sdk": 15, "stream": 10, "disconnect": 15, "contender": 10, "delete": 5, "hostile": 6,
                "inject": 4}
 # Hostile requests an agent sends on its own session before a turn ("hostile"): each must get exactly its status
@@ -219,8 +220,18 @@ class Soak:
                 return
             yield
 
+    async def answered_since(self, ok: int, n: int) -> None:
+        """Wait until `n` more chats than `ok` were answered 200 (or the soak stops): the chaos keeps pace with the
+        chats, not with the clock, so on a slow or loaded machine pauses do not take over the run."""
+        while self.statuses["200"] < ok + n and not self.stopping:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
     async def pauser(self, rng: random.Random) -> None:
+        ok = self.statuses["200"]
         async for _ in self.every(rng, self.cfg.pause_period):
+            await self.answered_since(ok, PAUSE_EVERY_OK)
+            if self.stopping:
+                return
             mode = rng.choice(("abort", "drain"))
             self.pause_epoch += 1
             started = time.monotonic()
@@ -236,6 +247,7 @@ class Soak:
             if resp.status_code != 200:
                 self.violation("continue_failed", f"{resp.status_code} {resp.text[:200]}")
             self.pause_epoch += 1  # odd from just before the pause until the server confirmed it runs again
+            ok = self.statuses["200"]
 
     async def check_quiescent(self, when: str) -> None:
         """With the server paused and idle, nothing the server sent may still run at the engine. A chat still
