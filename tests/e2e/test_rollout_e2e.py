@@ -221,10 +221,16 @@ def test_cancelling_a_batch_of_episodes_deletes_every_session(stack: dict) -> No
         finished: list[EpisodeResult] = []
         async with RecordingClient(stack["a"]) as client:
             tasks = [slow_task() for _ in range(6)]
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(0.5):
-                    async for result in iter_episodes(client, tasks, concurrency=3, config=SLOW):
-                        finished.append(result)
+
+            async def consume() -> None:
+                async for result in iter_episodes(client, tasks, concurrency=3, config=SLOW):
+                    finished.append(result)
+
+            batch = asyncio.ensure_future(consume())
+            await wait_running(stack["engine"], 3)  # cancelled with three chats at the engine, whatever the speed
+            batch.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await batch
             assert client.open_sessions() == {stack["a"]: 0}
             return client.created, finished
 
