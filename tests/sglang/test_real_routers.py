@@ -52,7 +52,7 @@ SERVER_FLAGS = {
 }
 ROUTERS = tuple(SERVER_FLAGS)
 CONTROL_PATHS = ("/abort_request", "/open_session", "/close_session", "/pause_generation", "/continue_generation",
-                 "/update_weights_from_disk")
+                 "/update_weights_from_disk", "/update_weight_version")
 
 
 @dataclass
