@@ -81,7 +81,8 @@ def _pause_summary(v: Any) -> str:
 
 
 def _health_summary(v: Any) -> str:
-    return f"{v['status']}, instance {v['instance_id']}"
+    paused = ", paused" if v.get("paused") else ""  # a replica restarted during a pause comes back paused
+    return f"{v['status']}{paused}, instance {v['instance_id']}"
 
 
 def _metrics_summary(v: Any) -> str:

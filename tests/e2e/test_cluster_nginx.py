@@ -234,6 +234,11 @@ def test_a_replica_restarted_during_a_pause_comes_back_paused(
     cluster.restart(victim)
     code, health = admin(cluster, capsys, "health")
     assert code == 0 and all(h["value"]["paused"] for h in health.values()), health
+    replicas = [flag for r in cluster.replicas.values() for flag in ("--replica", f"{r.name}={r.address}")]
+    assert admin_main([*replicas, "health"]) == 0
+    table = capsys.readouterr().out
+    (line,) = [line for line in table.splitlines() if line.startswith(f"{victim}  ")]
+    assert "ok    ok, paused, instance" in line, table
     r = episodes[victim].chat("during the update")
     assert r.status_code == 503 and r.headers["retry-after"], r.text
     if mode == "in_place":  # the restarted replica knows the engine is paused by it, and resumes it on continue
