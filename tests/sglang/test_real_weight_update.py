@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -37,6 +37,22 @@ def _content(chunk: dict[str, Any]) -> bool:
                for choice in chunk.get("choices", []))
 
 
+async def _long_story(served: Served, sid: str, during: Callable[[httpx.AsyncClient], Awaitable[None]]
+                      ) -> list[dict[str, Any]]:
+    """Stream a long greedy reply and run `during` as soon as its first tokens arrive (so what it does lands early in
+    the reply on any machine, not after a fixed sleep that a fast one outruns); return the stream's chunks."""
+    body = {"messages": [{"role": "user", "content": "Write a long story."}], "temperature": 0,
+            "max_tokens": MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
+    async with httpx.AsyncClient(timeout=600) as http, http.stream("POST", chat_url(served.server, sid),
+                                                                     json=body) as reply:
+        assert reply.status_code == 200
+        lines = reply.aiter_lines()
+        chunks = [await anext(chunk async for chunk in _chunks(lines) if _content(chunk))]
+        await during(http)
+        chunks += [chunk async for chunk in _chunks(lines)]
+        return chunks
+
+
 @pytest.fixture(scope="module")
 def served(serve: ServeFactory, engines: Engines) -> Iterator[Served]:
     """The dense engine is shared with the tier's other modules: whatever a test here leaves behind (a pause, the
@@ -61,30 +77,19 @@ def test_in_place_pause_and_a_real_weight_update_keep_the_turn(served: Served, e
     served.proxy.clear()
     second = str(engines.checkpoint("qwen3-dense-b"))
 
-    async def main() -> list[dict[str, Any]]:
-        """Stream the chat, pause as soon as its first tokens arrive (so the pause lands early in a long reply on any
-        machine, not after a fixed sleep that a fast one outruns), update, continue; return the chunks."""
-        body = {"messages": [{"role": "user", "content": "Write a long story."}], "temperature": 0,
-                "max_tokens": MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
-        async with httpx.AsyncClient(timeout=600) as http, http.stream("POST", chat_url(served.server, sid),
-                                                                         json=body) as reply:
-            assert reply.status_code == 200
-            lines = reply.aiter_lines()
-            chunks = [await anext(chunk async for chunk in _chunks(lines) if _content(chunk))]
-            try:
-                paused = await http.post(f"{served.server}/admin/pause", json={"mode": "in_place"})
-                assert paused.status_code == 200, paused.text
-                refused = await http.post(chat_url(served.server, other), json={
-                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-                assert refused.status_code == 503
-                await asyncio.to_thread(update_weights, served.engine, second, "step-2", False)
-            finally:
-                resumed = await http.post(f"{served.server}/admin/continue")
-            assert resumed.status_code == 200, resumed.text
-            chunks += [chunk async for chunk in _chunks(lines)]
-            return chunks
+    async def update_in_place(http: httpx.AsyncClient) -> None:
+        try:
+            paused = await http.post(f"{served.server}/admin/pause", json={"mode": "in_place"})
+            assert paused.status_code == 200, paused.text
+            refused = await http.post(chat_url(served.server, other), json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert refused.status_code == 503
+            await asyncio.to_thread(update_weights, served.engine, second, "step-2", False)
+        finally:
+            resumed = await http.post(f"{served.server}/admin/continue")
+        assert resumed.status_code == 200, resumed.text
 
-    chunks = asyncio.run(main())
+    chunks = asyncio.run(_long_story(served, sid, update_in_place))
     assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     (call,) = [c for c in served.proxy.settled() if c["path"] == "/generate"]
@@ -110,22 +115,13 @@ def test_a_real_weight_update_that_aborts_the_reply_is_continued(served: Served,
     served.proxy.clear()
     second = str(engines.checkpoint("qwen3-dense-b"))
 
-    async def main() -> list[dict[str, Any]]:
-        body = {"messages": [{"role": "user", "content": "Write a long story."}], "temperature": 0,
-                "max_tokens": MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
-        async with httpx.AsyncClient(timeout=600) as http, http.stream("POST", chat_url(served.server, sid),
-                                                                         json=body) as reply:
-            assert reply.status_code == 200
-            lines = reply.aiter_lines()
-            chunks = [await anext(chunk async for chunk in _chunks(lines) if _content(chunk))]
-            r = await http.post(f"{served.engine}/update_weights_from_disk", timeout=300, json={
-                "model_path": second, "weight_version": "step-3", "flush_cache": False, "abort_all_requests": True})
-            assert r.status_code == 200 and r.json()["success"], r.text
-            chunks += [chunk async for chunk in _chunks(lines)]
-            return chunks
+    async def update_aborting(http: httpx.AsyncClient) -> None:
+        r = await http.post(f"{served.engine}/update_weights_from_disk", timeout=300, json={
+            "model_path": second, "weight_version": "step-3", "flush_cache": False, "abort_all_requests": True})
+        assert r.status_code == 200 and r.json()["success"], r.text
 
     try:
-        chunks = asyncio.run(main())
+        chunks = asyncio.run(_long_story(served, sid, update_aborting))
     finally:
         update_weights(served.engine, str(engines.checkpoint("qwen3-dense")), "default", True)
     assert not any("error" in chunk for chunk in chunks), chunks[-3:]
