@@ -324,6 +324,34 @@ class SimServer:
         return json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
                               "new_version": body["new_version"]})
 
+    async def update_weights_from_disk(self, request: Request) -> Response:
+        """POST /update_weights_from_disk `{"model_path", "abort_all_requests"=false, "weight_version"?,
+        "flush_cache"=true}` (http_server.py, tokenizer_manager.py, scheduler_components/weight_updater.py): every
+        in-flight request aborted first when asked, the weights "loaded" (the sim has none), the version changed as
+        `/update_weight_version` changes it, then the cache flushed, which fails the call (400, `success` false) while
+        requests still run or wait."""
+        try:
+            body = await _json_body(request)
+            if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+                raise BadRequest("model_path must be a string")
+            version = body.get("weight_version")
+            if version is not None and not isinstance(version, str):
+                raise BadRequest("weight_version must be a string")
+        except BadRequest as exc:
+            return error_response(str(exc))
+        if body.get("abort_all_requests", False):
+            self.engine.abort(None, abort_all=True)
+        if version is not None:
+            self.engine.set_weight_version(version)
+        success, message = True, "Succeeded to update model weights."
+        if body.get("flush_cache", True) and not self.engine.flush_cache():
+            success, message = False, ("Weights were updated, but the cache was not flushed because requests are "
+                                       "still running or queued. Retract or finish them, then call /flush_cache.")
+        if success and version is not None:
+            message += f" Weight version updated to {version}."
+        return json_response({"success": success, "message": message, "num_paused_requests": 0},
+                             200 if success else 400)
+
     async def model_info(self, request: Request) -> Response:
         return json_response(wire.model_info(self.engine, self.model_path, self.tokenizer_path))
 
@@ -379,6 +407,7 @@ class SimServer:
             Route("/health_generate", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/update_weight_version", self.update_weight_version, methods=["POST"]),
+            Route("/update_weights_from_disk", self.update_weights_from_disk, methods=["POST"]),
             Route("/model_info", self.model_info, methods=["GET"]),
             Route("/get_model_info", self.model_info, methods=["GET"]),
             Route("/server_info", self.server_info, methods=["GET"]),

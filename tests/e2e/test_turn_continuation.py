@@ -63,9 +63,12 @@ def _emitted(engine: str, at_least: int) -> None:
     _wait(lambda: engine_info(engine)["output_tokens_in_flight"] >= at_least, f"{at_least} tokens emitted")
 
 
-def _update(engine: str, version: str) -> None:
-    """What a trainer does: a new weight version, every in-flight request aborted (SGLang's default)."""
-    r = httpx.post(f"{engine}/update_weight_version", json={"new_version": version}, timeout=10)
+def _update(engine: str, version: str, route: str = "update_weight_version") -> None:
+    """What a trainer does: a new weight version (SGLang's default: every in-flight request aborted), or new weights
+    from disk with `abort_all_requests`."""
+    body = {"new_version": version} if route == "update_weight_version" else {
+        "model_path": "step", "weight_version": version, "abort_all_requests": True, "flush_cache": False}
+    r = httpx.post(f"{engine}/{route}", json=body, timeout=10)
     assert r.status_code == 200, r.text
 
 
@@ -73,7 +76,8 @@ def _continued(server: str) -> float:
     return metric(server, CONTINUED, default=0.0)
 
 
-def _cut(stack: Stack, server: str, versions: list[str], body: dict[str, Any]) -> httpx.Response:
+def _cut(stack: Stack, server: str, versions: list[str], body: dict[str, Any],
+         route: str = "update_weight_version") -> httpx.Response:
     """Post `body` to a new session of `server` and, while it runs, cut it with one weight update per version
     (each after the running request emitted some tokens); the chat's response."""
     sid = new_session(server)
@@ -82,7 +86,7 @@ def _cut(stack: Stack, server: str, versions: list[str], body: dict[str, Any]) -
         fut = pool.submit(httpx.post, chat_url(server, sid), json=body, timeout=60)
         for i, version in enumerate(versions):
             _emitted(stack.engine, 20)
-            _update(stack.engine, version)
+            _update(stack.engine, version, route)
             if i + 1 < len(versions):  # the next cut is for the continuation, once it runs
                 _wait(lambda n=i: _continued(server) >= base + n + 1 or fut.done(), "the turn continued")
         resp = fut.result()
@@ -103,12 +107,13 @@ def _uninterrupted(stack: Stack, body: dict[str, Any]) -> tuple[httpx.Response, 
     return resp, sample
 
 
-def test_a_weight_update_mid_reply_is_continued_exactly(stack: Stack, versions: None) -> None:
+@pytest.mark.parametrize("route", ["update_weight_version", "update_weights_from_disk"])
+def test_a_weight_update_mid_reply_is_continued_exactly(stack: Stack, versions: None, route: str) -> None:
     server = stack.server
     assert stack.proxy is not None
     stack.proxy.clear()
     before = _continued(server)
-    resp = _cut(stack, server, ["step-2"], CHAT)
+    resp = _cut(stack, server, ["step-2"], CHAT, route)
     assert resp.status_code == 200, resp.text
     sid = resp.extensions["sid"]
     assert _continued(server) == before + 1

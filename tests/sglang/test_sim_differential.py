@@ -44,6 +44,7 @@ class Target:
         from transformers import AutoTokenizer
 
         self.url = url
+        self.checkpoint = checkpoint
         tok = AutoTokenizer.from_pretrained(checkpoint)
         # The directive makes the sim generate up to the request's limit, as the random model does (which never
         # stops on its own); the real engine reads it as any text.
@@ -200,6 +201,17 @@ def weight_update_aborts_running_requests(t: Target) -> dict[str, Any]:
     ends with SGLang's bare abort finish reason and the tokens sampled so far (what turns/resume.py continues)."""
     try:
         return _cut_stream(t, lambda: t.http.post("/update_weight_version", json={"new_version": "diff-v2"}))
+    finally:
+        t.http.post("/update_weight_version", json={"new_version": "default", "abort_all_requests": False})
+
+
+@probe
+def weights_from_disk_abort_running_requests(t: Target) -> dict[str, Any]:
+    """`/update_weights_from_disk` with `abort_all_requests` (the same weights again: only the shapes count)."""
+    try:
+        return _cut_stream(t, lambda: t.http.post("/update_weights_from_disk", json={
+            "model_path": str(t.checkpoint), "weight_version": "diff-v3", "flush_cache": False,
+            "abort_all_requests": True}))
     finally:
         t.http.post("/update_weight_version", json={"new_version": "default", "abort_all_requests": False})
 
