@@ -21,7 +21,7 @@ from session_server.config import ServerConfig
 from session_server.cpu_pool import CpuPool
 from session_server.engine.client import EngineClient
 from session_server.engine.drains import EngineDrains
-from session_server.engine.placement import EnginePlacement
+from session_server.engine.placement import EnginePlacement, classify_before_serving
 from session_server.engine.sessions import EngineSessions
 from session_server.errors import method_not_allowed, not_found
 from session_server.http.boundary import ErrorBoundary
@@ -197,6 +197,7 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         lag = LoopLagTicker(server.metrics)
         lag.start()
         limit_task = asyncio.ensure_future(learn_prompt_limit(server))
+        await classify_before_serving(server.engine)
         server.engine.start()
         try:
             yield

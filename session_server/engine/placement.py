@@ -328,6 +328,17 @@ class EnginePlacement:
         return {w.url: w.kind for w in self.workers if w.kind is not None}
 
 
+CLASSIFY_BEFORE_SERVING = 2 * PROBE_TIMEOUT
+
+
+async def classify_before_serving(pool: EnginePlacement) -> None:
+    """Find out what stands at each engine URL before the first request is served (so a first abort already takes
+    the right path), bounded: a URL that does not answer in time is asked again by the background probe."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(CLASSIFY_BEFORE_SERVING):
+            await pool.classify()
+
+
 async def startup_refusal(pool: EnginePlacement, *, engine_sessions: bool, return_routed_experts: bool) -> str | None:
     """Run once before serving: the error to exit with when a router stands where an engine should and a flag needs
     what it breaks, else None. Closes the pool (it was built for this check only)."""
