@@ -10,7 +10,7 @@ in both modes). The floor (scripts/floor_proxy.py: uvicorn + Starlette + our eng
 each engine event decoded and relayed as a chunk) is measured the same way, in the same run, on the same core.
 
 The engine is configured for one event per token; the server asks each streamed request for its own
-`stream_interval` (session_server/engine/pacing.py: 16 tokens per delta event, max_tokens/10 per cumulative event,
+`stream_interval` (session_server/engine/pacing.py: 16 tokens per delta event, max_tokens/8 per cumulative event,
 since a cumulative stream of n tokens at one event per token puts about n^2/2 tokens on the wire, ~21 GB for 32k
 tokens), and the floor asks the same. `--engine-stream-interval 1` makes both ask for every token (the run then
 measures the per-token stream; cumulative replies of 16k tokens and more do not finish in reasonable time). A chat
@@ -123,8 +123,10 @@ def run_mode(mode: str, args: argparse.Namespace, cpus: tuple[int | None, int | 
     context = max(args.tokens) + 4096
     engine_args = ["--stream-interval", "1", "--context-length", str(context),
                    "--kv-capacity-tokens", str(4 * context), *args.engine_arg]
-    server_args = [*args.server_arg, "--engine-stream-interval", str(args.engine_stream_interval)]
     floor_flags = ["--engine-stream-interval", str(args.engine_stream_interval)]
+    # 0 leaves the choice to the server; -1 asks nothing of the engine (its own interval, 1), as a --server-src
+    # tree from before the flag does
+    server_args = [*args.server_arg, *(floor_flags if args.engine_stream_interval > 0 else [])]
     if mode == "deltas":
         engine_args.append("--incremental-streaming-output")
         server_args.append("--engine-incremental-streaming")
@@ -160,7 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-floor", action="store_true", help="skip the floor proxy's run")
     p.add_argument("--engine-stream-interval", type=int, default=0,
                    help="tokens per engine event the server (and the floor) ask for: 0 the server's default "
-                   "(engine/pacing.py), 1 one event per token")
+                   "(engine/pacing.py), 1 one event per token, -1 nothing asked (for a --server-src from before "
+                   "engine/pacing.py)")
     p.add_argument("--engine-arg", action="append", default=[], help="extra sglang-sim argument (repeatable)")
     p.add_argument("--server-src", default=None, help="run session-server from this source tree (a patched copy)")
     add_stack_args(p)
@@ -201,10 +204,12 @@ def main(argv: list[str] | None = None) -> int:
                 x_floor = streamed["cpu_ms"] / base["streamed"]["cpu_ms"] if base["streamed"]["cpu_ms"] else None
                 figs.add(f"{k}_streamed_x_floor", x_floor, "x floor", "lower", floor=0.1)
             note = f" ({'; '.join(streamed['errors'])})" if streamed["errors"] else ""
+            asked = (stream_interval(args.engine_stream_interval, mode == "deltas", tokens + 16, None)
+                     if args.engine_stream_interval >= 0 else 1)
             print(f"| {mode} | {tokens} | {fmt(plain['cpu_ms'])} | {fmt(streamed['cpu_ms'])}{note} | {fmt(ratio)} | "
                   f"{fmt(base and base['plain']['cpu_ms'])} | {fmt(base and base['streamed']['cpu_ms'])} | "
                   f"{fmt(x_floor)} | {streamed['engine_mib']:.1f} | "
-                  f"{stream_interval(args.engine_stream_interval, mode == 'deltas', tokens + 16, None)} | "
+                  f"{asked} | "
                   f"{streamed['chunks']} |")
     print("target: streamed / unstreamed <= 2 at 16k and 32k tokens, in both modes (DESIGN.md 7)")
     if args.json_out:

@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-stream-interval", type=int, default=_default("engine_stream_interval"),
         help="tokens per engine stream event asked for (SGLang's per-request stream_interval; the first token "
         "always comes at once). 0 (default) chooses: 16 when the engine streams deltas; with cumulative events "
-        "(each holds the whole reply so far) one per max_tokens/10 tokens, so a streamed reply stays linear "
+        "(each holds the whole reply so far) one per max_tokens/8 tokens, so a streamed reply stays linear "
         "(engine/pacing.py)",
     )
     p.add_argument(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 
 DELTA_INTERVAL = 16
-CUMULATIVE_EVENTS = 10
+CUMULATIVE_EVENTS = 8
 UNKNOWN_REPLY_TOKENS = 32_768  # a reply's size when neither max_new_tokens nor the engine's context is known
 
 

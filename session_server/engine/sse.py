@@ -32,6 +32,7 @@ from trajectory.errors import UpstreamError
 
 _encoder = msgspec.json.Encoder()
 _PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs")
+_DONE = b"data: [DONE]"
 _SEPARATOR = b"\n\ndata: "  # between two events in SGLang's own framing (`data: <json>\n\n`, no other lines)
 
 
@@ -111,32 +112,34 @@ class _Reader:
         self.texts: list[str] = []  # deltas: every event's text, and its raw ids and per-token lists
         self.raws: dict[str, list[msgspec.Raw]] = {"output_ids": [], **{k: [] for k in _PER_TOKEN_META}}
 
-    def block(self, block: bytes) -> tuple[Progress | None, Final | None]:
-        """Progress and maybe the final event of a run of whole events (`data: ...` lines; `[DONE]` dropped).
+    def block(self, data: bytes, end: int) -> tuple[Progress | None, Final | None]:
+        """Progress and maybe the final event of the whole events in `data[:end]` (`data: ...` lines; no `[DONE]`).
 
-        SGLang's framing (each event one `data: <json>` line, then a blank line) is read with bytes-level splits,
-        never a Python step per event: of cumulative events only the last (and the one before a final event) is
-        decoded, delta events by one msgspec call over the run. Other framings (comments, CR LF) go line by line."""
-        if block.startswith(b"data: "):
+        SGLang's framing (each event one `data: <json>` line, then a blank line) is read with bytes-level searches,
+        never a Python step per event and never a copy of more than the events read: of cumulative events only the
+        last (and the one before a final event) is decoded, delta events by one msgspec call over the run. Other
+        framings (comments, CR LF) go line by line."""
+        if data.startswith(b"data: "):
             if not self.incremental:
-                last = block.rfind(_SEPARATOR)
-                payload = block[last + len(_SEPARATOR) if last >= 0 else 6:]
+                last = data.rfind(_SEPARATOR, 0, end)
+                payload = data[last + len(_SEPARATOR) if last >= 0 else 6: end]
                 if b"\n" not in payload:
                     def before() -> bytes | None:
                         if last < 0:
                             return None
-                        start = block.rfind(_SEPARATOR, 0, last)
-                        return block[start + len(_SEPARATOR) if start >= 0 else 6: last]
+                        start = data.rfind(_SEPARATOR, 0, last)
+                        return data[start + len(_SEPARATOR) if start >= 0 else 6: last]
                     return self._cumulative(payload, before)
             else:
-                joined = b"[" + block[6:].replace(_SEPARATOR, b",") + b"]"
+                events_text = data[6:end]
+                joined = b"[" + events_text.replace(_SEPARATOR, b",") + b"]"
                 if b"\n" not in joined:
                     try:
                         events = _decode_deltas(joined)
                     except msgspec.DecodeError:
-                        return self.batch(block[6:].split(_SEPARATOR))
-                    return self._judge(events, lambda: block[6:].split(_SEPARATOR))
-        payloads = [line[5:].strip() for line in block.split(b"\n") if line.startswith(b"data:")]
+                        return self.batch(events_text.split(_SEPARATOR))
+                    return self._judge(events, lambda: events_text.split(_SEPARATOR))
+        payloads = [line[5:].strip() for line in data[:end].split(b"\n") if line.startswith(b"data:")]
         if b"[DONE]" in payloads:
             payloads = payloads[: payloads.index(b"[DONE]")]
         return self.batch(payloads) if payloads else (None, None)
@@ -296,20 +299,21 @@ async def engine_events(chunks: AsyncIterator[bytes], incremental: bool, logprob
         try:
             chunk = await source.__anext__()
         except StopAsyncIteration:
-            rest, done = b"".join(pending), True  # whole lines left, however they are framed; not a cut-off one
-            block = rest[: rest.rfind(b"\n") + 1].rstrip()
+            data, done = b"".join(pending), True  # whole lines left, however they are framed; not a cut-off one
+            end = _trimmed(data, data.rfind(b"\n") + 1)
         else:
             ends = b"\n\n" in chunk or b"\r\n\r\n" in chunk or (pending and b"\n\n" in pending[-1][-3:] + chunk[:3])
             pending.append(chunk)
             if not ends:
                 continue
-            block, rest = _whole_events(b"".join(pending))
-            pending[:] = [rest] if rest else []
-        if block.endswith(b"data: [DONE]"):
-            block, done = block[: -len(b"data: [DONE]")].rstrip(), True
-        if not block:
+            data = b"".join(pending)
+            end, rest = _whole_events(data)
+            pending[:] = [data[rest:]] if rest < len(data) else []
+        if data.endswith(_DONE, 0, end):
+            end, done = _trimmed(data, end - len(_DONE)), True
+        if end <= 0:
             continue
-        progress, final = reader.block(block)
+        progress, final = reader.block(data, end)
         if progress is not None:
             yield progress
             next_read = loop.time() + coalesce
@@ -319,12 +323,19 @@ async def engine_events(chunks: AsyncIterator[bytes], incremental: bool, logprob
     raise UpstreamError("engine stream ended without a final event", rule="stream_incomplete")
 
 
-def _whole_events(buffer: bytes) -> tuple[bytes, bytes]:
-    """The buffer cut after its last complete event (an SSE event ends at a blank line): (events, the rest)."""
+def _whole_events(buffer: bytes) -> tuple[int, int]:
+    """Where the buffer's complete events end (an SSE event ends at a blank line) and the rest begins."""
     end = buffer.rfind(b"\n\n")
     if end >= 0:
-        return buffer[:end], buffer[end + 2:]
+        return end, end + 2
     end = buffer.rfind(b"\r\n\r\n")
     if end >= 0:
-        return buffer[:end], buffer[end + 4:]
-    return b"", buffer
+        return end, end + 4
+    return 0, 0
+
+
+def _trimmed(data: bytes, end: int) -> int:
+    """`end` moved back over line breaks and blanks."""
+    while end > 0 and data[end - 1] in b" \t\r\n":
+        end -= 1
+    return end
