@@ -58,6 +58,7 @@ async def fill(client: httpx.AsyncClient, args: argparse.Namespace, keep: set[in
     """Create and fill every session; the ids (and, for the sessions that chat later, their histories)."""
     rng = random.Random(args.seed)
     sessions: dict[int, Any] = {}
+    failed: list[str] = []
     gate = asyncio.Semaphore(args.fill_concurrency)
     done = 0
     t0 = time.monotonic()
@@ -67,7 +68,11 @@ async def fill(client: httpx.AsyncClient, args: argparse.Namespace, keep: set[in
         async with gate:
             sid = (await client.post("/sessions", json={})).raise_for_status().json()["session_id"]
             body = {"messages": [message], "max_tokens": args.session_tokens, "temperature": 1.0}
-            r = (await client.post(f"/sessions/{sid}/v1/chat/completions", json=body)).raise_for_status()
+            r = await client.post(f"/sessions/{sid}/v1/chat/completions", json=body)
+            if r.status_code != 200:  # counted; the session stays live with what it holds (nothing)
+                failed.append(f"HTTP {r.status_code} {r.text[:200]}")
+                print(f"[scale] fill chat failed: {failed[-1]}", file=sys.stderr, flush=True)
+                return
             reply = r.json()["choices"][0]["message"]
             sessions[i] = (sid, [message, {"role": "assistant", "content": reply["content"]}] if i in keep else None)
             done += 1
@@ -76,6 +81,7 @@ async def fill(client: httpx.AsyncClient, args: argparse.Namespace, keep: set[in
                       file=sys.stderr, flush=True)
 
     await asyncio.gather(*(one(i, fill_message(rng, i, args)) for i in range(args.sessions)))
+    sessions[-1] = failed
     return sessions
 
 
@@ -156,6 +162,8 @@ def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         t0 = time.monotonic()
         cpu0 = proc_runtime_ns(server.pid)
         sessions = run_async(fill_all())
+        out["fill_errors"] = sessions.pop(-1)
+        chatters = [i for i in chatters if i in sessions]
         out["fill_s"] = time.monotonic() - t0
         out["fill_cpu_ms_per_session"] = (proc_runtime_ns(server.pid) - cpu0) / 1e6 / args.sessions
         time.sleep(1.0)  # let the allocator settle before reading RSS
@@ -242,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
               f"({h['polls']} polls) |")
     if args.json_out:
         write_report(args.json_out, "scale", vars(args), figs, results=m)
-    return 1 if chat["errors"] or (floor and floor["errors"]) else 0
+    if m["fill_errors"]:
+        print(f"{len(m['fill_errors'])} fill chats failed, e.g. {m['fill_errors'][0]}")
+    return 1 if chat["errors"] or m["fill_errors"] or (floor and floor["errors"]) else 0
 
 
 if __name__ == "__main__":
