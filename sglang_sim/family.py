@@ -36,6 +36,8 @@ class FamilyLike(Protocol):
 
     def opened_reply(self, prompt_ids: Any) -> str: ...
 
+    def stop_token_after(self, text: str) -> int: ...
+
 
 @dataclass
 class EngineFamily:

@@ -115,6 +115,21 @@ def parse_script(text: str) -> Script:
     return Script(think=think, reply=reply, tokens=tokens, tool_calls=tuple(calls))
 
 
+def _quoted_directives(text: str) -> str | None:
+    """The message text inside a JSON string that holds the directives, for templates that write a message with `tojson`
+    (Llama 3.1's tool results): the directives as the agent wrote them, unescaped. None when there is none."""
+    decoder = json.JSONDecoder()
+    first = text.find(MARK)
+    for quote in re.finditer('"', text[:first]):
+        try:
+            value, _ = decoder.raw_decode(text, quote.start())
+        except ValueError:
+            continue
+        if isinstance(value, str) and MARK in value:
+            return value
+    return None
+
+
 def find_script(family: EngineFamily, prompt: np.ndarray) -> Script | None:
     """Directives of the LAST message that carries any; None when the prompt has none."""
     if MARK not in family.decode_text(prompt, skip_special_tokens=False):
@@ -124,7 +139,7 @@ def find_script(family: EngineFamily, prompt: np.ndarray) -> Script | None:
         if MARK in text and PATTERN.search(text):
             for start in family.family.inline_message_starts:  # messages merged into one turn: the last one's
                 text = next((part for part in reversed(text.split(start)) if PATTERN.search(part)), text)
-            return parse_script(text)
+            return parse_script(_quoted_directives(text) or text)
     return None
 
 
@@ -235,7 +250,7 @@ def plan_reply(family: EngineFamily, prompt: np.ndarray, params: SamplingParams,
         text = family.family.format_completion(content, reasoning, calls)
     text = text.removeprefix(opened)
     body = content_ids if content_ids is not None and text == content else family.encode(text)
-    eos = int(family.family.eos_token_id)
+    eos = int(family.family.stop_token_after(text))
     if params.ignore_eos:
         # Keep "sampling" past the stop token, as a model told to ignore EOS does, until the length limit.
         filler = _word_tokens(family, rng, max(0, params.max_new_tokens - len(body) - 1))

@@ -231,8 +231,9 @@ class LinearTrajectory:
         else:
             base = self.checkpoints[keep - 1]
             trim, new_ids = continuation_ids(
-                self.family, self.records[keep - 1].last_completion_token, msgs[base.num_messages:], tools,
-                template_kwargs, self.text_only,
+                self.family, self.records[keep - 1].last_completion_token,
+                self.family.appended_messages(msgs, base.num_messages), tools,
+                template_kwargs, self.text_only, self.records[keep - 1].message,
             )
             reused = base.num_tokens - trim
             prompt = np.concatenate([self._buffer.ids[:reused], new_ids])
@@ -267,7 +268,7 @@ class LinearTrajectory:
             return None
         version = self.version
         last = self.records[-1].last_completion_token
-        trim = int(last != self.family.eos_token_id and last in self.family.stop_token_ids)
+        trim = self.family.trimmed_tokens(last)
         stored = self._buffer.ids
         keep = len(stored) - trim
         prompt = full.prompt_ids

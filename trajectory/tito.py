@@ -45,16 +45,18 @@ def first_turn_ids(family: ModelFamily, messages: Sequence[dict[str, Any]],
 
 def continuation_ids(family: ModelFamily, last_completion_token: int | None,
                      appended: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     template_kwargs: dict[str, Any] | None = None, text_only: bool = True) -> tuple[int, np.ndarray]:
+                     template_kwargs: dict[str, Any] | None = None, text_only: bool = True,
+                     last_message: dict[str, Any] | None = None) -> tuple[int, np.ndarray]:
     """(trim, ids): drop `trim` stored tail tokens, then append `ids`, to continue after a generated turn.
 
     `last_completion_token` is the last token the previous turn generated (None if it generated nothing).
     Ending on the template's own stop token means the message is closed; ending on another stop token
     (Qwen3's `<|endoftext|>`) means that token is replaced by the template's; anything else (length,
-    abort) leaves the message open and the template's stop token is appended after it. `text_only` as in
-    `first_turn_ids`.
+    abort) leaves the message open and what the template writes after `last_message` (the reply parsed from it: a
+    harmony call ends with `<|call|>`) is appended after it. `text_only` as in `first_turn_ids`.
     """
-    closed = last_completion_token == family.eos_token_id
-    trim = int(not closed and last_completion_token in family.stop_token_ids)
+    closed = family.closes_message(last_completion_token)
+    trim = family.trimmed_tokens(last_completion_token)
+    end = None if closed or trim else family.open_message_end(last_message or {})
     return trim, _render_ids(family, appended, tools, text_only, lambda m, t: family.appended_text(
-        m, t, closed=closed, template_kwargs=template_kwargs))
+        m, t, closed=closed, template_kwargs=template_kwargs, end=end))

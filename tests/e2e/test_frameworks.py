@@ -36,7 +36,7 @@ import httpx
 import openai
 import pytest
 
-from support.families import CHAT_MODE_BY_DEFAULT, FAMILIES
+from support.families import CHAT_MODE_BY_DEFAULT, FAMILIES, NO_REASONING, ONE_CALL_PER_REPLY
 from support.server import assert_training_data, metric, new_session
 from support.stack import Stack, StackFactory
 
@@ -70,6 +70,7 @@ class Shopping:
     item: str = "apple"
     price: int = 4
     quantity: int = 3
+    parallel: bool = True  # both lookups in one model call; else one after the other (one call per completion)
     calls: list[tuple[str, str]] = field(default_factory=list)  # (tool, argument) as the framework ran them
 
     @property
@@ -84,12 +85,18 @@ class Shopping:
     def user(self) -> str:
         return (f"What do the {self.item}s cost in total? Look up price and quantity, then use the calculator. "
                 f"[[sim: think]] {_directive_call('lookup', key=f'price:{self.item}')} "
-                f"{_directive_call('lookup', key=f'quantity:{self.item}')}")
+                f"{self._quantity_call if self.parallel else ''}")
+
+    @property
+    def _quantity_call(self) -> str:
+        return _directive_call('lookup', key=f'quantity:{self.item}')
 
     def lookup(self, key: str) -> str:
         self.calls.append(("lookup", key))
         store = {f"price:{self.item}": self.price, f"quantity:{self.item}": self.quantity}
         value = store.get(key, "unknown")
+        if not self.parallel and key == f"price:{self.item}":
+            return f"{value}\n[[sim: think]] {self._quantity_call}"
         return f"{value}\n[[sim: think]] {_directive_call('calculator', expression=self.expression)}"
 
     def calculator(self, expression: str) -> str:
@@ -432,17 +439,16 @@ def test_framework_streaming_tool_loop_on_every_family(family_stack: Stack, fram
 def _tool_loop(stack: Stack, framework: str, stream: bool) -> None:
     server = stack.server
     sid = new_session(server, {"framework": framework, "stream": stream})
-    task = Shopping()
+    task = Shopping(parallel=stack.family not in ONE_CALL_PER_REPLY)
     final = asyncio.run(FRAMEWORKS[framework](f"{server}/sessions/{sid}/v1", task, stream))
     task.check(final)
-    info = assert_training_data(stack, sid, model_calls=3, streamed=stream)
-    first, second, third = (r["message"] for r in info["records"])
-    reasons = stack.family not in CHAT_MODE_BY_DEFAULT
-    assert bool(first.get("reasoning_content")) is reasons
-    assert bool(second.get("reasoning_content")) is reasons
-    assert [c["function"]["name"] for c in first["tool_calls"]] == ["lookup"] * 2
-    assert [c["function"]["name"] for c in second["tool_calls"]] == ["calculator"]
-    assert third["content"] == task.answer and not third.get("tool_calls")
+    info = assert_training_data(stack, sid, model_calls=3 if task.parallel else 4, streamed=stream)
+    *calling, last = (r["message"] for r in info["records"])
+    reasons = stack.family not in (*CHAT_MODE_BY_DEFAULT, *NO_REASONING)
+    assert [bool(m.get("reasoning_content")) for m in calling] == [reasons] * len(calling)
+    assert [[c["function"]["name"] for c in m["tool_calls"]] for m in calling] == (
+        [["lookup"] * 2, ["calculator"]] if task.parallel else [["lookup"], ["lookup"], ["calculator"]])
+    assert last["content"] == task.answer and not last.get("tool_calls")
     _delete(server, sid)
 
 

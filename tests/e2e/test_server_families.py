@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from support.families import FAMILIES
+from support.families import FAMILIES, ONE_CALL_PER_REPLY
 from support.server import (
     TOOLS,
     as_history,
@@ -61,14 +61,15 @@ def test_tool_loop_matches_what_the_engine_saw(stack: dict) -> None:
         first = await client.chat.completions.create(model="m", messages=messages, tools=tools)
         replies.append(first)
         calls = first.choices[0].message.tool_calls
-        assert [c.function.name for c in calls] == ["add", "lookup"]  # parallel calls parsed
-        assert json.loads(calls[1].function.arguments) == {"key": 'naïve "quoted" {nested: [1, 2]}'}
+        if stack["family"] in ONE_CALL_PER_REPLY:  # the model stopped at its first call
+            assert [c.function.name for c in calls] == ["add"]
+        else:
+            assert [c.function.name for c in calls] == ["add", "lookup"]  # parallel calls parsed
+            assert json.loads(calls[1].function.arguments) == {"key": 'naïve "quoted" {nested: [1, 2]}'}
         messages.append(as_history(first.choices[0].message))
-        messages.append({"role": "tool", "tool_call_id": calls[0].id, "content": "42"})
-        messages.append({
-            "role": "tool", "tool_call_id": calls[1].id,
-            "content": 'found [[sim: think]] [[sim: tool_call name=add args={"a": 1, "b": 1}]]',
-        })
+        for i, call in enumerate(calls):
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "42" if i + 1 < len(calls) else
+                             'found [[sim: think]] [[sim: tool_call name=add args={"a": 1, "b": 1}]]'})
         second = await client.chat.completions.create(model="m", messages=messages, tools=tools)
         replies.append(second)
         assert second.choices[0].finish_reason == "tool_calls"

@@ -17,3 +17,12 @@ PLAIN_REPLY: tuple[str, ...] = ("qwen3", "deepseek")
 # Families whose generation prompt closes the reasoning block unless the request turns thinking on: the model answers
 # without reasoning (DeepSeek V4's chat mode, its reference encoder's default).
 CHAT_MODE_BY_DEFAULT: tuple[str, ...] = ("deepseek-v4",)
+# Families whose model makes one tool call per completion (harmony: `<|call|>` is a stop token): a task that other
+# families do with parallel calls takes one model call per tool call.
+ONE_CALL_PER_REPLY: tuple[str, ...] = ("gpt-oss",)
+# Families whose template writes a generated reply differently in history than the model wrote it (harmony moves a
+# call's recipient into the role header; Llama 3.1's template drops the text before a call): TITO keeps the generated
+# tokens, a re-render would differ.
+REWRITES_REPLIES: tuple[str, ...] = ("gpt-oss", "llama-3.1")
+# Families whose model does not reason.
+NO_REASONING: tuple[str, ...] = ("llama-3.1",)

@@ -103,12 +103,14 @@ def assert_sample_is_what_the_engine_saw(sample: Any, calls: list[dict[str, Any]
     """The merged sample against the recording proxy's /generate calls, in order: each prompt is a prefix of the
     sample and extends the previous prompt + completion (TITO: history is never re-tokenized), the completions and
     their logprobs are the engine's own, the loss mask is 1 exactly on them (logprobs 0 elsewhere) and the sample ends
-    with the last one. Returns each call's completion span (start, end) for the caller's per-turn checks."""
+    with the last one. A completion's stop token that the next prompt writes otherwise (harmony's `<|return|>`, written
+    `<|end|>` in history) is that prompt's token in the sample, under mask 0. Returns each call's completion span
+    (start, end) for the caller's per-turn checks."""
     tokens, mask, logprobs = sample.tokens, sample.loss_mask, sample.rollout_log_probs
     expected_mask = np.zeros(len(tokens), dtype=np.uint8)
     spans: list[tuple[int, int]] = []
     prev_end = 0
-    for call in calls:
+    for i, call in enumerate(calls):
         req, resp = call["request"], call["response"]
         input_ids = np.asarray(req["input_ids"], dtype=np.int32)
         output_ids = np.asarray(resp["output_ids"], dtype=np.int32)
@@ -116,9 +118,11 @@ def assert_sample_is_what_the_engine_saw(sample: Any, calls: list[dict[str, Any]
         start, end = len(input_ids), len(input_ids) + len(output_ids)
         assert start >= prev_end
         np.testing.assert_array_equal(tokens[:start], input_ids)
-        np.testing.assert_array_equal(tokens[start:end], output_ids)
-        np.testing.assert_array_equal(logprobs[start:end], engine_logprobs)
-        expected_mask[start:end] = 1
+        following = calls[i + 1]["request"]["input_ids"] if i + 1 < len(calls) else None
+        kept = end - int(following is not None and end > start and following[end - 1] != output_ids[-1])
+        np.testing.assert_array_equal(tokens[start:kept], output_ids[:kept - start])
+        np.testing.assert_array_equal(logprobs[start:kept], engine_logprobs[:kept - start])
+        expected_mask[start:kept] = 1
         spans.append((start, end))
         prev_end = end
     assert prev_end == len(tokens)

@@ -62,8 +62,9 @@ def generate(family: ModelFamily, plan: TurnPlan, reply: Reply, rid: str) -> tup
         ids = ids[: reply.cut]
         text = family.completion_text(ids)
     if reply.stop == "eos":
-        ids.append(family.eos_token_id)
-        finish: dict[str, Any] = {"type": "stop", "matched": family.eos_token_id}
+        stop = family.stop_token_after(text)
+        ids.append(stop)
+        finish: dict[str, Any] = {"type": "stop", "matched": stop}
     elif reply.stop == "alt":
         ids.append(family.stop_token_ids[-1])
         finish = {"type": "stop", "matched": family.stop_token_ids[-1]}
@@ -141,3 +142,9 @@ def conversations(draw: st.DrawFn, family: ModelFamily, reasoning: bool, max_tur
         previous = draw(replies(family, reasoning))
         turns.append(Turn(appended=appended, reply=previous))
     return tools, turns
+
+
+def call_item(i: int, name: str, arguments: dict[str, Any], ensure_ascii: bool = True) -> dict[str, Any]:
+    """An OpenAI `tool_calls` item with id `c{i}`, its arguments as JSON text."""
+    return {"id": f"c{i}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=ensure_ascii)}}

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support.families import FAMILIES
+from support.families import FAMILIES, NO_REASONING, REWRITES_REPLIES
 from support.tito import ARGUMENTS, TEXT, TOOL_NAME
 from trajectory import ParsedCompletion, ToolCall, family_names, get_family, register_family
 from trajectory.errors import RequestValidationError, TemplateError
@@ -123,7 +123,8 @@ def test_anchor_cache_tells_key_orders_apart(families, name):
     appended = [{"role": "user", "content": "hi"}]
     prefix_a = family.anchor_prefix(a)
     prefix_b = family.anchor_prefix(b)
-    assert prefix_a != prefix_b
+    # different whenever the template writes them differently (harmony's TypeScript rendering reads keys by name)
+    assert (prefix_a != prefix_b) == (family.render(ANCHOR, a, False) != family.render(ANCHOR, b, False))
     for tools, prefix in ((a, prefix_a), (b, prefix_b)):
         full = family.render([*ANCHOR, *appended], tools, add_generation_prompt=True)
         assert full.startswith(prefix)
@@ -197,7 +198,7 @@ def test_reply_message_assigns_deterministic_call_ids():
     assert "tool_calls" not in ParsedCompletion("c").to_message("x")
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [f for f in FAMILIES if f not in REWRITES_REPLIES])
 def test_formatted_completion_is_what_the_template_renders(families, name):
     """format_completion mirrors the template, so a generated turn re-renders to the same text."""
     family = families[name]
@@ -230,6 +231,7 @@ def test_parse_inverts_format(families, name, content, reasoning, calls):
     """With the tools typed as the arguments are (XML-call families write values as bare text: the schema types
     them), and one tool per call."""
     family = families[name]
+    reasoning = None if name in NO_REASONING else reasoning
     calls = [(f"{n}_{i}", a) for i, (n, a) in enumerate(calls)]
     tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {
         k: {"type": _json_type(v)} for k, v in json.loads(a).items()}}}} for n, a in calls]

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from support.sglang_real import import_sglang_schema
 from support.tito import _ALPHABET
+from support.tito import call_item as _call
 from trajectory import LinearTrajectory, ModelFamily
 from trajectory.families.xml_tool_calls import _json_type
 
@@ -47,10 +48,6 @@ TOOLS = [
     {"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}},
 ]
-
-
-def _call(i: int, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
 CONVERSATION: list[dict[str, Any]] = [

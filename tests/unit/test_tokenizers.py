@@ -19,9 +19,14 @@ SPECIALS = {
 }
 SPECIALS["qwen3.6"] = SPECIALS["qwen3.5"]
 SPECIALS["deepseek-v4"] = [*SPECIALS["deepseek"], "｜DSML｜"]
+SPECIALS["gpt-oss"] = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>",
+                       "<|endoftext|>"]
+SPECIALS["llama-3.1"] = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                         "<|python_tag|>", "<|end_of_text|>"]
 GENERATION_PROMPTS = {"qwen3": "<|im_start|>assistant\n", "deepseek": "<｜Assistant｜>",
                       "qwen3.5": "<|im_start|>assistant\n<think>\n", "qwen3.6": "<|im_start|>assistant\n<think>\n",
-                      "deepseek-v4": "<｜Assistant｜></think>"}
+                      "deepseek-v4": "<｜Assistant｜></think>", "gpt-oss": "<|start|>assistant",
+                      "llama-3.1": "<|start_header_id|>assistant<|end_header_id|>\n\n"}
 TEXTS = ["hello world", "naïve café – 東京 🚀", "def f(x):\n    return {\"a\": [1, 2.5, None]}\n", "  spaced  \t\n"]
 
 

@@ -121,7 +121,8 @@ def test_an_assistant_message_the_model_did_not_generate_is_prompt(families, nam
     assert traj.messages[-2 if canned_last else -3] == {"role": "assistant", "content": canned["content"]}
     # The canned message is history like any other: the next turn repeats it and appends.
     plan = traj.prepare([*traj.messages, user("q3")], TOOLS)
-    assert plan.rolled_back == 0 and plan.new_token_start == traj.num_tokens
+    trim = family.trimmed_tokens(traj.records[-1].last_completion_token)  # harmony's `<|return|>` becomes `<|end|>`
+    assert plan.rolled_back == 0 and plan.new_token_start == traj.num_tokens - trim
 
 
 def test_rollback_limit(qwen):
@@ -161,7 +162,8 @@ def test_tools_belong_to_the_turn_not_to_the_history(families, name):
         appended = [{"role": "tool", "tool_call_id": "call_r0_0", "content": "4"}, user("q2")]
         plan = traj.prepare([*traj.messages, *appended], later_tools)
         assert (plan.rolled_back, plan.new_token_start) == (0, traj.num_tokens)
-        trim, expected = continuation_ids(family, traj.records[0].last_completion_token, appended,
+        trim, expected = continuation_ids(family, traj.records[0].last_completion_token,
+                                          family.appended_messages([*traj.messages, *appended], len(traj.messages)),
                                           normalize_tools(later_tools))
         assert plan.prompt_ids[plan.new_token_start - trim:].tolist() == expected.tolist()
         traj.commit(plan, *generate(family, plan, Reply("done"), rid="r1"))

@@ -43,7 +43,7 @@ def _check_episode(family: ModelFamily, seen: dict[str, Any], append_stable: boo
         # The next prompt starts with everything the engine saw and sampled, minus at most the trimmed stop.
         keep = len(previous) - plan.trimmed
         assert plan.trimmed <= family.max_trim_tokens
-        assert plan.trimmed == 0 or previous[-1] in family.stop_token_ids[1:]
+        assert plan.trimmed == 0 or (previous[-1] in family.stop_token_ids and not family.closes_message(previous[-1]))
         assert plan.new_token_start == keep and plan.rolled_back == 0
         assert np.array_equal(plan.prompt_ids[:keep], previous[:keep])
         if append_stable:  # the incremental prompt is exactly the canonical full render
@@ -76,9 +76,11 @@ def _check_episode(family: ModelFamily, seen: dict[str, Any], append_stable: boo
     assert np.array_equal(merged.rollout_log_probs, expected_lp)
     assert merged.response_length == len(merged.tokens) - len(seen["prompts"][0])
 
-    # Whatever a re-render disagrees with lies in generated text, never in the template glue TITO wrote.
+    # Whatever a re-render disagrees with lies in generated text, never in the template glue TITO wrote. Not so for
+    # harmony, whose template writes a reply as other messages (a reply cut inside its reasoning gains an empty final
+    # message, a call's recipient moves into the role header): a re-render differs around generated turns too.
     report = traj.mismatch_report()
-    assert report["assistant_only"], report["segments"]
+    assert report["assistant_only"] or family.name == "gpt-oss", report["segments"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -3,6 +3,8 @@
 from .base import ModelFamily, ParsedCompletion, ToolCall
 from .deepseek import DeepSeekFamily
 from .deepseek_v4 import DeepSeekV4Family
+from .gpt_oss import GptOssFamily
+from .llama3 import Llama31Family
 from .qwen3 import Qwen3Family
 from .qwen35 import Qwen35Family, Qwen36Family
 from .registry import family_names, get_family, register_family
@@ -10,6 +12,8 @@ from .registry import family_names, get_family, register_family
 __all__ = [
     "DeepSeekFamily",
     "DeepSeekV4Family",
+    "GptOssFamily",
+    "Llama31Family",
     "ModelFamily",
     "ParsedCompletion",
     "Qwen3Family",

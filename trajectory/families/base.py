@@ -89,6 +89,11 @@ class ModelFamily(ABC):
     name: ClassVar[str]
     eos_token: ClassVar[str]                  # the stop token the template writes after a message
     extra_stop_tokens: ClassVar[tuple[str, ...]] = ()  # other tokens the model may stop on
+    # False when the model does not stop on `eos_token` (harmony's `<|end|>` ends one message of a reply that goes on).
+    eos_is_stop: ClassVar[bool] = True
+    # Stop tokens the template also writes after a message (harmony's `<|call|>`): a completion ending on one is closed
+    # as it is, where one ending on another extra stop token has it replaced by `eos_token`.
+    closing_stop_tokens: ClassVar[tuple[str, ...]] = ()
     message_trailer: ClassVar[str]            # text the template writes after `eos_token`
     assistant_header: ClassVar[str]           # text that opens an assistant message (the generation prompt)
     appendable_roles: ClassVar[frozenset[str]]
@@ -128,8 +133,9 @@ class ModelFamily(ABC):
         self.vocab_size: int = len(tokenizer)
         self.eos_token_id: int = self._single_id(self.eos_token)
         self.stop_token_ids: tuple[int, ...] = (
-            self.eos_token_id, *(self._single_id(t) for t in self.extra_stop_tokens)
+            *((self.eos_token_id,) if self.eos_is_stop else ()), *(self._single_id(t) for t in self.extra_stop_tokens)
         )
+        self._closing_ids = frozenset({self.eos_token_id, *map(self._single_id, self.closing_stop_tokens)})
         # Template punctuation: where token-level diffs can resynchronise (see mismatch.py).
         self.special_token_ids: frozenset[int] = frozenset(
             {*getattr(tokenizer, "added_tokens_decoder", {}), *self.stop_token_ids}
@@ -158,6 +164,29 @@ class ModelFamily(ABC):
         if len(ids) != 1:
             raise TokenizationError(f"family {self.name}: {token!r} is not a single token in this tokenizer ({ids})")
         return ids[0]
+
+    # -- stop tokens -------------------------------------------------------------------------------------
+    def closes_message(self, last_token: int | None) -> bool:
+        """Whether a completion ending on `last_token` ends exactly as the template ends that message."""
+        return last_token in self._closing_ids
+
+    def trimmed_tokens(self, last_token: int | None) -> int:
+        """How many tokens of a completion ending on `last_token` the next prompt replaces (a stop token the template
+        does not write there: Qwen3's `<|endoftext|>`, harmony's `<|return|>`)."""
+        return int(not self.closes_message(last_token) and last_token in self.stop_token_ids)
+
+    def open_message_end(self, message: Mapping[str, Any]) -> str:
+        """What the template writes after `message`, a generated reply that ended on no stop token (cut by length)."""
+        return self.eos_token
+
+    def stop_token_after(self, text: str) -> int:
+        """The stop token a model ends the reply `text` (format_completion's) with: the emulated engine's choice."""
+        return self.eos_token_id
+
+    def appended_messages(self, messages: Sequence[Mapping[str, Any]], start: int) -> list[dict[str, Any]]:
+        """`messages[start:]`, the messages appended after stored turns, as the template renders them on their own
+        (harmony names a tool result's author by its call, which is in the history)."""
+        return [dict(m) for m in messages[start:]]
 
     # -- text <-> ids ------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -229,11 +258,12 @@ class ModelFamily(ABC):
         return prefix
 
     def appended_text(self, appended: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      closed: bool, template_kwargs: dict[str, Any] | None = None) -> str:
+                      closed: bool, template_kwargs: dict[str, Any] | None = None, end: str | None = None) -> str:
         """Text to tokenize and append after a generated assistant turn, ending with the generation prompt.
 
-        `closed` says whether the stored tokens already end with `eos_token`; if not (the model stopped on
-        another stop token, which the caller trims, or ran out of length) the text starts with it.
+        `closed` says whether the stored tokens already end as the template ends the message; if not (the model
+        stopped on another stop token, which the caller trims, or ran out of length) the text starts with `end`
+        (default `eos_token`).
         """
         for message in appended:
             if message["role"] not in self.appendable_roles:
@@ -253,7 +283,7 @@ class ModelFamily(ABC):
                 f"chat template of family {self.name} rewrites earlier messages when appending {roles}: "
                 f"rendered prefix differs at character {first_difference(prefix, full)}"
             )
-        lead = self.message_trailer if closed else self.eos_token + self.message_trailer
+        lead = self.message_trailer if closed else (end or self.eos_token) + self.message_trailer
         return lead + full[len(prefix):]
 
     # -- completion text <-> message -------------------------------------------------------------------
