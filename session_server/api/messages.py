@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from session_server.anthropic.serving import Messages, parse_body
-from session_server.api.session_header import resolve_session, serve_root_turn
+from session_server.api.session_header import serve_at_root, serve_root_turn
 from session_server.errors import json_response
 from session_server.openai.chat import read_chat
 from session_server.state import server_of
@@ -60,8 +60,4 @@ async def count(request: Request) -> Response:
 
 
 async def count_at_root(request: Request) -> Response:
-    try:
-        sid = resolve_session(server_of(request), request, create=True)
-    except SessionError as err:
-        return MESSAGES.error(err)
-    return await _count(request, sid)
+    return await serve_at_root(request, MESSAGES.error, True, _count)

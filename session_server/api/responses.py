@@ -7,7 +7,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from session_server.api.session_header import resolve_session, serve_root_turn
+from session_server.api.session_header import serve_at_root, serve_root_turn
 from session_server.errors import json_response
 from session_server.openai.chat import read_chat
 from session_server.responses.serving import Responses, stored_response
@@ -42,8 +42,4 @@ async def retrieve(request: Request) -> Response:
 
 
 async def retrieve_at_root(request: Request) -> Response:
-    try:
-        sid = resolve_session(server_of(request), request, create=False)
-    except SessionError as err:
-        return RESPONSES.error(err)
-    return await _retrieve(request, sid)
+    return await serve_at_root(request, RESPONSES.error, False, _retrieve)

@@ -12,6 +12,7 @@ never revived. The trainer then collects `/sessions/{id}/samples` with the same 
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -75,14 +76,22 @@ def resolve_session(server: ServerState, request: Request, create: bool) -> str:
     return sid
 
 
-async def serve_root_turn(request: Request, api: FrontEnd[Any]) -> Response:
-    """A turn at the root URL of any API: the session named by X-Session-ID or the API key (created on first use
-    if allowed), errors in the API's own shape."""
+async def serve_at_root(
+    request: Request, error: Callable[[SessionError], Response], create: bool,
+    handler: Callable[[Request, str], Awaitable[Response]],
+) -> Response:
+    """Any route at the root URL: `handler` for the session named by X-Session-ID or the API key (created on first
+    use when `create` and allowed), a session error in the API's own shape (`error`)."""
     try:
-        sid = resolve_session(server_of(request), request, create=True)
+        sid = resolve_session(server_of(request), request, create)
     except SessionError as err:
-        return api.error(err)
-    return await serve_turn(request, sid, api)
+        return error(err)
+    return await handler(request, sid)
+
+
+async def serve_root_turn(request: Request, api: FrontEnd[Any]) -> Response:
+    """A turn at the root URL of any API."""
+    return await serve_at_root(request, api.error, True, lambda req, sid: serve_turn(req, sid, api))
 
 
 async def chat_completions(request: Request) -> Response:
