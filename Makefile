@@ -80,10 +80,12 @@ $(CHECKPOINTS)/.built: $(SGLANG_STAMP) $(TOKENIZERS)/.built scripts/build_tiny_c
 test-sglang: $(STAMP) $(CHECKPOINTS)/.built
 	$(PY) -m pytest -q -p no:xdist tests/sglang --sglang-venv $(SGLANG_VENV) --checkpoints $(CHECKPOINTS)
 
-# The pure tier only, in seconds: run it constantly. Two workers: most of its time is hypothesis examples, and each
-# worker loads the five tokenizers (a few seconds) once.
+# The pure tier only, in seconds: run it constantly. Two workers: most of its time is hypothesis examples (here a
+# fraction of each property's count, tests/support/examples.py; `make test` runs them all), and each worker loads
+# every family's tokenizer (a few seconds) once.
+FAST_EXAMPLES_SCALE ?= 0.3
 test-fast: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) -m pytest -q -n 2 tests/unit
+	TEST_EXAMPLES_SCALE=$(FAST_EXAMPLES_SCALE) $(PY) -m pytest -q -n 2 tests/unit
 
 # Benchmarks (timing goals live here, never in tests). Extra flags: make bench BENCH_ARGS="--duration 20".
 BENCH_OUT := out/bench

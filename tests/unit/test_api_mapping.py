@@ -23,11 +23,12 @@ from session_server.responses.protocol import decode_reasoning_state, parse_resp
 from session_server.responses.reply import ResponseBuilder, response_body
 from session_server.turns.deltas import DeltaTracker
 from session_server.turns.reply_facts import ReplyFacts, reply_facts
+from support.examples import examples
 from support.tito import Reply, conversations, generate
 from trajectory import LinearTrajectory, ModelFamily, normalize_messages
 from trajectory.errors import RequestValidationError
 
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FACTS = ReplyFacts("stop", None, 10, 4, 5, 0)
 
 

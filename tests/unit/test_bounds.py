@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from support.families import FAMILIES
 from trajectory.bounds import min_prompt_tokens, min_tokens
 
@@ -20,7 +21,7 @@ TEXT = st.lists(
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@settings(max_examples=300, deadline=None,
+@settings(max_examples=examples(300), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(text=TEXT)
 def test_min_tokens_never_exceeds_the_real_count(families, name: str, text: str) -> None:
@@ -29,7 +30,7 @@ def test_min_tokens_never_exceeds_the_real_count(families, name: str, text: str)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@settings(max_examples=40, deadline=None,
+@settings(max_examples=examples(40), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(texts=st.lists(TEXT, min_size=1, max_size=4))
 def test_min_prompt_tokens_never_exceeds_the_rendered_prompt(families, name: str, texts: list[str]) -> None:
@@ -59,7 +60,7 @@ def test_malformed_messages_count_as_nothing() -> None:
         assert min_prompt_tokens(messages, 128, 100) in (0, 1)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(texts=st.lists(TEXT, max_size=6), max_token_chars=st.integers(1, 8), limit=st.integers(0, 200))
 def test_skipping_the_scan_of_short_texts_never_changes_the_verdict(
     texts: list[str], max_token_chars: int, limit: int

@@ -13,12 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from support.families import FAMILIES
 from trajectory import LinearTrajectory, ModelFamily
 from trajectory.families.control import trie_pattern
 from trajectory.tito import continuation_ids, first_turn_ids
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+SETTINGS = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.function_scoped_fixture])
 
 

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from support.tito import engine_body
 from trajectory import LinearTrajectory, decode_generate_response
 from trajectory.errors import UpstreamError
@@ -56,7 +57,7 @@ def payloads(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(body=payloads())
 def test_accepts_every_well_formed_payload(body):
     result = decode_generate_response(dumps(body), VOCAB)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from session_server.engine import pacing
 from session_server.engine.sse import EngineError, Final, Progress, engine_events
+from support.examples import examples
 from trajectory.errors import UpstreamError
 
 _pieces = st.lists(st.tuples(st.lists(st.sampled_from([*'ab \n"\\é{}[],:', "data: ", "\n\ndata: "]),
@@ -63,7 +64,7 @@ async def _read(raw: bytes, cuts: list[int], incremental: bool) -> tuple[str, li
     return text, logprobs, final
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(pieces=_pieces, cuts=st.lists(st.integers(0, 10_000), max_size=8), incremental=st.booleans(),
        framing=st.sampled_from(["sglang", "crlf", "comments"]))
 def test_any_split_reads_the_same_reply(pieces: list[tuple[str, list[int]]], cuts: list[int], incremental: bool,

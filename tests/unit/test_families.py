@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from support.families import FAMILIES, NO_REASONING, REWRITES_REPLIES
 from support.tito import ARGUMENTS, TEXT, TOOL_NAME
 from trajectory import ParsedCompletion, ToolCall, family_names, get_family, register_family
@@ -224,7 +225,7 @@ def test_parse_output_reads_the_generated_ids(families, name):
 
 # -- parsers: the inverse property ------------------------------------------------------------------------
 @pytest.mark.parametrize("name", FAMILIES)
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(content=TEXT | st.just("") | st.just("\n x \n"), reasoning=st.none() | TEXT | st.just("") | st.just("\na\n"),
        calls=st.lists(st.tuples(TOOL_NAME, ARGUMENTS), max_size=3))
 def test_parse_inverts_format(families, name, content, reasoning, calls):

@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from support.sglang_real import import_sglang_schema
 from support.tito import _ALPHABET
 from support.tito import call_item as _call
@@ -45,7 +46,7 @@ from openai_harmony import (  # noqa: E402
     load_harmony_encoding,
 )
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")

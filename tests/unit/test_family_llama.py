@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from support.sglang_real import import_sglang_schema
 from support.tito import _ALPHABET, Reply, call_item, generate
 from trajectory import LinearTrajectory, ModelFamily
@@ -32,7 +33,7 @@ from tiktoken.load import load_tiktoken_bpe  # noqa: E402
 
 from scripts.build_tokenizers import LLAMA3_PATTERN  # noqa: E402
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from support.sglang_real import import_sglang_schema
 from support.tito import _ALPHABET
 from support.tito import call_item as _call
@@ -31,7 +32,7 @@ renderers = pytest.importorskip("renderers")
 from renderers.configs import Qwen35RendererConfig, Qwen36RendererConfig  # noqa: E402
 
 RENDERER_CONFIGS = {"qwen3.5": Qwen35RendererConfig, "qwen3.6": Qwen36RendererConfig}
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")

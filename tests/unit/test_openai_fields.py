@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from session_server.engine.wire import encode_generate
 from session_server.openai.protocol import ChatRequest, parse_chat_request, turn_tools
+from support.examples import examples
 from trajectory import GenerateResult, LinearTrajectory
 from trajectory.errors import RequestValidationError
 
@@ -165,7 +166,7 @@ def test_unhonourable_or_out_of_bounds_fields_are_400s_naming_the_field(body: di
     _refused(body, field)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.dictionaries(
     st.sampled_from(["presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "temperature", "top_p",
                      "top_k", "max_tokens", "seed", "top_logprobs"]),

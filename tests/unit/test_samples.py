@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save as st_save
 
+from support.examples import examples
 from support.tito import Reply, engine_body, generate
 from trajectory import (
     LinearTrajectory,
@@ -105,7 +106,7 @@ def samples(draw: st.DrawFn) -> Sample:
     )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(batch=st.lists(samples(), max_size=4))
 def test_codecs_round_trip(batch):
     via_json = samples_from_json(json.loads(json.dumps(samples_to_json(batch))))

@@ -18,6 +18,7 @@ from sglang_sim.family import EngineFamily
 from sglang_sim.generation import SamplingParams
 from sglang_sim.requests import BadRequest, GenerateInput
 from sglang_sim.sessions import SessionParams
+from support.examples import examples
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ async def _scenario(family: EngineFamily, ops: list[tuple]) -> None:
         assert len(req.output_ids) <= len(req.plan.output_ids)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps)
 def test_random_schedules_keep_the_books(family, ops):
     asyncio.run(_scenario(family, ops))

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from sglang_sim.kv_pool import KVPool
 from sglang_sim.radix_cache import RadixCache
+from support.examples import examples
 
 CAP = 64
 
@@ -16,7 +17,7 @@ ops = st.lists(st.tuples(st.sampled_from(["insert", "match_lock", "unlock", "evi
                          st.integers(0, 40)), max_size=60)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(ops)
 def test_random_operations_keep_the_books(operations):
     pool = KVPool(CAP)

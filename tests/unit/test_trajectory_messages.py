@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from trajectory import MessageMatcher, normalize_messages, normalize_tools
 from trajectory.errors import RequestValidationError
 from trajectory.messages import ROLLBACK_REASONS
@@ -169,7 +170,7 @@ def _reordered(value):
     return value
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(args=st.dictionaries(st.text(max_size=6), _JSON, max_size=5), indent=st.sampled_from([None, 2]))
 def test_any_reserialisation_of_the_arguments_matches(args, indent):
     """Whatever an agent does to the arguments' text -- compact, indent, reorder keys, escape non-ASCII -- the echo

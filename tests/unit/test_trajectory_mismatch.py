@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from trajectory.mismatch import diff_tokens
 
 SPECIAL = {0, 1}
@@ -22,7 +23,7 @@ def apply(a: list[int], b: list[int], opcodes) -> list[int]:
     return out + a[pos:]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(a=TOKENS, b=TOKENS)
 def test_diff_is_exact(a, b):
     opcodes = diff_tokens(a, b, SPECIAL)
@@ -46,7 +47,7 @@ def _lcs(a: list[int], b: list[int]) -> int:
     return row[-1]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(a=TOKENS, b=TOKENS)
 def test_diff_is_a_shortest_edit(a, b):
     """What the opcodes leave unmatched is exactly what a longest common subsequence leaves (no special tokens here:

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from support.families import FAMILIES
 from support.tito import Reply, generate
 from trajectory import LinearTrajectory
@@ -55,7 +56,7 @@ steps = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(family_name=st.sampled_from(FAMILIES), script=steps)
 def test_replaying_stored_turns_gives_the_live_trajectory(families, family_name, script) -> None:
     family = families[family_name]

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from support.tito import MESSAGE_TEXT, Reply, conversations, generate, replies
 from trajectory import (
     LinearTrajectory,
@@ -29,7 +30,7 @@ from trajectory import (
 from trajectory.errors import RollbackLimitError
 from trajectory.segments import SegmentLimitError, SegmentPlan
 
-SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 

@@ -9,11 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from support.families import APPEND_STABLE, FAMILIES
 from support.tito import Reply, Turn, conversations, generate
 from trajectory import LinearTrajectory, ModelFamily, build_merged_sample, build_turn_samples
 
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from session_server.turns.deltas import DeltaTracker
+from support.examples import examples
 from support.families import NO_REASONING
 from trajectory.families.registry import family_names
 
@@ -56,7 +57,7 @@ def _assemble(family: Any, text: str, cuts: list[int], parse_tool_calls: bool = 
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(content=_text, reasoning=st.one_of(st.none(), _text), calls=_calls, data=st.data())
 def test_any_chunking_assembles_to_the_final_message(family: Any, content: str, reasoning: str | None,
                                                       calls: list[tuple[str, dict[str, int]]], data: Any) -> None:
@@ -75,7 +76,7 @@ _soup = st.lists(st.sampled_from([*"ab \n\t<>/{}\"'", "é", "\n\n", "<think>", "
                  max_size=30).map("".join)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(text=_soup, data=st.data())
 def test_any_split_of_any_text_assembles_to_the_final_message(family: Any, text: str, data: Any) -> None:
     """Not only what the model would write: any text, markers anywhere, split anywhere."""
