@@ -201,5 +201,5 @@ def test_sigterm_answers_in_flight_requests_with_abort(tokenizer_dirs, tok):
         wait_for(lambda: httpx.get(proc.url + "/server_info").json()["running_requests"] == 1)
         started = time.monotonic()
         proc.close()  # SIGTERM; raises if the engine crashed or had to be killed
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 6.0  # not the ~10 s the 2000-token reply would take to finish
         assert fut.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
