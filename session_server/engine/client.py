@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from session_server.engine.http11 import EngineHTTP, EngineStream
+from session_server.engine.http11 import IDLE_LIMIT, EngineHTTP, EngineStream
 from session_server.engine.routers import fan_out_path, unpack_fan_out
 from session_server.errors import EngineUnavailableError
 
@@ -78,7 +78,8 @@ class _HttpxGenerate:
         self._client = httpx.AsyncClient(
             base_url=base_url,
             timeout=httpx.Timeout(None, connect=connect_timeout),  # the chat handler owns the request deadline
-            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                                keepalive_expiry=IDLE_LIMIT),
             transport=httpx.AsyncHTTPTransport(retries=0),
         )
 
@@ -136,14 +137,15 @@ class EngineClient:
         self._control = httpx.AsyncClient(
             base_url=base_url,
             timeout=httpx.Timeout(control_timeout),
-            limits=httpx.Limits(max_connections=32, max_keepalive_connections=8),
+            limits=httpx.Limits(max_connections=32, max_keepalive_connections=8, keepalive_expiry=IDLE_LIMIT),
             headers={"Content-Type": "application/json"},
         )
         # `stream: true` generates (SSE) on their own pool: a stream holds its connection for the whole reply.
         self._streaming = httpx.AsyncClient(
             base_url=base_url,
             timeout=httpx.Timeout(None, connect=connect_timeout),  # the streaming handler owns the deadline
-            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=32),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=32,
+                                keepalive_expiry=IDLE_LIMIT),
             headers={"Content-Type": "application/json"},
             transport=httpx.AsyncHTTPTransport(retries=0),
         )

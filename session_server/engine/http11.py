@@ -51,7 +51,7 @@ class _Parsed(asyncio.Protocol):
 
 class _Connection(_Parsed):
     __slots__ = (
-        "_body", "_content_type", "_parser", "_waiter", "closed", "keep_alive", "status", "transport",
+        "_body", "_content_type", "_parser", "_waiter", "closed", "idle_since", "keep_alive", "status", "transport",
     )
 
     def __init__(self) -> None:
@@ -63,6 +63,7 @@ class _Connection(_Parsed):
         self._content_type = b"application/json"
         self.status = 0
         self.keep_alive = False
+        self.idle_since = 0.0  # loop time it went back to the pool
 
     # -- asyncio.Protocol -------------------------------------------------------------------------------
     def connection_lost(self, exc: Exception | None) -> None:
@@ -191,10 +192,17 @@ class EngineStream(_Parsed):
             self.transport.close()
 
 
+# How long a connection may sit idle and still be reused. SGLang's uvicorn closes a keep-alive connection idle for
+# SGLANG_TIMEOUT_KEEP_ALIVE (5 s by default); one it closes while our request is on the wire cannot be told from an
+# engine that died mid-request (502, never resent), so the pool lets idle connections go well before the engine does.
+IDLE_LIMIT = 2.0
+
+
 class EngineHTTP:
     """POST-only HTTP/1.1 client for one origin with a bounded keep-alive pool."""
 
-    def __init__(self, base_url: str, *, connections: int, connect_timeout: float = 10.0) -> None:
+    def __init__(self, base_url: str, *, connections: int, connect_timeout: float = 10.0,
+                 idle_limit: float = IDLE_LIMIT) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http":
             raise ValueError("the engine hot path speaks plain http:// only")
@@ -205,6 +213,7 @@ class EngineHTTP:
         self._idle: deque[_Connection] = deque()
         self._slots = asyncio.Semaphore(connections)
         self._connect_timeout = connect_timeout
+        self._idle_limit = idle_limit
         self._closed = False
 
     async def _connect(self) -> _Connection:
@@ -233,7 +242,8 @@ class EngineHTTP:
         Never sent twice: once any byte of a request is written the engine may have started generating, and a
         POST /generate is not idempotent, so a connection that fails after the write is a 502 for this turn (the
         agent retries the turn; nothing was committed). Idle connections the engine closed are recognised before
-        the write instead: the loop delivers their EOF to the protocol while they sit in the pool.
+        the write instead: the loop delivers their EOF to the protocol while they sit in the pool, and one idle for
+        longer than the engine may keep it (IDLE_LIMIT) is not reused.
         """
         if self._closed:
             raise EngineUnavailableError("engine client is closed")
@@ -263,9 +273,16 @@ class EngineHTTP:
             stream.close()
 
     def _take_idle(self) -> _Connection | None:
-        """The most recently used idle connection that is still open (least likely to be timed out by the engine)."""
+        """The most recently used idle connection that is still open and has not idled past the limit (the engine's
+        keep-alive timer may be about to close it); older ones are closed on the way."""
+        oldest_usable = asyncio.get_running_loop().time() - self._idle_limit
         while self._idle:
             conn = self._idle.pop()
+            if conn.idle_since < oldest_usable:
+                conn.close()
+                while self._idle:  # older still (the deque is in the order they went idle)
+                    self._idle.pop().close()
+                return None
             if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
                 return conn
             conn.close()
@@ -278,6 +295,7 @@ class EngineHTTP:
             conn.close()  # cancelled or failed mid-request: the engine must see the client go away
             raise
         if conn.keep_alive and not conn.closed and not self._closed:
+            conn.idle_since = asyncio.get_running_loop().time()
             self._idle.append(conn)
         else:
             conn.close()

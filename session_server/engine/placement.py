@@ -35,6 +35,7 @@ import httpx
 import msgspec
 
 from session_server.engine.client import Answer, EngineClient, EngineReply, StreamedReply
+from session_server.engine.http11 import IDLE_LIMIT
 from session_server.engine.routers import EngineKind, classify, refusal
 from session_server.errors import EngineUnavailableError
 
@@ -98,7 +99,8 @@ class EnginePlacement:
         # session on that worker (engine sessions) drops it there; the metrics count the move.
         self.on_move: list[Callable[[str, Worker], None]] = []
         self._placement: dict[str, Worker] = {}
-        self._probe = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT), headers=probe_headers or {})
+        self._probe = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT), headers=probe_headers or {},
+                                        limits=httpx.Limits(keepalive_expiry=IDLE_LIMIT))
         self._loop_task: asyncio.Task[Any] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
 

@@ -149,6 +149,25 @@ def test_idle_connection_closed_by_the_engine_is_replaced_before_writing() -> No
     run(main())
 
 
+def test_connection_idle_past_the_limit_is_not_reused() -> None:
+    """The engine's keep-alive timer may close a connection just as a request is written on it (a 502 that cannot be
+    told from a dead engine): a connection idle longer than the pool's limit, set below the engine's, is let go."""
+
+    async def main() -> None:
+        async with origin(echo_keep_alive) as o:
+            client = EngineHTTP(o.url, connections=2, idle_limit=0.05)
+            assert (await client.post("/generate", b'{"n":1}', {}))[0] == 200
+            assert (await client.post("/generate", b'{"n":2}', {}))[0] == 200  # within the limit: reused
+            assert o.connections == 1
+            await asyncio.sleep(0.1)  # idle for twice the limit (a lower bound: a slower machine only idles longer)
+            assert (await client.post("/generate", b'{"n":3}', {}))[0] == 200
+            await o.eof_seen.wait()  # the stale connection was closed, not kept
+            client.close()
+            assert o.requests == [b'{"n":1}', b'{"n":2}', b'{"n":3}'] and o.connections == 2
+
+    run(main())
+
+
 def test_request_is_never_resent_once_written() -> None:
     """The engine read the request and died before answering: a 502 for this turn, not a second generation."""
 
