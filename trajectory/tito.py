@@ -58,5 +58,7 @@ def continuation_ids(family: ModelFamily, last_completion_token: int | None,
     closed = family.closes_message(last_completion_token)
     trim = family.trimmed_tokens(last_completion_token)
     end = None if closed or trim else family.open_message_end(last_message or {})
+    if family.tools_only_in_preamble:  # not rendered after the preamble: not scanned for control spellings either
+        tools = None
     return trim, _render_ids(family, appended, tools, text_only, lambda m, t: family.appended_text(
         m, t, closed=closed, template_kwargs=template_kwargs, end=end))

@@ -40,6 +40,8 @@ SCHEMA_VERDICTS = 1024  # distinct tool/response schemas whose validity is remem
 CACHED_SCHEMA_BYTES = 16 * 1024  # ...if their sorted JSON is at most this long (real tool schemas: 0.2-2 KB)
 # OpenAI's own limit on tools per request; each new schema costs a metaschema check (1-2 ms) before anything is cached.
 MAX_TOOLS = 128
+TOOL_LIST_VERDICTS = 256  # distinct tools lists whose verdict is remembered...
+CACHED_TOOL_LIST_BYTES = 64 * 1024  # ...if their JSON is at most this long (8 real tools: 2-10 KB)
 # Keys the template call itself owns; a request may not override them through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "chat_template", "messages", "conversation", "tools", "documents", "tokenize", "add_generation_prompt",
@@ -300,10 +302,32 @@ def check_tool_choice(tools: list[dict[str, Any]] | None, options: RequestOption
             raise bad_request(f"'tool_choice': tool {choice.name!r} not found in tools list")
     if tools and len(tools) > MAX_TOOLS:
         raise bad_request(f"'tools' may have at most {MAX_TOOLS} entries, got {len(tools)}")
-    for i, tool in enumerate(tools or []):
+    if not tools:
+        return
+    key = msgspec.json.encode(tools)
+    problem = (_tools_verdict if len(key) <= CACHED_TOOL_LIST_BYTES else _tools_problem)(key)
+    if problem is not None:
+        raise bad_request(problem)
+
+
+def _tools_problem(key: bytes) -> str | None:
+    """What is wrong with the parameter schemas of the tools list `key` (its JSON), or None."""
+    for i, tool in enumerate(msgspec.json.decode(key)):
         params = tool["function"].get("parameters")
         if params is not None:
-            _check_schema(params, f"tools[{i}].function.parameters")
+            try:
+                _check_schema(params, f"tools[{i}].function.parameters")
+            except RequestValidationError as exc:
+                return exc.message
+    return None
+
+
+# One verdict per distinct tools list, keyed by its exact JSON (order-preserving: cheap to build, and a list that
+# differs in any byte is simply checked again). An agent sends the same tools on every turn, so a later turn pays
+# one encode and one lookup instead of a sorted encode and a lookup per schema (the per-schema cache below still
+# serves a list that changed one tool). Bounded like the schema cache: at most TOOL_LIST_VERDICTS lists of at most
+# CACHED_TOOL_LIST_BYTES each (16 MiB); a larger list is checked every time, so no client can grow it further.
+_tools_verdict = functools.lru_cache(maxsize=TOOL_LIST_VERDICTS)(_tools_problem)
 
 
 def _params_schema(tool: dict[str, Any]) -> dict[str, Any]:

@@ -277,3 +277,39 @@ def test_more_tools_than_openai_allows_is_a_400_before_any_schema_is_checked(qwe
              for i in range(openai_fields.MAX_TOOLS + 1)]
     message = _refused({"tools": tools}, "'tools' may have at most 128 entries", qwen3)
     assert "got 129" in message
+
+
+def test_a_tools_list_is_checked_once_and_its_verdict_bounded(qwen3: Any, monkeypatch) -> None:
+    """An agent resends the same tools every turn: the list is validated once (then one encode and one lookup), a list
+    that differs in any byte is validated again, a bad list is refused every time with the same 400, and a list too
+    large to remember is validated every time (no client can grow the cache past its bound)."""
+    from session_server.openai import fields as openai_fields
+
+    checked: list[str] = []
+    real = openai_fields._check_schema
+
+    def counting(schema: Any, field: str) -> None:
+        checked.append(field)
+        real(schema, field)
+
+    monkeypatch.setattr(openai_fields, "_check_schema", counting)
+    openai_fields._tools_verdict.cache_clear()
+    for _ in range(3):
+        assert _parse({"tools": TOOLS, "tool_choice": "auto"}, qwen3)[1] == TOOLS
+    assert len(checked) == len(TOOLS)
+    reordered = [TOOLS[0], {"function": TOOLS[1]["function"], "type": "function"}]
+    _parse({"tools": reordered}, qwen3)
+    assert len(checked) == 2 * len(TOOLS)
+    bad = [*TOOLS, {"type": "function", "function": {"name": "bad", "parameters": {"type": 5}}}]
+    for _ in range(2):
+        assert "tools[2].function.parameters' is not a valid JSON Schema" in _refused({"tools": bad}, "tools[2]", qwen3)
+    # the choice is still checked against each request's own list
+    _refused({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", qwen3)
+    large = [{"type": "function", "function": {"name": "big", "description": "d" * openai_fields.CACHED_TOOL_LIST_BYTES,
+                                               "parameters": {"type": "object"}}}]
+    before = len(checked)
+    for _ in range(2):
+        _parse({"tools": large}, qwen3)
+    assert len(checked) == before + 2
+    assert openai_fields._tools_verdict.cache_info().currsize == 3
+    assert openai_fields._tools_verdict.cache_info().maxsize == openai_fields.TOOL_LIST_VERDICTS
