@@ -183,3 +183,72 @@ def test_rollback_restores_the_earlier_state_exactly(families, name, data):
     assert _state(rolled) == _state(replayed)
     for a, b in zip(build_turn_samples(rolled), build_turn_samples(replayed), strict=True):
         assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.rollout_log_probs, b.rollout_log_probs)
+
+
+# Message text as agents send it, with what a mirror of a template gets wrong first: newlines and spaces at either
+# end, empty text, and the spellings the templates themselves write or test for.
+_SPELLINGS = ("<|im_start|>", "<|im_end|>", "<tool_response>", "</tool_response>", "<think>", "</think>", "\n", " ",
+              "<｜User｜>", "<|eot_id|>", "<|end|>", "{{", "%}")
+APPENDED_TEXT = st.lists(st.sampled_from(_SPELLINGS) | st.text(max_size=12), max_size=4).map("".join)
+
+
+@st.composite
+def appended_turns(draw: st.DrawFn, family: ModelFamily) -> list[dict[str, Any]]:
+    """1-4 messages an agent appends after a generated turn, in any order of the family's appendable roles."""
+    out: list[dict[str, Any]] = []
+    for _ in range(draw(st.integers(1, 4))):
+        role = draw(st.sampled_from(sorted(family.appendable_roles)))
+        message: dict[str, Any] = {"role": role, "content": draw(APPENDED_TEXT)}
+        if role == "tool" and draw(st.booleans()):
+            message["tool_call_id"] = "call_0"
+        if role in ("user", "system") and draw(st.booleans()):
+            message["name"] = "agent"
+        out.append(message)
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@SETTINGS
+@given(data=st.data())
+def test_an_appended_turn_renders_exactly_as_the_template_renders_it(families, name, data):
+    """A family's `render_appended` (its opt-in path around the Jinja template) writes the appended turn byte for
+    byte as the template does, for every request it takes; for the rest it returns None and the template decides,
+    errors included."""
+    from unittest import mock
+
+    from trajectory.errors import SessionError
+
+    family = families[name]
+    appended = data.draw(appended_turns(family), "appended")
+    tools = data.draw(st.sampled_from([None, RICH_TOOLS]), "tools")
+    kwargs = data.draw(st.sampled_from([None, {}, {"enable_thinking": True}, {"enable_thinking": False},
+                                        {"enable_thinking": 0}, {"reasoning_effort": "high"}]), "template_kwargs")
+    closed = data.draw(st.booleans(), "closed")
+
+    def rendered() -> str | SessionError:
+        try:
+            return family.appended_text(appended, tools, closed=closed, template_kwargs=kwargs)
+        except SessionError as exc:
+            return exc
+
+    with mock.patch.object(family, "render_appended", lambda *args: None):
+        by_template = rendered()
+    ours = rendered()
+    if isinstance(by_template, SessionError):
+        assert type(ours) is type(by_template) and ours.message == by_template.message
+    else:
+        assert ours == by_template
+
+
+def test_qwen3_renders_plain_appended_turns_without_its_template(families):
+    """The opt-in holds for Qwen3's released template: the benchmark's turns (a user message; tool results then a
+    user message) take the path. Another template is never mirrored (test_families.py: an edited Qwen3 template)."""
+    qwen3 = families["qwen3"]
+    assert qwen3.mirrors_template and not families["qwen3.5"].mirrors_template
+    assert qwen3.render_appended([{"role": "user", "content": "hi"}], None, None) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    tools_then_user = [{"role": "tool", "content": "a"}, {"role": "tool", "content": "b"},
+                       {"role": "user", "content": "go on"}]
+    assert qwen3.render_appended(tools_then_user, None, {"enable_thinking": False}) == (
+        "<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")

