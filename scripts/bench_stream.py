@@ -10,7 +10,7 @@ in both modes). The floor (scripts/floor_proxy.py: uvicorn + Starlette + our eng
 each engine event decoded and relayed as a chunk) is measured the same way, in the same run, on the same core.
 
 The engine is configured for one event per token; the server asks each streamed request for its own
-`stream_interval` (session_server/engine/pacing.py: 16 tokens per delta event, max_tokens/8 per cumulative event,
+`stream_interval` (session_server/engine/pacing.py: 32 tokens per delta event, max_tokens/8 per cumulative event,
 since a cumulative stream of n tokens at one event per token puts about n^2/2 tokens on the wire, ~21 GB for 32k
 tokens), and the floor asks the same. `--engine-stream-interval 1` makes both ask for every token (the run then
 measures the per-token stream; cumulative replies of 16k tokens and more do not finish in reasonable time). A chat

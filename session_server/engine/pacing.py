@@ -7,8 +7,10 @@ unstreamed reply):
 
 - delta events (`--incremental-streaming-output`) are small, but each is a JSON object of 400-700 bytes, most of it
   meta_info repeated every time: its decode alone costs 3-10x what an unstreamed reply costs per token (measured by
-  `make bench-stream`). One event per DELTA_INTERVAL tokens keeps a streamed reply under twice the unstreamed one;
-  at a decode speed of 100-400 tokens/s per request that is an event every 40-160 ms.
+  `make bench-stream`). One event per DELTA_INTERVAL tokens keeps a streamed reply under twice the unstreamed one
+  with room for a loaded machine (measured at 16k/32k tokens, load ~7: 2.14/2.15x at 16 tokens per event, 1.47/1.69x
+  at 32); at a decode speed of 100-400 tokens/s per request that is an event every 80-320 ms, which an agent that acts
+  on the whole reply does not notice.
 - cumulative events (SGLang's default) carry the whole reply so far, so n tokens at one event per token put n^2/2
   tokens on the wire (21 GB for 32k tokens, ~40 bytes each with logprobs): no reader makes that linear, and SGLang
   itself re-encodes the whole reply per event. What is linear is a bounded number of events per reply: one per
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-DELTA_INTERVAL = 16
+DELTA_INTERVAL = 32
 CUMULATIVE_EVENTS = 8
 UNKNOWN_REPLY_TOKENS = 32_768  # a reply's size when neither max_new_tokens nor the engine's context is known
 
