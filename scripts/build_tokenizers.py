@@ -11,6 +11,8 @@ project (scripts/chat_templates/). The output directories load with
 o200k ranks and Meta's Llama 3 ranks in its own binary format: they are written back as tiktoken files, checked
 against the published files' sha256, and converted the same way (gpt-oss: the o200k ranks with the harmony special
 tokens; the tiktoken file is kept beside it, where `openai-harmony` finds it through `TIKTOKEN_ENCODINGS_BASE`).
+`mistral-common` ships Mistral Nemo's tekken vocabulary (`tekken_240718.json`, sha256-checked): converted with
+transformers' own tekken converter (the one Mistral wrote for Hugging Face checkpoints).
 
     python scripts/build_tokenizers.py --out .cache/tokenizers
 """
@@ -26,6 +28,7 @@ import json
 import shutil
 import struct
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -284,6 +287,49 @@ def build_llama31(out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
 
 
+# sha256 of the tekken vocabulary mistral-common ships for Mistral Nemo (`MistralTokenizer.from_model("mistral-nemo")`;
+# the same bytes in mistral-common 1.9.1 and 1.13.1).
+TEKKEN_240718_SHA256 = "eccd1665d2e477697c33cb7f0daa6f6dfefc57a0a6bceb66d4be52952f827516"
+
+
+def build_mistral_nemo(out: Path) -> None:
+    """Mistral Nemo: tekken v3 (1000 control tokens, then the ranks), converted by transformers' MistralConverter.
+
+    The tekken file itself is not kept beside the result: transformers would load a directory holding a `tekken.json`
+    through mistral-common instead of `tokenizer.json` when a recent mistral-common is installed."""
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+    from transformers.integrations.mistral.tokenizer import MistralConverter
+
+    data = (_package_dir("mistral_common") / "data" / "tekken_240718.json").read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != TEKKEN_240718_SHA256:
+        raise SystemExit(f"build_tokenizers: mistral-common's tekken_240718.json hashes to {digest}, not "
+                         f"{TEKKEN_240718_SHA256}")
+    # The converter reads a file without its own control-token list (tekken before v7) only through mistral-common
+    # >= 1.11.7, whose numpy pin this venv cannot take: it is handed the list mistral-common itself fills in.
+    raw = json.loads(data)
+    raw["special_tokens"] = [{"rank": t["rank"], "token_str": str(t["token_str"].value), "is_control": True}
+                             for t in Tekkenizer.DEPRECATED_SPECIAL_TOKENS]
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tekken = Path(tmp) / "tekken.json"
+        tekken.write_text(json.dumps(raw))
+        MistralConverter(vocab_file=str(tekken)).converted().save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 131072,
+        "chat_template": (TEMPLATES / "mistral_nemo.jinja").read_text(),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+
+
 BUILDERS: dict[str, Callable[[Path], None]] = {
     "qwen3": build_qwen3,
     "deepseek": build_deepseek,
@@ -293,6 +339,7 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
     "deepseek-v4": lambda out: build_deepseek(out, (TEMPLATES / "deepseek_v4.jinja").read_text()),
     "gpt-oss": build_gpt_oss,
     "llama-3.1": build_llama31,
+    "mistral-nemo": build_mistral_nemo,
 }
 
 

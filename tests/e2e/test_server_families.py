@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from support.families import FAMILIES, ONE_CALL_PER_REPLY
+from support.families import FAMILIES, MERGES_ASSISTANT_TURNS, ONE_CALL_PER_REPLY
 from support.server import (
     TOOLS,
     as_history,
@@ -116,8 +116,12 @@ def test_an_injected_assistant_turn_is_prompt_on_every_family(stack: dict, hf_to
     history: list[dict] = [{"role": "user", "content": "Hello [[sim: tokens 5]]"}]
     first = httpx.post(url, json={"messages": history}, timeout=30)
     assert first.status_code == 200, first.text
-    history += [first.json()["choices"][0]["message"], {"role": "assistant", "content": canned},
-                {"role": "user", "content": "Go on [[sim: reply Done.]]"}]
+    history.append(first.json()["choices"][0]["message"])
+    if stack["family"] in MERGES_ASSISTANT_TURNS:  # right after the generated turn, it would join that message: 400
+        refused = httpx.post(url, json={"messages": [*history, {"role": "assistant", "content": canned}]}, timeout=30)
+        assert refused.status_code == 400 and "rewrites earlier messages" in refused.text, refused.text
+        history.append({"role": "user", "content": "Noted."})
+    history += [{"role": "assistant", "content": canned}, {"role": "user", "content": "Go on [[sim: reply Done.]]"}]
     second = httpx.post(url, json={"messages": history}, timeout=30)
     assert second.status_code == 200, second.text
     assert second.json()["choices"][0]["message"]["content"] == "Done."

@@ -21,8 +21,18 @@ CHAT_MODE_BY_DEFAULT: tuple[str, ...] = ("deepseek-v4",)
 # families do with parallel calls takes one model call per tool call.
 ONE_CALL_PER_REPLY: tuple[str, ...] = ("gpt-oss",)
 # Families whose template writes a generated reply differently in history than the model wrote it (harmony moves a
-# call's recipient into the role header; Llama 3.1's template drops the text before a call): TITO keeps the generated
-# tokens, a re-render would differ.
-REWRITES_REPLIES: tuple[str, ...] = ("gpt-oss", "llama-3.1")
+# call's recipient into the role header; Llama 3.1's template drops the text before a call; Mistral's writes the call
+# ids of the history into the call list): TITO keeps the generated tokens, a re-render would differ.
+REWRITES_REPLIES: tuple[str, ...] = ("gpt-oss", "llama-3.1", "mistral-nemo")
 # Families whose model does not reason.
-NO_REASONING: tuple[str, ...] = ("llama-3.1",)
+NO_REASONING: tuple[str, ...] = ("llama-3.1", "mistral-nemo")
+# Families whose full render of a later turn differs from the stored ids outside the generated replies too: harmony
+# writes a reply as other messages; Mistral's encoder moves the tools and the system prompt to the last user message.
+RERENDER_MOVES_GLUE: tuple[str, ...] = ("gpt-oss", "mistral-nemo")
+# Families whose template writes the tool schemas before the last user message (Mistral): an appended user turn carries
+# them again, where the others write them once in a preamble (`tools_only_in_preamble`).
+TOOLS_BEFORE_EACH_QUERY: tuple[str, ...] = ("mistral-nemo",)
+# Families whose template joins consecutive assistant messages into one (mistral-common): an assistant message appended
+# right after a generated one would rewrite it, which TITO refuses (400); after a user message or tool results it is
+# prompt like anywhere else.
+MERGES_ASSISTANT_TURNS: tuple[str, ...] = ("mistral-nemo",)

@@ -94,6 +94,14 @@ ARGUMENTS = st.dictionaries(st.text(_ALPHABET.filter(lambda c: c != '"'), min_si
     lambda obj: json.dumps(obj, ensure_ascii=False)
 )
 TOOL_NAME = st.from_regex(r"[a-z][a-z0-9_]{0,11}", fullmatch=True)
+# Replies for the differential tests against SGLang's JSON-call detectors: words, scalars and nested JSON values.
+WORD = st.text(_ALPHABET, min_size=1, max_size=10)
+SCALAR = (st.integers(-10**9, 10**9) | st.floats(allow_nan=False, allow_infinity=False) | st.booleans()
+          | st.text(_ALPHABET, max_size=12))
+NESTED_JSON = st.recursive(st.none() | SCALAR, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(WORD, inner, max_size=3), max_leaves=8)
+ARGUMENT_NAME = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
+CALL_NAME = st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True)
 
 
 def replies(family: ModelFamily, reasoning: bool) -> st.SearchStrategy[Reply]:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from support.examples import examples
 from support.sglang_real import import_sglang_schema
-from support.tito import _ALPHABET, Reply, call_item, generate
+from support.tito import ARGUMENT_NAME, CALL_NAME, NESTED_JSON, WORD, Reply, call_item, generate
 from trajectory import LinearTrajectory, ModelFamily
 
 renderers = pytest.importorskip("renderers")
@@ -140,15 +140,10 @@ def test_tito_ids_equal_the_renderers_bridge(family, stop):
 _llama3 = import_sglang_schema("sglang.srt.function_call.llama32_detector")
 _protocol = import_sglang_schema("sglang.srt.entrypoints.openai.protocol")
 
-_WORD = st.text(_ALPHABET, min_size=1, max_size=10)
-_PROSE = st.lists(_WORD | st.sampled_from(["name", "parameters", "{", "}", ";", "\"", " ", "\n"]), min_size=1,
+_PROSE = st.lists(WORD | st.sampled_from(["name", "parameters", "{", "}", ";", "\"", " ", "\n"]), min_size=1,
                   max_size=8).map("".join).filter(lambda s: s.strip() == s and s and not s.startswith("{"))
-_SCALAR = (st.integers(-10**9, 10**9) | st.floats(allow_nan=False, allow_infinity=False) | st.booleans()
-           | st.text(_ALPHABET, max_size=12))
-_JSON = st.recursive(st.none() | _SCALAR, lambda inner: st.lists(inner, max_size=3)
-                     | st.dictionaries(_WORD, inner, max_size=3), max_leaves=8)
-_ARGS = st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True), _JSON, min_size=1, max_size=4)
-_CALLS = st.lists(st.tuples(st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), _ARGS), max_size=3)
+_ARGS = st.dictionaries(ARGUMENT_NAME, NESTED_JSON, min_size=1, max_size=4)
+_CALLS = st.lists(st.tuples(CALL_NAME, _ARGS), max_size=3)
 
 
 @SETTINGS

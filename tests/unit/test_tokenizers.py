@@ -27,7 +27,10 @@ SPECIALS["llama-3.1"] = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_head
 GENERATION_PROMPTS = {"qwen3": "<|im_start|>assistant\n", "deepseek": "<｜Assistant｜>",
                       "qwen3.5": "<|im_start|>assistant\n<think>\n", "qwen3.6": "<|im_start|>assistant\n<think>\n",
                       "deepseek-v4": "<｜Assistant｜></think>", "gpt-oss": "<|start|>assistant",
-                      "llama-3.1": "<|start_header_id|>assistant<|end_header_id|>\n\n"}
+                      "llama-3.1": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                      "mistral-nemo": "[/TOOL_RESULTS]"}  # no generation prompt: the model answers right after
+SPECIALS["mistral-nemo"] = ["<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                            "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]"]
 TEXTS = ["hello world", "naïve café – 東京 🚀", "def f(x):\n    return {\"a\": [1, 2.5, None]}\n", "  spaced  \t\n"]
 
 

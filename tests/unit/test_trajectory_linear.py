@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from support.families import FAMILIES
+from support.families import FAMILIES, RERENDER_MOVES_GLUE
 from support.tito import Reply, engine_body, generate
 from trajectory import LinearTrajectory, ModelFamily, decode_generate_response
 from trajectory.buffer import TokenBuffer
@@ -168,7 +168,8 @@ def test_tools_belong_to_the_turn_not_to_the_history(families, name):
         assert plan.prompt_ids[plan.new_token_start - trim:].tolist() == expected.tolist()
         traj.commit(plan, *generate(family, plan, Reply("done"), rid="r1"))
         assert traj.tools == normalize_tools(later_tools) and traj.prompt_tools == TOOLS
-        assert traj.mismatch_report()["assistant_only"]  # re-rendered with the tools in the stored head
+        # re-rendered with the tools in the stored head (Mistral's encoder moves them to the last user message)
+        assert traj.mismatch_report()["assistant_only"] or name in RERENDER_MOVES_GLUE
 
 
 def test_max_rollback_zero_refuses_any_divergence(qwen):

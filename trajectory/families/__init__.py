@@ -5,6 +5,7 @@ from .deepseek import DeepSeekFamily
 from .deepseek_v4 import DeepSeekV4Family
 from .gpt_oss import GptOssFamily
 from .llama3 import Llama31Family
+from .mistral import MistralNemoFamily
 from .qwen3 import Qwen3Family
 from .qwen35 import Qwen35Family, Qwen36Family
 from .registry import family_names, get_family, register_family
@@ -14,6 +15,7 @@ __all__ = [
     "DeepSeekV4Family",
     "GptOssFamily",
     "Llama31Family",
+    "MistralNemoFamily",
     "ModelFamily",
     "ParsedCompletion",
     "Qwen3Family",
