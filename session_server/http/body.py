@@ -124,8 +124,11 @@ def _path_of_big_int(value: Any) -> str:
     return "?"
 
 
-def decode_json(body: bytes, where: str = "request body") -> Any:
-    """Any JSON value, checked like a body (depth, 64-bit integers); every failure is a 400."""
+def decode_json(body: bytes, where: str = "request body", unchecked: str | None = None) -> Any:
+    """Any JSON value, checked like a body (depth, 64-bit integers); every failure is a 400.
+
+    `unchecked`: a top-level key whose value is left for the caller to check (`check_json_value({key: value})`, the
+    same verdict and message): the chat front end checks the tools list once per distinct list, not every turn."""
     try:
         value = _decoder.decode(body)
     except msgspec.DecodeError as exc:
@@ -134,16 +137,19 @@ def decode_json(body: bytes, where: str = "request body") -> Any:
         raise RequestValidationError(f"{where} is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
     except RecursionError:
         raise RequestValidationError(f"{where} nests deeper than {MAX_DEPTH} levels") from None
-    check_json_value(value, where)
+    if unchecked is not None and type(value) is dict and unchecked in value:
+        check_json_value({k: v for k, v in value.items() if k != unchecked}, where)
+    else:
+        check_json_value(value, where)
     return value
 
 
-def decode_object(body: bytes, empty: dict[str, Any] | None = None) -> dict[str, Any]:
+def decode_object(body: bytes, empty: dict[str, Any] | None = None, unchecked: str | None = None) -> dict[str, Any]:
     """The body as a JSON object. With `empty` given, a body of only whitespace means that object (routes whose
-    body is optional); otherwise it is a 400 like any other non-object."""
+    body is optional); otherwise it is a 400 like any other non-object. `unchecked` as in `decode_json`."""
     if empty is not None and not body.strip():
         return empty
-    value = decode_json(body)
+    value = decode_json(body, unchecked=unchecked)
     if not isinstance(value, dict):
         raise _bad(f"must be a JSON object, got {_json_type(value)}")
     return value

@@ -31,6 +31,7 @@ from typing import Any, TypeGuard
 
 import msgspec
 
+from session_server.http.body import check_json_value
 from trajectory.errors import RequestValidationError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
@@ -311,8 +312,14 @@ def check_tool_choice(tools: list[dict[str, Any]] | None, options: RequestOption
 
 
 def _tools_problem(key: bytes) -> str | None:
-    """What is wrong with the parameter schemas of the tools list `key` (its JSON), or None."""
-    for i, tool in enumerate(msgspec.json.decode(key)):
+    """What is wrong with the tools list `key` (its JSON), or None: its depth and integers as a request body's
+    (the chat body decode leaves them to this check, http/body.py), then its parameter schemas."""
+    tools = msgspec.json.decode(key)
+    try:
+        check_json_value({"tools": tools})
+    except RequestValidationError as exc:
+        return exc.message
+    for i, tool in enumerate(tools):
         params = tool["function"].get("parameters")
         if params is not None:
             try:

@@ -52,9 +52,10 @@ def parse_chat_request(body: bytes, stop_token_ids: tuple[int, ...], vocab_size:
     """Decode the body and map the sampling fields to SGLang's `sampling_params`.
 
     `messages` and `tools` are passed on raw: the trajectory's prepare, which runs right after this in the same
-    step, owns their validation (one check, one set of error messages) and rejects bad ones with a 400 as well.
+    step, owns their validation (one check, one set of error messages) and rejects bad ones with a 400 as well. The
+    tools list's depth and integers are checked with its schemas, once per distinct list (`turn_tools`).
     """
-    return chat_request(decode_object(body), stop_token_ids, vocab_size)
+    return chat_request(decode_object(body, unchecked="tools"), stop_token_ids, vocab_size)
 
 
 def chat_request(obj: dict[str, Any], stop_token_ids: tuple[int, ...], vocab_size: int | None = None) -> ChatRequest:

@@ -313,3 +313,29 @@ def test_a_tools_list_is_checked_once_and_its_verdict_bounded(qwen3: Any, monkey
     assert len(checked) == before + 2
     assert openai_fields._tools_verdict.cache_info().currsize == 3
     assert openai_fields._tools_verdict.cache_info().maxsize == openai_fields.TOOL_LIST_VERDICTS
+
+
+def test_the_tools_list_is_held_to_the_body_rules_once_per_distinct_list(qwen3: Any, monkeypatch) -> None:
+    """The chat body decode leaves the tools list to its verdict: a list that nests too deep or holds an integer
+    beyond 64 bits is still the body's 400, word for word, and a list seen before is not walked again."""
+    from session_server.http import body as http_body
+    from session_server.openai import fields as openai_fields
+
+    openai_fields._tools_verdict.cache_clear()
+    deep: Any = "leaf"
+    for _ in range(http_body.MAX_DEPTH):
+        deep = [deep]
+    too_deep = [{"type": "function", "function": {"name": "d", "parameters": {"type": "object", "x-d": deep}}}]
+    with pytest.raises(RequestValidationError) as info:
+        http_body.decode_object(json.dumps({"tools": too_deep}).encode())
+    for _ in range(2):
+        assert _refused({"tools": too_deep}, "nests deeper", qwen3) == info.value.message
+    big = [{"type": "function", "function": {"name": "b", "parameters": {"type": "object", "x-n": 2**70}}}]
+    assert "at 'tools'[0]['function']['parameters']['x-n']" in _refused({"tools": big}, "beyond 64 bits", qwen3)
+
+    walked: list[object] = []
+    real = openai_fields.check_json_value
+    monkeypatch.setattr(openai_fields, "check_json_value", lambda value: walked.append(value) or real(value))
+    for _ in range(3):
+        _parse({"tools": TOOLS}, qwen3)
+    assert len(walked) == 1
