@@ -41,6 +41,9 @@ class StructuralTag:
     triggers: tuple[str, ...]
     at_least_one: bool
     stop_after_first: bool
+    # A model-native tag (xgrammar's builtin formats: the tag contents carry a `style`): the calls are written in the
+    # family's own format, not as begin + JSON + end.
+    native: bool = False
 
 
 def _json_key(text: str, key: str) -> Any:
@@ -58,8 +61,50 @@ def parse_json_schema(text: str) -> Any:
     return schema
 
 
+_NATIVE_FORMATS = ("tag", "sequence", "tags_with_separator", "optional", "or", "triggered_tags", "const_string",
+                   "any_text")
+
+
+def _native_tag(fmt: dict[str, Any]) -> StructuralTag:
+    """A model-native tag (xgrammar's builtin formats, nested): its call tags, whether it forces a call and whether it
+    allows only one. The calls are then written in the family's own format, whatever the separators."""
+    structures: list[TagStructure] = []
+    counts: list[tuple[bool, bool]] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                visit(item)
+            return
+        if not isinstance(node, dict) or node.get("type") not in _NATIVE_FORMATS:
+            raise ConstraintError(f"sglang-sim cannot emulate structural tag node {node!r:.80}")
+        if node["type"] == "any_text":  # free text (harmony's final answer): no call
+            return
+        content = node.get("content")
+        if node["type"] == "tag" and isinstance(content, dict) and content.get("type") == "json_schema":
+            if not isinstance(node.get("begin"), str):
+                raise ConstraintError("each tag needs a string 'begin'")
+            schema = content.get("json_schema")
+            structures.append(TagStructure(node["begin"], {} if schema is True else schema, str(node.get("end"))))
+            return
+        if node["type"] in ("triggered_tags", "tags_with_separator"):
+            counts.append((bool(node.get("at_least_one")), bool(node.get("stop_after_first"))))
+        for key in ("content", "tags", "elements"):
+            if isinstance(node.get(key), dict | list):
+                visit(node[key])
+
+    visit(fmt)
+    if not structures:
+        raise ConstraintError("structural_tag has no tool-call tag")
+    root = fmt["type"]
+    forced = root in ("tag", "sequence") or (root in ("triggered_tags", "tags_with_separator") and counts[0][0])
+    # No repeating node (a lone tag, a sequence around one): each tag at most once
+    return StructuralTag(tuple(structures), (), forced, not counts or any(stop for _, stop in counts), native=True)
+
+
 def parse_structural_tag(text: str) -> StructuralTag:
-    """SGLang's legacy structural tag (`structures`/`triggers`/`at_least_one`) or xgrammar's `triggered_tags`."""
+    """SGLang's legacy structural tag (`structures`/`triggers`/`at_least_one`), xgrammar's `triggered_tags` of JSON
+    arguments, or a model-native tag of xgrammar's builtin formats."""
     obj = _json_key(text, "structural_tag")
     if not isinstance(obj, dict) or obj.get("type") != "structural_tag":
         raise ConstraintError("structural_tag must be an object with type 'structural_tag'")
@@ -68,9 +113,14 @@ def parse_structural_tag(text: str) -> StructuralTag:
         schema_key = "schema"
     else:
         fmt = obj.get("format")
-        if not isinstance(fmt, dict) or fmt.get("type") != "triggered_tags":
-            raise ConstraintError("sglang-sim emulates structural tags of format 'triggered_tags' only")
-        items, schema_key = fmt.get("tags"), "content"
+        if not isinstance(fmt, dict):
+            raise ConstraintError("structural_tag needs a 'format' object")
+        tags = fmt.get("tags")
+        if fmt.get("type") != "triggered_tags" or not isinstance(tags, list) or not all(
+                isinstance(t, dict) and isinstance(t.get("content"), dict) and "style" not in t["content"]
+                and t["content"].get("type", "json_schema") == "json_schema" for t in tags):
+            return _native_tag(fmt)
+        items, schema_key = tags, "content"
     if not isinstance(items, list) or not items:
         raise ConstraintError("structural_tag needs at least one structure")
     structures = []
@@ -261,12 +311,14 @@ def json_text(schema: Any, rng: np.random.Generator) -> str:
     return json.dumps(json_instance(schema, rng), ensure_ascii=False)
 
 
-def tool_calls_text(tag: StructuralTag, wanted: list[tuple[str, str]], rng: np.random.Generator,
-                    name_of: Any) -> str:
+def allowed_calls(tag: StructuralTag, wanted: list[tuple[str, str]], rng: np.random.Generator,
+                  name_of: Any) -> list[tuple[TagStructure, str]]:
     """The calls a structural tag lets through: the scripted calls whose tool the tag allows (their arguments when no
     schema constrains them, a schema instance otherwise), at least one when `at_least_one`, one at most when
-    `stop_after_first`; each written as begin + arguments + end, separated by a newline."""
-    by_name = {name_of(s.begin): s for s in tag.structures}
+    `stop_after_first`."""
+    by_name: dict[Any, TagStructure] = {}
+    for s in tag.structures:
+        by_name.setdefault(name_of(s.begin), s)  # harmony writes each tool's header three ways: the first one
     chosen: list[tuple[TagStructure, str]] = []
     for name, arguments in wanted:
         structure = by_name.get(name)
@@ -279,4 +331,10 @@ def tool_calls_text(tag: StructuralTag, wanted: list[tuple[str, str]], rng: np.r
         chosen.append((structure, json_text(structure.schema or {"type": "object"}, rng)))
     if tag.stop_after_first:
         chosen = chosen[:1]
-    return "\n".join(s.begin + args + s.end for s, args in chosen)
+    return chosen
+
+
+def tool_calls_text(tag: StructuralTag, wanted: list[tuple[str, str]], rng: np.random.Generator,
+                    name_of: Any) -> str:
+    """`allowed_calls`, each written as begin + arguments + end, separated by a newline."""
+    return "\n".join(s.begin + args + s.end for s, args in allowed_calls(tag, wanted, rng, name_of))

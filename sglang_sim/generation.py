@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_sim.constraints import StructuralTag, json_text, tool_calls_text
+from sglang_sim.constraints import StructuralTag, allowed_calls, json_text, tool_calls_text
 from sglang_sim.directives import MARK, PATTERN
 from sglang_sim.family import EngineFamily
 
@@ -204,10 +204,15 @@ def _closes_thinking(family: EngineFamily, prompt: np.ndarray) -> bool:
     return family.decode_text(prompt[-12:], skip_special_tokens=False).rstrip("\n").endswith("</think>")
 
 
+# How xgrammar's builtin formats spell the tool name in a tag's begin: Qwen's XML, DSML, harmony's recipient.
+_NATIVE_NAME = re.compile(r'(?:<function=|invoke name="|to=functions\.)([^">\s<]+)')
+
+
 def _tool_name(family: EngineFamily, begin: str) -> str | None:
     structure = getattr(family.family, "tool_call_structure", None)
     if structure is None:
-        return None
+        native = _NATIVE_NAME.search(begin)
+        return native.group(1) if native else None
     prefix, suffix = structure[0], structure[1]
     if begin.startswith(prefix) and begin.endswith(suffix) and len(begin) > len(prefix) + len(suffix):
         return begin[len(prefix): len(begin) - len(suffix)]
@@ -242,7 +247,11 @@ def plan_reply(family: EngineFamily, prompt: np.ndarray, params: SamplingParams,
         content_ids = _word_tokens(family, rng, min(n, params.max_new_tokens + 1), params)
         content = family.decode_text(content_ids, skip_special_tokens=False)
     calls = [] if params.json_schema is not None else list(script.tool_calls)
-    if tag is not None:
+    if tag is not None and tag.native:  # the calls the tag lets through, in the family's own format
+        allowed = allowed_calls(tag, calls, grammar_rng, lambda begin: _tool_name(family, begin))
+        text = family.family.format_completion(content, reasoning, [(_tool_name(family, s.begin) or "", args)
+                                                                    for s, args in allowed])
+    elif tag is not None:
         constrained = tool_calls_text(tag, calls, grammar_rng, lambda begin: _tool_name(family, begin))
         head = family.family.format_completion("", reasoning, [])
         text = head + (content + "\n" + constrained if content and constrained else content or constrained)

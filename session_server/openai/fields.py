@@ -7,9 +7,11 @@ a named function keeps only that tool, `chat_template_kwargs` reaches the templa
 
 - `response_format` json_schema -> `json_schema` sampling key (the schema as JSON text); json_object ->
   `json_schema = '{"type": "object"}'`; `text` -> nothing.
-- `tool_choice` required / a named function -> a structural tag in the model's own tool-call format (for Qwen-style
-  `<tool_call>` that is SGLang's "legacy" structural tag of `get_legacy_structural_tag(at_least_one=True)`), or, for
-  a family without a structural format, `get_json_schema_constraint`'s array schema. Combined with a response_format
+- `tool_choice` required / a named function -> a structural tag in the model's own tool-call format: the model-native
+  tag where SGLang's detector has one (XML Qwen3.5/3.6, DSML DeepSeek V4, harmony: tool_grammar.py), else SGLang's
+  "legacy" JSON-arguments tag of `get_legacy_structural_tag(at_least_one=True)` (Qwen3 `<tool_call>`, DeepSeek V3,
+  Llama 3.1 `<|python_tag|>`, Mistral `[TOOL_CALLS]`), or, for a family without either, `get_json_schema_constraint`'s
+  array schema. Combined with a response_format
   constraint it is a 400, as in `to_sampling_params`.
 - `tool_choice: none` -> the tools are not rendered into the prompt and tool calls are not parsed.
 - `parallel_tool_calls: false` -> the tool-call constraint allows exactly one call (xgrammar's triggered tags with
@@ -32,6 +34,7 @@ from typing import Any, TypeGuard
 import msgspec
 
 from session_server.http.body import check_json_value
+from session_server.openai.tool_grammar import native_structural_tag
 from trajectory.errors import RequestValidationError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
@@ -347,13 +350,15 @@ def _strict(tool: dict[str, Any]) -> bool:
 
 
 def tool_call_constraint(
-    tools: list[dict[str, Any]] | None, options: RequestOptions, call_format: tuple[str, str, str, str] | None
+    tools: list[dict[str, Any]] | None, options: RequestOptions, call_format: tuple[str, str, str, str] | None,
+    native_format: str | None = None,
 ) -> tuple[str, Any] | None:
     """(sampling key, value) constraining the reply's tool calls, or None (auto with parallel calls allowed).
 
     `call_format` is the family's (begin prefix, begin suffix, end, trigger) around one call's arguments, e.g.
     Qwen's `<tool_call>\\n{"name":"` + name + `", "arguments":` ... `}\\n</tool_call>` triggered by `<tool_call>`
-    (SGLang's Qwen25Detector `structure_info`); None when the family has no such format.
+    (SGLang's Qwen25Detector `structure_info`); None when the family has no such format. `native_format` names the
+    family's model-native structural tag (tool_grammar.py), which SGLang prefers where the detector has one.
     """
     choice = options.tool_choice
     if not tools or choice.mode == "none":
@@ -361,6 +366,10 @@ def tool_call_constraint(
     forced = choice.mode in ("required", "function")
     if not forced and options.parallel_tool_calls:
         return None
+    if native_format is not None:
+        tag = native_structural_tag(native_format, tools, choice.name if choice.mode == "function" else None,
+                                    forced, options.parallel_tool_calls)
+        return "structural_tag", json.dumps(tag, ensure_ascii=False)
     # SGLang builds the structure over every tool the request declares, also for a named choice; we narrow it to
     # the named tool, which is what the choice means (the prompt already renders only that tool).
     chosen = [t for t in tools if choice.mode != "function" or t["function"]["name"] == choice.name]
@@ -402,14 +411,14 @@ def tool_call_constraint(
 
 def constrain(
     sp: dict[str, Any], tools: list[dict[str, Any]] | None, options: RequestOptions,
-    call_format: tuple[str, str, str, str] | None,
+    call_format: tuple[str, str, str, str] | None, native_format: str | None = None,
 ) -> None:
     """Add the constrained-decoding keys, as `ChatCompletionRequest.to_sampling_params` does."""
     if options.response_format == "json_schema":
         sp["json_schema"] = json.dumps(options.json_schema, ensure_ascii=False)
     elif options.response_format == "json_object":
         sp["json_schema"] = '{"type": "object"}'
-    constraint = tool_call_constraint(tools, options, call_format)
+    constraint = tool_call_constraint(tools, options, call_format, native_format)
     if constraint is None:
         return
     if "json_schema" in sp:

@@ -88,7 +88,7 @@ def turn_tools(chat: ChatRequest, family: ModelFamily) -> list[dict[str, Any]] |
     template renders for this turn (none for `tool_choice: none`, only the named one for a named choice)."""
     tools = normalize_tools(chat.tools)
     check_tool_choice(tools, chat.options)
-    constrain(chat.sampling_params, tools, chat.options, family.tool_call_structure)
+    constrain(chat.sampling_params, tools, chat.options, family.tool_call_structure, family.structural_tag_format)
     return prompt_tools(tools, chat.options)
 
 

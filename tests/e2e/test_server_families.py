@@ -137,3 +137,41 @@ def test_an_injected_assistant_turn_is_prompt_on_every_family(stack: dict, hf_to
     assert canned in between and not sample.loss_mask[first_end:second_start].any()
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
     assert_engine_baseline(stack["engine"])
+
+
+def _begins(node: object) -> list[str]:
+    """Every tool-call `begin` of a structural tag (legacy `structures`, xgrammar's nested formats)."""
+    if isinstance(node, list):
+        return [b for item in node for b in _begins(item)]
+    if not isinstance(node, dict):
+        return []
+    own = [node["begin"]] if node.get("type") in (None, "tag") and isinstance(node.get("begin"), str) else []
+    return own + [b for key in ("format", "structures", "tags", "elements", "content") for b in _begins(node.get(key))]
+
+
+def test_a_forced_tool_choice_is_constrained_in_the_familys_own_format(stack: dict) -> None:
+    """`tool_choice` required and a named function reach the engine as a structural tag of the family's own call
+    format (never the JSON-array schema that would force the model out of it), and the reply parses as the family's
+    calls. tests/sglang/test_tool_grammar_oracle.py holds the tags to SGLang's own."""
+    server, proxy = stack["server"], stack["proxy"]
+    tools = [*TOOLS, LOOKUP_TOOL]
+    ask = [{"role": "user", "content": "Just chat with me."}]  # no directive: unconstrained, the model would not call
+    for choice, allowed in (("required", {"add", "lookup"}),
+                            ({"type": "function", "function": {"name": "lookup"}}, {"lookup"})):
+        proxy.clear()
+        sid = new_session(server)
+        reply = httpx.post(f"{server}/sessions/{sid}/v1/chat/completions", timeout=30,
+                           json={"messages": ask, "tools": tools, "tool_choice": choice})
+        assert reply.status_code == 200, reply.text
+        choice_0 = reply.json()["choices"][0]
+        calls = choice_0["message"]["tool_calls"]
+        assert calls and choice_0["finish_reason"] == "tool_calls", choice_0
+        assert {c["function"]["name"] for c in calls} <= allowed
+        assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
+        (sent,) = proxy.generates()
+        sampling = sent["request"]["sampling_params"]
+        assert "json_schema" not in sampling
+        begins = _begins(json.loads(sampling["structural_tag"]))
+        assert begins and {name for name in ("add", "lookup") if any(name in b for b in begins)} == allowed
+        assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    assert_engine_baseline(stack["engine"])

@@ -165,3 +165,31 @@ def test_response_format_json_schema_is_decoded_under_the_grammar(served: Served
     assert choice["finish_reason"] == "stop", choice
     assert json.loads(choice["message"]["content"])["answer"] in ("yes", "no")
     delete(served, sid)
+
+
+def test_a_model_native_tool_grammar_is_decoded_by_sglangs_backend(served: Served, whitespace_ids: list[int]) -> None:
+    """The model-native structural tag the session server sends for Qwen3.5/3.6's XML calls (tool_grammar.py, held to
+    SGLang's own by test_tool_grammar_oracle.py) is taken by SGLang's xgrammar backend, and what the engine decodes
+    under it parses as Qwen3.5's calls. The engine serves a Qwen3 vocabulary, which spells the XML markup as well; the
+    prompt goes to /generate as ids, as the session server sends it; whitespace biased away as above (the XML style
+    admits it without end too)."""
+    from transformers import AutoTokenizer
+
+    from session_server.openai.tool_grammar import native_structural_tag
+    from trajectory.families.xml_tool_calls import parse_calls
+
+    tok = AutoTokenizer.from_pretrained(served.checkpoint)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Pick one."}], tools=[OP_TOOL], tokenize=False,
+                                     add_generation_prompt=True, enable_thinking=False)
+    tag = native_structural_tag("qwen_3_coder", [OP_TOOL], "pick", required=True, parallel=False)
+    body = {"input_ids": tok.encode(prompt, add_special_tokens=False), "sampling_params": {
+        "temperature": 0, "max_new_tokens": 256, "structural_tag": json.dumps(tag),
+        "logit_bias": {str(i): -100 for i in whitespace_ids}}}
+    r = httpx.post(f"{served.engine}/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    text = r.json()["text"]
+    assert text.startswith("<tool_call>\n<function=pick>\n"), text
+    content, calls = parse_calls(text, [OP_TOOL])
+    assert content == "" and [c.name for c in calls] == ["pick"], text
+    assert json.loads(calls[0].arguments).get("op") in ("add", "sub"), (text, calls)
+    assert r.json()["meta_info"]["finish_reason"]["type"] == "stop", r.json()["meta_info"]

@@ -105,6 +105,9 @@ class ModelFamily(ABC):
     # prompts against full renders with tools), without re-rendering kilobytes of schemas on every turn.
     tools_only_in_preamble: ClassVar[bool] = False
     tool_call_structure: ClassVar[tuple[str, str, str, str] | None] = None
+    # The model-native structural tag SGLang's detector for the family asks xgrammar for (`get_structural_tag_name`:
+    # `qwen_3_coder`, `deepseek_v4`, `harmony`), which then takes the place of `tool_call_structure`.
+    structural_tag_format: ClassVar[str | None] = None
     # Added tokens the template itself looks for inside message text (reasoning split off an assistant's content):
     # they keep the tokenizer's meaning in content; every other added token's spelling in content is text.
     content_markup: ClassVar[tuple[str, ...]] = ()

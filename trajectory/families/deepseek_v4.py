@@ -107,7 +107,8 @@ class DeepSeekV4Family(DeepSeekFamily):
 
     name = "deepseek-v4"
     tool_call_markers = (CALLS_OPEN, CALLS_CLOSE)
-    tool_call_structure = None  # SGLang's structural tag for DSML is not the JSON-arguments shape
+    tool_call_structure = None  # SGLang's structural tag for DSML is not the JSON-arguments shape: a native one
+    structural_tag_format = "deepseek_v4"
     reply_opening = THINK_OPEN
     thinking_switch = "thinking"  # SGLang's deepseek-v4 reasoning parser: explicit `thinking: true`
     inline_message_starts = ("<tool_result>",)

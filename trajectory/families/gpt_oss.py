@@ -99,6 +99,7 @@ class GptOssFamily(ModelFamily):
     # A later system message renders as a developer message.
     appendable_roles = frozenset({"user", "tool", "system", "assistant"})
     tools_only_in_preamble = True  # the tools are a namespace in the developer message, and a line of the system one
+    structural_tag_format = "harmony"  # SGLang's gpt-oss detector: xgrammar's harmony tag
     # Harmony's reasoning effort is a template variable (`chat_template_kwargs: {"reasoning_effort": "high"}`), not a
     # switch: the model always reasons. Streaming holds everything back (no markers): one header changes a message's
     # meaning.

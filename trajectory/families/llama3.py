@@ -73,6 +73,8 @@ class Llama31Family(ModelFamily):
     # A system message after the first renders as a header message of its own; an injected assistant one as prompt.
     appendable_roles = frozenset({"user", "tool", "system", "assistant"})
     tools_only_in_preamble = True  # the schemas are written into the first user message (or the system block)
+    # SGLang's llama3 detector (`structure_info`): a forced call is `<|python_tag|>` + one call object
+    tool_call_structure = ('<|python_tag|>{"name":"', '", "arguments":', "}", PYTHON_TAG)
 
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> str:

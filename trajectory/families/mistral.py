@@ -145,6 +145,8 @@ class MistralNemoFamily(ModelFamily):
     # anchor check refuses that one (400), not an injected assistant turn after tool results or a user message.
     appendable_roles = frozenset({"user", "tool", "system", "assistant"})
     tool_call_markers = (TOOL_CALLS, EOS)  # a call list runs to the end of the reply
+    # SGLang's mistral detector (`structure_info`): a forced call is a one-call list in the SentencePiece spelling
+    tool_call_structure = ('[TOOL_CALLS] [{"name":"', '", "arguments":', "}]", TOOL_CALLS)
 
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> str:

@@ -71,7 +71,8 @@ class Qwen35Family(Qwen3Family):
     # The template refuses a system message anywhere but first.
     appendable_roles = frozenset({"user", "tool", "assistant"})
     tool_call_markers = (CALL_OPEN, CALL_CLOSE)
-    tool_call_structure = None  # SGLang's qwen3_coder detector has no JSON-arguments structure (structural tag)
+    tool_call_structure = None  # SGLang's qwen3_coder detector has no JSON-arguments structure: a native tag
+    structural_tag_format = "qwen_3_coder"
     reply_opening = THINK_OPEN + "\n"
     json_scalars: ClassVar[bool] = False
 
