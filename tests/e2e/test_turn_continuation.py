@@ -107,6 +107,24 @@ def _uninterrupted(stack: Stack, body: dict[str, Any]) -> tuple[httpx.Response, 
     return resp, sample
 
 
+def _token_versions(reply: dict[str, Any]) -> list[str]:
+    """The weight version of each token of an engine reply, from its meta_info (per-token spans when the version
+    changed while it ran, else the one version)."""
+    meta = reply["meta_info"]
+    if meta.get("weight_versions"):
+        return [span["version"] for span in meta["weight_versions"] for _ in range(span["end"] - span["start"])]
+    return [meta["weight_version"]] * len(reply["output_ids"])
+
+
+def _span_versions(spans: list[list[Any]], start: int, count: int) -> list[str]:
+    """The sample's `weight_version_spans` as one version per sampled token (they must cover exactly those)."""
+    versions = [version for version, a, b in spans for _ in range(a, b)]
+    assert [a for _, a, _ in spans][:1] == [start] and all(
+        b == a2 for (_, _, b), (_, a2, _) in itertools.pairwise(spans)), spans
+    assert len(versions) == count, spans
+    return versions
+
+
 @pytest.mark.parametrize("route", ["update_weight_version", "update_weights_from_disk"])
 def test_a_weight_update_mid_reply_is_continued_exactly(stack: Stack, versions: None, route: str) -> None:
     server = stack.server
@@ -133,8 +151,11 @@ def test_a_weight_update_mid_reply_is_continued_exactly(stack: Stack, versions: 
     entries = cut["meta_info"]["output_token_logprobs"] + rest["meta_info"]["output_token_logprobs"]
     engine_logprobs = [e[0] for e in entries]
     np.testing.assert_array_equal(sample.rollout_log_probs[len(prompt):], np.asarray(engine_logprobs, np.float32))
-    n, end = len(prompt) + len(cut["output_ids"]), len(prompt) + len(sampled)  # spans over the sample's tokens
-    assert sample.metadata["weight_version_spans"] == [["default", len(prompt), n], ["step-2", n, end]]
+    # each sampled token under the weights the engine says sampled it (a token the cut request emitted between the
+    # version change and its abort is the new version's), the spans over the sample's positions
+    engine_versions = _token_versions(cut) + _token_versions(rest)
+    assert engine_versions[0] == "default" and engine_versions[-1] == "step-2"
+    assert _span_versions(sample.metadata["weight_version_spans"], len(prompt), len(sampled)) == engine_versions
     # the agent's reply is the one an uninterrupted run gives (the sim continues its own text)
     whole, whole_sample = _uninterrupted(stack, CHAT)
     assert resp.json()["choices"][0]["message"] == whole.json()["choices"][0]["message"]
