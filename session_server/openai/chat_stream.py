@@ -69,7 +69,7 @@ class ChatStream:
         if self.options.include_usage:
             events.append(_event({"id": self.id, "object": "chat.completion.chunk", "created": self.turn.created,
                                   "model": self.turn.model, "system_fingerprint": fingerprint, "choices": [],
-                                  "usage": usage(result)}))
+                                  "usage": usage(out, self.turn.family)}))
         return events
 
     def end(self) -> bytes:

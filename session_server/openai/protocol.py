@@ -32,6 +32,7 @@ from session_server.openai.fields import (
 )
 from session_server.openai.logprobs import openai_logprobs
 from session_server.turns.output import TurnOutput
+from session_server.turns.reply_facts import reasoning_token_count
 from trajectory import GenerateResult, ModelFamily
 from trajectory.messages import normalize_tools
 
@@ -146,13 +147,20 @@ def system_fingerprint(family: ModelFamily, result: GenerateResult) -> str:
     return f"{family.name}-{result.weight_version or 'default'}"
 
 
-def usage(result: GenerateResult) -> dict[str, Any]:
-    return {
+def usage(out: TurnOutput, family: ModelFamily) -> dict[str, Any]:
+    """OpenAI's usage; the reasoning's tokens in `completion_tokens_details` when there are some (SGLang's
+    UsageProcessor sets that field only then)."""
+    result = out.result
+    body: dict[str, Any] = {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
     }
+    reasoning = reasoning_token_count(family, result.output_ids, out.message.get("reasoning_content"))
+    if reasoning:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return body
 
 
 def chat_completion(
@@ -172,6 +180,6 @@ def chat_completion(
             "system_fingerprint": system_fingerprint(family, result),
             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result, message),
                          "logprobs": logprobs}],
-            "usage": usage(result),
+            "usage": usage(out, family),
         }
     )

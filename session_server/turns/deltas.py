@@ -118,7 +118,8 @@ class DeltaTracker:
         # marker stays a place where text can change meaning either way.
         call_markers = getattr(family, "tool_call_markers", None)
         self._markers = tuple(dict.fromkeys(
-            m for pair in (self._think, self._calls, call_markers[:1] if call_markers else None) if pair for m in pair))
+            m for pair in (self._think, self._calls, call_markers[:1] if call_markers else None,
+                           getattr(family, "stream_markers", ())) if pair for m in pair))
         self._overlap = max((len(m) for m in self._markers), default=1) - 1
         self._prefixes = frozenset(m[:n] for m in self._markers for n in range(1, len(m)))  # partial markers
         self._starts = frozenset(m[0] for m in self._markers)
@@ -164,7 +165,9 @@ class DeltaTracker:
         # never settled past) and enough before it to see a marker that straddles the settled end.
         window = self._text.tail(min(start, self._settled_end) - self._overlap)
         if self._open_call is not None:
-            assert self._calls is not None
+            if self._calls is None:  # a message the family's own rule holds back whole: only a marker may end it
+                fresh = self._text.tail(start - self._overlap)
+                return self._parse() if any(m in fresh for m in self._markers) else None
             if self._calls[1] not in self._text.tail(max(self._open_call, start - self._overlap)):
                 return None  # the block is still open: nothing before it changes, nothing in it is sent yet
             self._open_call = None
@@ -232,10 +235,14 @@ class DeltaTracker:
 
     def _settle(self, text: str) -> tuple[str | None, int | None]:
         """`settled(text)`, and where an unclosed tool-call block starts (None: no such block)."""
+        cut = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes as U+FFFD until it is complete
+        own = self.family.stream_settled(text[:cut])
+        if own is not None:
+            end, holding = own
+            return text[:end], (end if holding else None)
         think, calls = self._think, self._calls
         if think is None and calls is None:
             return None, None  # a family without declared markers: everything is sent at the end
-        cut = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes as U+FFFD until it is complete
         text = text[:cut]
         if think is not None and len(text) < len(think[0]) and think[0].startswith(text):
             return None, None  # could still become the reasoning block

@@ -38,8 +38,14 @@ class ReplyFacts:
 
 def reasoning_token_count(family: ModelFamily, output_ids: np.ndarray, reasoning: str | None) -> int:
     """How many sampled tokens the reasoning block took: up to and including its closing marker when that is one
-    token (Qwen3's and DeepSeek's `</think>`), else all of them for an unterminated block; 0 without reasoning."""
-    if not reasoning or family.reasoning_markers is None:
+    token (Qwen3's and DeepSeek's `</think>`), else all of them for an unterminated block, or where the family says
+    (harmony's analysis messages); 0 without reasoning."""
+    if not reasoning:
+        return 0
+    own = family.reasoning_end(output_ids)
+    if own is not None:
+        return own
+    if family.reasoning_markers is None:
         return 0
     close = family.encode(family.reasoning_markers[1])
     if len(close) == 1:

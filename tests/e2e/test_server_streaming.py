@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from support.server import (
     TOOLS,
@@ -335,5 +336,54 @@ def test_deepseek_streams_reasoning_and_special_token_tool_calls(deepseek: Stack
             (c["name"], c["arguments"]) for _, c in sorted(message["tool_calls"].items())]
         assert info["records"][1]["message"]["content"] == second["content"]
         assert_engine_baseline(deepseek.engine)
+
+    asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(family="gpt-oss", sim_args=["--token-latency-ms", "2"],
+                       servers={"server": [*PER_TOKEN]}) as stack:
+        yield stack
+
+
+def test_gpt_oss_streams_its_analysis_and_answer_as_they_arrive(gpt_oss: Stack) -> None:
+    """Harmony: the analysis message streams as reasoning and the final message as content, piece by piece as the
+    engine generates them (a header is sent once whole, a call's commentary message once it ends); the deltas assemble
+    to exactly the committed message, and usage counts the analysis in `completion_tokens_details.reasoning_tokens`
+    (through its `<|end|>`), plain and streamed alike."""
+    async def run() -> None:
+        sid = new_session(gpt_oss.server)
+        client = session_client(gpt_oss.server, sid)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Hi. [[sim: think]] [[sim: tokens 30]]"}]
+        chunks = await _stream(client, messages=messages, stream_options={"include_usage": True})
+        message, finish, usage, _ = assemble(chunks)
+        assert finish == "stop" and message["reasoning_content"] and message["content"]
+        deltas = [c.choices[0].delta.model_dump() for c in chunks if c.choices]
+        assert sum(1 for d in deltas if d.get("reasoning_content")) > 1
+        assert sum(1 for d in deltas if d.get("content")) > 1
+        first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+        # the analysis came first (its last piece may share a delta with the answer's first: one read of the engine)
+        assert all(not d.get("reasoning_content") for d in deltas[first_content + 1:]), deltas
+        reasoning_tokens = usage.completion_tokens_details.reasoning_tokens
+        assert 0 < reasoning_tokens < usage.completion_tokens
+        messages.append(_history(message))
+        messages.append({"role": "user", "content": 'Now add. [[sim: tool_call name=add args={"a": 1, "b": 2}]]'})
+        call, finish, _, _ = assemble(await _stream(client, messages=messages, tools=TOOLS))
+        assert finish == "tool_calls" and [c["name"] for c in call["tool_calls"].values()] == ["add"]
+        async with httpx.AsyncClient(timeout=30) as http:
+            info = (await http.get(f"{gpt_oss.server}/sessions/{sid}")).json()
+            assert (await http.delete(f"{gpt_oss.server}/sessions/{sid}")).status_code == 204
+        first = info["records"][0]
+        assert first["message"]["reasoning_content"] == message["reasoning_content"]
+        assert first["message"]["content"] == message["content"]
+        assert [r["rolled_back"] for r in info["records"]] == [0, 0]
+        tokens = info["token_ids"][first["prompt_len"]:first["prompt_len"] + first["completion_len"]]
+        end = AutoTokenizer.from_pretrained(gpt_oss.tok).convert_tokens_to_ids("<|end|>")
+        assert reasoning_tokens == tokens.index(end) + 1  # the analysis message, its `<|end|>` included
+        plain = await session_client(gpt_oss.server, new_session(gpt_oss.server)).chat.completions.create(
+            model="m", messages=messages[:1])
+        assert plain.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+        assert_engine_baseline(gpt_oss.engine)
 
     asyncio.run(run())

@@ -296,3 +296,19 @@ def test_parse_equals_sglangs_gpt_oss_parsers(family, content, reasoning, call, 
     assert (ours.reasoning_content or "", ours.content.strip() if calls else ours.content) == (
         thought or "", sg_content.strip() if calls else sg_content)
     assert [(c.name, c.arguments) for c in ours.tool_calls] == sg_calls
+
+
+def test_reasoning_ends_with_the_last_analysis_message(family):
+    """Reasoning tokens: through the `<|end|>` of the last analysis message; all of a reply cut inside one; none
+    without one (a preamble or a call on commentary is not reasoning)."""
+    end = family.encode("<|end|>")[0]
+    for reasoning, content, calls in (("plan it", "Done.", []), ("x", "", [("add", '{"a": 1}')]),
+                                      ("a\nb", "Pre.", [("add", "{}")])):
+        ids = family.encode(family.format_completion(content, reasoning, calls))
+        assert family.reasoning_end(ids) == ids.index(end) + 1
+        assert family.reasoning_end(ids[:ids.index(end) - 1]) == ids.index(end) - 1  # cut inside the analysis
+    for content, calls in (("Done.", []), ("Pre.", [("add", "{}")])):
+        assert family.reasoning_end(family.encode(family.format_completion(content, None, calls))) == 0
+    twice = family.format_completion("", "one", []).replace("<|channel|>final", "<|channel|>analysis", 1)
+    ids = family.encode(twice + "<|end|>")
+    assert family.reasoning_end(ids) == len(ids)

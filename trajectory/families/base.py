@@ -115,6 +115,9 @@ class ModelFamily(ABC):
     # still change meaning, so streaming holds text back around them. None: the family streams nothing early.
     reasoning_markers: ClassVar[tuple[str, str] | None] = None
     tool_call_markers: ClassVar[tuple[str, str] | None] = None
+    # A family whose reply is not one text with markers in it (harmony's messages) says itself how far a streamed text
+    # is settled (`stream_settled`); `stream_markers` are then the spellings past which plain text may change meaning.
+    stream_markers: ClassVar[tuple[str, ...]] = ()
     # The template variable that turns the model's reasoning on or off (Qwen3's `enable_thinking`), which the
     # Responses and Anthropic front ends set from `reasoning.effort` / `thinking`. None: the family has no switch.
     thinking_switch: ClassVar[str | None] = None
@@ -349,6 +352,17 @@ class ModelFamily(ABC):
     def split_reasoning(self, text: str) -> tuple[str | None, str]:
         """(reasoning, the rest) of a generated text; a family without reasoning returns (None, text)."""
         return None, text
+
+    def reasoning_end(self, output_ids: Sequence[int] | Any) -> int | None:
+        """How many of the generated ids the reasoning takes, for a family that locates it itself (harmony's analysis
+        messages); None: it ends at `reasoning_markers`' closing token (session_server/turns/reply_facts.py)."""
+        return None
+
+    def stream_settled(self, text: str) -> tuple[int, bool] | None:
+        """(end, holding) for a family with `stream_markers`: `text[:end]` parses as every longer text will (what
+        streaming may send), and `holding` says a message after `end` is held back whole until it ends. None: the
+        generic rule of session_server/turns/deltas.py over `reasoning_markers` and `tool_call_markers`."""
+        return None
 
     @abstractmethod
     def parse_completion(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedCompletion:

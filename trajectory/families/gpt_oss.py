@@ -101,12 +101,16 @@ class GptOssFamily(ModelFamily):
     tools_only_in_preamble = True  # the tools are a namespace in the developer message, and a line of the system one
     structural_tag_format = "harmony"  # SGLang's gpt-oss detector: xgrammar's harmony tag
     # Harmony's reasoning effort is a template variable (`chat_template_kwargs: {"reasoning_effort": "high"}`), not a
-    # switch: the model always reasons. Streaming holds everything back (no markers): one header changes a message's
-    # meaning.
+    # switch: the model always reasons. Streaming sends the analysis and final messages as they arrive, once their
+    # header is whole (`stream_settled`), and holds a commentary message back until it ends; every special token
+    # starts with `<|`, the one spelling past which plain text may change meaning.
+    stream_markers = ("<|",)
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
         self._call_id, self._return_id = self._single_id(CALL), self._single_id(RETURN)
+        self._message_id = self._single_id(MESSAGE)
+        self._message_ends = frozenset({self.eos_token_id, self._call_id, self._return_id})
 
     def appended_messages(self, messages: Sequence[Mapping[str, Any]], start: int) -> list[dict[str, Any]]:
         """Tool results named as the template names them: by `tool_call_id`, else by position among the calls of the
@@ -127,6 +131,41 @@ class GptOssFamily(ModelFamily):
             if name:
                 message["name"] = name
         return appended
+
+    def reasoning_end(self, output_ids: Sequence[int] | Any) -> int:
+        """Through the last analysis message (its `<|end|>` included; all of a reply cut inside one): each message's
+        header, the few ids before its `<|message|>`, names its channel."""
+        ids = [int(i) for i in output_ids]
+        end = start = 0
+        for pos, token in enumerate([*ids, None]):
+            if token is not None and token not in self._message_ends:
+                continue
+            segment = ids[start:pos]
+            body = segment.index(self._message_id) if self._message_id in segment else len(segment)
+            header = self.decode(segment[:body])
+            channel = _CHANNEL_RE.search(header)
+            if channel is not None and channel.group(1) == "analysis" and not _RECIPIENT_RE.search(header):
+                end = min(pos + 1, len(ids))
+            start = pos + 1
+        return end
+
+    def stream_settled(self, text: str) -> tuple[int, bool]:
+        """Up to the end of the last whole message, or into the body of an analysis or final message whose header is
+        whole (a trailing `<|` that may open a token held back); a commentary message, or text before any header, is
+        held back whole."""
+        ended = max(((text.rfind(end), end) for end in (END, CALL, RETURN)), default=(-1, END))
+        start = ended[0] + len(ended[1]) if ended[0] >= 0 else 0
+        body = text.find(MESSAGE, start)
+        if body < 0:
+            return start, start < len(text)
+        header = text[start:body]
+        channel = _CHANNEL_RE.search(header)
+        if channel is None or channel.group(1) not in ("analysis", "final") or _RECIPIENT_RE.search(header):
+            return start, True
+        partial = text.rfind("<|", body + len(MESSAGE))
+        if partial >= 0 and "|>" not in text[partial:]:
+            return partial, False
+        return len(text) - text.endswith("<"), False
 
     def open_message_end(self, message: Mapping[str, Any]) -> str:
         return CALL if message.get("tool_calls") else END
