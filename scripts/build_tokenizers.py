@@ -112,7 +112,7 @@ def build_deepseek(out: Path, template: str = DEEPSEEK_CHAT_TEMPLATE) -> None:
         "model_max_length": 131072,
         "chat_template": template,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+    write_config(out, config)
 
 
 # Qwen3.5/3.6 added tokens that the tokenizer marks non-special (as Qwen3's own config does for the same spellings):
@@ -162,7 +162,7 @@ def build_qwen35(out: Path, json_scalars: bool) -> None:
         "model_max_length": 262144,
         "chat_template": template,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+    write_config(out, config)
 
 
 # sha256 of OpenAI's published `o200k_base.tiktoken` and of Meta's Llama 3 `tokenizer.model` (the same tiktoken text).
@@ -249,7 +249,7 @@ def build_gpt_oss(out: Path) -> None:
         "model_max_length": 131072,
         "chat_template": (TEMPLATES / "gpt_oss.jinja").read_text(),
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+    write_config(out, config)
 
 
 # Meta's Llama 3 split pattern (llama-models' tokenizer.py)
@@ -284,7 +284,7 @@ def build_llama31(out: Path) -> None:
         "model_max_length": 131072,
         "chat_template": (TEMPLATES / "llama3_1.jinja").read_text(),
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+    write_config(out, config)
 
 
 # sha256 of the tekken vocabulary mistral-common ships for Mistral Nemo (`MistralTokenizer.from_model("mistral-nemo")`;
@@ -327,7 +327,7 @@ def build_mistral_nemo(out: Path) -> None:
         "model_max_length": 131072,
         "chat_template": (TEMPLATES / "mistral_nemo.jinja").read_text(),
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+    write_config(out, config)
 
 
 BUILDERS: dict[str, Callable[[Path], None]] = {
@@ -349,24 +349,20 @@ def build_all(out: Path, names: Iterable[str] | None = None) -> dict[str, Path]:
     dirs = {}
     for name in BUILDERS if names is None else names:
         BUILDERS[name](out / name)
-        declare_added_tokens(out / name)
         dirs[name] = out / name
     return dirs
 
 
-def declare_added_tokens(out: Path) -> None:
-    """Write tokenizer.json's added tokens into tokenizer_config.json as `added_tokens_decoder`, as `save_pretrained`
-    (and every model repository) does: without it transformers re-reads the whole tokenizer.json in Python to find
-    them (json.load of 6-31 MB, about a second per load). The same tokens with the same flags either way."""
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    if "added_tokens_decoder" in config:
-        return
+def write_config(out: Path, config: dict[str, Any]) -> None:
+    """Write `config` as out/tokenizer_config.json with tokenizer.json's added tokens as `added_tokens_decoder`, as
+    `save_pretrained` (and every model repository) does: without it transformers re-reads the whole tokenizer.json in
+    Python to find them (json.load of 6-31 MB, about a second per load). The same tokens with the same flags either
+    way. Written aside and renamed: a concurrent reader sees the old file or the new one."""
     added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
-    config["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
-    staged = config_path.with_suffix(".json.tmp")
+    config = {**config, "added_tokens_decoder": {str(token.pop("id")): token for token in added}}
+    staged = out / "tokenizer_config.json.tmp"
     staged.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
-    staged.replace(config_path)  # a concurrent reader sees the old file or the new one
+    staged.replace(out / "tokenizer_config.json")
 
 
 def main(argv: list[str] | None = None) -> int:
