@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import uvicorn
 
 from session_server.config import ServerConfig
+from session_server.engine import pacing
 from session_server.engine.client import ENGINE_CLIENTS
 from session_server.http.limits import limited_httptools
 from session_server.sessions.journal import SYNC_MODES
@@ -175,9 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-stream-interval", type=int, default=_default("engine_stream_interval"),
         help="tokens per engine stream event asked for (SGLang's per-request stream_interval; the first token "
-        "always comes at once). 0 (default) chooses: 16 when the engine streams deltas; with cumulative events "
-        "(each holds the whole reply so far) one per max_tokens/8 tokens, so a streamed reply stays linear "
-        "(engine/pacing.py)",
+        f"always comes at once). 0 (default) chooses: {pacing.DELTA_INTERVAL} when the engine streams deltas; with "
+        f"cumulative events (each holds the whole reply so far) one per max_tokens/{pacing.CUMULATIVE_EVENTS} tokens, "
+        "so a streamed reply stays linear (engine/pacing.py)",
     )
     p.add_argument(
         "--create-sessions-on-demand", action="store_true",
