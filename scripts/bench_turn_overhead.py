@@ -9,6 +9,11 @@ the same `/generate` call straight to the engine: added latency = server turn - 
 turn is its schedstat runtime (ns, all threads) across the chat; its memory per stored token is the RSS delta over
 the run divided by the stored tokens.
 
+The floor (scripts/floor_proxy.py) runs in the same part 1, on the server's core, and every turn goes through it and
+the server alternately (the order rotating from turn to turn), so a drift of the machine lands on both alike and the
+ratio compares the same moments. `--baseline-src DIR` (repeatable) adds session servers run from other source trees
+(e.g. `git archive COMMIT | tar -x -C DIR`) to the same rotation: a before/after table from one run.
+
 Part 2 (in process, the real tokenizer): TITO `prepare()` of one appended user message on histories of
 1k/4k/8k/32k tokens against a full re-render + re-tokenize of the same conversation (what TITO avoids), and the
 trajectory's own bytes per stored token (`nbytes`, and everything it retains, traced with tracemalloc).
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import random
@@ -28,12 +34,15 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
+from rollout.processes import start_session_server, start_sim
 from scripts.benchlib import (
     Figures,
     add_stack_args,
@@ -89,89 +98,107 @@ def stored_ids(state: dict[str, Any]) -> list[int]:
     return [int(t) for t in ids]
 
 
+@dataclass(frozen=True)
+class Target:
+    """One process the turns go through: the session server under test, the floor, or a baseline server."""
+
+    name: str
+    url: str
+    pid: int
+
+
 async def end_to_end(
-    server_url: str, engine_url: str, server_pid: int, args: argparse.Namespace,
-    before_turns: Any = None, after_turns: Any = None, floor: bool = False,
+    targets: list[Target], engine_url: str, args: argparse.Namespace,
+    before_turns: Any = None, after_turns: Any = None,
 ) -> dict[str, Any]:
-    """Phase 1: all turns through the server (timed, CPU measured, profiled). Phase 2: one GET per session for the
-    stored ids; turn t's prompt is their first usage.prompt_tokens ids (history is append-only, and the family's
-    trimmed stop-token tail lies past every earlier prompt). Phase 3: the same prompts straight to the engine.
-    `floor`: the floor proxy stands in the server's place; phase 1 only (it stores nothing to replay)."""
+    """Phase 1: every turn through each target in turn (timed, CPU measured; the first target profiled). Phase 2, for
+    the first target only: one GET per session for the stored ids; turn t's prompt is their first
+    usage.prompt_tokens ids (history is append-only, and the family's trimmed stop-token tail lies past every earlier
+    prompt). Phase 3: the same prompts straight to the engine. Returns the first target's figures, and the other
+    targets' phase-1 rows under "others"."""
     rng = random.Random(args.seed)
     limits = httpx.Limits(max_connections=8, max_keepalive_connections=8)
     timeout = httpx.Timeout(120.0)
-    rows: list[dict[str, Any]] = []
     errors: list[str] = []
-    async with (
-        httpx.AsyncClient(base_url=server_url, limits=limits, timeout=timeout) as server,
-        httpx.AsyncClient(base_url=engine_url, limits=limits, timeout=timeout) as engine,
-    ):
-        # Warm both paths (connections, first-call imports) outside the measurement.
-        warm = (await server.post("/sessions", json={})).json()["session_id"]
-        for _ in range(3):
-            body = {"messages": [user_message(rng, -1, 0, 8, 8)], "max_tokens": 64}
-            (await server.post(f"/sessions/{warm}/v1/chat/completions", json=body)).raise_for_status()
-        await server.delete(f"/sessions/{warm}")
+    rows: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {t.name: await stack.enter_async_context(httpx.AsyncClient(base_url=t.url, limits=limits,
+                                                                             timeout=timeout)) for t in targets}
+        engine = await stack.enter_async_context(httpx.AsyncClient(base_url=engine_url, limits=limits,
+                                                                   timeout=timeout))
+        main, server = targets[0], clients[targets[0].name]
+        # Warm every path (connections, first-call imports, the template) outside the measurement.
+        for t in targets:
+            warm = (await clients[t.name].post("/sessions", json={})).json()["session_id"]
+            for _ in range(3):
+                body = {"messages": [user_message(rng, -1, 0, 8, 8)], "max_tokens": 64}
+                (await clients[t.name].post(f"/sessions/{warm}/v1/chat/completions", json=body)).raise_for_status()
+            await clients[t.name].delete(f"/sessions/{warm}")
 
         if before_turns is not None:
             before_turns()
-        rss_before = proc_kib(server_pid, "VmRSS")
-        sids = [(await server.post("/sessions", json={})).json()["session_id"] for _ in range(args.sessions)]
-        histories: list[list[dict[str, Any]]] = [[] for _ in sids]
+        rss_before = proc_kib(main.pid, "VmRSS")
+        sids = {t.name: [(await clients[t.name].post("/sessions", json={})).json()["session_id"]
+                         for _ in range(args.sessions)] for t in targets}
+        histories: dict[str, list[list[dict[str, Any]]]] = {t.name: [[] for _ in range(args.sessions)]
+                                                            for t in targets}
         tools = tool_schemas(args.tools)
-        wait0 = proc_schedstat(server_pid)[1]
+        wait0 = proc_schedstat(main.pid)[1]
         t_start = time.perf_counter()
         # Interleaved turn indices: session s starts `s mod T` rounds late, so every round mixes short and long
         # histories and a slow drift of the machine (other tenants, thermal, the allocator) lands on every turn
         # index alike instead of on the last ones; the per-history column then compares like with like.
-        offsets = [s % args.turns for s in range(len(sids))]
+        offsets = [s % args.turns for s in range(args.sessions)]
         for rnd in range(2 * args.turns - 1):
-            due = [(s, rnd - offsets[s]) for s in range(len(sids)) if 0 <= rnd - offsets[s] < args.turns]
+            due = [(s, rnd - offsets[s]) for s in range(args.sessions) if 0 <= rnd - offsets[s] < args.turns]
             rng.shuffle(due)
-            for s, turn in due:
-                sid = sids[s]
-                histories[s].append(user_message(rng, s, turn, args.user_words, args.reply_tokens))
-                body = {"messages": histories[s], "max_tokens": 2 * args.reply_tokens, "temperature": 1.0}
-                if args.tools:
-                    body["tools"] = tools
-                cpu0 = proc_runtime_ns(server_pid)
-                t0 = time.perf_counter()
-                r = await server.post(f"/sessions/{sid}/v1/chat/completions", json=body)
-                t1 = time.perf_counter()
-                cpu1 = proc_runtime_ns(server_pid)
-                if r.status_code != 200:
-                    errors.append(f"session {s} turn {turn}: HTTP {r.status_code} {r.text[:300]}")
-                    histories[s].pop()
-                    continue
-                reply = r.json()
-                usage = reply["usage"]
-                histories[s].append({k: v for k, v in reply["choices"][0]["message"].items() if v is not None})
-                rows.append({
-                    "session": s, "turn": turn, "prompt_tokens": usage["prompt_tokens"],
-                    "completion_tokens": usage["completion_tokens"], "server_s": t1 - t0,
-                    "server_cpu_ns": cpu1 - cpu0,
-                })
-            print(f"[overhead] round {rnd + 1}/{2 * args.turns - 1}: {len(rows)} turns, errors {len(errors)}",
-                  file=sys.stderr, flush=True)
+            messages = {s: user_message(rng, s, turn, args.user_words, args.reply_tokens) for s, turn in due}
+            # A round's turns go through one target after another (whose turn is first rotates), not each turn
+            # through every target: targets share a core, and switching at every turn would leave each one's caches
+            # cold and add the switching to every figure.
+            for t in targets[rnd % len(targets):] + targets[:rnd % len(targets)]:
+                for s, turn in due:
+                    history = histories[t.name][s]
+                    history.append(messages[s])
+                    body = {"messages": history, "max_tokens": 2 * args.reply_tokens, "temperature": 1.0}
+                    if args.tools:
+                        body["tools"] = tools
+                    cpu0 = proc_runtime_ns(t.pid)
+                    t0 = time.perf_counter()
+                    r = await clients[t.name].post(f"/sessions/{sids[t.name][s]}/v1/chat/completions", json=body)
+                    t1 = time.perf_counter()
+                    cpu1 = proc_runtime_ns(t.pid)
+                    if r.status_code != 200:
+                        errors.append(f"{t.name} session {s} turn {turn}: HTTP {r.status_code} {r.text[:300]}")
+                        history.pop()
+                        continue
+                    reply = r.json()
+                    usage = reply["usage"]
+                    history.append({k: v for k, v in reply["choices"][0]["message"].items() if v is not None})
+                    rows[t.name].append({
+                        "session": s, "turn": turn, "prompt_tokens": usage["prompt_tokens"],
+                        "completion_tokens": usage["completion_tokens"], "server_s": t1 - t0,
+                        "server_cpu_ns": cpu1 - cpu0,
+                    })
+            print(f"[overhead] round {rnd + 1}/{2 * args.turns - 1}: {len(rows[main.name])} turns, errors "
+                  f"{len(errors)}", file=sys.stderr, flush=True)
         wall = time.perf_counter() - t_start
         if after_turns is not None:
             after_turns()
-        wait_frac = (proc_schedstat(server_pid)[1] - wait0) / 1e9 / wall
+        wait_frac = (proc_schedstat(main.pid)[1] - wait0) / 1e9 / wall
         await asyncio.sleep(0.5)  # let the allocator settle before reading RSS
-        rss_after = proc_kib(server_pid, "VmRSS")
-        if floor:
-            return {"rows": rows, "errors": errors, "server_wait_frac": wait_frac}
+        rss_after = proc_kib(main.pid, "VmRSS")
 
         ids_by_session: list[list[int]] = []
         get_cpu_ns: list[int] = []
-        for sid in sids:
-            cpu0 = proc_runtime_ns(server_pid)
+        for sid in sids[main.name]:
+            cpu0 = proc_runtime_ns(main.pid)
             state = (await server.get(f"/sessions/{sid}")).json()
-            get_cpu_ns.append(proc_runtime_ns(server_pid) - cpu0)
+            get_cpu_ns.append(proc_runtime_ns(main.pid) - cpu0)
             ids_by_session.append(stored_ids(state))
         stored = sum(len(ids) for ids in ids_by_session)
 
-        for row in rows:
+        for row in rows[main.name]:
             ids = ids_by_session[row["session"]]
             gen = {
                 "input_ids": ids[: row["prompt_tokens"]],
@@ -181,17 +208,20 @@ async def end_to_end(
                 "rid": f"direct-{row['session']}-{row['turn']}",
             }
             t2 = time.perf_counter()
-            d = await engine.post("/generate", json=gen, headers={"X-SMG-Routing-Key": sids[row["session"]]})
+            d = await engine.post("/generate", json=gen,
+                                  headers={"X-SMG-Routing-Key": sids[main.name][row["session"]]})
             row["direct_s"] = time.perf_counter() - t2
             if d.status_code != 200:
                 errors.append(f"direct {row['session']}/{row['turn']}: HTTP {d.status_code} {d.text[:300]}")
             elif d.json()["meta_info"]["completion_tokens"] != row["completion_tokens"]:
                 errors.append(f"direct {row['session']}/{row['turn']}: a different reply length than via the server")
-        for sid in sids:
-            await server.delete(f"/sessions/{sid}")
-    rows = [r for r in rows if "direct_s" in r]
-    return {"rows": rows, "errors": errors, "rss_before_kib": rss_before, "rss_after_kib": rss_after,
-            "stored_tokens": stored, "get_cpu_ns": get_cpu_ns, "server_wait_frac": wait_frac}
+        for t in targets:
+            for sid in sids[t.name]:
+                await clients[t.name].delete(f"/sessions/{sid}")
+    return {"rows": [r for r in rows[main.name] if "direct_s" in r], "errors": errors,
+            "rss_before_kib": rss_before, "rss_after_kib": rss_after, "stored_tokens": stored,
+            "get_cpu_ns": get_cpu_ns, "server_wait_frac": wait_frac,
+            "others": {t.name: rows[t.name] for t in targets[1:]}}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -330,8 +360,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "one invocation, and report the journal's per-turn cost (default off)",
     )
     p.add_argument("--no-floor", action="store_true",
-                   help="skip the floor (scripts/floor_proxy.py in the server's place, the same turns to the same "
-                   "engine), which part 1 otherwise measures first and reports beside the server's CPU per turn")
+                   help="skip the floor (scripts/floor_proxy.py beside the server, the same turns to the same engine, "
+                   "alternately with the server), which part 1 otherwise reports beside the server's CPU per turn")
+    p.add_argument("--baseline-src", action="append", default=[], metavar="DIR",
+                   help="also run a session server from this source tree in part 1, taking every turn alternately "
+                   "with the server and the floor (repeatable): a before/after comparison from one run")
     p.add_argument("--skip-server", action="store_true", help="only the in-process TITO part")
     p.add_argument("--skip-tito", action="store_true", help="only the end-to-end part")
     p.add_argument("--profile", default=None, help="py-spy the server during part 1 (.svg, or .txt for stacks)")
@@ -380,12 +413,20 @@ def summarize_e2e(e2e: dict[str, Any], figs: Figures, args: argparse.Namespace) 
     return by_turn
 
 
+def cpu_per_turn(rows: list[dict[str, Any]], last_turn: int) -> tuple[float | None, float | None]:
+    """Mean server CPU per turn, and the median at the last turn, in ms."""
+    cpu_ms = np.array([r["server_cpu_ns"] for r in rows]) / 1e6
+    last = [r["server_cpu_ns"] / 1e6 for r in rows if r["turn"] == last_turn]
+    return (float(cpu_ms.mean()) if cpu_ms.size else None), pct(last, 50)
+
+
 def part1(
     args: argparse.Namespace, server_cpu: int | None, engine_cpu: int | None, log_dir: Path, server_args: list[str],
-    profile: bool, pin_note: str, floor: bool = False,
+    profile: bool, pin_note: str, floor: bool = False, baselines: Sequence[str] = (),
 ) -> tuple[Figures, dict[str, Any]]:
-    """One end-to-end run (part 1) against a fresh sim and session server started with `server_args` (or, `floor`,
-    the floor proxy in the server's place)."""
+    """One end-to-end run (part 1) against a fresh sim and a session server started with `server_args`; with
+    `floor`, the floor proxy, and with `baselines`, a session server from each of those source trees, take every
+    turn alternately with it, on the same core."""
     figs = Figures()
     extra: dict[str, Any] = {}
     engine_args = ["--routed-experts-bytes", str(args.routed_experts_bytes),
@@ -397,10 +438,25 @@ def part1(
         tokenizer=args.tokenizer, family=args.model_family, engine_cpu=engine_cpu, server_cpu=server_cpu,
         log_dir=log_dir, engine_args=engine_args, server_args=server_args, server_src=args.server_src,
     )
-    if floor:
-        server.stop()
-        server = start_floor(sim.url, *floor_args(server_args), cpu=server_cpu, log_dir=log_dir)
+    # Each other target gets an engine of its own (on the engine's core), so the server's engine holds exactly what
+    # a run without them would: its direct replays (added latency) are unchanged by the company.
+    others: list[tuple[Target, list[Any]]] = []
     try:
+        cpus = None if engine_cpu is None else {engine_cpu}
+        for name in ["floor"] * floor + [f"baseline:{src}" for src in baselines]:
+            own = start_sim(args.tokenizer, args.model_family, *engine_args, cpus=cpus, log_dir=log_dir,
+                            startup_timeout=120.0)
+            procs: list[Any] = [own]
+            others.append((Target(name, "", 0), procs))  # stopped in the finally below, even if the next start fails
+            if name == "floor":
+                proc = start_floor(own.url, *floor_args(server_args), cpu=server_cpu, log_dir=log_dir)
+            else:
+                proc = start_session_server(
+                    own.url, args.tokenizer, args.model_family, *server_args,
+                    cpus=None if server_cpu is None else {server_cpu}, log_dir=log_dir, startup_timeout=120.0,
+                    python_path=[name.removeprefix("baseline:")], name=f"session-server-{len(others) + 1}")
+            procs.insert(0, proc)
+            others[-1] = (Target(name, proc.url, proc.pid), procs)
         if engine_cpu is not None:
             os.sched_setaffinity(0, {engine_cpu})  # the sequential driver shares the engine's core
         extra["pinning"] = {"note": pin_note, "session-server": affinity(server.pid),
@@ -418,21 +474,18 @@ def part1(
                     p.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
                     p.communicate(timeout=60)
 
-        e2e = run_async(end_to_end(server.url, sim.url, server.pid, args, begin_profile, end_profile, floor))
+        targets = [Target("server", server.url, server.pid), *(t for t, _ in others)]
+        e2e = run_async(end_to_end(targets, sim.url, args, begin_profile, end_profile))
     finally:
+        for _, procs in others:
+            for proc in procs:
+                proc.stop()
         server.stop()
         sim.stop()
         os.sched_setaffinity(0, all_cpus())  # part 2 runs unpinned
-    if floor:
-        cpu_ms = np.array([r["server_cpu_ns"] for r in e2e["rows"]]) / 1e6
-        last = [r["server_cpu_ns"] / 1e6 for r in e2e["rows"] if r["turn"] == args.turns - 1]
-        figs.add("errors", len(e2e["errors"]), "count", "lower")
-        figs.add("server_cpu_per_turn_mean_ms", float(cpu_ms.mean()) if cpu_ms.size else None, "ms", "lower", 0.1)
-        figs.add("server_cpu_per_turn_last_turn_ms", pct(last, 50), "ms", "lower", floor=0.1)
-        extra["error_samples"] = e2e["errors"][:8]
-        return figs, extra
     extra["by_turn"] = summarize_e2e(e2e, figs, args)
     extra["error_samples"] = e2e["errors"][:8]
+    extra["others"] = {name: cpu_per_turn(rows, args.turns - 1) for name, rows in e2e["others"].items()}
     return figs, extra
 
 
@@ -460,19 +513,21 @@ def main(argv: list[str] | None = None) -> int:
             figs.add(f"journal_{sync}_file_bytes", sum(
                 p.stat().st_size for p in (journal, Path(f"{journal}-wal")) if p.exists()), "bytes")
             errors += int(jv.get("errors") or 0)
-        if not args.no_floor:  # the floor first, then the server: same engine settings, one after the other
-            ffigs, fextra = part1(args, server_cpu, engine_cpu, log_dir, args.server_arg, False, pin_note, True)
-            for key in ("server_cpu_per_turn_mean_ms", "server_cpu_per_turn_last_turn_ms", "errors"):
-                figs.add(f"floor_{key}", ffigs.values[key], ffigs.meta[key]["unit"], "lower")
-            if fextra.get("error_samples"):
-                print(f"floor proxy errors: {fextra['error_samples'][:2]}", file=sys.stderr)
-        pfigs, pextra = part1(args, server_cpu, engine_cpu, log_dir, args.server_arg, True, pin_note)
+        pfigs, pextra = part1(args, server_cpu, engine_cpu, log_dir, args.server_arg, True, pin_note,
+                              floor=not args.no_floor, baselines=args.baseline_src)
         figs.values.update(pfigs.values)
         figs.meta.update(pfigs.meta)
-        for key in ("server_cpu_per_turn_mean_ms", "server_cpu_per_turn_last_turn_ms"):
-            ours, base = figs.values.get(key), figs.values.get(f"floor_{key}")
-            figs.add(f"{key.removesuffix('_ms')}_x_floor", ours / base if ours and base else None, "x floor",
-                     "lower", floor=0.05)
+        others = pextra.pop("others")
+        if "floor" in others:
+            for key, value in zip(("server_cpu_per_turn_mean_ms", "server_cpu_per_turn_last_turn_ms"),
+                                  others["floor"], strict=True):
+                figs.add(f"floor_{key}", value, "ms", "lower")
+                ours = figs.values.get(key)
+                figs.add(f"{key.removesuffix('_ms')}_x_floor", ours / value if ours and value else None,
+                         "x floor", "lower", floor=0.05)
+        extra["baselines"] = {name.removeprefix("baseline:"): {"cpu_per_turn_mean_ms": mean,
+                                                               "cpu_per_turn_last_turn_ms": last}
+                              for name, (mean, last) in others.items() if name.startswith("baseline:")}
         extra.update(pextra)
         errors += int(pfigs.values.get("errors") or 0)
     if not args.skip_tito:
@@ -505,7 +560,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  FLOOR           {fmt(v['floor_server_cpu_per_turn_mean_ms'])} ms of CPU per turn through the "
                   f"floor proxy, {fmt(v['floor_server_cpu_per_turn_last_turn_ms'])} ms at the last turn: the server "
                   f"costs {fmt(v['server_cpu_per_turn_mean_x_floor'])}x the floor, "
-                  f"{fmt(v['server_cpu_per_turn_last_turn_x_floor'])}x at the last turn (target <= 1.5x)")
+                  f"{fmt(v['server_cpu_per_turn_last_turn_x_floor'])}x at the last turn (target <= 1.5x; the "
+                  "floor took every turn alternately with the server)")
+        for src, b in extra.get("baselines", {}).items():
+            fl, fl_last = v.get("floor_server_cpu_per_turn_mean_ms"), v.get("floor_server_cpu_per_turn_last_turn_ms")
+            ratio = f", {b['cpu_per_turn_mean_ms'] / fl:.2f}x the floor" if fl and b["cpu_per_turn_mean_ms"] else ""
+            last = (f", {b['cpu_per_turn_last_turn_ms'] / fl_last:.2f}x at the last turn"
+                    if fl_last and b["cpu_per_turn_last_turn_ms"] else "")
+            print(f"  BASELINE        {src}: {fmt(b['cpu_per_turn_mean_ms'])} ms of CPU per turn, "
+                  f"{fmt(b['cpu_per_turn_last_turn_ms'])} ms at the last turn{ratio}{last}")
         print("  by turn         " + "; ".join(
             f"t{r['turn']} {r['prompt_tokens_mean']:.0f} tok: cpu {r['server_cpu_ms_p50']:.2f} ms, "
             f"{r['added_latency_ms_p50']:+.2f} ms" for r in extra["by_turn"]))
