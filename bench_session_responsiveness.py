@@ -400,6 +400,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-floor", action="store_true",
                    help="skip the floor (scripts/floor_proxy.py in the server's place, same engine, same load), "
                    "which is otherwise measured first and reported beside every CPU figure")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="measure the floor and the server alternately this many times (floor, server, floor, ...) "
+                   "and report each pair's per-chat ratio and their median: the machine drifts between runs of a "
+                   "few seconds, and pairs see the same drift; the other figures are the last pair's")
     p.add_argument("--label", default=None, help="name of this run in --compare output")
     p.add_argument("--json-out", default=None, help="write all figures + config + git state to FILE")
     p.add_argument("--plot", default=None, help="PNG of /health latency under load vs baseline")
@@ -658,6 +662,10 @@ def print_report(m: Measurement, figs: Figures, outliers: list[dict[str, Any]]) 
               f"({fmt(v['floor_chats_per_server_cpu_s'])} chats per CPU-second, /health p99 under load "
               f"{fmt(v['floor_health_load_p99_ms'])} ms): the server costs {fmt(v['server_cpu_per_chat_x_floor'])}x "
               "the floor (target <= 1.5x)")
+    if v.get("server_cpu_per_chat_x_floor_median") is not None:
+        print(f"  PAIRS           the server per chat vs the floor's, pair by pair: "
+              f"{', '.join(f'{v[k]:.2f}x' for k in v if k.startswith('server_cpu_per_chat_x_floor_pair'))}; median "
+              f"{fmt(v['server_cpu_per_chat_x_floor_median'])}x")
     print(f"  throughput      {v['chats_per_s']:.1f} chats/s ({v['chats']} chats, errors {v['errors']}); "
           f"{fmt(v['chat_phase_chats_per_s'])} chats/s counting only the chat phase of each wave (waves: create "
           f"{fmt(v['wave_create_mean_ms'])} ms, chats {fmt(v['wave_chat_mean_ms'])} ms, delete "
@@ -715,17 +723,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         print(compare(args.compare[0], args.compare[1], args.noise_band))
         return 0
-    floor = None
-    if not args.no_floor:
-        fm = measure(args, floor=True)
-        floor = figures(fm, Polls.of(fm))
-        if fm.res.errors.get("chat"):
-            print(f"floor proxy: {fm.res.errors['chat']} chats failed: {fm.res.error_samples[:2]}", file=sys.stderr)
-    m = measure(args)
-    polls = Polls.of(m)
-    figs = figures(m, polls)
-    if floor is not None:
-        add_floor(figs, floor)
+    ratios: list[float] = []
+    for pair in range(max(1, args.pairs)):
+        floor = None
+        if not args.no_floor:
+            fm = measure(args, floor=True)
+            floor = figures(fm, Polls.of(fm))
+            if fm.res.errors.get("chat"):
+                print(f"floor proxy: {fm.res.errors['chat']} chats failed: {fm.res.error_samples[:2]}",
+                      file=sys.stderr)
+        m = measure(args)
+        polls = Polls.of(m)
+        figs = figures(m, polls)
+        if floor is not None:
+            add_floor(figs, floor)
+            if (ratio := figs.values.get("server_cpu_per_chat_x_floor")) is not None:
+                ratios.append(ratio)
+                print(f"[pair {pair + 1}/{args.pairs}] the server costs {ratio:.2f}x the floor per chat",
+                      file=sys.stderr, flush=True)
+    if len(ratios) > 1:
+        figs.add("server_cpu_per_chat_x_floor_median", float(np.median(ratios)), "x floor", "lower", floor=0.05)
+        for i, ratio in enumerate(ratios):
+            figs.add(f"server_cpu_per_chat_x_floor_pair{i + 1}", ratio, "x floor", None)
     outliers = slow_polls(m, polls)
     print_report(m, figs, outliers)
     write_outputs(m, figs, polls, outliers)
