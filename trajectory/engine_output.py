@@ -154,11 +154,17 @@ def _decode(body: bytes) -> _GenerateResponse[Any]:
     except msgspec.ValidationError:
         pass
     except msgspec.DecodeError as exc:  # includes NaN/Infinity literals, which are not JSON
-        raise UpstreamError(f"engine response is not valid JSON: {exc}", rule="json") from None
+        raise _not_json(exc) from None
     try:
         return _DECODER.decode(body)
     except msgspec.ValidationError as exc:
         raise UpstreamError(f"engine response breaks the schema: {exc}", rule=_schema_rule(str(exc))) from None
+    except msgspec.DecodeError as exc:  # malformed past the point where the plain decode stopped
+        raise _not_json(exc) from None
+
+
+def _not_json(exc: msgspec.DecodeError) -> UpstreamError:
+    return UpstreamError(f"engine response is not valid JSON: {exc}", rule="json")
 
 
 def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:

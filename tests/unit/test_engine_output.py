@@ -180,6 +180,17 @@ def test_rejects_non_finite_json_literals(literal):
     assert info.value.rule == "json"
 
 
+def test_malformed_json_after_an_entry_of_another_shape_is_a_502():
+    """The plain decode stops at the 2-item entry without reading on; the full decode then meets the NaN literal
+    (it was let out as msgspec's own DecodeError, which the server answers with a 500)."""
+    body = engine_body([5, 6], [-0.5, -0.25])
+    body["meta_info"]["output_token_logprobs"][1] = [-0.25, 6]
+    payload = dumps(body).replace(b'"e2e_latency": 0.01', b'"e2e_latency": NaN')
+    with pytest.raises(UpstreamError) as info:
+        decode_generate_response(payload, VOCAB)
+    assert (info.value.rule, info.value.status) == ("json", 502)
+
+
 @pytest.mark.parametrize("payload", [b"", b"{", b"not json", dumps(engine_body([1])) + b" trailing"])
 def test_rejects_malformed_json(payload):
     with pytest.raises(UpstreamError) as info:
