@@ -349,8 +349,25 @@ def build_all(out: Path, names: Iterable[str] | None = None) -> dict[str, Path]:
     dirs = {}
     for name in BUILDERS if names is None else names:
         BUILDERS[name](out / name)
+        record_fast_encoder_verdict(out / name)
         dirs[name] = out / name
     return dirs
+
+
+def record_fast_encoder_verdict(out: Path) -> None:
+    """Judge once whether tiktoken encodes exactly as the directory's tokenizer (trajectory/families/fast_encoder.py:
+    about a second, reading every merge) and keep the verdict, with the digest of what it judged, in
+    tokenizer_config.json, where a family bound to the tokenizer finds it instead of judging again."""
+    from transformers import AutoTokenizer
+
+    from trajectory.families.fast_encoder import VERDICT_KEY, verdict
+
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config[VERDICT_KEY] = verdict(AutoTokenizer.from_pretrained(out, local_files_only=True).backend_tokenizer)
+    staged = out / "tokenizer_config.json.tmp"
+    staged.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+    staged.replace(config_path)
 
 
 def write_config(out: Path, config: dict[str, Any]) -> None:

@@ -156,3 +156,25 @@ def call_item(i: int, name: str, arguments: dict[str, Any], ensure_ascii: bool =
     """An OpenAI `tool_calls` item with id `c{i}`, its arguments as JSON text."""
     return {"id": f"c{i}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=ensure_ascii)}}
+
+
+# Message text as agents send it, with what a mirror of a template gets wrong first: newlines and spaces at either
+# end, empty text, and the spellings the templates themselves write or test for.
+_SPELLINGS = ("<|im_start|>", "<|im_end|>", "<tool_response>", "</tool_response>", "<think>", "</think>", "\n", " ",
+              "<｜User｜>", "<|eot_id|>", "<|end|>", "{{", "%}")
+APPENDED_TEXT = st.lists(st.sampled_from(_SPELLINGS) | st.text(max_size=12), max_size=4).map("".join)
+
+
+@st.composite
+def appended_turns(draw: st.DrawFn, family: ModelFamily) -> list[dict[str, Any]]:
+    """1-4 messages an agent appends after a generated turn, in any order of the family's appendable roles."""
+    out: list[dict[str, Any]] = []
+    for _ in range(draw(st.integers(1, 4))):
+        role = draw(st.sampled_from(sorted(family.appendable_roles)))
+        message: dict[str, Any] = {"role": role, "content": draw(APPENDED_TEXT)}
+        if role == "tool" and draw(st.booleans()):
+            message["tool_call_id"] = "call_0"
+        if role in ("user", "system") and draw(st.booleans()):
+            message["name"] = "agent"
+        out.append(message)
+    return out

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from support.examples import examples
 from support.families import APPEND_STABLE, FAMILIES, RERENDER_MOVES_GLUE, TOOLS_BEFORE_EACH_QUERY
-from support.tito import Reply, Turn, conversations, generate
+from support.tito import Reply, Turn, appended_turns, conversations, generate
 from trajectory import LinearTrajectory, ModelFamily, build_merged_sample, build_turn_samples
 
 SETTINGS = settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -184,28 +184,6 @@ def test_rollback_restores_the_earlier_state_exactly(families, name, data):
     assert _state(rolled) == _state(replayed)
     for a, b in zip(build_turn_samples(rolled), build_turn_samples(replayed), strict=True):
         assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.rollout_log_probs, b.rollout_log_probs)
-
-
-# Message text as agents send it, with what a mirror of a template gets wrong first: newlines and spaces at either
-# end, empty text, and the spellings the templates themselves write or test for.
-_SPELLINGS = ("<|im_start|>", "<|im_end|>", "<tool_response>", "</tool_response>", "<think>", "</think>", "\n", " ",
-              "<｜User｜>", "<|eot_id|>", "<|end|>", "{{", "%}")
-APPENDED_TEXT = st.lists(st.sampled_from(_SPELLINGS) | st.text(max_size=12), max_size=4).map("".join)
-
-
-@st.composite
-def appended_turns(draw: st.DrawFn, family: ModelFamily) -> list[dict[str, Any]]:
-    """1-4 messages an agent appends after a generated turn, in any order of the family's appendable roles."""
-    out: list[dict[str, Any]] = []
-    for _ in range(draw(st.integers(1, 4))):
-        role = draw(st.sampled_from(sorted(family.appendable_roles)))
-        message: dict[str, Any] = {"role": role, "content": draw(APPENDED_TEXT)}
-        if role == "tool" and draw(st.booleans()):
-            message["tool_call_id"] = "call_0"
-        if role in ("user", "system") and draw(st.booleans()):
-            message["name"] = "agent"
-        out.append(message)
-    return out
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from ..errors import RequestValidationError, TemplateError, TokenizationError
 from .control import ControlTokens, trie_pattern
+from .fast_encoder import FastEncoder, fast_encoder
 from .segments import MIN_SEGMENT_CHARS, SegmentCache
 
 # The anchor conversation: plain text, no reasoning, no tool calls, so every template renders it the
@@ -144,6 +145,13 @@ class ModelFamily(ABC):
         # hold the event loop (measured before: 4.3 MB with `encode`, /health frozen for 8.7 s).
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._encode_fast = getattr(backend, "encode_batch_fast", None)
+        # The model's own vocabulary (the wrapper's `get_vocab` adds the added tokens' spellings to it).
+        vocab: dict[str, int] = backend.get_vocab(with_added_tokens=False) if backend is not None else \
+            tokenizer.get_vocab()
+        # tiktoken, where it is provably the same function (fast_encoder.py): ~5x faster on an appended turn.
+        self.fast_encoder: FastEncoder | None
+        self.fast_encoder_refusal: str  # why there is none ("" when there is one)
+        self.fast_encoder, self.fast_encoder_refusal = fast_encoder(tokenizer, vocab)
         self.vocab_size: int = len(tokenizer)
         self.eos_token_id: int = self._single_id(self.eos_token)
         self.stop_token_ids: tuple[int, ...] = (
@@ -154,10 +162,10 @@ class ModelFamily(ABC):
         self.special_token_ids: frozenset[int] = frozenset(
             {*getattr(tokenizer, "added_tokens_decoder", {}), *self.stop_token_ids}
         )
-        # No token covers more characters than its vocabulary entry has bytes (bounds.py: prompts refused unrendered).
-        self.max_token_chars: int = max(map(len, tokenizer.get_vocab()), default=1)
         # Spellings of added tokens inside message text stay text (control.py), except the template's own markup.
         added = getattr(tokenizer, "added_tokens_decoder", {})
+        # No token covers more characters than its vocabulary entry has bytes (bounds.py: prompts refused unrendered).
+        self.max_token_chars: int = max(map(len, [*vocab, *(t.content for t in added.values())]), default=1)
         self.control = ControlTokens(
             (t.content for t in added.values() if t.content not in self.content_markup), self.encode,
             frozenset(added),
@@ -210,6 +218,10 @@ class ModelFamily(ABC):
         return self._encode_text(text)
 
     def _encode_text(self, text: str) -> list[int]:
+        if self.fast_encoder is not None:
+            ids = self.fast_encoder.encode(text)
+            if ids is not None:
+                return ids
         if self._encode_fast is not None:
             return list(self._encode_fast([text], add_special_tokens=False)[0].ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))

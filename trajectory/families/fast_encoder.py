@@ -1,0 +1,270 @@
+"""The appended text's ids from tiktoken where it is the same function as the family's Hugging Face tokenizer.
+
+Why: tokenizing an appended turn was ~0.2 ms of a turn's CPU in `tokenizers`; tiktoken's Rust BPE gives the same ids
+about 5x faster. It is used only where the two compute the same function, checked from the tokenizer's own
+definition (never from a family's name); every other tokenizer keeps the Hugging Face encoder.
+
+The same function when:
+- the model is byte-level BPE (every byte a token, no dropout, byte fallback or word affixes) whose merges each make a
+  vocabulary token and come in the order of those tokens' ids: a merge's priority is its token's rank, which is how
+  tiktoken ranks a pair; with `ignore_merges` off, every token's own text encodes to that token (tiktoken looks a
+  whole piece up first, as `ignore_merges` does). Where the merges are every split of every token into two tokens
+  (tiktoken-born tokenizers: Qwen3.5/3.6, gpt-oss, Llama 3.1, Mistral Nemo) both consider exactly the same pairs at
+  the same priorities (two pairs that make the same token are taken leftmost first by tiktoken, in merge order by
+  Hugging Face: no test found a text where that matters). Where they are one merge per token, as BPE training leaves
+  them (Qwen3: 151k merges, 294k splits), tiktoken may also consider a pair the merges lack, which these checks do not
+  rule out; a hand-made vocabulary can tell the two apart, a trained one did not in any test (every token in five
+  contexts, 4.3M texts over the five tiktoken-born and Qwen3; hypothesis properties over arbitrary text);
+- the pre-tokenizer is one regex Split (isolated) then the byte-level mapping (no prefix space, no regex of its own):
+  tiktoken's pattern, which matches every character (checked: the pattern drops no character, since tiktoken encodes
+  only what it matches);
+- the normalizer is none or NFC: a text that is already NFC is its own NFC (and so is every piece of it, as
+  composition only looks back at what precedes a character), anything else goes to the Hugging Face encoder;
+- every added token is matched on the raw text, without stripping or word rules, and is split off first as the
+  Hugging Face tokenizer does (leftmost, longest: `control.trie_pattern`), the text between encoded on its own;
+- no truncation or padding is set.
+The checks that read every merge cost about a second, so scripts/build_tokenizers.py records their verdict in
+tokenizer_config.json (`VERDICT_KEY`) with the sha256 of the definition it judged; a verdict for another definition
+is ignored and the checks run at bind. tests/unit/test_fast_encoder.py holds the ids to the Hugging Face encoder's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import unicodedata
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import numpy as np
+
+from .control import trie_pattern
+
+VERDICT_KEY = "tiktoken_equivalence"
+CHECKS_VERSION = 1  # part of every verdict's digest: a change to the checks below makes recorded verdicts stale
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level pre-tokenizer's alphabet (GPT-2's `bytes_to_unicode`), character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF = _byte_level_chars()
+_BYTE_TABLE = np.full(max(map(ord, _BYTE_OF)) + 2, 256, dtype=np.uint16)  # 256: not a byte-level character
+for _char, _byte in _BYTE_OF.items():
+    _BYTE_TABLE[ord(_char)] = _byte
+
+
+@dataclass(frozen=True, slots=True)
+class Definition:
+    """What of a `tokenizers.Tokenizer` decides the ids of `encode(text, add_special_tokens=False)`."""
+
+    backend: Any
+    pre_tokenizer: Any
+    normalizer: Any
+    added: tuple[tuple[int, str, bool, bool, bool, bool], ...]  # (id, content, lstrip, rstrip, single_word, normalized)
+    pipeline: tuple[Any, Any]  # truncation, padding
+
+    @classmethod
+    def of(cls, backend: Any) -> Definition:
+        def state(component: Any) -> Any:
+            return None if component is None else json.loads(component.__getstate__())
+
+        added = tuple(sorted((i, t.content, t.lstrip, t.rstrip, t.single_word, t.normalized)
+                             for i, t in backend.get_added_tokens_decoder().items()))
+        return cls(backend, state(backend.pre_tokenizer), state(backend.normalizer), added,
+                   (backend.truncation, backend.padding))
+
+    def model(self) -> bytes:
+        """The model's serialized state (vocabulary, merges, flags): ~0.1 s, so only once the cheap parts qualify."""
+        return bytes(self.backend.model.__getstate__())
+
+    def digest(self, model: bytes) -> str:
+        """sha256 of everything a verdict is about."""
+        rest = json.dumps([CHECKS_VERSION, self.pre_tokenizer, self.normalizer, self.added, self.pipeline],
+                          sort_keys=True)
+        return hashlib.sha256(model + b"\x00" + rest.encode()).hexdigest()
+
+
+def split_pattern(definition: Definition) -> str | None:
+    """The Split regex of a `Sequence[Split(Regex, isolated), ByteLevel(no prefix space, no regex)]` pre-tokenizer."""
+    pre = definition.pre_tokenizer
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else None
+    if not isinstance(steps, list) or len(steps) != 2:
+        return None
+    split, byte_level = steps
+    if not (split.get("type") == "Split" and split.get("behavior") == "Isolated" and split.get("invert") is False
+            and isinstance(split.get("pattern"), dict) and isinstance(split["pattern"].get("Regex"), str)):
+        return None
+    if not (byte_level.get("type") == "ByteLevel" and byte_level.get("add_prefix_space") is False
+            and byte_level.get("use_regex") is False):
+        return None
+    return str(split["pattern"]["Regex"])
+
+
+def structure_refusal(definition: Definition) -> str | None:
+    """Why the cheap parts of the definition rule tiktoken out (None: they do not)."""
+    if definition.pipeline != (None, None):
+        return "truncation or padding is set"
+    if definition.normalizer not in (None, {"type": "NFC"}, {"type": "Sequence", "normalizers": []}):
+        return f"normalizer {definition.normalizer} is neither none nor NFC"
+    if split_pattern(definition) is None:
+        return "the pre-tokenizer is not one regex Split followed by the byte-level mapping"
+    for _, content, lstrip, rstrip, single_word, normalized in definition.added:
+        if not content or lstrip or rstrip or single_word or normalized:
+            return f"added token {content!r} is empty, normalized or has strip/word rules"
+    return None
+
+
+def model_refusal(definition: Definition, state: bytes) -> str | None:
+    """Why the model (its serialized `state`) rules tiktoken out (None: it does not); reads every merge, ~1 s."""
+    model = json.loads(state)
+    if model.get("type") != "BPE" or model.get("dropout") is not None or model.get("byte_fallback"):
+        return "the model is not plain BPE (dropout or byte fallback)"
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        return "the model has word affixes"
+    vocab: dict[str, int] = model["vocab"]
+    if any(char not in vocab for char in _BYTE_OF):
+        return "not every byte is a token"
+    added = {i for i, *_ in definition.added}
+    last = -1
+    for n, merge in enumerate(model["merges"]):
+        left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
+        token = vocab.get(left + right)
+        if token is None:
+            return f"merge {n} ({left!r}, {right!r}) makes no token"
+        if token in added:  # its text is always split off before BPE: this merge never applies
+            continue
+        if token < last:
+            return f"merge {n} ({left!r}, {right!r}) comes after a merge of a higher-ranked token"
+        last = token
+    if not model.get("ignore_merges"):
+        for text, token in vocab.items():
+            if token not in added and [t.id for t in definition.backend.model.tokenize(text)] != [token]:
+                return f"token {token} ({text!r}) does not encode to itself and ignore_merges is off"
+    return None
+
+
+def coverage_refusal(encoding: Any) -> str | None:
+    """tiktoken encodes only what its pattern matches: a pattern that skips a character would drop it."""
+    every_char = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000 and chr(c) not in "\r\n ")
+    probe = f"{every_char} \r\n{every_char}\n"
+    if encoding.decode_bytes(encoding.encode_ordinary(probe)) != probe.encode():
+        return "the split pattern skips characters"
+    return None
+
+
+def verdict(backend: Any) -> dict[str, Any]:
+    """The record scripts/build_tokenizers.py keeps in tokenizer_config.json: the definition's digest and the refusal
+    (None: tiktoken is the same function)."""
+    definition = Definition.of(backend)
+    state = definition.model()
+    refusal = structure_refusal(definition)
+    if refusal is None:
+        try:
+            encoding, _ = _encoding(definition, backend.get_vocab(with_added_tokens=False))
+        except ValueError as exc:
+            refusal = str(exc)
+        else:
+            refusal = model_refusal(definition, state) or coverage_refusal(encoding)
+    return {"sha256": definition.digest(state), "refusal": refusal}
+
+
+_NONE: frozenset[str] = frozenset()
+
+
+class FastEncoder:
+    """`encode(text)`: the Hugging Face ids of `text`, or None where this encoder does not answer (a text that is
+    not NFC under an NFC normalizer, lone surrogates, a text tiktoken's regex engine gives up on)."""
+
+    def __init__(self, encoding: Any, specials: Mapping[str, int], nfc: bool) -> None:
+        self._encoding = encoding
+        self._specials = dict(specials)
+        self._split = trie_pattern(specials)
+        self._nfc = nfc
+
+    def encode(self, text: str) -> list[int] | None:
+        if not text.isascii():
+            if self._nfc and not unicodedata.is_normalized("NFC", text):
+                return None
+            try:
+                text.encode()
+            except UnicodeEncodeError:  # tiktoken would replace a lone surrogate; the Hugging Face encoder refuses
+                return None
+        ids: list[int] = []
+        start = 0
+        try:
+            for match in self._split.finditer(text):
+                if match.start() > start:
+                    ids += self._ordinary(text[start:match.start()])
+                ids.append(self._specials[match.group()])
+                start = match.end()
+            if start < len(text):
+                ids += self._ordinary(text[start:])
+        except ValueError:  # fancy-regex's backtracking limit (a megabyte of spaces): no answer, never a wrong one
+            return None
+        return ids
+
+    def _ordinary(self, text: str) -> list[int]:
+        """tiktoken's ids of text without added tokens. Through `encode`, not `encode_ordinary`: on a regex engine
+        error the latter panics (an exception no `except Exception` catches), the former raises ValueError."""
+        return list(self._encoding.encode(text, allowed_special=_NONE, disallowed_special=_NONE))
+
+
+def _ranks(vocab: Mapping[str, int], added: set[int]) -> dict[bytes, int]:
+    """The model's vocabulary (byte-level text -> id) as tiktoken ranks (token bytes -> id), without added tokens."""
+    texts, ids = list(vocab), list(vocab.values())
+    if not added.isdisjoint(ids):  # Mistral's control tokens are in the model's vocabulary too
+        texts, ids = [t for t, i in zip(texts, ids, strict=True) if i not in added], [i for i in ids if i not in added]
+    codes = np.frombuffer("".join(texts).encode("utf-32-le"), dtype=np.uint32)
+    raw = _BYTE_TABLE[np.minimum(codes, _BYTE_TABLE.size - 1)]
+    if raw.size and int(raw.max()) > 255:
+        raise ValueError("a token has a character outside the byte-level alphabet")
+    data = raw.astype(np.uint8).tobytes()
+    ends = list(accumulate(map(len, texts)))
+    ranks = dict(zip([data[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)], ids, strict=True))
+    if len(ranks) != len(texts):
+        raise ValueError("two tokens have the same bytes")
+    return ranks
+
+
+def _encoding(definition: Definition, vocab: Mapping[str, int]) -> tuple[Any, dict[str, int]]:
+    """(the tiktoken Encoding of the vocabulary and split pattern, the added tokens by content)."""
+    import tiktoken  # imported only where a tokenizer may qualify
+
+    pattern = split_pattern(definition)
+    assert pattern is not None
+    specials = {content: token for token, content, *_ in definition.added}
+    ranks = _ranks(vocab, {*specials.values()})
+    # The added tokens are split off before tiktoken sees the text (FastEncoder.encode); tiktoken is told them all the
+    # same, since with none its own search for them matches everywhere (a third of the speed).
+    return tiktoken.Encoding("hf-equivalent", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials), specials
+
+
+def fast_encoder(tokenizer: Any, vocab: Mapping[str, int]) -> tuple[FastEncoder | None, str]:
+    """(the tiktoken encoder, "") where it is the same function as `tokenizer`'s, else (None, why not). `vocab` is the
+    model's own (`get_vocab(with_added_tokens=False)` of `tokenizer.backend_tokenizer`)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+        return None, "no Rust tokenizer"
+    definition = Definition.of(backend)
+    refusal = structure_refusal(definition)
+    if refusal is not None:
+        return None, refusal
+    try:
+        encoding, specials = _encoding(definition, vocab)
+    except ValueError as exc:  # the pattern does not compile in tiktoken's regex engine, the vocabulary is not bytes
+        return None, str(exc)
+    recorded = getattr(tokenizer, "init_kwargs", {}).get(VERDICT_KEY)
+    state = definition.model()
+    if isinstance(recorded, dict) and recorded.get("sha256") == definition.digest(state):
+        refusal = recorded.get("refusal")
+    else:
+        refusal = model_refusal(definition, state) or coverage_refusal(encoding)
+    if refusal is not None:
+        return None, str(refusal)
+    return FastEncoder(encoding, specials, definition.normalizer == {"type": "NFC"}), ""
