@@ -27,6 +27,8 @@ import pytest
 
 from rollout.processes import RunningProcess, start_sim
 from support.sglang_engine import Engines, assert_engine_clean, loads
+from trajectory import engine_output
+from trajectory.errors import UpstreamError
 
 Probe = Callable[["Target"], dict[str, Any]]
 PROBES: dict[str, Probe] = {}
@@ -136,6 +138,27 @@ def generate_stream(t: Target) -> dict[str, Any]:
         "earlier_finish": shape([c["meta_info"]["finish_reason"] for c in chunks[:-1]]),
         "final_length": len(ids[-1]),
     }
+
+
+def decode_path(body: bytes) -> str:
+    """Which path of the server's strict decode (trajectory/engine_output.py) a reply takes."""
+    vocab = 2**31  # the ids' range is not what this asks
+    try:
+        return "fast" if engine_output._accept(engine_output._fast_decoder(vocab).decode(body), vocab) else "strict"
+    except (msgspec.DecodeError, UpstreamError):
+        return "strict"
+
+
+@probe
+def decode_paths(t: Target) -> dict[str, Any]:
+    """A reply, plain or the final event of a stream, in the shape the server's fast decode path takes."""
+    plain = t.generate(sampling_params={"max_new_tokens": 24}).content
+    with t.http.stream("POST", "/generate", json={
+        "input_ids": t.prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 6}, "return_logprob": True,
+        "logprob_start_len": -1, "rid": t.rid(), "stream": True,
+    }) as r:
+        events = r.read().split(b"\n\n")
+    return {"plain": decode_path(plain), "stream_final": decode_path(events[-3].removeprefix(b"data: "))}
 
 
 @probe
@@ -365,4 +388,5 @@ def test_the_sim_answers_like_real_sglang(engines: Engines, sim: RunningProcess)
     emulated = observe(Target(sim.url, checkpoint))
     diff = differences(real, emulated)
     assert not diff, "\n".join(diff)
+    assert real["decode_paths"] == {"plain": "fast", "stream_final": "fast"}
     assert_engine_clean(engine.url)

@@ -9,14 +9,16 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
+import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from support.examples import examples
 from support.tito import engine_body
-from trajectory import LinearTrajectory, decode_generate_response
+from trajectory import LinearTrajectory, decode_generate_response, engine_output
 from trajectory.errors import UpstreamError
 
 VOCAB = 1000
@@ -221,3 +223,145 @@ def test_logprobs_are_float32_and_finite():
     result = decode_generate_response(dumps(engine_body([1, 2], [-1e-40, -3])), VOCAB)
     assert result.logprobs.tolist() == [np.float32(-1e-40), -3.0]
     assert all(math.isfinite(x) for x in result.logprobs.tolist())
+
+
+# --- The fast path and the strict path agree on every body -------------------------------------------------------
+# decode_generate_response first tries SGLang's own shape with the value rules written into the schema and falls
+# back to the strict path (engine_output._decode_strictly, the decoder as it was before the fast path) whenever that
+# does not fit. The strict path is the oracle: on any body, valid or broken, both give the same result bit for bit,
+# or the same 502 with the same rule and message. Bodies are written as JSON text, so the spellings JSON allows (and
+# some it does not) reach the decoder as an engine would send them.
+
+_LOGPROB_SPELLINGS = [
+    "-0.25", "-0", "-0.0", "0", "0.0", "-5", "1E5", "-1e-05", "-1.1920928955078125e-07", "-2.5E+3", "1e-45",
+    "1e-46", "-3.4028234663852886e38", "3.4028234663852886e+38", "3.4028235677973366e38", "3.5e38", "-1e39",
+    "1e999", "-1e999", "NaN", "Infinity", "-Infinity", "1" + "0" * 400, "true", "false", "null", '"-0.1"', "[]",
+]
+_ID_SPELLINGS = ["-0", "7.0", "7e0", "1E2", "true", "false", "null", '"7"', "-1", str(VOCAB), str(VOCAB - 1),
+                 str(2**31), str(2**63), str(2**64), "1" + "0" * 30, "{}"]
+
+
+def _spaced(draw: st.DrawFn, items: list[str], open_: str = "[", close: str = "]") -> str:
+    """A JSON array of `items`, compact (SGLang's orjson) or with whitespace where JSON allows it."""
+    if draw(st.booleans()):
+        return open_ + ",".join(items) + close
+    gap = draw(st.sampled_from([" ", "\n", "\t ", ""]))
+    return open_ + gap + ("," + gap).join(items) + gap + close
+
+
+_FAULTS = ["logprob", "token id", "entry shape", "output id", "count", "entries", "finish", "prompt_tokens",
+           "a part", "top logprobs", "weight spans"]
+
+
+@st.composite
+def engine_texts(draw: st.DrawFn, fault: str | None = None) -> bytes:
+    """A /generate body as text in SGLang's shape, with whitespace or not, and `fault` (a part respelled with a
+    value JSON allows but the rules may not, or broken), sometimes with a second one."""
+    faults = {fault, draw(st.sampled_from([None, None, *_FAULTS]))}
+    n = draw(st.integers(0, 8))
+    ids = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
+    floats = st.floats(allow_nan=False, allow_infinity=False, width=draw(st.sampled_from([32, 32, 64])))
+    logprobs = [repr(draw(floats)) for _ in ids]
+    id_texts, output_ids, thirds = [str(t) for t in ids], [str(t) for t in ids], [["null"] for _ in ids]
+    at = draw(st.integers(0, max(n - 1, 0)))  # the token a token-level fault hits
+    if n and "logprob" in faults:
+        logprobs[at] = draw(st.sampled_from(_LOGPROB_SPELLINGS))
+    if n and "token id" in faults:
+        id_texts[at] = draw(st.sampled_from(_ID_SPELLINGS))
+        output_ids[at] = draw(st.sampled_from([id_texts[at], output_ids[at]]))
+    if n and "entry shape" in faults:
+        thirds[at] = draw(st.sampled_from([[], ['"tok"'], ["null", "0"], ["1"], ["null", "null"]]))
+    if n and "output id" in faults:
+        output_ids[at] = draw(st.sampled_from([str(draw(st.integers(0, VOCAB - 1))), "-0", "0", "7.0"]))
+    entries = [_spaced(draw, [lp, tid, *third]) for lp, tid, third in zip(logprobs, id_texts, thirds, strict=True)]
+    if "entries" in faults:
+        entries = entries[:-1] if entries and draw(st.booleans()) else [*entries, "[-0.5,1,null]"]
+    count = str(n) if "count" not in faults else draw(st.sampled_from(
+        [str(n + 1), str(max(n - 1, 0)), "true", f'"{n}"', "-1", f"{n}.0", None]))
+    finish = draw(st.sampled_from([
+        '{"type":"stop","matched":7}', '{"type":"length","length":3}', '{"type":"stop","matched":"</answer>"}',
+        '{"type":"abort","message":"Aborted","status_code":null,"err_type":null}']))
+    if "finish" in faults:
+        finish = draw(st.sampled_from(['{"type":"stop","matched":"NaN happened"}', '{"type":"eos"}', "null"]))
+    prompt = "12" if "prompt_tokens" not in faults else draw(st.sampled_from([None, "true", "-1"]))
+    meta = {"id": '"r1"', "finish_reason": finish, "prompt_tokens": prompt, "completion_tokens": count,
+            "cached_tokens": "0", "output_token_logprobs": _spaced(draw, entries), "weight_version": '"w0"',
+            "e2e_latency": "0.01"}
+    if draw(st.booleans()):
+        spans = draw(st.sampled_from(["[]", f'[{{"version":"w0","start":1,"end":{n}}}]'])) if "weight spans" in faults \
+            else f'[{{"version":"w0","start":0,"end":{n}}}]'
+        meta["weight_versions"] = spans
+    if draw(st.booleans()):
+        row = draw(st.sampled_from(["[[NaN,3]]", "[[-0.5,1000]]", "[[1e39,3]]"])) if "top logprobs" in faults \
+            else "[[-0.5,3,null]]"
+        meta["output_top_logprobs"] = _spaced(draw, [draw(st.sampled_from(["null", row])) for _ in range(n)])
+    if draw(st.booleans()):
+        meta["routed_experts"] = '"AAAAAQ=="'
+    if draw(st.booleans()):
+        meta["some_future_field"] = '{"nested":[1,2]}'
+    parts = {"text": '"hi"', "output_ids": _spaced(draw, output_ids),
+             "meta_info": _spaced(draw, [f'"{k}":{v}' for k, v in meta.items() if v is not None], "{", "}")}
+    if "a part" in faults:
+        del parts[draw(st.sampled_from(sorted(parts)))]
+    return _spaced(draw, [f'"{k}":{v}' for k, v in parts.items()], "{", "}").encode()
+
+
+def _outcome(decode: Callable[[bytes, int], Any], body: bytes, vocab: int) -> tuple[Any, ...]:
+    """What a decoder makes of a body: every field of the result (arrays by dtype and bytes), or the error."""
+    try:
+        r = decode(body, vocab)
+    except UpstreamError as exc:
+        return ("error", exc.rule, exc.message, exc.status)
+    arrays = [(a.dtype.str, a.shape, a.tobytes()) for a in (r.output_ids, r.logprobs)]
+    routed = None if r.routed_experts is None else bytes(r.routed_experts)
+    return ("ok", *arrays, r.text, r.finish_reason, r.prompt_tokens, r.completion_tokens, r.cached_tokens,
+            r.weight_version, r.e2e_latency, r.rid, routed, r.top_logprobs, r.weight_versions)
+
+
+@pytest.mark.parametrize("fault", [None, *_FAULTS])
+@settings(max_examples=examples(60), deadline=None)
+@given(data=st.data())
+def test_fast_path_agrees_with_the_strict_decoder(fault, data):
+    body = data.draw(engine_texts(fault))
+    expected = _outcome(engine_output._decode_strictly, body, VOCAB)
+    assert _outcome(decode_generate_response, body, VOCAB) == expected
+    event(f"{expected[0]} {expected[1] if expected[0] == 'error' else ''}, by the {_path(body)} path")
+
+
+def _path(body: bytes) -> str:
+    try:
+        return "fast" if engine_output._accept(engine_output._fast_decoder(VOCAB).decode(body), VOCAB) else "strict"
+    except (msgspec.DecodeError, UpstreamError):
+        return "strict"
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(body=payloads())
+def test_fast_path_takes_sglangs_own_shape(body):
+    """Every well-formed body in SGLang's `[logprob, id, null]` shape (as orjson writes it) passes the fast path."""
+    for entry in body["meta_info"]["output_token_logprobs"]:
+        entry[2:] = [None]
+    payload = orjson.dumps(body)
+    fast = engine_output._accept(engine_output._fast_decoder(VOCAB).decode(payload), VOCAB)
+    assert fast is not None
+    assert _outcome(lambda *_: fast, payload, VOCAB) == _outcome(engine_output._decode_strictly, payload, VOCAB)
+
+
+def test_vocabularies_past_int32_take_the_strict_path():
+    """The fast path writes ids straight into int32; a vocabulary int32 cannot index is left to the strict path."""
+    body, vocab = dumps(engine_body([5, 2**31 + 1], [-0.5, -1.0])), 2**31 + 2
+    assert _outcome(decode_generate_response, body, vocab) == _outcome(engine_output._decode_strictly, body, vocab)
+
+
+_EDGES = [(lp, tid) for lp in ["-3.4028234663852886e38", "3.4028234663852886e38", "-3.402823466385289e38",
+                               "3.402823466385289e38", "-0.0", "1e-46"]
+          for tid in ["0", "-0", str(VOCAB - 1), str(VOCAB), "-1"]]
+
+
+@pytest.mark.parametrize(("logprob", "token_id"), _EDGES)
+def test_fast_path_agrees_at_the_constraints_edges(logprob, token_id):
+    """The fast path's bounds (a logprob float32 can hold, an id inside the vocabulary) on and just past the edge."""
+    body = (f'{{"text":"","output_ids":[{token_id}],"meta_info":{{"finish_reason":{{"type":"stop","matched":null}},'
+            f'"prompt_tokens":3,"completion_tokens":1,"output_token_logprobs":[[{logprob},{token_id},null]]}}}}')
+    expected = _outcome(engine_output._decode_strictly, body.encode(), VOCAB)
+    assert _outcome(decode_generate_response, body.encode(), VOCAB) == expected
