@@ -149,11 +149,11 @@ def model_refusal(definition: Definition, state: bytes) -> str | None:
     return None
 
 
-def coverage_refusal(encoding: Any) -> str | None:
+def coverage_refusal(core: Any) -> str | None:
     """tiktoken encodes only what its pattern matches: a pattern that skips a character would drop it."""
     every_char = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000 and chr(c) not in "\r\n ")
     probe = f"{every_char} \r\n{every_char}\n"
-    if encoding.decode_bytes(encoding.encode_ordinary(probe)) != probe.encode():
+    if core.decode_bytes(core.encode(probe, _NONE)) != probe.encode():
         return "the split pattern skips characters"
     return None
 
@@ -166,11 +166,11 @@ def verdict(backend: Any) -> dict[str, Any]:
     refusal = structure_refusal(definition)
     if refusal is None:
         try:
-            encoding, _ = _encoding(definition, backend.get_vocab(with_added_tokens=False))
+            core, _ = _core(definition, backend.get_vocab(with_added_tokens=False))
         except ValueError as exc:
             refusal = str(exc)
         else:
-            refusal = model_refusal(definition, state) or coverage_refusal(encoding)
+            refusal = model_refusal(definition, state) or coverage_refusal(core)
     return {"sha256": definition.digest(state), "refusal": refusal}
 
 
@@ -181,8 +181,8 @@ class FastEncoder:
     """`encode(text)`: the Hugging Face ids of `text`, or None where this encoder does not answer (a text that is
     not NFC under an NFC normalizer, lone surrogates, a text tiktoken's regex engine gives up on)."""
 
-    def __init__(self, encoding: Any, specials: Mapping[str, int], nfc: bool) -> None:
-        self._encoding = encoding
+    def __init__(self, core: Any, specials: Mapping[str, int], nfc: bool) -> None:
+        self._core = core
         self._specials = dict(specials)
         self._split = trie_pattern(specials)
         self._nfc = nfc
@@ -212,7 +212,8 @@ class FastEncoder:
     def _ordinary(self, text: str) -> list[int]:
         """tiktoken's ids of text without added tokens. Through `encode`, not `encode_ordinary`: on a regex engine
         error the latter panics (an exception no `except Exception` catches), the former raises ValueError."""
-        return list(self._encoding.encode(text, allowed_special=_NONE, disallowed_special=_NONE))
+        ids: list[int] = self._core.encode(text, _NONE)
+        return ids
 
 
 def _ranks(vocab: Mapping[str, int], added: set[int]) -> dict[bytes, int]:
@@ -232,9 +233,11 @@ def _ranks(vocab: Mapping[str, int], added: set[int]) -> dict[bytes, int]:
     return ranks
 
 
-def _encoding(definition: Definition, vocab: Mapping[str, int]) -> tuple[Any, dict[str, int]]:
-    """(the tiktoken Encoding of the vocabulary and split pattern, the added tokens by content)."""
-    import tiktoken  # imported only where a tokenizer may qualify
+def _core(definition: Definition, vocab: Mapping[str, int]) -> tuple[Any, dict[str, int]]:
+    """(tiktoken's BPE core for the vocabulary and split pattern, the added tokens by content). The Rust core that
+    `tiktoken.Encoding` wraps: the wrapper keeps the ranks dict alive (~18 MiB for Qwen3's 151k tokens) only to pickle
+    itself; the core holds its own copy."""
+    from tiktoken._tiktoken import CoreBPE  # imported only where a tokenizer may qualify
 
     pattern = split_pattern(definition)
     assert pattern is not None
@@ -242,7 +245,7 @@ def _encoding(definition: Definition, vocab: Mapping[str, int]) -> tuple[Any, di
     ranks = _ranks(vocab, {*specials.values()})
     # The added tokens are split off before tiktoken sees the text (FastEncoder.encode); tiktoken is told them all the
     # same, since with none its own search for them matches everywhere (a third of the speed).
-    return tiktoken.Encoding("hf-equivalent", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials), specials
+    return CoreBPE(ranks, specials, pattern), specials
 
 
 def fast_encoder(tokenizer: Any, vocab: Mapping[str, int]) -> tuple[FastEncoder | None, str]:
@@ -256,7 +259,7 @@ def fast_encoder(tokenizer: Any, vocab: Mapping[str, int]) -> tuple[FastEncoder 
     if refusal is not None:
         return None, refusal
     try:
-        encoding, specials = _encoding(definition, vocab)
+        core, specials = _core(definition, vocab)
     except ValueError as exc:  # the pattern does not compile in tiktoken's regex engine, the vocabulary is not bytes
         return None, str(exc)
     recorded = getattr(tokenizer, "init_kwargs", {}).get(VERDICT_KEY)
@@ -264,7 +267,7 @@ def fast_encoder(tokenizer: Any, vocab: Mapping[str, int]) -> tuple[FastEncoder 
     if isinstance(recorded, dict) and recorded.get("sha256") == definition.digest(state):
         refusal = recorded.get("refusal")
     else:
-        refusal = model_refusal(definition, state) or coverage_refusal(encoding)
+        refusal = model_refusal(definition, state) or coverage_refusal(core)
     if refusal is not None:
         return None, str(refusal)
-    return FastEncoder(encoding, specials, definition.normalizer == {"type": "NFC"}), ""
+    return FastEncoder(core, specials, definition.normalizer == {"type": "NFC"}), ""
