@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps "sglang==0.5.23"
 	touch $(STAMP)
 
-$(TOKENIZERS)/.built: $(STAMP) scripts/build_tokenizers.py
+$(TOKENIZERS)/.built: $(STAMP) scripts/build_tokenizers.py $(wildcard scripts/chat_templates/*.jinja)
 	$(PY) -m scripts.build_tokenizers --out $(TOKENIZERS)
 	touch $@
 

@@ -120,6 +120,16 @@ def test_rendered_ids_equal_mistral_commons_encoder(family, oracle, tools):
             assert ours == encode(oracle, messages, tools), (start, end)
 
 
+@pytest.mark.parametrize("result", ["null", "0", "false", '"text"', "[]", "{}"])
+def test_a_tool_result_that_is_a_json_scalar_renders_as_mistral_common_writes_it(family, oracle, result):
+    """mistral-common parses a tool result as JSON; JSON null reached the template as an undefined content (a
+    hypothesis TITO property found it: "Object of type Undefined is not JSON serializable")."""
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [
+        _call(0, "lookup", {"key": "x"})]}, {"role": "tool", "tool_call_id": "call00000", "content": result}]
+    ours = family.encode(family.render(messages, TOOLS, add_generation_prompt=True))
+    assert ours == encode(oracle, messages, TOOLS)
+
+
 def test_tito_appends_what_mistral_common_writes_after_the_last_reply(family, oracle):
     """A tool loop through LinearTrajectory: each prompt keeps what the engine saw and sampled, then appends exactly
     the tail of mistral-common's render of the whole conversation after the last assistant message's `</s>`."""
