@@ -21,7 +21,7 @@ from trajectory.families import fast_encoder as fe
 # token, in rank order, ignore_merges off: every token's text encodes to itself). DeepSeek's pre-tokenizer is three
 # regex Splits in a row, which one tiktoken pattern does not express.
 QUALIFYING = ("qwen3", "qwen3.5", "qwen3.6", "gpt-oss", "llama-3.1", "mistral-nemo")
-SETTINGS = settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def hf_ids(family: ModelFamily, text: str) -> list[int]:
@@ -99,20 +99,20 @@ def test_appended_turns_encode_to_the_hugging_face_ids(families, name, data):
 @pytest.mark.parametrize("name", QUALIFYING)
 def test_vocabulary_tokens_in_context_encode_to_the_hugging_face_ids(families, name):
     """Where tiktoken's BPE and the merges could part: a token's text glued to itself, cut by a byte at either end,
-    or inside a word, where other merges compete for its bytes (every 61st token here; all of them, 4.3M texts, when
+    or inside a word, where other merges compete for its bytes (every 97th token here; all of them, 4.3M texts, when
     the encoder was written)."""
     family = families[name]
     tokenizer: Any = family.tokenizer
     vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False)
-    words = [w for w in (tokenizer.decode([i]) for i in sorted(vocab.values())[::61]) if "\ufffd" not in w]
+    words = [w for w in (tokenizer.decode([i]) for i in sorted(vocab.values())[::97]) if "\ufffd" not in w]
     texts = [t for w in words for t in (w + w, "e" + w + "s", w[:-1] + w, w + w[1:], w[1:] + w[:-1])]
     expected = [e.ids for e in tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
     got = [family.fast_encoder.encode(t) for t in texts]
     assert [(t, g) for t, g, e in zip(texts, got, expected, strict=True) if g not in (None, e)] == []
 
 
-@pytest.mark.parametrize("text", [  # a megabyte of spaces: tiktoken's regex engine gives up, the family answers
-    "", "x", " " * 1_000_000, "e\u0301 <|im_start|>\u0338 'ſ 12345 \r\n\n  x",
+@pytest.mark.parametrize("text", [
+    "", "x", "e\u0301 <|im_start|>\u0338 'ſ 12345 \r\n\n  x",
     "<|im_start|>user\n" + "word " * 3000 + "<|im_end|>", "\n\n\n   \n\t \r\n", "東京123abc 𝔘𝔫𝔦", "don'T I'LL we'ſ",
 ])
 def test_pinned_texts(families, text):
@@ -121,6 +121,15 @@ def test_pinned_texts(families, text):
         ids = family.fast_encoder.encode(text)
         assert ids is None or ids == hf_ids(family, text), name
         assert family.encode(text) == hf_ids(family, text), name
+
+
+def test_a_text_tiktoken_gives_up_on_is_left_to_the_hugging_face_encoder(families):
+    """fancy-regex's backtracking limit (a megabyte of spaces), where the Hugging Face encoder's Oniguruma answers:
+    no answer, never a wrong one."""
+    family = families["qwen3"]
+    text = " " * 1_000_000
+    assert family.fast_encoder.encode(text) is None
+    assert family.encode(text) == hf_ids(family, text)
 
 
 def test_a_lone_surrogate_is_left_to_the_hugging_face_encoder(families):
