@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from support.examples import examples
@@ -278,6 +278,7 @@ def _sglang(text: str, tools: list[dict[str, Any]]) -> tuple[str | None, str, li
 @SETTINGS
 @given(content=st.none() | _PROSE.filter(lambda s: not "commentary".startswith(s.lower())), reasoning=_PROSE,
        call=st.none() | st.tuples(_NAME, _ARGS), cut=st.none() | st.integers(0, 400))
+@example(content=None, reasoning="0", call=("a00000000", {}), cut=129)  # cut right after the call's <|message|>
 def test_parse_equals_sglangs_gpt_oss_parsers(family, content, reasoning, call, cut):
     """Replies as gpt-oss writes them: its reasoning first, then an answer, or an optional preamble and one call (its
     `<|call|>` stop token in SGLang's text, as SGLang keeps it with the gpt-oss parser; our text has it or not). Cut

@@ -75,7 +75,9 @@ def parse(text: str) -> ParsedCompletion:
             reasoning.append(body)
             seen_analysis = True
         elif recipient is not None:
-            call = _call(recipient.group(1), body) if closed or pos == len(text) else None
+            # Unclosed at the end of the text: the engine dropped the `<|call|>` stop token, or the reply was cut; an
+            # empty body there is a cut one (SGLang finds no call in it either).
+            call = _call(recipient.group(1), body) if closed or (pos == len(text) and body.strip()) else None
             if call is not None:
                 calls.append(call)
         elif channel.group(1) == "final" or (channel.group(1) == "commentary" and closed):
