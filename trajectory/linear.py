@@ -53,6 +53,7 @@ class TurnPlan:
     routed_experts_start: int = 0   # first position whose routed experts the records do not hold yet
     merged: bool = False            # a full render that extends every stored token (`merge_plan`)
     reply_opening: str = ""         # the part of the reply the prompt already wrote: parse it + the engine's text
+    messages_json: bytes | None = None  # the request's messages array as the client sent it (see `SentHistory`)
 
     @property
     def num_new_tokens(self) -> int:
@@ -132,6 +133,20 @@ class TurnDelta:
     messages: list[Message]
     tools: list[dict[str, Any]] | None
     record: TurnRecord
+    messages_json: bytes | None = None  # the turn's request messages as sent (TurnPlan.messages_json)
+
+
+@dataclass(frozen=True, slots=True)
+class SentHistory:
+    """The last committed turn's request messages twice: as the client sent them (the JSON array's exact bytes) and
+    as they were read (`messages`, the stored objects they matched or became).
+
+    Why: an agent resends its whole history every turn, mostly byte for byte. A front end that keeps the bytes can
+    recognise the repeated part of the next request by comparing bytes, and decode, check and match only what is new
+    (session_server/openai/chat_body.py); bytes equal to what was read before are read the same way again."""
+
+    json: bytes
+    messages: list[Message]
 
 
 SPECIAL_TOKEN_MODES: tuple[str, ...] = ("text", "engine")
@@ -164,6 +179,8 @@ class LinearTrajectory:
         # Checkpoints before the last merged turn: their message counts refer to a message list a merge replaced,
         # so they are never rollback targets.
         self.frozen = 0
+        # The last turn's request messages as sent, when its front end kept them (None: read every message).
+        self.sent: SentHistory | None = None
         self._buffer = TokenBuffer()
 
     # -- stored tokens ---------------------------------------------------------------------------------
@@ -204,11 +221,13 @@ class LinearTrajectory:
         return ids, logprobs
 
     # -- prepare / commit ------------------------------------------------------------------------------
-    def prepare(self, messages: Any, tools: Any = None, template_kwargs: dict[str, Any] | None = None) -> TurnPlan:
+    def prepare(self, messages: Any, tools: Any = None, template_kwargs: dict[str, Any] | None = None,
+                messages_json: bytes | None = None) -> TurnPlan:
         """Match the request against the history, decide rollback and build the prompt. Mutates nothing.
 
         `template_kwargs` (the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`) reach the template
         for this turn's new text only: stored tokens are what the model saw and are never re-rendered.
+        `messages_json`: the bytes `messages` were read from, kept as `sent` once the turn commits.
         """
         # Read first: a plan built while a commit runs elsewhere (a pool thread) is then stale, never wrong.
         version = self.version
@@ -242,7 +261,7 @@ class LinearTrajectory:
                         new_token_start=reused, trimmed=trim, version=version,
                         rollback_reason=reason if dropped else None,
                         routed_experts_start=min(self.routed_experts_covered(keep), reused),
-                        reply_opening=self.family.opened_reply(prompt))
+                        reply_opening=self.family.opened_reply(prompt), messages_json=messages_json)
 
     def _last_checkpoint_within(self, matched: int) -> int:
         return bisect.bisect_right(self.checkpoints, matched, lo=self.frozen, key=lambda c: c.num_messages)
@@ -277,7 +296,7 @@ class LinearTrajectory:
         return TurnPlan(prompt_ids=prompt, messages=full.messages, tools=full.tools,
                         base_checkpoints=len(self.checkpoints), rolled_back=0, new_token_start=keep, trimmed=trim,
                         version=version, routed_experts_start=min(self.routed_experts_covered(), keep), merged=True,
-                        reply_opening=full.reply_opening)
+                        reply_opening=full.reply_opening, messages_json=full.messages_json)
 
     def routed_experts_covered(self, turns: int | None = None) -> int:
         """How many leading positions the first `turns` records' routed experts cover without a gap."""
@@ -339,7 +358,7 @@ class LinearTrajectory:
         return TurnDelta(
             version=self.version, base_checkpoints=plan.base_checkpoints, keep=keep,
             prompt_tail=plan.prompt_ids[keep:], output_ids=result.output_ids, logprobs=result.logprobs,
-            messages=[*plan.messages, reply], tools=plan.tools, record=record,
+            messages=[*plan.messages, reply], tools=plan.tools, record=record, messages_json=plan.messages_json,
         )
 
     def apply(self, delta: TurnDelta) -> TurnRecord:
@@ -354,6 +373,7 @@ class LinearTrajectory:
         del self.checkpoints[delta.base_checkpoints:]
         del self.records[delta.base_checkpoints:]
         self.messages = delta.messages
+        self.sent = None if delta.messages_json is None else SentHistory(delta.messages_json, delta.messages[:-1])
         self.tools = delta.tools
         if delta.base_checkpoints == 0 or record.merged:  # the turn's prompt was a full render with these tools
             self.prompt_tools = delta.tools
@@ -378,7 +398,7 @@ class LinearTrajectory:
         """
         snap = LinearTrajectory.__new__(LinearTrajectory)
         snap.family, snap.max_rollback, snap.matcher = self.family, self.max_rollback, self.matcher
-        snap.text_only, snap.frozen = self.text_only, self.frozen
+        snap.text_only, snap.frozen, snap.sent = self.text_only, self.frozen, self.sent
         snap.version, snap.tools, snap.prompt_tools = self.version, self.tools, self.prompt_tools
         snap.rollbacks = self.rollbacks  # replaced, never mutated, on commit
         snap.messages, snap.checkpoints, snap.records = list(self.messages), list(self.checkpoints), list(self.records)

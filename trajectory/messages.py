@@ -211,7 +211,8 @@ class MessageMatcher:
         normalising the messages past the first difference or building a list, to rank several histories."""
         _check_message_list(request)
         for i, (message, raw) in enumerate(zip(stored, request, strict=False)):
-            if raw != message and (reason := self.difference(message, normalize_message(i, raw))) is not None:
+            if raw is not message and raw != message \
+                    and (reason := self.difference(message, normalize_message(i, raw))) is not None:
                 return i, reason
         return min(len(stored), len(request)), "retry" if len(request) < len(stored) else None
 
@@ -234,7 +235,7 @@ class MessageMatcher:
         reason: RollbackReason | None = None
         for i, raw in enumerate(request):
             if matched == i < len(stored):
-                if raw == stored[i]:
+                if raw is stored[i] or raw == stored[i]:
                     out.append(stored[i])
                     matched += 1
                     continue

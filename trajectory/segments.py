@@ -135,22 +135,22 @@ class SegmentSet:
 
     # -- prepare ------------------------------------------------------------------------------------------
     def prepare(self, messages: Any, tools: Any = None, template_kwargs: dict[str, Any] | None = None,
-                busy: Mapping[int, Message] | None = None) -> SegmentPlan:
+                busy: Mapping[int, Message] | None = None, messages_json: bytes | None = None) -> SegmentPlan:
         """The segment this request continues and its TITO plan, or a new segment's full render. Mutates nothing.
 
         `busy`: the segments with a turn in flight, each with that turn's first message. Among equally good matches a
         free one wins (a busy winner is the caller's 409). A segment whose first turn is in flight has no history
         yet: it takes a request that begins with that turn's first message (a duplicate: 409), any other starts a
         segment (a side request next to the first turn). RollbackLimitError under `on_divergence="reject"`;
-        SegmentLimitError past `max_segments`.
+        SegmentLimitError past `max_segments`. `messages_json`: as in `LinearTrajectory.prepare`.
         """
         busy = busy or {}
         if len(self.segments) == 1:  # a single-line session: exactly LinearTrajectory's turn, nothing added
             only = self.segments[0]
             if self._beside_first_turn(only, messages, busy):
-                return self._start(messages, tools, template_kwargs, [(only, 0, None, None)])
+                return self._start(messages, tools, template_kwargs, [(only, 0, None, None)], messages_json)
             try:
-                plan = only.trajectory.prepare(messages, tools, template_kwargs)
+                plan = only.trajectory.prepare(messages, tools, template_kwargs, messages_json)
                 # matched messages are the stored objects: a rollback whose first message is not shares nothing
                 if self.on_divergence == "reject" or not plan.rolled_back \
                         or plan.messages[0] is only.trajectory.messages[0]:
@@ -158,18 +158,19 @@ class SegmentSet:
             except RollbackLimitError:
                 if self.on_divergence == "reject":
                     raise
-            return self._start(messages, tools, template_kwargs, [(only, *self._reach(only, messages))])
+            return self._start(messages, tools, template_kwargs, [(only, *self._reach(only, messages))],
+                               messages_json)
         ranked = [(segment, *self._reach(segment, messages)) for segment in self.segments.values()]
         ranked = [(s, m, None if self._beside_first_turn(s, messages, busy) else k, r) for s, m, k, r in ranked]
         fitting = [(s, matched, keep) for s, matched, keep, _ in ranked if keep is not None]
         if fitting:
             best, _, _ = min(fitting, key=lambda f: (-f[1], len(f[0].trajectory.checkpoints) - (f[2] or 0),
                                                       f[0].id in busy, f[0].id))
-            return SegmentPlan(best.trajectory.prepare(messages, tools, template_kwargs), best.id)
+            return SegmentPlan(best.trajectory.prepare(messages, tools, template_kwargs, messages_json), best.id)
         if self.on_divergence == "reject":
             raise RollbackLimitError("the request's history extends no segment of the session within "
                                      f"max_rollback={self.main.max_rollback}")
-        return self._start(messages, tools, template_kwargs, ranked)
+        return self._start(messages, tools, template_kwargs, ranked, messages_json)
 
     def _beside_first_turn(self, segment: Segment, messages: Any, busy: Mapping[int, Message]) -> bool:
         """Is `segment` empty with a first turn in flight that the request does not begin like?"""
@@ -190,12 +191,13 @@ class SegmentSet:
         return matched, traj.kept_turns(matched) if matched or not traj.checkpoints else None, reason
 
     def _start(self, messages: Any, tools: Any, template_kwargs: dict[str, Any] | None,
-               ranked: list[tuple[Segment, int, int | None, RollbackReason | None]]) -> SegmentPlan:
+               ranked: list[tuple[Segment, int, int | None, RollbackReason | None]],
+               messages_json: bytes | None = None) -> SegmentPlan:
         """A new segment: the request rendered in full; its parent is the segment sharing the longest prefix (ties:
         the latest committed to, then the lowest id), or the latest when none shares a message."""
         self.check_room()
         trajectory = self._new_trajectory()
-        full = trajectory.prepare(messages, tools, template_kwargs)
+        full = trajectory.prepare(messages, tools, template_kwargs, messages_json)
         if self.merge:
             for segment in sorted(self.segments.values(), key=lambda s: (s.id != self._latest, s.id)):
                 merged = segment.trajectory.merge_plan(full)

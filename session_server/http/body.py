@@ -77,16 +77,17 @@ async def read_body(request: Request, limit: int, deadline: float) -> bytes:
         raise ClientDisconnectedError("client disconnected while sending the request") from None
 
 
-def check_json_value(value: Any, where: str = "request body") -> None:
+def check_json_value(value: Any, where: str = "request body", depth: int = 1) -> None:
     """Depth and integer range of a decoded JSON value, iteratively (no recursion to exhaust).
 
     Runs on every request body, and an agent resends its whole history every turn, so the walk is kept tight: exact
     type tests (a decoded value holds only the builtin JSON types; bools are not ints here), only containers are
-    pushed, and integers are checked where they are met."""
+    pushed, and integers are checked where they are met. `depth`: the nesting level `value` stands at in its body
+    (a part of a body checked on its own)."""
     if type(value) is int:
         _check_int(value, value, where)
         return
-    stack: list[tuple[Any, int]] = [(value, 1)]
+    stack: list[tuple[Any, int]] = [(value, depth)]
     while stack:
         item, depth = stack.pop()
         kind = type(item)

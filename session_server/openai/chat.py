@@ -29,6 +29,7 @@ def turn_request(chat: ChatRequest, family: ModelFamily, api: R) -> TurnRequest[
         messages=chat.messages, tools=turn_tools(chat, family), sampling_params=chat.sampling_params, api=api,
         template_kwargs=options.chat_template_kwargs, stream=chat.stream, model=chat.model,
         top_logprobs=options.top_logprobs, parse_tool_calls=options.parse_tool_calls,
+        messages_json=chat.messages_json,
     )
 
 
@@ -47,7 +48,7 @@ class ChatCompletions:
 
     def parse(self, body: bytes, trajectory: LinearTrajectory) -> TurnRequest[ChatRequest]:
         family = trajectory.family
-        chat = parse_chat_request(body, family.stop_token_ids, family.vocab_size)
+        chat = parse_chat_request(body, family.stop_token_ids, family.vocab_size, trajectory.sent)
         return turn_request(chat, family, chat)
 
     def reply(self, turn: Turn[ChatRequest], out: TurnOutput) -> bytes:

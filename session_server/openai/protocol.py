@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from session_server.http.body import decode_object
+from session_server.openai.chat_body import read_chat_body
 from session_server.openai.fields import (
     MAX_INT32,
     RequestOptions,
@@ -34,6 +34,7 @@ from session_server.openai.logprobs import openai_logprobs
 from session_server.turns.output import TurnOutput
 from session_server.turns.reply_facts import reasoning_token_count
 from trajectory import GenerateResult, ModelFamily
+from trajectory.linear import SentHistory
 from trajectory.messages import normalize_tools
 
 _encoder = msgspec.json.Encoder()
@@ -47,16 +48,23 @@ class ChatRequest:
     stream: bool
     model: str | None
     options: RequestOptions = dataclasses.field(default_factory=RequestOptions)
+    messages_json: bytes | None = None  # the messages array's bytes, kept by the trajectory (chat_body.py)
 
 
-def parse_chat_request(body: bytes, stop_token_ids: tuple[int, ...], vocab_size: int | None = None) -> ChatRequest:
+def parse_chat_request(
+    body: bytes, stop_token_ids: tuple[int, ...], vocab_size: int | None = None, sent: SentHistory | None = None,
+) -> ChatRequest:
     """Decode the body and map the sampling fields to SGLang's `sampling_params`.
 
     `messages` and `tools` are passed on raw: the trajectory's prepare, which runs right after this in the same
     step, owns their validation (one check, one set of error messages) and rejects bad ones with a 400 as well. The
-    tools list's depth and integers are checked with its schemas, once per distinct list (`turn_tools`).
+    tools list's depth and integers are checked with its schemas, once per distinct list (`turn_tools`). `sent`:
+    the session's last request messages, whose bytes this body may repeat (chat_body.py).
     """
-    return chat_request(decode_object(body, unchecked="tools"), stop_token_ids, vocab_size)
+    obj, messages_json = read_chat_body(body, sent)
+    chat = chat_request(obj, stop_token_ids, vocab_size)
+    chat.messages_json = messages_json
+    return chat
 
 
 def chat_request(obj: dict[str, Any], stop_token_ids: tuple[int, ...], vocab_size: int | None = None) -> ChatRequest:

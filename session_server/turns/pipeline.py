@@ -190,7 +190,7 @@ def prepare_turn(
     family = segments.main.family
     turn = api.parse(body, segments.main)  # previous_response_id: resolved on the session's first segment
     limits.before_render(turn.messages, family, len(body))
-    plan = segments.prepare(turn.messages, turn.tools, turn.template_kwargs, busy)
+    plan = segments.prepare(turn.messages, turn.tools, turn.template_kwargs, busy, turn.messages_json)
     limits.after_render(plan.turn, turn.sampling_params)
     return turn, plan
 

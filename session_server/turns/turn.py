@@ -46,6 +46,7 @@ class TurnRequest(Generic[R]):
     top_logprobs: int = 0  # top_logprobs_num on /generate
     parse_tool_calls: bool = True
     ignored: Sequence[str] = ()  # request fields accepted without effect on the tokens (counted by front end)
+    messages_json: bytes | None = None  # the bytes `messages` were read from, if the front end kept them
 
 
 @dataclass(slots=True)

@@ -1,0 +1,102 @@
+"""A chat body read by what is new in it: the history and tools an agent resends, recognised by their bytes.
+
+An agent resends its whole history and the same tools every turn. Decoding, checking (depth, 64-bit integers) and
+matching all of it again makes a turn's cost grow with the history; here it follows what is new:
+
+- the top level is split into its fields without decoding their values (`msgspec.Raw`);
+- `messages`: when the array begins with exactly the elements of the array of the session's last committed turn
+  (the trajectory's `SentHistory`, its bytes), those messages are the ones read then -- the stored objects, which the
+  matcher recognises at once -- and only the elements after them are decoded and checked. Otherwise (a first turn,
+  a client that re-serialises its history, a rollback) the whole array is, as before;
+- `tools`: decoded once per distinct list of bytes (a bounded cache, like the verdicts on it in openai/fields.py,
+  which still checks its depth, integers and schemas once per distinct list);
+- every other field is decoded and checked as before.
+
+Nothing gets past the body's limits by hiding in a part left undecoded: every byte is either decoded and checked
+here, or equal to bytes that were decoded and checked before in the same place (the elements of an earlier array of
+messages, a tools list decoded before). msgspec's skipping of a raw value checks its syntax but not its UTF-8, which
+is why no raw byte is ever trusted unseen. Any failure on this path reads the body again the plain way
+(`decode_object`), so every error keeps its status and its message, word for word.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import msgspec
+
+from session_server.http.body import check_json_value, decode_object
+from session_server.openai.fields import CACHED_TOOL_LIST_BYTES, TOOL_LIST_VERDICTS
+from trajectory.errors import RequestValidationError
+from trajectory.linear import SentHistory
+
+_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode = msgspec.json.Decoder().decode
+_WHITESPACE = b" \t\n\r"
+FIELD_DEPTH = 2  # a top-level field's value stands at this nesting level of the body (the body itself is 1)
+
+
+def read_chat_body(body: bytes, sent: SentHistory | None) -> tuple[dict[str, Any], bytes | None]:
+    """The body as `decode_object(body, unchecked="tools")` reads it, and the bytes of its `messages` array (None
+    when it is no array, or on the plain path) for the trajectory to keep as the turn's `SentHistory`."""
+    try:
+        return _read(body, sent)
+    except (ValueError, RecursionError, RequestValidationError):  # msgspec's errors are ValueErrors
+        return decode_object(body, unchecked="tools"), None
+
+
+def _read(body: bytes, sent: SentHistory | None) -> tuple[dict[str, Any], bytes | None]:
+    obj: dict[str, Any] = {}
+    messages_json = None
+    for key, raw in _fields(body).items():
+        if key == "messages":
+            obj[key], messages_json = _messages(bytes(raw), sent)
+        elif key == "tools":
+            obj[key] = _tools(bytes(raw))
+        else:
+            obj[key] = value = _decode(raw)
+            check_json_value(value, depth=FIELD_DEPTH)
+    return obj, messages_json
+
+
+def _messages(data: bytes, sent: SentHistory | None) -> tuple[Any, bytes | None]:
+    tail = None if sent is None else _tail(data, sent.json)
+    if tail is not None:
+        new = _decode(tail)
+        check_json_value(new, depth=FIELD_DEPTH)
+        return [*sent.messages, *new], data  # type: ignore[union-attr]  # tail is None when sent is
+    value = _decode(data)
+    check_json_value(value, depth=FIELD_DEPTH)
+    return value, data if type(value) is list else None
+
+
+def _tail(data: bytes, before: bytes) -> bytes | None:
+    """The elements of the JSON array `data` after those of the array `before`, as an array of their own, when
+    `data` begins with exactly the elements of `before` (which held at least one); else None.
+
+    Both arrays passed msgspec's syntax check, and a JSON value ends where its own syntax says (an element of
+    `before` is followed by `]` there and by `,` or `]` here), so the elements of `before` are elements of `data`."""
+    end = len(before) - 1  # `before` ends with its "]"
+    while before[end - 1] in _WHITESPACE:
+        end -= 1
+    if end <= 1 or not data.startswith(memoryview(before)[:end]):
+        return None
+    i = end
+    while i < len(data) and data[i] in _WHITESPACE:
+        i += 1
+    if i == len(data) - 1 and data[i] == ord("]"):
+        return b"[]"  # the same messages and no more (a retry of the last turn)
+    if i < len(data) and data[i] == ord(",") and data[i + 1:].strip(_WHITESPACE) != b"]":
+        return b"[" + data[i + 1:]
+    return None
+
+
+# A list of tools, decoded once per distinct bytes: an agent sends the same tools every turn. Bounded like the
+# verdicts on the lists (fields.py): at most TOOL_LIST_VERDICTS lists of at most CACHED_TOOL_LIST_BYTES each; a
+# larger list is decoded every time. Callers treat the shared list as read-only, as every decoded request value.
+_cached_tools = functools.lru_cache(maxsize=TOOL_LIST_VERDICTS)(_decode)
+
+
+def _tools(data: bytes) -> Any:
+    return (_cached_tools if len(data) <= CACHED_TOOL_LIST_BYTES else _decode)(data)
