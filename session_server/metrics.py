@@ -11,7 +11,12 @@ exactly one place, `ResponseMetrics` (an ASGI middleware around the router): eve
 method and status, including the 500 of an unhandled exception and the 404/405 of paths no route knows.
 
 Cost on the hot path: children of labelled metrics are resolved once and cached in plain dicts (`labels()` takes a
-lock and builds a tuple on every call); an `inc()` or `observe()` is then a lock and an add, about a microsecond.
+lock and builds a tuple on every call). What every turn counts (its response, tokens, stage and latency histograms)
+is tallied in plain Python numbers (`Tally`, `HistogramTally`: an add, a C bisect; no lock, no Python loop over
+the buckets) and written into the prometheus_client children whenever the registry is collected, so a scrape (or
+any reader of the registry) sees exactly what the children would hold had each count gone to them directly; the
+tallies are updated and folded on the event loop only, and a child with a tally counts only through it. The rest
+-- rare events -- counts on the children as usual.
 Gauges of live state (sessions, in-flight chats, pause, journal queue) are read at scrape time by callbacks, so
 nothing on the hot path updates them. Event-loop lag is measured by a ticker (`LoopLagTicker`) that asks to be run
 every `interval` seconds and records how late the loop ran it: a saturated loop shows up here before the agents
@@ -21,9 +26,10 @@ time out.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 import prometheus_client
@@ -60,11 +66,72 @@ LIMITS = ("sessions", "session_tokens", "context")
 CONTINUATION_RESULTS = ("continued", "limit", "constrained", "budget", "foreign")
 
 
+class Tally:
+    """A counter child's count, kept as a plain number (see the module docstring)."""
+
+    __slots__ = ("_child", "_total")
+
+    def __init__(self, child: Any) -> None:
+        self._child = child
+        self._total = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self._total += amount
+
+    def fold(self) -> None:
+        self._child._value.set(self._total)
+
+
+class HistogramTally:
+    """A histogram child's buckets and sum, kept as plain numbers (see the module docstring). The bucket of an
+    observation is the first whose bound it does not exceed, as `Histogram.observe` picks it."""
+
+    __slots__ = ("_bounds", "_child", "_counts", "_sum")
+
+    def __init__(self, child: Any) -> None:
+        self._child = child
+        self._bounds: list[float] = list(child._upper_bounds)
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self._sum += amount
+        i = bisect.bisect_left(self._bounds, amount)
+        if i < len(self._bounds) and amount <= self._bounds[i]:  # NaN lands in no bucket, as in Histogram.observe
+            self._counts[i] += 1
+
+    def fold(self) -> None:
+        child = self._child
+        child._sum.set(self._sum)
+        for bucket, count in zip(child._buckets, self._counts, strict=True):
+            bucket.set(float(count))
+
+
+class _Folder:
+    """Registered first in the registry: every collection folds the tallies into their children before any metric
+    is read. It yields no metric of its own."""
+
+    def __init__(self, tallies: list[Tally | HistogramTally]) -> None:
+        self._tallies = tallies
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        for tally in self._tallies:
+            tally.fold()
+        yield from ()
+
+
 class Metrics:
     """All of one server's metrics, in its own registry."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._tallies: list[Tally | HistogramTally] = []
+        self.registry.register(_Folder(self._tallies))
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         r = self.registry
@@ -146,17 +213,30 @@ class Metrics:
         )
         self.loop_lag_last = Gauge(f"{PREFIX}_event_loop_lag_last_seconds", "the latest lag measurement", registry=r)
 
-        self._stages = {s: self.stage_seconds.labels(s) for s in STAGES}
-        self._tokens = {k: self.tokens.labels(k) for k in TOKEN_KINDS}
+        self._stages = {s: self._histogram(self.stage_seconds.labels(s)) for s in STAGES}
+        self._chat_seconds = self._histogram(self.chat_seconds)
+        self._engine_seconds = self._histogram(self.engine_seconds)
+        self._added_seconds = self._histogram(self.added_seconds)
+        self._tokens = {k: self._tally(self.tokens.labels(k)) for k in TOKEN_KINDS}
         self._aborts = {c: self.aborts.labels(c.value) for c in AbortReason}
         self._refusals = {k: self.limit_refusals.labels(k) for k in LIMITS}
         self._continuations = {r: self.continuations.labels(r) for r in CONTINUATION_RESULTS}
-        self._responses: dict[tuple[str, str, int], Any] = {}
+        self._responses: dict[tuple[str, str, int], Tally] = {}
         # Every rollback reason is exported from the start (at 0), so a rate() has a series to start from.
         self._rollbacks: dict[str, Any] = {r: self.rollbacks.labels(r) for r in ROLLBACK_REASONS}
         self._validation: dict[str, Any] = {}
         self._ignored: dict[tuple[str, str], Any] = {}
         self._segments: dict[str, Any] = {r: self.segments_started.labels(r) for r in SEGMENT_REASONS if r != "first"}
+
+    def _tally(self, child: Any) -> Tally:
+        tally = Tally(child)
+        self._tallies.append(tally)
+        return tally
+
+    def _histogram(self, child: Any) -> HistogramTally:
+        tally = HistogramTally(child)
+        self._tallies.append(tally)
+        return tally
 
     # -- gauges of live state, read at scrape time ------------------------------------------------------
     def watch(self, name: str, doc: str, read: Callable[[], float]) -> None:
@@ -165,14 +245,22 @@ class Metrics:
 
     # -- counting helpers --------------------------------------------------------------------------------
     def response(self, route: str, method: str, status: int) -> None:
-        _child(self._responses, (route, method, status), self.responses, route, method, str(status)).inc()
+        key = (route, method, status)
+        tally = self._responses.get(key)
+        if tally is None:
+            tally = self._responses[key] = self._tally(self.responses.labels(route, method, str(status)))
+        tally.inc()
 
     def stage(self, name: str, seconds: float) -> None:
         self._stages[name].observe(seconds)
 
+    def engine(self, seconds: float) -> None:
+        """One engine /generate call's latency, response read included."""
+        self._engine_seconds.observe(seconds)
+
     def chat_done(self, chat_seconds: float, engine_seconds: float) -> None:
-        self.chat_seconds.observe(chat_seconds)
-        self.added_seconds.observe(max(0.0, chat_seconds - engine_seconds))
+        self._chat_seconds.observe(chat_seconds)
+        self._added_seconds.observe(max(0.0, chat_seconds - engine_seconds))
 
     def turn_tokens(self, prompt: int, cached: int, completion: int) -> None:
         self._tokens["prompt"].inc(prompt)

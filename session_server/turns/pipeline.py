@@ -303,7 +303,7 @@ async def _generate(
     reply = await server.engine.generate(payload, session_id)
     t1 = time.perf_counter()
     timing.engine = t1 - t0
-    server.metrics.engine_seconds.observe(timing.engine)
+    server.metrics.engine(timing.engine)
     if not reply.ok:
         raise EngineRefusedError(reply.status, reply.body, reply.content_type)
     # The cut is a memchr over the routed-experts megabytes (~0.1 ms); what is left to decode is what the pool-or-

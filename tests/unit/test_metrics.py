@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -20,7 +23,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from session_server.errors import AbortReason
-from session_server.metrics import UNMATCHED, LoopLagTicker, Metrics, ResponseMetrics
+from session_server.metrics import STAGES, TOKEN_KINDS, UNMATCHED, LoopLagTicker, Metrics, ResponseMetrics
+from support.examples import examples
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -152,3 +156,46 @@ def test_loop_lag_ticker_sees_a_blocked_loop() -> None:
         ("session_server_event_loop_lag_seconds_bucket", (("le", "0.1"),))
     ]
     assert over >= 1
+
+
+def _own_lines(metrics: Metrics) -> list[str]:
+    """The exposition lines of the server's own metrics (the process and GC collectors change between reads)."""
+    return [line for line in metrics.render().decode().splitlines() if "session_server_" in line]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("stage"), st.sampled_from(STAGES), st.floats(-1.0, 1e4, allow_nan=False)),
+    st.tuples(st.just("engine"), st.floats(0, 1e4)),
+    st.tuples(st.just("done"), st.floats(0, 1e3), st.floats(0, 1e3)),
+    st.tuples(st.just("tokens"), st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6)),
+    st.tuples(st.just("response"), st.sampled_from(["/a", "/b/{x}"]), st.sampled_from(["GET", "POST"]),
+              st.sampled_from([200, 404, 500])),
+    st.tuples(st.just("scrape")),
+), max_size=40))
+def test_tallies_expose_what_direct_counts_would(ops: list[tuple[Any, ...]]) -> None:
+    """The per-turn counts go to plain tallies folded in at collection; the exposition is the one prometheus_client
+    writes when every count goes to its metric directly, byte for byte, and reads in between change nothing."""
+    tallied, direct = Metrics(), Metrics()
+    direct._tallies.clear()  # nothing folded in: its children hold only the counts made on them directly
+    for op, *args in ops:
+        if op == "stage":
+            tallied.stage(*args)
+            direct.stage_seconds.labels(args[0]).observe(args[1])
+        elif op == "engine":
+            tallied.engine(*args)
+            direct.engine_seconds.observe(*args)
+        elif op == "done":
+            tallied.chat_done(*args)
+            direct.chat_seconds.observe(args[0])
+            direct.added_seconds.observe(max(0.0, args[0] - args[1]))
+        elif op == "tokens":
+            tallied.turn_tokens(*args)
+            for kind, n in zip(TOKEN_KINDS, args, strict=True):
+                direct.tokens.labels(kind).inc(n)
+        elif op == "response":
+            tallied.response(*args)
+            direct.responses.labels(args[0], args[1], str(args[2])).inc()
+        else:
+            tallied.render()
+    assert _own_lines(tallied) == _own_lines(direct)
