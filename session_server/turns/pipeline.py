@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -55,6 +54,7 @@ from session_server.turns.turn import (
     count_failure,
     encode_payload,
     engine_sessions_of,
+    new_rid,
 )
 from trajectory import GenerateResult, SegmentPlan, SegmentSet
 from trajectory.errors import SessionError
@@ -230,7 +230,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
     matched = await _bind(server, claim, matched)
     plan = matched.turn
     # The rid has a fixed length: no rid is a prefix of another (abort matches by prefix).
-    turn = Turn(parsed, plan, uuid.uuid4().hex, parsed.model or server.family.name, server.family, matched)
+    turn = Turn(parsed, plan, new_rid(), parsed.model or server.family.name, server.family, matched)
     server.engine.place(session.id)  # its worker, or a healthy one if its worker failed (placement.py)
     # The session's previous, aborted engine request must have ended first (with engine sessions: left its
     # streaming session) -- once, before anything of this turn reaches the engine.

@@ -21,7 +21,6 @@ output tokens from the continuation's start, and a stop string split across the 
 from __future__ import annotations
 
 import logging
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,7 @@ import numpy as np
 
 from session_server.errors import EngineAbortedError
 from session_server.state import ServerState
-from session_server.turns.turn import Turn, encode_payload
+from session_server.turns.turn import Turn, encode_payload, new_rid
 from trajectory import GenerateResult, continuable_abort
 
 logger = logging.getLogger("session_server.turns.resume")
@@ -77,7 +76,7 @@ async def continue_turn(
     params = dict(turn.request.sampling_params)
     if isinstance(params.get("max_new_tokens"), int):
         params["max_new_tokens"] -= len(partial.output_ids)
-    turn.engine_rid = uuid.uuid4().hex
+    turn.engine_rid = new_rid()
     logger.info("turn %s: the engine aborted it after %d tokens (%r); continuing as %s", turn.rid,
                 len(partial.output_ids), partial.finish_reason.get("message"), turn.engine_rid)
     prompt = np.concatenate([turn.plan.prompt_ids, partial.output_ids]).astype(np.int32, copy=False)

@@ -9,6 +9,8 @@ body, TITO, limits, the engine call and its race, validation, the commit, the me
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +49,20 @@ class TurnRequest(Generic[R]):
     parse_tool_calls: bool = True
     ignored: Sequence[str] = ()  # request fields accepted without effect on the tokens (counted by front end)
     messages_json: bytes | None = None  # the bytes `messages` were read from, if the front end kept them
+
+
+# Request ids without a urandom read per turn: a 64-bit count from a random start, then 64 random bits per process
+# (replicas may share an engine, a restarted server continues its sessions). 32 hex digits like a uuid4's, so none is
+# a prefix of another (abort matches by prefix); the first 24 (a turn's tool-call ids, output.call_id_prefix) differ
+# between any two turns of a process and, from a random start, between processes.
+_RID_SUFFIX = secrets.token_hex(8)
+_rids = itertools.count(secrets.randbits(63))
+
+
+def new_rid() -> str:
+    """A request id no other request of any replica has: the turn's (its reply ids, its first engine request) or a
+    continuation's engine request."""
+    return f"{next(_rids):016x}{_RID_SUFFIX}"
 
 
 @dataclass(slots=True)
