@@ -8,8 +8,9 @@ matching all of it again makes a turn's cost grow with the history; here it foll
   (the trajectory's `SentHistory`, its bytes), those messages are the ones read then -- the stored objects, which the
   matcher recognises at once -- and only the elements after them are decoded and checked. Otherwise (a first turn,
   a client that re-serialises its history, a rollback) the whole array is, as before;
-- `tools`: decoded once per distinct list of bytes (a bounded cache, like the verdicts on it in openai/fields.py,
-  which still checks its depth, integers and schemas once per distinct list);
+- `tools`: decoded once per distinct list of bytes (a bounded cache), and those bytes are the key of the list's
+  verdict in openai/fields.py (its depth, integers and schemas, checked once per distinct list), so an unchanged
+  list is neither decoded nor encoded again;
 - every other field is decoded and checked as before.
 
 Nothing gets past the body's limits by hiding in a part left undecoded: every byte is either decoded and checked
@@ -22,6 +23,7 @@ is why no raw byte is ever trusted unseen. Any failure on this path reads the bo
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -37,27 +39,34 @@ _WHITESPACE = b" \t\n\r"
 FIELD_DEPTH = 2  # a top-level field's value stands at this nesting level of the body (the body itself is 1)
 
 
-def read_chat_body(body: bytes, sent: SentHistory | None) -> tuple[dict[str, Any], bytes | None]:
-    """The body as `decode_object(body, unchecked="tools")` reads it, and the bytes of its `messages` array (None
-    when it is no array, or on the plain path) for the trajectory to keep as the turn's `SentHistory`."""
+@dataclass(slots=True)
+class ChatBody:
+    obj: dict[str, Any]  # the body as `decode_object(body, unchecked="tools")` reads it
+    messages_json: bytes | None = None  # its messages array's bytes, for the trajectory to keep (`SentHistory`)
+    tools_json: bytes | None = None  # its tools list's bytes: the key of the list's verdict (fields.check_tool_choice)
+
+
+def read_chat_body(body: bytes, sent: SentHistory | None) -> ChatBody:
+    """The body read by what is new in it; on the plain path (any failure here) without the bytes of its parts."""
     try:
         return _read(body, sent)
     except (ValueError, RecursionError, RequestValidationError):  # msgspec's errors are ValueErrors
-        return decode_object(body, unchecked="tools"), None
+        return ChatBody(decode_object(body, unchecked="tools"))
 
 
-def _read(body: bytes, sent: SentHistory | None) -> tuple[dict[str, Any], bytes | None]:
-    obj: dict[str, Any] = {}
-    messages_json = None
+def _read(body: bytes, sent: SentHistory | None) -> ChatBody:
+    out = ChatBody({})
+    obj = out.obj
     for key, raw in _fields(body).items():
         if key == "messages":
-            obj[key], messages_json = _messages(bytes(raw), sent)
+            obj[key], out.messages_json = _messages(bytes(raw), sent)
         elif key == "tools":
-            obj[key] = _tools(bytes(raw))
+            out.tools_json = data = bytes(raw)
+            obj[key] = _tools(data)
         else:
             obj[key] = value = _decode(raw)
             check_json_value(value, depth=FIELD_DEPTH)
-    return obj, messages_json
+    return out
 
 
 def _messages(data: bytes, sent: SentHistory | None) -> tuple[Any, bytes | None]:

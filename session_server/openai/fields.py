@@ -294,8 +294,11 @@ def prompt_tools(tools: list[dict[str, Any]] | None, options: RequestOptions) ->
     return tools
 
 
-def check_tool_choice(tools: list[dict[str, Any]] | None, options: RequestOptions) -> None:
-    """serving_chat `_validate_request`: a forced choice needs tools, a named one a tool of that name."""
+def check_tool_choice(
+    tools: list[dict[str, Any]] | None, options: RequestOptions, tools_json: bytes | None = None
+) -> None:
+    """serving_chat `_validate_request`: a forced choice needs tools, a named one a tool of that name.
+    `tools_json`: the JSON `tools` were decoded from, if at hand (the key of their verdict; else they are encoded)."""
     choice = options.tool_choice
     if choice.mode == "required" and not tools:
         raise bad_request("'tool_choice': tools cannot be empty if tool choice is set to required")
@@ -308,7 +311,7 @@ def check_tool_choice(tools: list[dict[str, Any]] | None, options: RequestOption
         raise bad_request(f"'tools' may have at most {MAX_TOOLS} entries, got {len(tools)}")
     if not tools:
         return
-    key = msgspec.json.encode(tools)
+    key = msgspec.json.encode(tools) if tools_json is None else tools_json
     problem = (_tools_verdict if len(key) <= CACHED_TOOL_LIST_BYTES else _tools_problem)(key)
     if problem is not None:
         raise bad_request(problem)
@@ -332,11 +335,12 @@ def _tools_problem(key: bytes) -> str | None:
     return None
 
 
-# One verdict per distinct tools list, keyed by its exact JSON (order-preserving: cheap to build, and a list that
-# differs in any byte is simply checked again). An agent sends the same tools on every turn, so a later turn pays
-# one encode and one lookup instead of a sorted encode and a lookup per schema (the per-schema cache below still
-# serves a list that changed one tool). Bounded like the schema cache: at most TOOL_LIST_VERDICTS lists of at most
-# CACHED_TOOL_LIST_BYTES each (16 MiB); a larger list is checked every time, so no client can grow it further.
+# One verdict per distinct tools list, keyed by its exact JSON (as the chat body carried it, or order-preserving
+# compact: cheap to build, and a list that differs in any byte is simply checked again). An agent sends the same
+# tools on every turn, so a later turn pays one lookup (one encode where the body's bytes are not at hand) instead of
+# a sorted encode and a lookup per schema (the per-schema cache below still serves a list that changed one tool).
+# Bounded like the schema cache: at most TOOL_LIST_VERDICTS lists of at most CACHED_TOOL_LIST_BYTES each (16 MiB);
+# a larger list is checked every time, so no client can grow it further.
 _tools_verdict = functools.lru_cache(maxsize=TOOL_LIST_VERDICTS)(_tools_problem)
 
 

@@ -49,6 +49,7 @@ class ChatRequest:
     model: str | None
     options: RequestOptions = dataclasses.field(default_factory=RequestOptions)
     messages_json: bytes | None = None  # the messages array's bytes, kept by the trajectory (chat_body.py)
+    tools_json: bytes | None = None  # the tools list's bytes, the key of its verdict (chat_body.py)
 
 
 def parse_chat_request(
@@ -61,9 +62,9 @@ def parse_chat_request(
     tools list's depth and integers are checked with its schemas, once per distinct list (`turn_tools`). `sent`:
     the session's last request messages, whose bytes this body may repeat (chat_body.py).
     """
-    obj, messages_json = read_chat_body(body, sent)
-    chat = chat_request(obj, stop_token_ids, vocab_size)
-    chat.messages_json = messages_json
+    read = read_chat_body(body, sent)
+    chat = chat_request(read.obj, stop_token_ids, vocab_size)
+    chat.messages_json, chat.tools_json = read.messages_json, read.tools_json
     return chat
 
 
@@ -96,7 +97,7 @@ def turn_tools(chat: ChatRequest, family: ModelFamily) -> list[dict[str, Any]] |
     """Validate `tool_choice` against the tools, add the constrained-decoding keys, and return the tools the
     template renders for this turn (none for `tool_choice: none`, only the named one for a named choice)."""
     tools = normalize_tools(chat.tools)
-    check_tool_choice(tools, chat.options)
+    check_tool_choice(tools, chat.options, chat.tools_json)
     constrain(chat.sampling_params, tools, chat.options, family.tool_call_structure, family.structural_tag_format)
     return prompt_tools(tools, chat.options)
 

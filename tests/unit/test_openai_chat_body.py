@@ -39,8 +39,7 @@ def read_plain(body: bytes) -> tuple[str, Any]:
 
 def read_fast(body: bytes, sent: SentHistory | None) -> tuple[str, Any]:
     try:
-        obj, _ = read_chat_body(body, sent)
-        return "ok", obj
+        return "ok", read_chat_body(body, sent).obj
     except RequestValidationError as err:
         return "error", err.message
 
@@ -49,7 +48,8 @@ def sent_of(messages: list[Any], style: dict[str, Any]) -> SentHistory:
     """What a session keeps after a turn with these messages: the array's bytes in the body that carried them and
     what they were read as (a history the body's limits refuse is never kept)."""
     try:
-        obj, data = read_chat_body(json.dumps({"messages": messages, "model": "m"}, **style).encode(), None)
+        read = read_chat_body(json.dumps({"messages": messages, "model": "m"}, **style).encode(), None)
+        obj, data = read.obj, read.messages_json
     except RequestValidationError:
         assume(False)
     assert data is not None and obj["messages"] == messages
@@ -86,7 +86,8 @@ def test_a_resent_history_reads_as_the_plain_decode(
     kind, plain = read_plain(data)
     assert read_fast(data, sent) == (kind, plain)
     if kind == "ok":
-        obj, messages_json = read_chat_body(data, sent)
+        read = read_chat_body(data, sent)
+        obj, messages_json = read.obj, read.messages_json
         assert all(a is b for a, b in zip(obj["messages"], sent.messages, strict=False))
         assert messages_json is not None and msgspec.json.decode(messages_json) == [*before, *new]
 
@@ -143,16 +144,19 @@ def test_bytes_that_only_look_like_the_history_are_read() -> None:
 def test_a_retry_of_the_same_messages_reads_the_objects_kept() -> None:
     before = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     sent = sent_of(before, STYLES[0])
-    obj, messages_json = read_chat_body(json.dumps({"messages": before, "model": "n"}).encode(), sent)
+    read = read_chat_body(json.dumps({"messages": before, "model": "n"}).encode(), sent)
+    obj, messages_json = read.obj, read.messages_json
     assert obj["messages"] == sent.messages and all(a is b for a, b in zip(obj["messages"], sent.messages, strict=True))
     assert messages_json == sent.json
 
 
 def test_tools_are_decoded_once_per_distinct_list() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    first, _ = read_chat_body(json.dumps({"messages": [], "tools": tools}).encode(), None)
-    again, _ = read_chat_body(json.dumps({"messages": [], "tools": tools, "model": "m"}).encode(), None)
-    assert first["tools"] == tools and again["tools"] is first["tools"]
+    data = json.dumps(tools).encode()
+    first = read_chat_body(b'{"messages": [], "tools": ' + data + b"}", None)
+    again = read_chat_body(b'{"messages": [], "tools": ' + data + b', "model": "m"}', None)
+    assert first.obj["tools"] == tools and again.obj["tools"] is first.obj["tools"]
+    assert first.tools_json == again.tools_json == data
 
 
 @pytest.mark.parametrize("body", [b"", b"[]", b"{", b'{"messages": [1,]}', b'{"a": 1, "a": 99999999999999999999999}',
