@@ -152,6 +152,15 @@ class SentHistory:
 SPECIAL_TOKEN_MODES: tuple[str, ...] = ("text", "engine")
 
 
+def _equal_ids(a: np.ndarray, b: np.ndarray) -> bool:
+    """`np.array_equal` of two id arrays, as one bytes comparison when they share dtype and shape: a commit compares
+    the whole stored history with the prompt's head, and array_equal builds a bool array for it (9 us for 5k ids
+    against 1.6 us)."""
+    if a.dtype == b.dtype and a.shape == b.shape:
+        return a.tobytes() == b.tobytes()
+    return bool(np.array_equal(a, b))
+
+
 class LinearTrajectory:
     """One episode's append-only history with bounded rollback; see the module docstring for the protocol."""
 
@@ -291,7 +300,7 @@ class LinearTrajectory:
         stored = self._buffer.ids
         keep = len(stored) - trim
         prompt = full.prompt_ids
-        if len(prompt) <= keep or not np.array_equal(prompt[:keep], stored[:keep]):
+        if len(prompt) <= keep or not _equal_ids(prompt[:keep], stored[:keep]):
             return None
         return TurnPlan(prompt_ids=prompt, messages=full.messages, tools=full.tools,
                         base_checkpoints=len(self.checkpoints), rolled_back=0, new_token_start=keep, trimmed=trim,
@@ -318,7 +327,7 @@ class LinearTrajectory:
         base_tokens = self.checkpoints[plan.base_checkpoints - 1].num_tokens if plan.base_checkpoints else 0
         keep = base_tokens - plan.trimmed
         prompt = plan.prompt_ids
-        if len(prompt) < keep or not np.array_equal(prompt[:keep], self._buffer.ids[:keep]):
+        if len(prompt) < keep or not _equal_ids(prompt[:keep], self._buffer.ids[:keep]):
             raise InvariantError(f"stored ids[:{keep}] are not a prefix of the prompt ({len(prompt)} tokens)")
         if len(result.output_ids) != len(result.logprobs):
             raise InvariantError("engine result has misaligned output ids and logprobs")
@@ -349,8 +358,8 @@ class LinearTrajectory:
             prompt_tokens=result.prompt_tokens, weight_version=result.weight_version, message=reply,
             trimmed=plan.trimmed, rolled_back=plan.rolled_back, rollback_reason=plan.rollback_reason,
             e2e_latency=result.e2e_latency,
-            tail_ids=tuple(int(t) for t in result.output_ids[-tail:]) if n_out else (),
-            tail_logprobs=tuple(float(x) for x in result.logprobs[-tail:]) if n_out else (),
+            tail_ids=tuple(np.asarray(result.output_ids[-tail:]).tolist()) if n_out else (),
+            tail_logprobs=tuple(np.asarray(result.logprobs[-tail:]).tolist()) if n_out else (),
             routed_experts=result.routed_experts,
             routed_experts_start=plan.routed_experts_start if result.routed_experts is not None else 0,
             weight_versions=result.weight_versions, merged=plan.merged,
