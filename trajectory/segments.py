@@ -263,6 +263,12 @@ class SegmentSet:
         else:
             record = self.segments[delta.segment].trajectory.apply(delta.delta)
         self._latest = delta.segment
+        if len(self.segments) > 1:
+            # A request is compared with every segment's history, so it must be read as sent: one segment's stored
+            # messages (what a resent history's bytes stand for, `SentHistory`) carry what the agent may have left
+            # out (reasoning), which another segment's history would be compared with.
+            for segment in self.segments.values():
+                segment.trajectory.sent = None
         return record
 
     def restore(self, segment: Segment) -> None:

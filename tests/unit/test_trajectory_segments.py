@@ -286,3 +286,22 @@ def test_merge_continues_a_segment_whose_tokens_the_new_render_extends(families)
         # and the merged history continues as usual
         assert segments.prepare([*segments.main.messages, user("more")]).turn.new_token_start == \
             segments.main.num_tokens
+
+
+def test_a_session_of_several_segments_keeps_no_sent_history(families):
+    """A resent history's bytes stand for one segment's stored messages (SentHistory); with several segments every
+    request is read as sent, since those stored messages may carry what the agent left out (reasoning) and would be
+    compared with another segment's history."""
+    segments = segment_set(families["qwen3"])
+    first = [user("one")]
+    plan = segments.reserve(segments.prepare(first, None, messages_json=json.dumps(first).encode()))
+    segments.commit(plan, *generate(segments.main.family, plan.turn, Reply("a"), rid="r0"))
+    assert segments.main.sent is not None and segments.main.sent.messages == first
+    other = [user("a side request")]
+    plan = segments.reserve(segments.prepare(other, None, messages_json=json.dumps(other).encode()))
+    segments.commit(plan, *generate(segments.main.family, plan.turn, Reply("b"), rid="r1"))
+    assert len(segments) == 2 and all(s.trajectory.sent is None for s in segments)
+    again = [*segments.main.messages, user("two")]
+    plan = segments.reserve(segments.prepare(again, None, messages_json=json.dumps(again).encode()))
+    segments.commit(plan, *generate(segments.main.family, plan.turn, Reply("c"), rid="r2"))
+    assert all(s.trajectory.sent is None for s in segments)
