@@ -172,6 +172,9 @@ def sse_events(body: bytes) -> list[Any]:
     return events
 
 
+_PROBES = frozenset({"/health", "/ready", "/server_info", "/v1/loads", "/get_load"})
+
+
 class RecordingProxy:
     """A loopback HTTP proxy in front of the engine that records every call, so tests can compare what the
     session server stored with what the engine actually received and generated (and in which order).
@@ -294,7 +297,9 @@ class RecordingProxy:
         return [c for c in self.calls if c["path"] == "/generate"]
 
     def paths(self) -> list[str]:
-        return [c["path"] for c in self.calls if c["path"] not in ("/health", "/server_info")]
+        """The calls a test makes happen, without the server's own background probes (readiness, load, info), which
+        land whenever their timers fire."""
+        return [c["path"] for c in self.calls if c["path"].split("?")[0] not in _PROBES]
 
     def clear(self) -> None:
         self.calls.clear()
