@@ -10,12 +10,14 @@ two: a plan built against an older state can never be committed.
 from __future__ import annotations
 
 import bisect
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
+import xxhash
 
 from .buffer import TokenBuffer
 from .engine_output import GenerateResult
@@ -138,15 +140,39 @@ class TurnDelta:
 
 @dataclass(frozen=True, slots=True)
 class SentHistory:
-    """The last committed turn's request messages twice: as the client sent them (the JSON array's exact bytes) and
-    as they were read (`messages`, the stored objects they matched or became).
+    """The last committed turn's request messages twice: as the client sent them (the JSON array's bytes) and as they
+    were read (`messages`, the stored objects they matched or became).
 
-    Why: an agent resends its whole history every turn, mostly byte for byte. A front end that keeps the bytes can
-    recognise the repeated part of the next request by comparing bytes, and decode, check and match only what is new
-    (session_server/openai/chat_body.py); bytes equal to what was read before are read the same way again."""
+    Why: an agent resends its whole history every turn, mostly byte for byte. A front end that knows the bytes can
+    recognise the repeated part of the next request and decode, check and match only what is new
+    (session_server/openai/chat_body.py); bytes equal to what was read before are read the same way again. The bytes
+    are kept as their length and a 128-bit digest (XXH3, seeded at random per process), not themselves: a session
+    would otherwise hold its history a second time (~4.6 B per stored token), and the digest of 20 KB costs ~0.3 us.
+    A collision found by a client would only make its own session read its own earlier, checked messages."""
 
-    json: bytes
+    end: int  # bytes of the array through its last element: its "[" and elements, not the closing "]"
+    digest: bytes  # of those bytes
     messages: list[Message]
+
+    @classmethod
+    def of(cls, array: bytes, messages: list[Message]) -> SentHistory | None:
+        """Of a JSON array's bytes (as msgspec delimits a value: "[" to "]"); None for an empty array."""
+        end = len(array) - 1
+        while end > 1 and array[end - 1] in _WHITESPACE:
+            end -= 1
+        return cls(end, _digest(array[:end]), messages) if end > 1 else None
+
+    def begins(self, data: bytes) -> bool:
+        """`data` begins with exactly the bytes this history was sent as, through its last element."""
+        return len(data) > self.end and _digest(memoryview(data)[:self.end]) == self.digest
+
+
+_WHITESPACE = b" \t\n\r"
+_SEED = secrets.randbits(64)
+
+
+def _digest(data: bytes | memoryview) -> bytes:
+    return xxhash.xxh3_128_digest(data, seed=_SEED)
 
 
 SPECIAL_TOKEN_MODES: tuple[str, ...] = ("text", "engine")
@@ -382,7 +408,8 @@ class LinearTrajectory:
         del self.checkpoints[delta.base_checkpoints:]
         del self.records[delta.base_checkpoints:]
         self.messages = delta.messages
-        self.sent = None if delta.messages_json is None else SentHistory(delta.messages_json, delta.messages[:-1])
+        self.sent = None if delta.messages_json is None else SentHistory.of(delta.messages_json,
+                                                                             delta.messages[:-1])
         self.tools = delta.tools
         if delta.base_checkpoints == 0 or record.merged:  # the turn's prompt was a full render with these tools
             self.prompt_tools = delta.tools

@@ -5,9 +5,9 @@ matching all of it again makes a turn's cost grow with the history; here it foll
 
 - the top level is split into its fields without decoding their values (`msgspec.Raw`);
 - `messages`: when the array begins with exactly the elements of the array of the session's last committed turn
-  (the trajectory's `SentHistory`, its bytes), those messages are the ones read then -- the stored objects, which the
-  matcher recognises at once -- and only the elements after them are decoded and checked. Otherwise (a first turn,
-  a client that re-serialises its history, a rollback) the whole array is, as before;
+  (the trajectory's `SentHistory`: a digest of their bytes), those messages are the ones read then -- the stored
+  objects, which the matcher recognises at once -- and only the elements after them are decoded and checked.
+  Otherwise (a first turn, a client that re-serialises its history, a rollback) the whole array is, as before;
 - `tools`: decoded once per distinct list of bytes (a bounded cache), and those bytes are the key of the list's
   verdict in openai/fields.py (its depth, integers and schemas, checked once per distinct list), so an unchanged
   list is neither decoded nor encoded again;
@@ -70,7 +70,7 @@ def _read(body: bytes, sent: SentHistory | None) -> ChatBody:
 
 
 def _messages(data: bytes, sent: SentHistory | None) -> tuple[Any, bytes | None]:
-    tail = None if sent is None else _tail(data, sent.json)
+    tail = None if sent is None else _tail(data, sent)
     if tail is not None:
         new = _decode(tail)
         check_json_value(new, depth=FIELD_DEPTH)
@@ -80,18 +80,15 @@ def _messages(data: bytes, sent: SentHistory | None) -> tuple[Any, bytes | None]
     return value, data if type(value) is list else None
 
 
-def _tail(data: bytes, before: bytes) -> bytes | None:
-    """The elements of the JSON array `data` after those of the array `before`, as an array of their own, when
-    `data` begins with exactly the elements of `before` (which held at least one); else None.
+def _tail(data: bytes, sent: SentHistory) -> bytes | None:
+    """The elements of the JSON array `data` after those of the array `sent` was read from, as an array of their own,
+    when `data` begins with exactly those elements' bytes; else None.
 
-    Both arrays passed msgspec's syntax check, and a JSON value ends where its own syntax says (an element of
-    `before` is followed by `]` there and by `,` or `]` here), so the elements of `before` are elements of `data`."""
-    end = len(before) - 1  # `before` ends with its "]"
-    while before[end - 1] in _WHITESPACE:
-        end -= 1
-    if end <= 1 or not data.startswith(memoryview(before)[:end]):
+    Both arrays passed msgspec's syntax check, and a JSON value ends where its own syntax says (an element of the
+    earlier array is followed by `]` there and by `,` or `]` here), so the earlier elements are elements of `data`."""
+    if not sent.begins(data):
         return None
-    i = end
+    i = sent.end
     while i < len(data) and data[i] in _WHITESPACE:
         i += 1
     if i == len(data) - 1 and data[i] == ord("]"):

@@ -53,7 +53,9 @@ def sent_of(messages: list[Any], style: dict[str, Any]) -> SentHistory:
     except RequestValidationError:
         assume(False)
     assert data is not None and obj["messages"] == messages
-    return SentHistory(data, msgspec.json.decode(data))
+    sent = SentHistory.of(data, msgspec.json.decode(data))
+    assert sent is not None
+    return sent
 
 
 def deep(levels: int) -> Any:
@@ -147,7 +149,7 @@ def test_a_retry_of_the_same_messages_reads_the_objects_kept() -> None:
     read = read_chat_body(json.dumps({"messages": before, "model": "n"}).encode(), sent)
     obj, messages_json = read.obj, read.messages_json
     assert obj["messages"] == sent.messages and all(a is b for a, b in zip(obj["messages"], sent.messages, strict=True))
-    assert messages_json == sent.json
+    assert messages_json is not None and sent.begins(messages_json) and len(messages_json) == sent.end + 1
 
 
 def test_tools_are_decoded_once_per_distinct_list() -> None:
