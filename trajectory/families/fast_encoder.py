@@ -163,15 +163,30 @@ def verdict(backend: Any) -> dict[str, Any]:
     (None: tiktoken is the same function)."""
     definition = Definition.of(backend)
     state = definition.model()
-    refusal = structure_refusal(definition)
-    if refusal is None:
-        try:
-            core, _ = _core(definition, backend.get_vocab(with_added_tokens=False))
-        except ValueError as exc:
-            refusal = str(exc)
-        else:
-            refusal = model_refusal(definition, state) or coverage_refusal(core)
+    _, refusal = _judge(definition, backend.get_vocab(with_added_tokens=False), state)
     return {"sha256": definition.digest(state), "refusal": refusal}
+
+
+def _judge(definition: Definition, vocab: Mapping[str, int], state: bytes | None = None,
+           recorded: Any = None) -> tuple[FastEncoder | None, str | None]:
+    """(the encoder, None) where tiktoken is the same function as the definition's, else (None, why not): the cheap
+    checks, then the ones that read every merge -- or, for this very definition (its digest), a `recorded` verdict.
+    `state`: the model's serialized state, read here when not given (only once the cheap checks pass)."""
+    refusal = structure_refusal(definition)
+    if refusal is not None:
+        return None, refusal
+    try:
+        core, specials = _core(definition, vocab)
+    except ValueError as exc:  # the pattern does not compile in tiktoken's regex engine, the vocabulary is not bytes
+        return None, str(exc)
+    state = definition.model() if state is None else state
+    if isinstance(recorded, dict) and recorded.get("sha256") == definition.digest(state):
+        refusal = recorded.get("refusal")
+    else:
+        refusal = model_refusal(definition, state) or coverage_refusal(core)
+    if refusal is not None:
+        return None, str(refusal)
+    return FastEncoder(core, specials, definition.normalizer == {"type": "NFC"}), None
 
 
 _NONE: frozenset[str] = frozenset()
@@ -254,20 +269,6 @@ def fast_encoder(tokenizer: Any, vocab: Mapping[str, int]) -> tuple[FastEncoder 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
         return None, "no Rust tokenizer"
-    definition = Definition.of(backend)
-    refusal = structure_refusal(definition)
-    if refusal is not None:
-        return None, refusal
-    try:
-        core, specials = _core(definition, vocab)
-    except ValueError as exc:  # the pattern does not compile in tiktoken's regex engine, the vocabulary is not bytes
-        return None, str(exc)
     recorded = getattr(tokenizer, "init_kwargs", {}).get(VERDICT_KEY)
-    state = definition.model()
-    if isinstance(recorded, dict) and recorded.get("sha256") == definition.digest(state):
-        refusal = recorded.get("refusal")
-    else:
-        refusal = model_refusal(definition, state) or coverage_refusal(core)
-    if refusal is not None:
-        return None, str(refusal)
-    return FastEncoder(core, specials, definition.normalizer == {"type": "NFC"}), ""
+    encoder, refusal = _judge(Definition.of(backend), vocab, recorded=recorded)
+    return encoder, refusal or ""
