@@ -365,18 +365,20 @@ def record_fast_encoder_verdict(out: Path) -> None:
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config[VERDICT_KEY] = verdict(AutoTokenizer.from_pretrained(out, local_files_only=True).backend_tokenizer)
-    staged = out / "tokenizer_config.json.tmp"
-    staged.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
-    staged.replace(config_path)
+    _replace_config(out, config)
 
 
 def write_config(out: Path, config: dict[str, Any]) -> None:
     """Write `config` as out/tokenizer_config.json with tokenizer.json's added tokens as `added_tokens_decoder`, as
     `save_pretrained` (and every model repository) does: without it transformers re-reads the whole tokenizer.json in
     Python to find them (json.load of 6-31 MB, about a second per load). The same tokens with the same flags either
-    way. Written aside and renamed: a concurrent reader sees the old file or the new one."""
+    way."""
     added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
-    config = {**config, "added_tokens_decoder": {str(token.pop("id")): token for token in added}}
+    _replace_config(out, {**config, "added_tokens_decoder": {str(token.pop("id")): token for token in added}})
+
+
+def _replace_config(out: Path, config: dict[str, Any]) -> None:
+    """out/tokenizer_config.json written aside and renamed: a concurrent reader sees the old file or the new one."""
     staged = out / "tokenizer_config.json.tmp"
     staged.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
     staged.replace(out / "tokenizer_config.json")
