@@ -440,23 +440,23 @@ def part1(
     )
     # Each other target gets an engine of its own (on the engine's core), so the server's engine holds exactly what
     # a run without them would: its direct replays (added latency) are unchanged by the company.
-    others: list[tuple[Target, list[Any]]] = []
+    others: list[Target] = []
+    started: list[Any] = []  # every process started here: stopped in the finally below, even if a later start fails
     try:
         cpus = None if engine_cpu is None else {engine_cpu}
         for name in ["floor"] * floor + [f"baseline:{src}" for src in baselines]:
             own = start_sim(args.tokenizer, args.model_family, *engine_args, cpus=cpus, log_dir=log_dir,
                             startup_timeout=120.0)
-            procs: list[Any] = [own]
-            others.append((Target(name, "", 0), procs))  # stopped in the finally below, even if the next start fails
+            started.append(own)
             if name == "floor":
                 proc = start_floor(own.url, *floor_args(server_args), cpu=server_cpu, log_dir=log_dir)
             else:
                 proc = start_session_server(
                     own.url, args.tokenizer, args.model_family, *server_args,
                     cpus=None if server_cpu is None else {server_cpu}, log_dir=log_dir, startup_timeout=120.0,
-                    python_path=[name.removeprefix("baseline:")], name=f"session-server-{len(others) + 1}")
-            procs.insert(0, proc)
-            others[-1] = (Target(name, proc.url, proc.pid), procs)
+                    python_path=[name.removeprefix("baseline:")], name=f"session-server-{len(others) + 2}")
+            started.append(proc)
+            others.append(Target(name, proc.url, proc.pid))
         if engine_cpu is not None:
             os.sched_setaffinity(0, {engine_cpu})  # the sequential driver shares the engine's core
         extra["pinning"] = {"note": pin_note, "session-server": affinity(server.pid),
@@ -474,12 +474,11 @@ def part1(
                     p.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
                     p.communicate(timeout=60)
 
-        targets = [Target("server", server.url, server.pid), *(t for t, _ in others)]
+        targets = [Target("server", server.url, server.pid), *others]
         e2e = run_async(end_to_end(targets, sim.url, args, begin_profile, end_profile))
     finally:
-        for _, procs in others:
-            for proc in procs:
-                proc.stop()
+        for proc in reversed(started):  # each process before the engine it fronts
+            proc.stop()
         server.stop()
         sim.stop()
         os.sched_setaffinity(0, all_cpus())  # part 2 runs unpinned
