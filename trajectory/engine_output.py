@@ -8,10 +8,12 @@ while decoding, and the routed-experts payload (often megabytes) is kept as raw 
 Two paths, one verdict. The fast path decodes SGLang's own shape with the per-token value rules (a logprob float32
 can hold, a token id inside the vocabulary) written into the schema as msgspec constraints, checked in C as each
 number is read, so a good reply needs no numpy reduction: two column reads straight into the stored dtypes and one
-list comparison. It never rejects: whatever does not pass it goes to the strict path (`_decode_strictly`), which
-decides and names the broken rule, and which the property tests hold the fast path to on valid and broken bodies.
-What is left is msgspec building a tuple, a float and an int per token: parsing the numbers outside msgspec (a regex
-over the bytes, numpy's text parsers) costs more than that here, not less.
+bytes comparison (the entries' ids, encoded compactly, against `output_ids` as the engine wrote it, which is not
+decoded into a second list of ints unless it was written otherwise). It never rejects: whatever does not pass it
+goes to the strict path (`_decode_strictly`), which decides and names the broken rule, and which the property tests
+hold the fast path to on valid and broken bodies. What is left is msgspec building a tuple, a float and an int per
+token: parsing the numbers outside msgspec (a regex over the bytes, numpy's text parsers) costs more than that here,
+not less.
 """
 
 from __future__ import annotations
@@ -93,8 +95,19 @@ class _GenerateResponse(msgspec.Struct, Generic[Entry]):
     meta_info: _MetaInfo[Entry]
 
 
+class _FastResponse(msgspec.Struct, Generic[Entry]):
+    """The fast path's body: `output_ids` kept as the engine wrote it, to be compared with the entries' ids as bytes
+    (SGLang's orjson writes them compactly, as msgspec does) instead of decoded into a second list of ints."""
+
+    text: str
+    output_ids: msgspec.Raw
+    meta_info: _MetaInfo[Entry]
+
+
 _PLAIN_DECODER = msgspec.json.Decoder(_GenerateResponse[_PlainEntry])
 _DECODER = msgspec.json.Decoder(_GenerateResponse[_LogprobEntry])
+_OUTPUT_IDS = msgspec.json.Decoder(list[int])
+_ENCODE = msgspec.json.Encoder().encode
 _PLAIN_COLUMNS = (itemgetter(0), itemgetter(1))
 _ENTRY_COLUMNS = (attrgetter("logprob"), attrgetter("token_id"))
 _INT32_IDS = 2**31  # the fast path stores ids straight into int32: only for vocabularies int32 can index
@@ -179,11 +192,11 @@ def _not_json(exc: msgspec.DecodeError) -> UpstreamError:
 
 
 @functools.lru_cache(maxsize=16)
-def _fast_decoder(vocab_size: int) -> msgspec.json.Decoder[_GenerateResponse[Any]]:
+def _fast_decoder(vocab_size: int) -> msgspec.json.Decoder[_FastResponse[Any]]:
     """SGLang's entry shape with the value rules as constraints: `(float32-sized logprob, id in the vocabulary,
     null)`. One decoder per vocabulary size (a process serves one or a few)."""
     token_id = Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]
-    return msgspec.json.Decoder(_GenerateResponse[tuple[_Float32, token_id, None]])
+    return msgspec.json.Decoder(_FastResponse[tuple[_Float32, token_id, None]])
 
 
 def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
@@ -199,7 +212,7 @@ def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
     return _decode_strictly(body, vocab_size)
 
 
-def _accept(response: _GenerateResponse[Any], vocab_size: int) -> GenerateResult | None:
+def _accept(response: _FastResponse[Any], vocab_size: int) -> GenerateResult | None:
     """The fast path's verdict on a body that fits the constrained schema: the result, or None for the strict path
     to decide (the cross-field rules below, checked in the same terms)."""
     meta = response.meta_info
@@ -211,12 +224,20 @@ def _accept(response: _GenerateResponse[Any], vocab_size: int) -> GenerateResult
         return None
     logprob_of, token_id_of = _PLAIN_COLUMNS
     token_ids = list(map(token_id_of, entries))
-    if token_ids != response.output_ids:
+    if _ENCODE(token_ids) != bytes(response.output_ids) and token_ids != _output_ids(response.output_ids):
         return None
     # Values the schema bounded: float32 holds every logprob (rounded as the strict path's astype rounds), int32
     # every id.
     logprobs = np.fromiter(map(logprob_of, entries), dtype=np.float32, count=n)
     return _result(response, np.fromiter(token_ids, dtype=np.int32, count=n), logprobs, vocab_size)
+
+
+def _output_ids(raw: msgspec.Raw) -> list[int] | None:
+    """`output_ids` written otherwise than compactly (whitespace, `-0`): decoded as the strict path decodes it."""
+    try:
+        return _OUTPUT_IDS.decode(raw)
+    except msgspec.DecodeError:
+        return None
 
 
 def _decode_strictly(body: bytes, vocab_size: int) -> GenerateResult:
@@ -265,7 +286,8 @@ def _decode_strictly(body: bytes, vocab_size: int) -> GenerateResult:
     return _result(response, ids.astype(np.int32), logprobs, vocab_size)
 
 
-def _result(response: _GenerateResponse[Any], ids: np.ndarray, logprobs: np.ndarray, vocab_size: int) -> GenerateResult:
+def _result(response: _GenerateResponse[Any] | _FastResponse[Any], ids: np.ndarray, logprobs: np.ndarray,
+            vocab_size: int) -> GenerateResult:
     """The result of a body whose tokens passed: the rest of meta_info (weight spans, top logprobs) checked here."""
     meta = response.meta_info
     n = meta.completion_tokens

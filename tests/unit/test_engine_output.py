@@ -365,3 +365,12 @@ def test_fast_path_agrees_at_the_constraints_edges(logprob, token_id):
             f'"prompt_tokens":3,"completion_tokens":1,"output_token_logprobs":[[{logprob},{token_id},null]]}}}}')
     expected = _outcome(engine_output._decode_strictly, body.encode(), VOCAB)
     assert _outcome(decode_generate_response, body.encode(), VOCAB) == expected
+
+
+def test_fast_path_takes_output_ids_written_with_whitespace():
+    """`output_ids` is compared with the entries' ids as compact bytes first; spelled otherwise, it is decoded and
+    compared as ints, still on the fast path."""
+    body = (b'{"text":"","output_ids":[ 5,\n-0 ],"meta_info":{"finish_reason":{"type":"stop","matched":null},'
+            b'"prompt_tokens":3,"completion_tokens":2,"output_token_logprobs":[[-0.5,5,null],[-1.0,0,null]]}}')
+    assert engine_output._accept(engine_output._fast_decoder(VOCAB).decode(body), VOCAB) is not None
+    assert _outcome(decode_generate_response, body, VOCAB) == _outcome(engine_output._decode_strictly, body, VOCAB)
