@@ -14,15 +14,22 @@ One piece: uvicorn writes a response's status line and headers as soon as the ap
 the body with the next message, so every reply costs two write syscalls and two TCP segments (with TCP_NODELAY), and
 wakes the client twice. Writes made in one pass of the event loop are gathered and written together once the
 handler yields (`_CoalescingTransport`): same bytes, same order, one syscall per reply.
+
+The client going away: uvicorn tells only whoever awaits `receive()`; this protocol sees `connection_lost` itself
+and offers a request the hook http/disconnect.py hands out (a callback per watcher, no task).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from session_server.http.disconnect import EXTENSION, WATCH, Unsubscribe
 
 _BODY = (b'{"error":{"message":"request line and headers exceed the limit of %d bytes",'
          b'"type":"request_headers_too_large","code":431}}')
@@ -99,12 +106,34 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._head_bytes = 0  # bytes of reads fed whole while the current request's head was incomplete
         self._head_began = False  # the current request's head began in the read being fed
+        self._lost = False
+        self._watchers: set[Callable[[], None]] = set()  # called once the connection is lost
+        # The hook every request's scope carries (ASGI: an extension's value is a dict), made once per connection.
+        self._extension: dict[object, object] = {WATCH: self.watch_disconnect}
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._lost = True
+        watchers, self._watchers = self._watchers, set()
+        for callback in watchers:
+            self.loop.call_soon(callback)
+
+    def watch_disconnect(self, callback: Callable[[], None]) -> Unsubscribe:
+        """Run `callback` (soon, on the loop) once the client is gone; the result stops watching. Reading resumes,
+        as in uvicorn's `receive()`, so that a connection paused by flow control still sees its EOF."""
+        if self._lost:
+            self.loop.call_soon(callback)
+            return _nothing
+        self.flow.resume_reading()
+        self._watchers.add(callback)
+        return partial(self._watchers.discard, callback)
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = {EXTENSION: self._extension}
         self._in_head = True
         self._head_bytes = 0
         self._head_began = True
@@ -161,6 +190,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         )
         self._in_head = False
         self.transport.close()
+
+
+def _nothing() -> None:
+    pass
 
 
 def limited_httptools(max_header_bytes: int) -> type[LimitedHttpToolsProtocol]:

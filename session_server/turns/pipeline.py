@@ -39,6 +39,7 @@ from session_server.errors import (
     tag_abort,
 )
 from session_server.http import body as body_reader
+from session_server.http.disconnect import disconnects
 from session_server.sessions.session import Claim
 from session_server.state import ServerState, server_of
 from session_server.turns.limits import TurnLimits
@@ -337,7 +338,7 @@ async def _run_engine(
     finished call aborts the engine request by our rid and commits nothing."""
     engine_task = asyncio.ensure_future(_generate(server, claim.session.id, turn, payload, api, timing, before))
     try:
-        ending = await race(engine_task, request.receive, claim, _remaining(server, claim))
+        ending = await race(engine_task, disconnects(request.scope, request.receive), claim, _remaining(server, claim))
     except asyncio.CancelledError:
         # The handler itself is being cancelled: the engine request is still aborted (in the background).
         _abort_engine(server, claim, turn.engine_rid, engine_task)

@@ -1,11 +1,10 @@
 """A chat's engine call raced against everything that may end it first: the client going away, an abort of its claim
 (DELETE, expiry, pause, shutdown) and the request deadline. Plain and streamed chats share it.
 
-Why a task watches `receive()`: uvicorn reports a vanished client only to whoever awaits `receive()`; without a
-watcher the engine would keep generating (and holding KV) for nobody. Why one future settled by callbacks rather than
-`asyncio.wait` over a waiter task per event: the race runs on every turn, and the claim's abort and the deadline need
-no task of their own (a callback on the claim, a timer on the loop), so a turn creates one watcher task, not three
-tasks and a wait.
+Why the client is watched at all: without it the engine would keep generating (and holding KV) for nobody. Why one
+future settled by callbacks rather than `asyncio.wait` over a waiter task per event: the race runs on every turn,
+and none of the three needs a task of its own -- a callback on the connection (http/disconnect.py: our protocol sees
+the loss itself; other servers get a `receive()` watcher there), a callback on the claim, a timer on the loop.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ import asyncio
 import enum
 from typing import Any
 
-from starlette.types import Receive
-
+from session_server.http.disconnect import Disconnects
 from session_server.sessions.session import Claim
 
 
@@ -26,17 +24,11 @@ class Ending(enum.Enum):
     TIMED_OUT = "timed_out"  # the deadline passed
 
 
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def race(work: asyncio.Future[Any], receive: Receive | None, claim: Claim, deadline: float) -> Ending:
+async def race(work: asyncio.Future[Any], client: Disconnects | None, claim: Claim, deadline: float) -> Ending:
     """How `work` ended, or what ended first; `work` itself is neither awaited nor cancelled here (the caller decides
-    what happens to an engine request that lost: it is aborted by rid, see engine/drains.py). `receive` None: the
-    client is not watched (its disconnect shows up in `work` itself, e.g. while reading the body)."""
+    what happens to an engine request that lost: it is aborted by rid, see engine/drains.py). `client`: how to watch
+    the client (`http.disconnect.disconnects`); None: it is not watched (its disconnect shows up in `work` itself,
+    e.g. while reading the body)."""
     loop = asyncio.get_running_loop()
     ending: asyncio.Future[Ending] = loop.create_future()
 
@@ -47,18 +39,13 @@ async def race(work: asyncio.Future[Any], receive: Receive | None, claim: Claim,
     def on_work(_: asyncio.Future[Any]) -> None:
         end(Ending.FINISHED)
 
-    def on_watcher(task: asyncio.Future[None]) -> None:
-        if not task.cancelled():
-            task.exception()  # a receive() that failed means the connection is gone as well
-            end(Ending.DISCONNECTED)
+    def on_disconnect() -> None:
+        end(Ending.DISCONNECTED)
 
     if work.done():  # finished before the race began: nothing else can have ended it first
         end(Ending.FINISHED)
     work.add_done_callback(on_work)
-    watcher = None
-    if receive is not None:
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        watcher.add_done_callback(on_watcher)
+    unwatch = client(on_disconnect) if client is not None else None
     unsubscribe = claim.on_abort(lambda: end(Ending.ABORTED))
     timer = loop.call_later(max(0.0, deadline), end, Ending.TIMED_OUT)
     try:
@@ -67,5 +54,5 @@ async def race(work: asyncio.Future[Any], receive: Receive | None, claim: Claim,
         work.remove_done_callback(on_work)
         timer.cancel()
         unsubscribe()
-        if watcher is not None:
-            watcher.cancel()
+        if unwatch is not None:
+            unwatch()

@@ -43,6 +43,7 @@ from session_server.errors import (
     EngineTimeoutError,
     tag_abort,
 )
+from session_server.http.disconnect import Disconnects, disconnects
 from session_server.sessions.session import Claim
 from session_server.state import ServerState
 from session_server.turns.deltas import DeltaTracker, StreamDivergedError
@@ -94,7 +95,7 @@ class StreamedTurn(Generic[R]):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await self._run(receive, send)
+            await self._run(disconnects(scope, receive), send)
         finally:
             self._settle()
             if self.committed:
@@ -112,12 +113,12 @@ class StreamedTurn(Generic[R]):
             engine_sessions.mark_dirty(self.claim.session.id)
         self.claim.release()
 
-    async def _run(self, receive: Receive, send: Send) -> None:
+    async def _run(self, client: Disconnects, send: Send) -> None:
         pump = asyncio.ensure_future(self._pump(send))
         # --request-timeout is the total the client waits, counted from the claim (pipeline._remaining).
         remaining = self.claim.started + self.server.config.request_timeout - time.monotonic()
         try:
-            ending = await race(pump, receive, self.claim, remaining)
+            ending = await race(pump, client, self.claim, remaining)
         except asyncio.CancelledError:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(asyncio.ensure_future(self._abort_engine(pump)))

@@ -24,7 +24,14 @@ import openai
 import pytest
 
 from sglang_sim.directives import THINK, tool_call
-from support.server import assert_engine_baseline, assert_training_data, metric, new_session
+from support.server import (
+    assert_engine_baseline,
+    assert_training_data,
+    metric,
+    new_session,
+    wait_engine_idle,
+    wait_running,
+)
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
@@ -51,6 +58,55 @@ def anthropic_client(base: str, **kw: Any) -> anthropic.AsyncAnthropic:
 
 def _delete(server: str, sid: str) -> None:
     assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
+
+
+# -- a client that hangs up ---------------------------------------------------------------------------------------
+
+LONG_TURN = {
+    "responses": {"input": "Long. [[sim: tokens 1500]]"},
+    "messages": {"max_tokens": 2000, "messages": [{"role": "user", "content": "Long. [[sim: tokens 1500]]"}]},
+}
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("api", sorted(LONG_TURN))
+def test_a_client_that_hangs_up_aborts_the_engine_request_and_commits_nothing(
+    stack: Stack, api: str, streamed: bool,
+) -> None:
+    """Mid-turn (plain: while the engine runs it; streamed: once real text arrived), the engine request is aborted
+    by its rid, its KV freed, nothing committed, and the same turn may be retried at once."""
+    server = stack.server
+    sid = new_session(server)
+    url = f"{server}/sessions/{sid}/v1/{api}"
+    body = {"model": "m", "stream": streamed, **LONG_TURN[api]}
+    aborts = metric(server, 'session_server_aborts_total{cause="disconnect"}', 0)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            if streamed:
+                async with http.stream("POST", url, json=body) as resp:
+                    assert resp.status_code == 200
+                    async for line in resp.aiter_lines():
+                        if "delta" in line and "Long" not in line:
+                            break  # generated text arrived: hang up now
+            else:
+                chat = asyncio.ensure_future(http.post(url, json=body))
+                await wait_running(stack.engine, 1)
+                chat.cancel()  # closes the connection mid-request
+                with pytest.raises(asyncio.CancelledError):
+                    await chat
+
+    asyncio.run(main())
+    info = wait_engine_idle(stack.engine, timeout=30)
+    assert info["aborted_requests"] >= 1
+    assert httpx.get(f"{server}/sessions/{sid}", timeout=10).json()["records"] == []
+    assert metric(server, 'session_server_aborts_total{cause="disconnect"}') == aborts + 1
+    retry = httpx.post(url, json={**body, "stream": False, **({"max_tokens": 5} if api == "messages" else
+                                                               {"max_output_tokens": 5})}, timeout=30)
+    assert retry.status_code == 200, retry.text
+    assert len(httpx.get(f"{server}/sessions/{sid}", timeout=10).json()["records"]) == 1
+    _delete(server, sid)
+    assert_engine_baseline(stack.engine)
 
 
 # -- Responses: stateful chaining ----------------------------------------------------------------------------------
