@@ -343,10 +343,15 @@ def test_body_upload_deadline_is_408(stack: Stack, after: None, route: str) -> N
     try:
         # /health answers while the upload stalls
         assert httpx.get(f"{server}/health", timeout=5).status_code == 200
-        status, _ = _read_status(sock)
+        status, head, rest = _read_reply(sock)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        while len(rest) < length and (chunk := sock.recv(65536)):
+            rest += chunk
     finally:
         sock.close()
     assert status == 408
+    assert f"request body was not received within {BODY_TIMEOUT:g}s (upload deadline)" in rest.decode(), rest
     assert time.monotonic() - t0 < BODY_TIMEOUT + 10  # bounded by the deadline, not by the client
 
 
