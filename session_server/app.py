@@ -13,7 +13,6 @@ import logging
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from session_server.api import admin, messages, responses, samples, session_header, sessions
@@ -24,9 +23,8 @@ from session_server.engine.drains import EngineDrains
 from session_server.engine.placement import EnginePlacement, classify_before_serving
 from session_server.engine.sessions import EngineSessions
 from session_server.errors import method_not_allowed, not_found
-from session_server.http.boundary import ErrorBoundary
-from session_server.http.chat_lane import ChatLane
-from session_server.metrics import LoopLagTicker, Metrics, ResponseMetrics
+from session_server.http.front_door import FrontDoorApp
+from session_server.metrics import LoopLagTicker, Metrics
 from session_server.openai import chat
 from session_server.sessions.journal import Journal, JournalError, Restored
 from session_server.sessions.lifecycle import Lifecycle
@@ -238,12 +236,11 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         Route("/admin/continue", admin.resume, methods=["POST"]),
         Route("/admin/sessions", admin.sessions, methods=["GET"]),
     ]
-    app = Starlette(
+    app = FrontDoorApp(
         routes=routes,
-        # ResponseMetrics counts every response once, the 500 of ErrorBoundary included; ErrorBoundary logs it once;
-        # ChatLane takes chats past the router (http/chat_lane.py).
-        middleware=[Middleware(ResponseMetrics, routes=routes), Middleware(ErrorBoundary),
-                    Middleware(ChatLane, route=chat_route)],
+        # One layer (http/front_door.py) counts every response once, answers an unhandled error with one logged
+        # JSON 500, and takes chats past the router.
+        chat_route=chat_route,
         lifespan=lifespan,
         exception_handlers={404: not_found, 405: method_not_allowed},
     )

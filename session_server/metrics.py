@@ -7,8 +7,8 @@ route's template (`/sessions/{session_id}`), never the raw path, so a million se
 How code counts things: through the `Metrics` object on the server state, e.g.
 `server.metrics.rollback("diverged")`, `server.metrics.validation_failure(err.rule)`,
 `server.metrics.abort(AbortReason.DISCONNECT)`, `server.metrics.stage("commit", seconds)`. Responses are counted in
-exactly one place, `ResponseMetrics` (an ASGI middleware around the router): every response once, by route template,
-method and status, including the 500 of an unhandled exception and the 404/405 of paths no route knows.
+exactly one place, http/front_door.py (the one ASGI layer every request passes): every response once, by route
+template, method and status, including the 500 of an unhandled exception and the 404/405 of paths no route knows.
 
 Cost on the hot path: children of labelled metrics are resolved once and cached in plain dicts (`labels()` takes a
 lock and builds a tuple on every call). What every turn counts (its response, tokens, stage and latency histograms)
@@ -29,7 +29,7 @@ import asyncio
 import bisect
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import prometheus_client
@@ -301,73 +301,6 @@ def _child(children: dict[Any, Any], key: Any, metric: Any, *labels: str) -> Any
     if child is None:
         child = children[key] = metric.labels(*labels)
     return child
-
-
-# -- responses by route template: one ASGI middleware -------------------------------------------------------
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
-
-UNMATCHED = "<unmatched>"  # the route label of a path no route knows (bounded: never the raw path)
-CANCELLED = 499  # the handler was cancelled before it sent anything (nginx's "client closed request")
-
-
-class ResponseMetrics:
-    """Counts every HTTP response once, by route template, method and status.
-
-    Sits between Starlette's ServerErrorMiddleware and the router, so an unhandled exception is counted as the 500
-    the outer middleware is about to send. The route template is found through the endpoint the router matched
-    (`scope["endpoint"]`); an endpoint mounted under several templates is told apart by the route's own regex.
-    """
-
-    def __init__(self, app: ASGIApp, routes: list[Any]) -> None:
-        self.app = app
-        by_endpoint: dict[Any, list[Any]] = {}
-        for route in routes:
-            endpoint = getattr(route, "endpoint", None)
-            if endpoint is not None and all(route.path != r.path for r in by_endpoint.get(endpoint, [])):
-                by_endpoint.setdefault(endpoint, []).append(route)
-        self._single = {e: rs[0].path for e, rs in by_endpoint.items() if len(rs) == 1}
-        self._multi = {e: rs for e, rs in by_endpoint.items() if len(rs) > 1}
-
-    def route_of(self, scope: Scope) -> str:
-        endpoint = scope.get("endpoint")
-        if endpoint is None:
-            return UNMATCHED
-        path = self._single.get(endpoint)
-        if path is not None:
-            return str(path)
-        for route in self._multi.get(endpoint, ()):
-            if route.path_regex.match(scope["path"]):
-                return str(route.path)
-        return UNMATCHED
-
-    async def __call__(
-        self, scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
-    ) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 0
-
-        async def send_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        except Exception:
-            status = status or 500  # ServerErrorMiddleware answers 500 unless the response had started
-            raise
-        except BaseException:
-            status = status or CANCELLED
-            raise
-        finally:
-            server = getattr(scope["app"].state, "server", None) if "app" in scope else None
-            if server is not None:
-                server.metrics.response(self.route_of(scope), scope["method"], status)
 
 
 # -- event-loop lag --------------------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ class TurnTiming:
 async def serve_turn(request: Request, session_id: str, api: FrontEnd[R]) -> Response:
     """One turn on the session `session_id`, however the request addressed it (URL path or header).
 
-    Responses are counted by route and status in metrics.ResponseMetrics; this counts what only a turn knows."""
+    Responses are counted by route and status in http/front_door.py; this counts what only a turn knows."""
     server = server_of(request)
     try:
         claim = await _claim(server, session_id)

@@ -17,13 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from session_server.errors import AbortReason
-from session_server.metrics import STAGES, TOKEN_KINDS, UNMATCHED, LoopLagTicker, Metrics, ResponseMetrics
+from session_server.http.front_door import UNMATCHED, FrontDoorApp
+from session_server.metrics import STAGES, TOKEN_KINDS, LoopLagTicker, Metrics
 from support.examples import examples
 
 
@@ -61,8 +61,7 @@ def _app(metrics: Metrics) -> Starlette:
         Route("/v1/chat", _ok, methods=["POST"]),
         Route("/sessions/{session_id}/v1/chat", _ok, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, middleware=[Middleware(ResponseMetrics, routes=routes)],
-                    exception_handlers={404: _not_found})
+    app = FrontDoorApp(routes=routes, exception_handlers={404: _not_found})
     app.state.server = SimpleNamespace(metrics=metrics)
     return app
 
