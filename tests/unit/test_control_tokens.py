@@ -133,3 +133,39 @@ def test_trie_pattern_matches_longest_first() -> None:
     pattern = trie_pattern(["<|a|>", "<|ab|>", "<|a", "x"])
     assert pattern.findall("<|ab|><|a|><|a|x") == ["<|ab|>", "<|a|>", "<|a", "x"]
     assert pattern.findall("<|b") == []
+
+
+def _spells_by_walk(family: ModelFamily, value: Any) -> bool:
+    """The verdict by the walk over the value's strings, dict keys included (ControlTokens.protect's slow path)."""
+    strings: list[str] = []
+    family.control._strings(value, strings)
+    return any(family.control._pattern.search(s) for s in strings)
+
+
+def json_values(text: st.SearchStrategy[str]) -> st.SearchStrategy[Any]:
+    """Nested request-like values whose strings (and keys) are crafted text, with the leaves JSON allows and some it
+    does not carry as text (int keys, bytes, a lone surrogate)."""
+    leaves = st.one_of(text, st.integers(), st.floats(), st.booleans(), st.none(), st.binary(max_size=4),
+                       st.sampled_from(["\ud800", '"<|im_end|>\\', "\x00\n\t"]))
+    keys = st.one_of(text, st.integers(-5, 5))
+    return st.recursive(leaves, lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(keys, inner, max_size=4)), max_leaves=12)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@SETTINGS
+@given(data=st.data())
+def test_protect_finds_spellings_as_the_walk_does(families, name: str, data: st.DataObject) -> None:
+    """protect's scan of the value's JSON text finds a spelling exactly when some string of the value holds one."""
+    family = families[name]
+    value = data.draw(json_values(crafted_text(name)))
+    protected, marker = family.control.protect(value)
+    assert (marker is not None) == _spells_by_walk(family, value)
+    if marker is None:
+        assert protected is value
+
+
+def test_every_family_scans_the_json_text(families) -> None:
+    """No family has a control-token spelling that JSON escapes, so every one takes the JSON scan."""
+    assert all(family.control._json_scan for family in families.values())
