@@ -119,6 +119,12 @@ class RequestOptions:
         return self.tool_choice.mode != "none" and self.response_format == "text"
 
 
+# Every field parse_options reads: a request with none of them (most agents' turns) gets the shared defaults.
+_OPTION_FIELDS = frozenset({"logprobs", "top_logprobs", "parallel_tool_calls", "response_format", "stream_options",
+                            "tool_choice", "chat_template_kwargs", "modalities", *_UNSUPPORTED})
+_DEFAULT_OPTIONS = RequestOptions()
+
+
 def refuse_unsupported(obj: Mapping[str, Any]) -> None:
     for key, why in _UNSUPPORTED.items():
         if obj.get(key) is not None:
@@ -220,6 +226,8 @@ def _template_kwargs(raw: Any) -> dict[str, Any] | None:
 
 
 def parse_options(obj: Mapping[str, Any]) -> RequestOptions:
+    if obj.keys().isdisjoint(_OPTION_FIELDS):  # what the rest would build, without its ~20 lookups and two objects
+        return _DEFAULT_OPTIONS
     refuse_unsupported(obj)
     logprobs = _optional_bool(obj, "logprobs")
     top = obj.get("top_logprobs")
@@ -245,14 +253,20 @@ def parse_options(obj: Mapping[str, Any]) -> RequestOptions:
     )
 
 
+_PENALTIES = (
+    ("presence_penalty", -2.0, 2.0, False),
+    ("frequency_penalty", -2.0, 2.0, False),
+    ("repetition_penalty", 0.0, 2.0, True),
+    ("min_p", 0.0, 1.0, False),
+)
+_PENALTY_FIELDS = frozenset({"logit_bias", *(key for key, *_ in _PENALTIES)})
+
+
 def penalty_params(obj: Mapping[str, Any], sp: dict[str, Any], vocab_size: int | None) -> None:
     """Penalties, `min_p` and `logit_bias` into SGLang sampling keys, with SamplingParams.verify's bounds."""
-    for key, lo, hi, lo_open in (
-        ("presence_penalty", -2.0, 2.0, False),
-        ("frequency_penalty", -2.0, 2.0, False),
-        ("repetition_penalty", 0.0, 2.0, True),
-        ("min_p", 0.0, 1.0, False),
-    ):
+    if obj.keys().isdisjoint(_PENALTY_FIELDS):
+        return
+    for key, lo, hi, lo_open in _PENALTIES:
         value = number(obj, key, lo, hi, lo_open=lo_open)
         if value is not None:
             sp[key] = value

@@ -339,3 +339,17 @@ def test_the_tools_list_is_held_to_the_body_rules_once_per_distinct_list(qwen3: 
     for _ in range(3):
         _parse({"tools": TOOLS}, qwen3)
     assert len(walked) == 1
+
+
+def test_a_request_without_option_or_penalty_fields_reads_as_one_with_them_all_null() -> None:
+    """parse_options and penalty_params skip their lookups when none of their fields is present: the same result as
+    reading every field as null, which goes through each check."""
+    from session_server.openai import fields
+
+    nulls = {key: None for key in fields._OPTION_FIELDS | fields._PENALTY_FIELDS}
+    assert fields.parse_options({"messages": []}) == fields.parse_options(nulls) == fields.RequestOptions()
+    absent: dict[str, Any] = {}
+    null: dict[str, Any] = {}
+    fields.penalty_params({"messages": []}, absent, 100)
+    fields.penalty_params(nulls, null, 100)
+    assert absent == null == {}
