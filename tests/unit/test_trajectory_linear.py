@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from support.families import FAMILIES, RERENDER_MOVES_GLUE
 from support.tito import Reply, engine_body, generate
@@ -267,7 +269,7 @@ def test_storage_is_compact(qwen):
         turn(traj, [user(f"question {k} " + "lorem ipsum " * 60)], Reply("answer " * 300), rid=f"r{k}")
     assert traj.num_tokens > 16_000
     assert traj.token_ids.dtype == np.int32 and traj.logprobs.dtype == np.float32 and traj.loss_mask.dtype == np.uint8
-    assert traj.nbytes / traj.num_tokens <= 16
+    assert traj.nbytes / traj.num_tokens <= 10  # DESIGN.md 7: token arrays at most 10 bytes per stored token
     with pytest.raises(ValueError):
         traj.token_ids[0] = 1  # views are read-only: only commit mutates
 
@@ -287,12 +289,24 @@ def test_to_dict_is_json_and_keeps_heavy_payloads_out(qwen):
     assert traj.to_dict(include_routed_experts=True)["records"][0]["routed_experts"] == [[1, 2], [3, 4]]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=5000), min_size=1, max_size=40))
+def test_token_buffer_stays_under_ten_bytes_per_token(appends: list[int]) -> None:
+    """DESIGN.md 7's bar for token arrays, after any sequence of appends: at most 10 bytes per stored token once the
+    buffer is past its initial capacity (below it, the initial capacity is all there is)."""
+    buffer = TokenBuffer()
+    initial = buffer.nbytes
+    for n in appends:
+        buffer.append(np.zeros(n, np.int32), None, sampled=False)
+        assert buffer.nbytes <= max(initial, 10 * buffer.size)
+
+
 def test_token_buffer_growth_and_truncation():
     buffer = TokenBuffer(capacity=4)
     chunks = [np.arange(k, k + 3, dtype=np.int32) for k in range(0, 30, 3)]
     for i, chunk in enumerate(chunks):
         buffer.append(chunk, np.full(3, -0.5, np.float32) if i % 2 else None, sampled=bool(i % 2))
-    assert buffer.ids.tolist() == list(range(30)) and buffer.capacity < 30 * 1.25 + 2
+    assert buffer.ids.tolist() == list(range(30)) and buffer.capacity < 30 * 1.1 + 2
     assert buffer.mask.tolist() == [i // 3 % 2 for i in range(30)]
     assert buffer.logprobs.tolist() == [-0.5 * (i // 3 % 2) for i in range(30)]
     buffer.truncate(5)
