@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from functools import partial
+from itertools import chain
 from typing import Any
 
 import httptools
@@ -106,6 +107,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._head_bytes = 0  # bytes of reads fed whole while the current request's head was incomplete
         self._head_began = False  # the current request's head began in the read being fed
+        self._read_size = 0  # bytes of the read being fed
         self._lost = False
         self._watchers: set[Callable[[], None]] = set()  # called once the connection is lost
         # The hook every request's scope carries (ASGI: an extension's value is a dict), made once per connection.
@@ -140,9 +142,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         """The exact size of the head (URL, names and values, 4 bytes of separators each), once it is complete:
-        one sum per request rather than a count in every header callback."""
+        one sum per request (in C: lengths mapped over the flattened pairs) rather than a count in every header
+        callback. A head that began and ended in the read being fed is no longer than that read: when the read is
+        within the limit, so is the head, and nothing is summed (most requests)."""
         self._in_head = False
-        if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > self.max_header_bytes:
+        if not (self._head_began and self._read_size <= self.max_header_bytes) and (
+            len(self.url) + 4 * len(self.headers) + sum(map(len, chain.from_iterable(self.headers)))
+            > self.max_header_bytes
+        ):
             raise _HeadTooLarge
         super().on_headers_complete()
 
@@ -151,6 +158,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         running count while it is not (httptools buffers a header until it ends, so the exact count alone would let
         a 64 MiB header be buffered first)."""
         self._unset_keepalive_if_required()
+        self._read_size = len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
