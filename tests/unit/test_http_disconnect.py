@@ -4,34 +4,15 @@ from a `receive()` watcher. Real uvicorn servers over loopback, real sockets clo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-import uvicorn
 
 from session_server.http.disconnect import EXTENSION, disconnects
 from session_server.http.limits import limited_httptools
+from support.uvicorn_server import serving
 
 Scope = dict[str, Any]
-App = Callable[[Scope, Any, Any], Awaitable[None]]
-
-
-async def _serve(app: App, http: Any) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=http, lifespan="off", log_level="warning",
-                            loop="none")
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        assert not task.done(), "the server did not start"
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return server, task, port
-
-
-async def _stop(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
-    server.should_exit = True
-    await task
 
 
 async def _hang_up_after_headers(port: int, watching: asyncio.Event) -> None:
@@ -74,12 +55,9 @@ def test_a_watcher_is_told_once_when_the_client_goes_away(http: str) -> None:
             watch(lambda: (calls.append("late"), late.set()))  # the client is gone already: told at once
             await late.wait()
 
-        server, task, port = await _serve(app, limited_httptools(64 * 1024) if http == "ours" else "httptools")
-        try:
+        async with serving(app, limited_httptools(64 * 1024) if http == "ours" else "httptools") as port:
             await _hang_up_after_headers(port, watching)
             await asyncio.wait_for(late.wait(), 30)
-        finally:
-            await _stop(server, task)
         assert seen["body"] == b"hello"
         assert calls == ["kept", "late"]
         assert seen["hooked"] is (http == "ours")

@@ -8,9 +8,9 @@ import asyncio
 from typing import Any
 
 import pytest
-import uvicorn
 
 from session_server.http.limits import limited_httptools
+from support.uvicorn_server import serving
 
 LIMIT = 1024
 URL = "/x"
@@ -50,21 +50,10 @@ async def _status(port: int, data: bytes, splits: list[int]) -> int:
 @pytest.mark.parametrize("split", ["one read", "two reads"])
 def test_the_verdict_is_the_exact_head_size(body: bytes, split: str) -> None:
     async def main() -> None:
-        config = uvicorn.Config(_app, host="127.0.0.1", port=0, http=limited_httptools(LIMIT), lifespan="off",
-                                log_level="warning", loop="none")
-        server = uvicorn.Server(config)
-        task = asyncio.ensure_future(server.serve())
-        while not server.started:
-            assert not task.done(), "the server did not start"
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        try:
+        async with serving(_app, limited_httptools(LIMIT)) as port:
             for size, status in [(LIMIT - 100, 200), (LIMIT, 200), (LIMIT + 1, 431)]:
                 data = _request(size, body)
                 splits = [len(data) // 3] if split == "two reads" else []
                 assert await _status(port, data, splits) == status, (size, split)
-        finally:
-            server.should_exit = True
-            await task
 
     asyncio.run(main())
