@@ -33,6 +33,8 @@ from trajectory.errors import UpstreamError
 _encoder = msgspec.json.Encoder()
 _PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs")
 _DONE = b"data: [DONE]"
+_TOKEN_LOGPROBS = b'"output_token_logprobs":['  # SGLang's key and the list's opening, as orjson writes them
+_AFTER_TOKEN_LOGPROBS = b'],"output_token_logprobs_length":'  # the list's closing `]` and the key SGLang puts next
 _SEPARATOR = b"\n\ndata: "  # between two events in SGLang's own framing (`data: <json>\n\n`, no other lines)
 
 
@@ -165,6 +167,14 @@ class _Reader:
         return self._judge(events, lambda: payloads)
 
     def _cumulative_event(self, payload: bytes) -> _Event:
+        """One cumulative event decoded. Without logprobs wanted, its per-token logprob list (~40 bytes per token of
+        the reply so far, most of the event) is cut out first where SGLang's layout shows where it ends: nothing
+        reads it (the final body goes on raw, to the strict decode), and the rest decodes the same."""
+        if not self.logprobs and (lean := _without_token_logprobs(payload)) is not payload:
+            try:
+                return _decode_cumulative(lean)
+            except msgspec.DecodeError:
+                pass  # the whole event decides
         try:
             return _decode_cumulative(payload)
         except msgspec.DecodeError:
@@ -321,6 +331,23 @@ async def engine_events(chunks: AsyncIterator[bytes], incremental: bool, logprob
             yield final
             return
     raise UpstreamError("engine stream ended without a final event", rule="stream_incomplete")
+
+
+def _without_token_logprobs(payload: bytes) -> bytes:
+    """The event with `meta_info.output_token_logprobs` emptied, or the payload itself where its layout is not
+    SGLang's. SGLang (orjson) writes `"output_token_logprobs":[[lp,id,null],...]` followed by the
+    `"output_token_logprobs_length"` key (tokenizer_manager.py); both are found by byte searches with needles long
+    enough to skip (a search for the list's `]]` alone scans slower than msgspec skips the list). The span between
+    holds no quote, so no string is cut, and in valid JSON the key's spelling with unescaped quotes is only a key;
+    a span that is not the whole list leaves the rest unparsable, and the caller decodes the event as it came."""
+    key = payload.find(_TOKEN_LOGPROBS)
+    if key < 0:
+        return payload
+    start = key + len(_TOKEN_LOGPROBS) - 1
+    end = payload.find(_AFTER_TOKEN_LOGPROBS, start)
+    if end < 0 or payload.find(b'"', start, end) >= 0:
+        return payload
+    return payload[:start] + b"[]" + payload[end + 1:]
 
 
 def _whole_events(buffer: bytes) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from session_server.engine import pacing
+from session_server.engine import pacing, sse
 from session_server.engine.sse import EngineError, Final, Progress, engine_events
 from support.examples import examples
 from trajectory.errors import UpstreamError
@@ -27,7 +27,8 @@ _pieces = st.lists(st.tuples(st.lists(st.sampled_from([*'ab \n"\\é{}[],:', "dat
 
 def _meta(ids: list[int], done: int, final: bool) -> dict[str, Any]:
     return {"id": "r", "finish_reason": {"type": "stop"} if final else None, "completion_tokens": done,
-            "output_token_logprobs": [[-0.5, i, None] for i in ids], "cached_tokens": 0}
+            "output_token_logprobs": [[-0.5, i, None] for i in ids], "output_token_logprobs_length": len(ids),
+            "cached_tokens": 0}
 
 
 def _stream(pieces: list[tuple[str, list[int]]], incremental: bool, framing: str = "sglang") -> tuple[bytes, dict]:
@@ -46,7 +47,7 @@ def _stream(pieces: list[tuple[str, list[int]]], incremental: bool, framing: str
     return (body + f"data: [DONE]{sep}").encode(), whole
 
 
-async def _read(raw: bytes, cuts: list[int], incremental: bool) -> tuple[str, list[Any], Any]:
+async def _read(raw: bytes, cuts: list[int], incremental: bool, logprobs: bool = True) -> tuple[str, list[Any], Any]:
     async def chunks() -> AsyncIterator[bytes]:
         bounds = [0, *sorted(c % (len(raw) + 1) for c in cuts), len(raw)]
         for a, b in itertools.pairwise(bounds):
@@ -54,7 +55,7 @@ async def _read(raw: bytes, cuts: list[int], incremental: bool) -> tuple[str, li
                 yield raw[a:b]
 
     text, logprobs, final = "", [], None
-    async for event in engine_events(chunks(), incremental, logprobs=True):
+    async for event in engine_events(chunks(), incremental, logprobs=logprobs):
         if isinstance(event, Progress):
             text += event.text
             logprobs += event.logprobs or []
@@ -66,17 +67,61 @@ async def _read(raw: bytes, cuts: list[int], incremental: bool) -> tuple[str, li
 
 @settings(max_examples=examples(150), deadline=None)
 @given(pieces=_pieces, cuts=st.lists(st.integers(0, 10_000), max_size=8), incremental=st.booleans(),
-       framing=st.sampled_from(["sglang", "crlf", "comments"]))
+       framing=st.sampled_from(["sglang", "crlf", "comments"]), wanted=st.booleans())
 def test_any_split_reads_the_same_reply(pieces: list[tuple[str, list[int]]], cuts: list[int], incremental: bool,
-                                        framing: str) -> None:
+                                        framing: str, wanted: bool) -> None:
     raw, whole = _stream(pieces, incremental, framing)
-    text, logprobs, final = asyncio.run(_read(raw, cuts, incremental))
+    text, logprobs, final = asyncio.run(_read(raw, cuts, incremental, logprobs=wanted))
     assert final is not None
     assert final["text"] == whole["text"]
     assert final["output_ids"] == whole["output_ids"]
     assert final["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
     assert whole["text"].startswith(text)  # what was streamed is a prefix of the reply (the final event adds the rest)
     assert [e[1] for e in logprobs] == whole["output_ids"][: len(logprobs)]
+    assert wanted or not logprobs
+
+
+_TEXTS = st.lists(st.sampled_from(['"output_token_logprobs":[', '],"output_token_logprobs_length":', "]]", '"', "\\",
+                                   "[", "]", ",", "null", "a", "é", '"},"meta_info":{']), max_size=8).map("".join)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(text=_TEXTS, ids=st.lists(st.integers(0, 99), max_size=5), final=st.booleans(), spaced=st.booleans(),
+       entry_text=st.none() | _TEXTS, tops=st.booleans())
+def test_a_cumulative_event_decodes_the_same_without_its_logprob_list(
+        text: str, ids: list[int], final: bool, spaced: bool, entry_text: str | None, tops: bool) -> None:
+    """Without logprobs wanted, an event's logprob list is cut out before the decode (sse._without_token_logprobs):
+    every field the stream reads comes out as from the whole event, whatever the text holds (the keys' spellings,
+    quotes, brackets), with text in the entries, deeper lists after the list, or another spacing."""
+    meta = _meta(ids, len(ids), final)
+    meta["output_token_logprobs"] = [[-0.5, i, entry_text] for i in ids]
+    if tops:
+        meta["output_top_logprobs"] = [[[-0.5, i, None], [-1.5, i + 1, None]] for i in ids]
+    event = {"text": text, "output_ids": ids, "meta_info": meta}
+    payload = json.dumps(event, separators=(", ", ": ") if spaced else (",", ":"), ensure_ascii=False).encode()
+    whole = sse._decode_cumulative(payload)
+    for wanted in (False, True):
+        got = sse._Reader(False, wanted)._cumulative_event(payload)
+        assert (bytes(got.text), bytes(got.output_ids), got.error) == (bytes(whole.text), bytes(whole.output_ids),
+                                                                       whole.error)
+        assert got.meta_info is not None and whole.meta_info is not None
+        assert (got.meta_info.finish_reason, got.meta_info.completion_tokens) == (
+            whole.meta_info.finish_reason, whole.meta_info.completion_tokens)
+        if wanted:
+            assert bytes(got.meta_info.output_token_logprobs) == bytes(whole.meta_info.output_token_logprobs)
+
+
+def test_the_logprob_list_of_sglangs_event_is_cut_out() -> None:
+    payload = (b'{"text":"a","output_ids":[5,6],"meta_info":{"id":"r","finish_reason":null,'
+               b'"output_token_logprobs":[[-0.5,5,null],[-1.25e-05,6,null]],"output_token_logprobs_length":2,'
+               b'"completion_tokens":2}}')
+    assert sse._without_token_logprobs(payload) == (
+        b'{"text":"a","output_ids":[5,6],"meta_info":{"id":"r","finish_reason":null,'
+        b'"output_token_logprobs":[],"output_token_logprobs_length":2,"completion_tokens":2}}')
+    quoted = payload.replace(b"5,null]", b'5,"x"]')  # text in the entries: nothing is cut
+    assert sse._without_token_logprobs(quoted) is quoted
+    other = payload.replace(b',"output_token_logprobs_length":2', b"")  # not SGLang's layout: nothing is cut
+    assert sse._without_token_logprobs(other) is other
 
 
 def test_an_error_event_raises_with_its_bytes() -> None:
