@@ -8,10 +8,11 @@ TOKENIZERS := .cache/tokenizers
 
 .PHONY: demo test test-sglang test-fast lint harnesses bench bench-overhead bench-stream bench-scale bench-compare soak soak-crash tokenizers clean nginx demo-cluster
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements-lock.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[rollout,tokenizers,bench,dev,real]" --config-settings editable_mode=compat
+	$(PY) -m pip install -q "pip==26.3"
+	$(PY) -m pip install -q -c requirements-lock.txt -e ".[rollout,tokenizers,bench,dev,real]" \
+		--config-settings editable_mode=compat
 	$(PY) -m pip install -q --no-deps "sglang==0.5.23"
 	touch $(STAMP)
 
