@@ -26,6 +26,7 @@ import msgspec
 import pytest
 
 from rollout.processes import RunningProcess, start_sim
+from session_server.engine import sse
 from support.sglang_engine import Engines, assert_engine_clean, loads
 from trajectory import engine_output
 from trajectory.errors import UpstreamError
@@ -151,14 +152,31 @@ def decode_path(body: bytes) -> str:
 
 @probe
 def decode_paths(t: Target) -> dict[str, Any]:
-    """A reply, plain or the final event of a stream, in the shape the server's fast decode path takes."""
+    """A reply, plain or the final event of a stream, in the shape the server's fast decode path takes; the stream's
+    intermediate events in the layout its logprob cut finds."""
     plain = t.generate(sampling_params={"max_new_tokens": 24}).content
     with t.http.stream("POST", "/generate", json={
         "input_ids": t.prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 6}, "return_logprob": True,
         "logprob_start_len": -1, "rid": t.rid(), "stream": True,
     }) as r:
         events = r.read().split(b"\n\n")
-    return {"plain": decode_path(plain), "stream_final": decode_path(events[-3].removeprefix(b"data: "))}
+    payloads = [e.removeprefix(b"data: ") for e in events[:-2]]  # the events before `[DONE]` and the empty tail
+    return {"plain": decode_path(plain), "stream_final": decode_path(payloads[-1]),
+            "intermediate_events": sorted({_logprobs_cut(p) for p in payloads[:-1]})}
+
+
+def _logprobs_cut(payload: bytes) -> str:
+    """Whether the streamed turn's intermediate-event shortcut (session_server/engine/sse.py) finds SGLang's layout
+    in an event, cuts its `output_token_logprobs` out, and leaves the fields the stream reads as the whole event
+    has them; "whole" where it falls back to decoding the event as it came."""
+    cut = sse._without_token_logprobs(payload)
+    if cut == payload:
+        return "whole"
+    whole, short = msgspec.json.decode(payload), msgspec.json.decode(cut)
+    assert short["meta_info"].pop("output_token_logprobs") == []
+    whole["meta_info"].pop("output_token_logprobs")
+    assert short == whole
+    return "cut"
 
 
 @probe
@@ -388,5 +406,5 @@ def test_the_sim_answers_like_real_sglang(engines: Engines, sim: RunningProcess)
     emulated = observe(Target(sim.url, checkpoint))
     diff = differences(real, emulated)
     assert not diff, "\n".join(diff)
-    assert real["decode_paths"] == {"plain": "fast", "stream_final": "fast"}
+    assert real["decode_paths"] == {"plain": "fast", "stream_final": "fast", "intermediate_events": ["cut"]}
     assert_engine_clean(engine.url)
