@@ -36,6 +36,8 @@ _DONE = b"data: [DONE]"
 _TOKEN_LOGPROBS = b'"output_token_logprobs":['  # SGLang's key and the list's opening, as orjson writes them
 _AFTER_TOKEN_LOGPROBS = b'],"output_token_logprobs_length":'  # the list's closing `]` and the key SGLang puts next
 _SEPARATOR = b"\n\ndata: "  # between two events in SGLang's own framing (`data: <json>\n\n`, no other lines)
+_IDS_KEY = b'"output_ids":['  # SGLang's key of a cumulative event's ids and the list's opening
+_AFTER_IDS = b'],"meta_info":{'  # the ids list's closing `]` and the member SGLang puts next
 
 
 _ABSENT = msgspec.Raw()  # a field the event does not have (msgspec's Raw cannot be in a union with None)
@@ -111,6 +113,10 @@ class _Reader:
         self.logprobs = logprobs
         self.text_seen = 0  # cumulative: characters of text already reported
         self.tokens_seen = 0  # cumulative: logprob entries already reported
+        # cumulative: two events with different token counts held all their output ids (a delta engine's second
+        # event holds fewer); from then on the ids are not read
+        self.shape_known = False
+        self._first_count: int | None = None
         self.texts: list[str] = []  # deltas: every event's text, and its raw ids and per-token lists
         self.raws: dict[str, list[msgspec.Raw]] = {"output_ids": [], **{k: [] for k in _PER_TOKEN_META}}
 
@@ -119,19 +125,18 @@ class _Reader:
 
         SGLang's framing (each event one `data: <json>` line, then a blank line) is read with bytes-level searches,
         never a Python step per event and never a copy of more than the events read: of cumulative events only the
-        last (and the one before a final event) is decoded, delta events by one msgspec call over the run. Other
-        framings (comments, CR LF) go line by line."""
+        last (and the one before a final event) is decoded, found by searches for the line breaks before them (in C,
+        `memrchr`: JSON holds none), delta events by one msgspec call over the run. Other framings (comments,
+        CR LF) go line by line."""
         if data.startswith(b"data: "):
             if not self.incremental:
-                last = data.rfind(_SEPARATOR, 0, end)
-                payload = data[last + len(_SEPARATOR) if last >= 0 else 6: end]
-                if b"\n" not in payload:
+                starts = _last_two_events(data, end)
+                if starts is not None:
+                    last, previous = starts
+
                     def before() -> bytes | None:
-                        if last < 0:
-                            return None
-                        start = data.rfind(_SEPARATOR, 0, last)
-                        return data[start + len(_SEPARATOR) if start >= 0 else 6: last]
-                    return self._cumulative(payload, before)
+                        return None if previous is None else data[previous: last - len(_SEPARATOR)]
+                    return self._cumulative(data[last:end], before)
             else:
                 events_text = data[6:end]
                 joined = b"[" + events_text.replace(_SEPARATOR, b",") + b"]"
@@ -167,10 +172,12 @@ class _Reader:
         return self._judge(events, lambda: payloads)
 
     def _cumulative_event(self, payload: bytes) -> _Event:
-        """One cumulative event decoded. Without logprobs wanted, its per-token logprob list (~40 bytes per token of
-        the reply so far, most of the event) is cut out first where SGLang's layout shows where it ends: nothing
-        reads it (the final body goes on raw, to the strict decode), and the rest decodes the same."""
-        if not self.logprobs and (lean := _without_token_logprobs(payload)) is not payload:
+        """One cumulative event decoded. Its bulk is cut out first where SGLang's layout shows where it ends
+        (_lean_event): the per-token logprob list (~40 bytes per token of the reply so far, most of the event) when
+        logprobs are not wanted, and the output ids once the stream's shape is known. Nothing reads them there (the
+        final body goes on raw, to the strict decode), and the rest decodes the same."""
+        lean = _lean_event(payload, ids=self.shape_known, logprobs=not self.logprobs)
+        if lean is not payload:
             try:
                 return _decode_cumulative(lean)
             except msgspec.DecodeError:
@@ -239,11 +246,16 @@ class _Reader:
             count = meta.completion_tokens
             raw = bytes(event.output_ids).strip()
             held = 0 if raw.replace(b" ", b"") == b"[]" else raw.count(b",") + 1  # ids hold no commas
-            if raw.startswith(b"[") and isinstance(count, int) and not isinstance(count, bool) and count != held:
-                raise UpstreamError(
-                    f"engine stream event holds {held} of {count} output ids: the engine streams deltas "
-                    "(SGLang --incremental-streaming-output); start the session server with "
-                    "--engine-incremental-streaming", rule="stream_shape")
+            if raw.startswith(b"[") and isinstance(count, int) and not isinstance(count, bool):
+                if count != held:
+                    raise UpstreamError(
+                        f"engine stream event holds {held} of {count} output ids: the engine streams deltas "
+                        "(SGLang --incremental-streaming-output); start the session server with "
+                        "--engine-incremental-streaming", rule="stream_shape")
+                if self._first_count is None:
+                    self._first_count = count
+                elif count != self._first_count:
+                    self.shape_known = True
         try:
             text = _decode_str(event.text).rstrip("\ufffd") if event.text else ""
         except msgspec.DecodeError:
@@ -312,9 +324,8 @@ async def engine_events(chunks: AsyncIterator[bytes], incremental: bool, logprob
             data, done = b"".join(pending), True  # whole lines left, however they are framed; not a cut-off one
             end = _trimmed(data, data.rfind(b"\n") + 1)
         else:
-            ends = b"\n\n" in chunk or b"\r\n\r\n" in chunk or (pending and b"\n\n" in pending[-1][-3:] + chunk[:3])
             pending.append(chunk)
-            if not ends:
+            if b"\n" not in chunk:  # memchr: an event ends at a line break, and none arrived
                 continue
             data = b"".join(pending)
             end, rest = _whole_events(data)
@@ -333,25 +344,70 @@ async def engine_events(chunks: AsyncIterator[bytes], incremental: bool, logprob
     raise UpstreamError("engine stream ended without a final event", rule="stream_incomplete")
 
 
-def _without_token_logprobs(payload: bytes) -> bytes:
-    """The event with `meta_info.output_token_logprobs` emptied, or the payload itself where its layout is not
-    SGLang's. SGLang (orjson) writes `"output_token_logprobs":[[lp,id,null],...]` followed by the
-    `"output_token_logprobs_length"` key (tokenizer_manager.py); both are found by byte searches with needles long
-    enough to skip (a search for the list's `]]` alone scans slower than msgspec skips the list). The span between
-    holds no quote, so no string is cut, and in valid JSON the key's spelling with unescaped quotes is only a key;
-    a span that is not the whole list leaves the rest unparsable, and the caller decodes the event as it came."""
-    key = payload.find(_TOKEN_LOGPROBS)
-    if key < 0:
+def _lean_event(payload: bytes, *, ids: bool, logprobs: bool) -> bytes:
+    """The cumulative event without its output ids (`ids`: the member removed) and with an empty
+    `meta_info.output_token_logprobs` (`logprobs`), or the payload itself where its layout is not SGLang's.
+
+    SGLang (tokenizer_manager.py, orjson) writes `{"text":...,"output_ids":[...],"meta_info":{...,
+    "output_token_logprobs":[[lp,id,null],...],"output_token_logprobs_length":N,...}}`. Each list is found by byte
+    searches for its key and for what SGLang writes after it, with needles long enough to skip (a search for a list's
+    `]` alone scans slower than msgspec skips it); the end of the logprob list is searched from the event's end (a
+    few hundred bytes of meta_info follow it). A key's spelling with its quotes unescaped is only ever a key (a
+    string holds its quotes escaped), so the first one found is the key. The span between key and end must hold no
+    quote (memchr), so no string is cut, and a span that is not the whole list leaves the rest unparsable: the
+    caller then decodes the event as it came."""
+    pieces: list[bytes] = []
+    at = 0
+    if ids:
+        key = payload.find(_IDS_KEY)
+        close = payload.find(_AFTER_IDS, key) if key >= 0 else -1
+        if close >= 0 and payload.find(b'"', key + len(_IDS_KEY), close) < 0:
+            pieces.append(payload[:key])  # `"output_ids":[...],` goes, `"meta_info"` follows the comma before
+            at = close + 2
+    if logprobs:
+        key = payload.find(_TOKEN_LOGPROBS, at)
+        if key >= 0:
+            start = key + len(_TOKEN_LOGPROBS)
+            close = payload.rfind(_AFTER_TOKEN_LOGPROBS, start)
+            if close >= 0 and payload.find(b'"', start, close) < 0:
+                pieces += (payload[at:start], b"]", payload[close + 1:])
+                return b"".join(pieces)
+    if not pieces:
         return payload
-    start = key + len(_TOKEN_LOGPROBS) - 1
-    end = payload.find(_AFTER_TOKEN_LOGPROBS, start)
-    if end < 0 or payload.find(b'"', start, end) >= 0:
-        return payload
-    return payload[:start] + b"[]" + payload[end + 1:]
+    pieces.append(payload[at:])
+    return b"".join(pieces)
+
+
+def _last_two_events(data: bytes, end: int) -> tuple[int, int | None] | None:
+    """Where the last event of `data[:end]` begins and the one before it (None: there is none), in SGLang's framing
+    (`data: <json>` lines between blank lines, JSON holding no line break); None for any other framing. Each is the
+    line break before it, found from the end (`memrchr`), never a search through the events' bytes."""
+    starts: list[int] = []
+    stop = end
+    while len(starts) < 2:
+        nl = data.rfind(b"\n", 0, stop)
+        if nl < 0:
+            starts.append(6)  # the first event (`data` begins with `data: `)
+            break
+        if nl == 0 or not data.startswith(_SEPARATOR, nl - 1):
+            return None
+        starts.append(nl + 7)
+        stop = nl - 1
+    return starts[0], starts[1] if len(starts) > 1 else None
 
 
 def _whole_events(buffer: bytes) -> tuple[int, int]:
-    """Where the buffer's complete events end (an SSE event ends at a blank line) and the rest begins."""
+    """Where the buffer's complete events end (an SSE event ends at a blank line) and the rest begins. SGLang's
+    events end in `\n\n` and hold no other line break, so the buffer's last line break or the one before it
+    (`memrchr`, no scan through the event) ends the last one; other framings are searched for."""
+    stop = len(buffer)
+    for _ in range(2):
+        nl = buffer.rfind(b"\n", 0, stop)
+        if nl <= 0:
+            break
+        if buffer[nl - 1] == 10:  # \n
+            return nl - 1, nl + 1
+        stop = nl
     end = buffer.rfind(b"\n\n")
     if end >= 0:
         return end, end + 2

@@ -153,7 +153,7 @@ def decode_path(body: bytes) -> str:
 @probe
 def decode_paths(t: Target) -> dict[str, Any]:
     """A reply, plain or the final event of a stream, in the shape the server's fast decode path takes; the stream's
-    intermediate events in the layout its logprob cut finds."""
+    intermediate events in the layout its bulk cut finds."""
     plain = t.generate(sampling_params={"max_new_tokens": 24}).content
     with t.http.stream("POST", "/generate", json={
         "input_ids": t.prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 6}, "return_logprob": True,
@@ -162,19 +162,20 @@ def decode_paths(t: Target) -> dict[str, Any]:
         events = r.read().split(b"\n\n")
     payloads = [e.removeprefix(b"data: ") for e in events[:-2]]  # the events before `[DONE]` and the empty tail
     return {"plain": decode_path(plain), "stream_final": decode_path(payloads[-1]),
-            "intermediate_events": sorted({_logprobs_cut(p) for p in payloads[:-1]})}
+            "intermediate_events": sorted({_bulk_cut(p) for p in payloads[:-1]})}
 
 
-def _logprobs_cut(payload: bytes) -> str:
+def _bulk_cut(payload: bytes) -> str:
     """Whether the streamed turn's intermediate-event shortcut (session_server/engine/sse.py) finds SGLang's layout
-    in an event, cuts its `output_token_logprobs` out, and leaves the fields the stream reads as the whole event
-    has them; "whole" where it falls back to decoding the event as it came."""
-    cut = sse._without_token_logprobs(payload)
+    in an event, cuts its `output_ids` and `output_token_logprobs` out, and leaves the fields the stream reads as
+    the whole event has them; "whole" where it falls back to decoding the event as it came."""
+    cut = sse._lean_event(payload, ids=True, logprobs=True)
     if cut == payload:
         return "whole"
     whole, short = msgspec.json.decode(payload), msgspec.json.decode(cut)
     assert short["meta_info"].pop("output_token_logprobs") == []
     whole["meta_info"].pop("output_token_logprobs")
+    whole.pop("output_ids")
     assert short == whole
     return "cut"
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from session_server.engine import pacing, sse
@@ -82,28 +82,62 @@ def test_any_split_reads_the_same_reply(pieces: list[tuple[str, list[int]]], cut
 
 
 _TEXTS = st.lists(st.sampled_from(['"output_token_logprobs":[', '],"output_token_logprobs_length":', "]]", '"', "\\",
-                                   "[", "]", ",", "null", "a", "é", '"},"meta_info":{']), max_size=8).map("".join)
+                                   "[", "]", ",", "null", "a", "é", '"},"meta_info":{', '"output_ids":[',
+                                   '],"meta_info":{']), max_size=8).map("".join)
+_SGLANG_ORDER = ("text", "output_ids", "extra", "meta_info")
+_SGLANG_META_ORDER = ("finish_reason", "completion_tokens", "output_token_logprobs", "output_token_logprobs_length",
+                      "extra")
+# members SGLang does not write: a list with a string, the error, a list that holds an `output_ids` member
+_EXTRA = st.sampled_from([None, ("x", ["s"]), ("error", [5]), ("x", [{"output_ids": [7]}]), ("x", [1, 2])])
+_META_EXTRA = st.sampled_from([None, ("y", ["s"]), ("y", [{"output_token_logprobs": [[1]]}]), ("y", [1])])
 
 
-@settings(max_examples=examples(300), deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(text=_TEXTS, ids=st.lists(st.integers(0, 99), max_size=5), final=st.booleans(), spaced=st.booleans(),
-       entry_text=st.none() | _TEXTS, tops=st.booleans())
-def test_a_cumulative_event_decodes_the_same_without_its_logprob_list(
-        text: str, ids: list[int], final: bool, spaced: bool, entry_text: str | None, tops: bool) -> None:
-    """Without logprobs wanted, an event's logprob list is cut out before the decode (sse._without_token_logprobs):
-    every field the stream reads comes out as from the whole event, whatever the text holds (the keys' spellings,
-    quotes, brackets), with text in the entries, deeper lists after the list, or another spacing."""
+       entry_text=st.none() | _TEXTS, tops=st.booleans(), extra=_EXTRA, meta_extra=_META_EXTRA,
+       order=st.just(_SGLANG_ORDER) | st.permutations(_SGLANG_ORDER),
+       meta_order=st.just(_SGLANG_META_ORDER) | st.permutations(_SGLANG_META_ORDER))
+@example(text="a", ids=[1], final=False, spaced=False, entry_text=None, tops=False, extra=("x", [{"output_ids": [7]}]),
+         meta_extra=None, order=("text", "extra", "meta_info", "output_ids"), meta_order=_SGLANG_META_ORDER)
+@example(text="a", ids=[1], final=False, spaced=False, entry_text=None, tops=False, extra=("error", [5]),
+         meta_extra=None, order=_SGLANG_ORDER, meta_order=_SGLANG_META_ORDER)
+@example(text="a", ids=[1], final=True, spaced=False, entry_text=None, tops=False, extra=None,
+         meta_extra=None, order=_SGLANG_ORDER, meta_order=("output_token_logprobs", "finish_reason", "extra",
+                                                           "completion_tokens", "output_token_logprobs_length"))
+def test_a_cumulative_event_decodes_the_same_without_its_bulk(
+        text: str, ids: list[int], final: bool, spaced: bool, entry_text: str | None, tops: bool,
+        extra: tuple[str, Any] | None, meta_extra: tuple[str, Any] | None, order: tuple[str, ...],
+        meta_order: tuple[str, ...]) -> None:
+    """An event's logprob list (without logprobs wanted) and its output ids (once the stream's shape is known) are
+    cut out before the decode (sse._lean_event): every field the stream reads comes out as from the whole event,
+    whatever the text holds (the keys' spellings, quotes, brackets), with text in the entries, deeper lists after
+    the list, members SGLang does not write between or around them, any member order, or another spacing. Without
+    the quote checks or the fallback to the whole event's decode, a member between a key and the end searched for
+    is lost with the cut (the error, the finish reason) or the rest does not decode."""
     meta = _meta(ids, len(ids), final)
     meta["output_token_logprobs"] = [[-0.5, i, entry_text] for i in ids]
+    meta["extra"] = None
     if tops:
         meta["output_top_logprobs"] = [[[-0.5, i, None], [-1.5, i + 1, None]] for i in ids]
-    event = {"text": text, "output_ids": ids, "meta_info": meta}
+    meta = {key: meta[key] for key in (*meta_order, *meta) if key in meta}  # the order asked, the rest after
+    del meta["extra"]
+    if meta_extra is not None:
+        meta = {(meta_extra[0] if k == "extra" else k): v for k, v in {**meta, "extra": meta_extra[1]}.items()}
+    members: dict[str, Any] = {"text": text, "output_ids": ids, "meta_info": meta}
+    event = {}
+    for key in order:
+        if key != "extra":
+            event[key] = members[key]
+        elif extra is not None:
+            event[extra[0]] = extra[1]
     payload = json.dumps(event, separators=(", ", ": ") if spaced else (",", ":"), ensure_ascii=False).encode()
     whole = sse._decode_cumulative(payload)
-    for wanted in (False, True):
-        got = sse._Reader(False, wanted)._cumulative_event(payload)
-        assert (bytes(got.text), bytes(got.output_ids), got.error) == (bytes(whole.text), bytes(whole.output_ids),
-                                                                       whole.error)
+    for wanted, known in itertools.product((False, True), (False, True)):
+        reader = sse._Reader(False, wanted)
+        reader.shape_known = known
+        got = reader._cumulative_event(payload)
+        assert (bytes(got.text), got.error) == (bytes(whole.text), whole.error)
+        assert bytes(got.output_ids) == bytes(whole.output_ids) or (known and not got.output_ids)
         assert got.meta_info is not None and whole.meta_info is not None
         assert (got.meta_info.finish_reason, got.meta_info.completion_tokens) == (
             whole.meta_info.finish_reason, whole.meta_info.completion_tokens)
@@ -111,17 +145,38 @@ def test_a_cumulative_event_decodes_the_same_without_its_logprob_list(
             assert bytes(got.meta_info.output_token_logprobs) == bytes(whole.meta_info.output_token_logprobs)
 
 
-def test_the_logprob_list_of_sglangs_event_is_cut_out() -> None:
+def test_the_bulk_of_sglangs_event_is_cut_out() -> None:
     payload = (b'{"text":"a","output_ids":[5,6],"meta_info":{"id":"r","finish_reason":null,'
                b'"output_token_logprobs":[[-0.5,5,null],[-1.25e-05,6,null]],"output_token_logprobs_length":2,'
                b'"completion_tokens":2}}')
-    assert sse._without_token_logprobs(payload) == (
+    assert sse._lean_event(payload, ids=False, logprobs=True) == (
         b'{"text":"a","output_ids":[5,6],"meta_info":{"id":"r","finish_reason":null,'
         b'"output_token_logprobs":[],"output_token_logprobs_length":2,"completion_tokens":2}}')
-    quoted = payload.replace(b"5,null]", b'5,"x"]')  # text in the entries: nothing is cut
-    assert sse._without_token_logprobs(quoted) is quoted
+    assert sse._lean_event(payload, ids=True, logprobs=True) == (
+        b'{"text":"a","meta_info":{"id":"r","finish_reason":null,'
+        b'"output_token_logprobs":[],"output_token_logprobs_length":2,"completion_tokens":2}}')
+    assert sse._lean_event(payload, ids=True, logprobs=False) == payload.replace(b'"output_ids":[5,6],', b"")
+    assert sse._lean_event(payload, ids=False, logprobs=False) is payload
+    quoted = payload.replace(b"5,null]", b'5,"x"]')  # text in the entries: the logprobs are not cut
+    assert sse._lean_event(quoted, ids=False, logprobs=True) is quoted
     other = payload.replace(b',"output_token_logprobs_length":2', b"")  # not SGLang's layout: nothing is cut
-    assert sse._without_token_logprobs(other) is other
+    assert sse._lean_event(other, ids=False, logprobs=True) is other
+    between = payload.replace(b'[5,6],"meta_info"', b'[5,6],"x":[1],"meta_info"')  # a member between: kept
+    assert sse._lean_event(between, ids=True, logprobs=False) is between
+
+
+def test_a_cumulative_stream_stops_reading_ids_once_its_shape_is_known() -> None:
+    """Two events with different token counts that held all their ids: the shape is known, and a later event is
+    read without its ids; a delta engine's second event is refused before that."""
+    raw, _ = _stream([("a", [1]), ("b", [2]), ("c", [3]), ("d", [4])], incremental=False)
+    reader = sse._Reader(False, False)
+    events = raw.split(b"\n\n")[:3]
+    for n, event in enumerate(events):
+        reader.block(event + b"\n\n", len(event))
+        assert reader.shape_known == (n >= 1)
+    deltas, _ = _stream([("a", [1]), ("b", [2]), ("c", [3])], incremental=True)
+    with pytest.raises(UpstreamError, match="--engine-incremental-streaming"):
+        asyncio.run(_read(deltas, list(range(0, len(deltas), 7)), incremental=False))
 
 
 def test_an_error_event_raises_with_its_bytes() -> None:
