@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Tokens per stream event, as SGLang's flag of that name (SGLang's default 1: one event per "
                         "token); a request's sampling_params.stream_interval overrides it. Default: one event per "
                         "emulated decode wake-up (cheap for tests).")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="As SGLang's flag: a request with require_reasoning has its grammar (a forced tool call, a "
+                        "JSON answer) wait until the reasoning ends, so a scripted reasoning block comes first; "
+                        "reported by /server_info and /model_info.")
     p.add_argument("--log-level", default="warning", help="uvicorn log level.")
     return p
 
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                           enable_streaming_session=args.enable_streaming_session,
                           weight_version=args.weight_version,
                           incremental_streaming_output=args.incremental_streaming_output,
-                          stream_interval=args.stream_interval)
+                          stream_interval=args.stream_interval, reasoning_parser=args.reasoning_parser)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     engine = Engine(config, family)

@@ -50,6 +50,7 @@ class EngineConfig:
     weight_version: str = "default"
     incremental_streaming_output: bool = False  # SGLang's --incremental-streaming-output
     stream_interval: int | None = None  # SGLang's --stream-interval; None: one event per decode wake-up
+    reasoning_parser: str | None = None  # SGLang's --reasoning-parser: `require_reasoning` holds a grammar back
 
 
 class Engine:
@@ -111,7 +112,7 @@ class Engine:
             inp = dataclasses.replace(inp, sampling=dataclasses.replace(inp.sampling, max_new_tokens=max(0, room)))
         self._check_context(len(prompt), inp.sampling.max_new_tokens)
         try:
-            plan = self._plan(prompt, inp.sampling)
+            plan = self._plan(prompt, inp.sampling, inp.require_reasoning and self.config.reasoning_parser is not None)
         except ValueError as exc:  # a constraint the sim cannot satisfy (ConstraintError) or a bias banning every word
             raise BadRequest(str(exc)) from exc
         req = SimRequest(inp=inp, prompt=prompt, plan=plan, session=session)
@@ -132,13 +133,14 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
         return req
 
-    def _plan(self, prompt: np.ndarray, params: SamplingParams) -> ReplyPlan:
+    def _plan(self, prompt: np.ndarray, params: SamplingParams, reasoning_gate: bool) -> ReplyPlan:
         """The reply to `prompt`. A prompt that is an aborted request's prompt + the tokens it had emitted gets the
         rest of that request's reply (within this request's max_new_tokens), as a model continues its own text: a
-        reply continued after an abort (a weight update) is then the reply an uninterrupted run gives."""
+        reply continued after an abort (a weight update) is then the reply an uninterrupted run gives.
+        `reasoning_gate`: a grammar waits for the end of the reasoning (generation.py `grammar_first`)."""
         cut = self._cut.get(prompt.astype(np.int32, copy=False).tobytes())
         if cut is None:
-            return plan_reply(self.family, prompt, params, self.config.seed)
+            return plan_reply(self.family, prompt, params, self.config.seed, reasoning_gate)
         whole, emitted = cut
         ids, logprobs, finish = whole.output_ids[emitted:], whole.logprobs[emitted:], whole.finish_reason
         limit = params.max_new_tokens

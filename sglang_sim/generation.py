@@ -219,8 +219,19 @@ def _tool_name(family: EngineFamily, begin: str) -> str | None:
     return None
 
 
-def plan_reply(family: EngineFamily, prompt: np.ndarray, params: SamplingParams, engine_seed: int) -> ReplyPlan:
-    """The deterministic reply for this prompt; stop conditions already applied."""
+def grammar_first(params: SamplingParams, reasoning_gate: bool) -> bool:
+    """Whether the request's grammar leaves no room for reasoning before it: a JSON answer or a forced tool call (a
+    grammar that starts with the call), applied from the first token. SGLang holds it back until the reasoning ends
+    when the request says `require_reasoning` and the engine runs with `--reasoning-parser` (`reasoning_gate`);
+    auto tool calls (triggered tags) admit any text before a call, reasoning included, either way."""
+    tag = params.structural_tag
+    return (params.json_schema is not None or (tag is not None and tag.at_least_one)) and not reasoning_gate
+
+
+def plan_reply(family: EngineFamily, prompt: np.ndarray, params: SamplingParams, engine_seed: int,
+               reasoning_gate: bool = False) -> ReplyPlan:
+    """The deterministic reply for this prompt; stop conditions already applied. `reasoning_gate`: the engine holds
+    a grammar back until the reasoning ends (`grammar_first`)."""
     seed = derive_seed(engine_seed, prompt, params.sampling_seed)
     # Independent streams, so a reply cut by max_new_tokens is a prefix (tokens and logprobs) of the uncut one.
     rng, think_rng, prob_rng, grammar_rng = (
@@ -228,9 +239,13 @@ def plan_reply(family: EngineFamily, prompt: np.ndarray, params: SamplingParams,
     script = find_script(family, prompt) or Script()
     think = script.think and not _closes_thinking(family, prompt)
     # A prompt that already opened the reasoning block (Qwen3.5's `<think>\n`): the reply starts inside it and must
-    # close it, with reasoning or without.
+    # close it, with reasoning or without -- unless a grammar applies from the first token, which writes its own text
+    # right there (inside the open block: the model never closes it).
     opened = family.family.opened_reply(prompt)
-    reasoning = _words(think_rng, int(think_rng.integers(6, 18))) if think else ("" if opened else None)
+    if grammar_first(params, reasoning_gate):
+        reasoning = None
+    else:
+        reasoning = _words(think_rng, int(think_rng.integers(6, 18))) if think else ("" if opened else None)
     content_ids: list[int] | None = None
     tag = params.structural_tag
     if params.json_schema is not None:

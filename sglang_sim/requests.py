@@ -69,6 +69,7 @@ class GenerateInput:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     routing_key: str | None = None
+    require_reasoning: bool = False  # hold a grammar back until the reasoning ends (with --reasoning-parser)
 
 
 def _is_int(v: Any) -> bool:
@@ -239,7 +240,16 @@ def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> Gener
         return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
         stream=bool(body.get("stream", False)), session_params=session,
         return_routed_experts=bool(body.get("return_routed_experts", False)),
-        routed_experts_start_len=_opt(body, "routed_experts_start_len", int, 0), routing_key=routing_key)
+        routed_experts_start_len=_opt(body, "routed_experts_start_len", int, 0), routing_key=routing_key,
+        require_reasoning=_contract_bool(body, "require_reasoning"))
+
+
+def _contract_bool(body: dict[str, Any], key: str) -> bool:
+    """A boolean field of SGLang's JSON contract: null or absent is false, any other non-boolean a ContractError."""
+    value = body.get(key)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise ContractError(f"invalid type: {_unexpected(value)}, expected a boolean")
 
 
 @dataclass(eq=False)

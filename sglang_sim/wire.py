@@ -252,7 +252,8 @@ def model_info(engine: Engine, model_path: str, tokenizer_path: str) -> dict[str
     """http_server.py `/model_info` of a generation model (its embedding plan says: not an embedding model)."""
     return {"model_path": model_path, "served_model_name": model_path, "tokenizer_path": tokenizer_path,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": engine.weight_version,
-            "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+            "load_format": "auto", "reasoning_parser": engine.config.reasoning_parser, "tool_call_parser": None,
+            "disaggregation_mode": "null",
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": engine.family.name,
             "architectures": ["SglangSimForCausalLM"], "embedding": {
                 "family": "none", "task": "none", "execution": "none", "attention": "none",
@@ -283,6 +284,7 @@ def server_info(engine: Engine, model_path: str, tokenizer_path: str, host: str,
         "random_seed": cfg.seed,
         "enable_streaming_session": cfg.enable_streaming_session,
         "incremental_streaming_output": cfg.incremental_streaming_output,
+        "reasoning_parser": cfg.reasoning_parser,
         "skip_tokenizer_init": False,
         "weight_version": engine.weight_version,
         "max_total_num_tokens": engine.pool.capacity,

@@ -15,6 +15,9 @@ import orjson
 from trajectory import GenerateResult, decode_generate_response
 from trajectory.errors import UpstreamError
 
+# Sampling keys of constrained decoding (DESIGN.md 5.1): each installs a grammar on the engine's request.
+CONSTRAINED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+
 
 def encode_generate(
     prompt_ids: Any,
@@ -27,9 +30,15 @@ def encode_generate(
     stream: bool = False,
     routed_experts_start: int = 0,
     stream_interval: int | None = None,
+    thinking: bool = False,
 ) -> bytes:
     """The /generate body of DESIGN.md 5.1. `start` > 0 sends only the tokens an engine session does not hold;
     `stream_interval`: tokens per stream event (engine/pacing.py), for a streamed request.
+
+    `thinking`: the turn is in thinking mode (`ModelFamily.thinking_mode`). SGLang's chat server then sends
+    `require_reasoning: true`, and an engine run with `--reasoning-parser` holds a grammar back until the reasoning
+    ends (ReasonerGrammarBackend), so the model thinks before a forced tool call or a JSON answer. We send it where
+    it has that effect, with a grammar: without one the flag only changes the engine's reasoning-token count.
 
     orjson writes the int32 id array straight from numpy: the prompt is the one part of the body that grows with the
     history, and going through a Python list first costs ~5x more per token.
@@ -53,6 +62,8 @@ def encode_generate(
         payload["routed_experts_start_len"] = routed_experts_start
     if top_logprobs > 0:
         payload["top_logprobs_num"] = top_logprobs
+    if thinking and any(sp.get(key) is not None for key in CONSTRAINED_KEYS):
+        payload["require_reasoning"] = True
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 

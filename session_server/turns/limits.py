@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from session_server.engine.reasoning import ungated_grammar_warning
 from session_server.errors import LimitExceededError
 from trajectory import ModelFamily, TurnPlan
 from trajectory.bounds import min_prompt_tokens
@@ -76,9 +77,16 @@ def _prompt_limit(info: dict[str, Any]) -> int | None:
 
 
 async def learn_prompt_limit(server: ServerState, retry: float = 2.0) -> None:
-    """Ask the engine's /server_info until it tells its prompt limit; store it on the server state."""
+    """Ask the engine's /server_info until it tells its prompt limit; store it on the server state. Its first answer
+    also says whether the engine gates grammars behind the model's reasoning (engine/reasoning.py)."""
+    told = False
     while True:
         info = await server.engine.server_info()
+        if info is not None and not told:
+            told = True
+            warning = ungated_grammar_warning(info, server.family)
+            if warning is not None:
+                logger.warning("%s", warning)
         limit = _prompt_limit(info) if info is not None else None
         if limit is not None:
             server.prompt_token_limit = limit

@@ -26,16 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from session_server.engine.wire import CONSTRAINED_KEYS
 from session_server.errors import EngineAbortedError
 from session_server.state import ServerState
 from session_server.turns.turn import Turn, encode_payload, new_rid
 from trajectory import GenerateResult, continuable_abort
 
 logger = logging.getLogger("session_server.turns.resume")
-
-# Sampling keys of constrained decoding (DESIGN.md 5.1): their grammar state starts at the first output token.
-CONSTRAINED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
-
 
 @dataclass(slots=True)
 class Continuation:
@@ -53,6 +50,7 @@ class Continuation:
             return "limit"
         sampled = len(partial.output_ids)
         params = turn.request.sampling_params
+        # The grammar's state (and the reasoning gate before it) starts again at the continuation's first token.
         if sampled and any(params.get(key) is not None for key in CONSTRAINED_KEYS):
             return "constrained"
         budget = params.get("max_new_tokens")

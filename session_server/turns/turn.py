@@ -172,7 +172,7 @@ async def encode_payload(
     return await server.pool.run_sized(
         4 * (len(prompt_ids) - turn.engine_start), encode_generate, prompt_ids, turn.engine_start, sampling_params,
         turn.engine_rid, turn.session_params, config.return_routed_experts, request.top_logprobs, request.stream,
-        turn.plan.routed_experts_start, interval,
+        turn.plan.routed_experts_start, interval, server.family.thinking_mode(request.template_kwargs),
     )
 
 

@@ -22,16 +22,10 @@ import pytest
 
 from session_server.openai.fields import RequestOptions, ToolChoice, tool_call_constraint
 from support.families import FAMILIES
+from support.families import SGLANG_PARSERS as PARSERS
 from trajectory.families import registry
 
 HERE = Path(__file__).resolve().parent
-# SGLang's tool-call parser and reasoning parser for each family, as a deployment serving it names them.
-PARSERS: dict[str, tuple[str, str | None]] = {
-    "qwen3": ("qwen25", "qwen3"), "deepseek": ("deepseekv3", "deepseek-v3"), "qwen3.5": ("qwen3_coder", "qwen3"),
-    "qwen3.6": ("qwen3_coder", "qwen3"), "deepseek-v4": ("deepseekv4", "deepseek-v4"),
-    "gpt-oss": ("gpt-oss", "gpt-oss"),
-    "llama-3.1": ("llama3", None), "mistral-nemo": ("mistral", None),
-}
 ADD = {"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}
 LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {

@@ -36,3 +36,23 @@ TOOLS_BEFORE_EACH_QUERY: tuple[str, ...] = ("mistral-nemo",)
 # right after a generated one would rewrite it, which TITO refuses (400); after a user message or tool results it is
 # prompt like anywhere else.
 MERGES_ASSISTANT_TURNS: tuple[str, ...] = ("mistral-nemo",)
+# SGLang's tool-call parser and reasoning parser for each family, as a deployment serving it names them (the reasoning
+# parser is the one SGLang suggests for the family's template; None: the model does not reason).
+SGLANG_PARSERS: dict[str, tuple[str, str | None]] = {
+    "qwen3": ("qwen25", "qwen3"), "deepseek": ("deepseekv3", "deepseek-r1"), "qwen3.5": ("qwen3_coder", "qwen3"),
+    "qwen3.6": ("qwen3_coder", "qwen3"), "deepseek-v4": ("deepseekv4", "deepseek-v4"),
+    "gpt-oss": ("gpt-oss", "gpt-oss"),
+    "llama-3.1": ("llama3", None), "mistral-nemo": ("mistral", None),
+}
+# Each family's thinking switch and whether a turn is in thinking mode with the switch left out, set true, set false
+# (SGLang's `thinking_mode`, which decides `require_reasoning`): written out, not read from the families.
+THINKING: dict[str, tuple[str | None, bool, bool, bool]] = {
+    "qwen3": ("enable_thinking", True, True, False),
+    "qwen3.5": ("enable_thinking", True, True, False),
+    "qwen3.6": ("enable_thinking", True, True, False),
+    "deepseek": (None, True, True, True),  # R1: always reasons, the template has no switch
+    "deepseek-v4": ("thinking", False, True, False),  # chat mode unless `thinking: true`
+    "gpt-oss": (None, True, True, True),  # harmony's analysis channel, always
+    "llama-3.1": (None, False, False, False),
+    "mistral-nemo": (None, False, False, False),
+}

@@ -122,6 +122,10 @@ class ModelFamily(ABC):
     # The template variable that turns the model's reasoning on or off (Qwen3's `enable_thinking`), which the
     # Responses and Anthropic front ends set from `reasoning.effort` / `thinking`. None: the family has no switch.
     thinking_switch: ClassVar[str | None] = None
+    # Whether a turn is in thinking mode when the request leaves `thinking_switch` unset, as SGLang 0.5.23's chat
+    # server decides it (`_get_reasoning_from_request`: the template's toggle and its default, or a reasoning parser
+    # that is always on); True without a switch: the model always reasons. None: the model does not reason.
+    thinking_default: ClassVar[bool | None] = None
     # Text a generation prompt may end with that belongs to the reply (Qwen3.5's `<think>\n` with thinking on): the
     # engine's text then starts after it, so parsing a reply puts it back first (`opened_reply`).
     reply_opening: ClassVar[str] = ""
@@ -349,6 +353,16 @@ class ModelFamily(ABC):
         if n and len(prompt_ids) >= n and tuple(int(i) for i in prompt_ids[-n:]) == self._opening_ids:
             return self.reply_opening
         return ""
+
+    def thinking_mode(self, template_kwargs: Mapping[str, Any] | None) -> bool:
+        """Whether the model reasons before it answers this turn (SGLang's `thinking_mode`), from the request's
+        `chat_template_kwargs`: a default-on switch is on unless set to exactly false, a default-off switch on only
+        when set to exactly true (SGLang compares with `is`, so 0 or "no" leave the default)."""
+        default = self.thinking_default
+        if default is None or self.thinking_switch is None:
+            return bool(default)
+        value = (template_kwargs or {}).get(self.thinking_switch)
+        return value is not False if default else value is True
 
     def parse_reply(self, text: str, tool_calls: bool = True,
                     tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedCompletion:

@@ -58,6 +58,8 @@ class DeepSeekFamily(ModelFamily):
     tools_only_in_preamble = True  # the template lists tools after the system text, before any message
     content_markup = (THINK_OPEN, THINK_CLOSE)  # the template splits an assistant's reasoning off on them
     reasoning_markers = (THINK_OPEN, THINK_CLOSE)
+    # R1's template has no switch: the model always opens its reasoning itself (SGLang's `deepseek-r1` parser).
+    thinking_default = True
     tool_call_markers = (CALLS_BEGIN, CALLS_END)
     tool_call_structure: ClassVar[tuple[str, str, str, str] | None] = (
         CALLS_BEGIN + CALL_BEGIN + "function" + TOOL_SEP, "\n```json\n", "\n```" + CALL_END + CALLS_END, CALLS_BEGIN)

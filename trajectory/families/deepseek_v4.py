@@ -111,6 +111,7 @@ class DeepSeekV4Family(DeepSeekFamily):
     structural_tag_format = "deepseek_v4"
     reply_opening = THINK_OPEN
     thinking_switch = "thinking"  # SGLang's deepseek-v4 reasoning parser: explicit `thinking: true`
+    thinking_default = False
     inline_message_starts = ("<tool_result>",)
 
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
