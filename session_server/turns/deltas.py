@@ -171,9 +171,14 @@ class DeltaTracker:
             if self._calls[1] not in self._text.tail(max(self._open_call, start - self._overlap)):
                 return None  # the block is still open: nothing before it changes, nothing in it is sent yet
             self._open_call = None
-        elif self._quiet is not None and not any(m in window for m in self._markers):
+        elif self._quiet is not None and not self._holds_marker(window):
             return self._plain()
         return self._parse()
+
+    def _holds_marker(self, text: str) -> bool:
+        """Whether `text` holds a marker: first by the markers' first characters (one search each, `<` for most
+        families, where plain text rarely has one), then by the markers themselves."""
+        return any(c in text for c in self._starts) and any(m in text for m in self._markers)
 
     def _plain(self) -> dict[str, Any] | None:
         """Text without markers after a quiet place: appended to the quiet field as it is, trailing whitespace,
