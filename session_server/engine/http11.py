@@ -159,12 +159,17 @@ class EngineStream(_Parsed):
     # -- reader side ------------------------------------------------------------------------------------
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The body as it arrives: each piece is everything received since the previous one."""
+        async for pieces in self.aiter_pieces():
+            yield b"".join(pieces)
+
+    async def aiter_pieces(self) -> AsyncIterator[list[bytes]]:
+        """The body as it arrives, as the parser handed it over: everything received since the previous read, in the
+        pieces of the body's own chunks (cut where a socket read ended), which a reader may use unjoined."""
         while True:
             if self._chunks:
-                data = b"".join(self._chunks)
-                self._chunks.clear()
+                pieces, self._chunks = self._chunks, []
                 self._pause(True)  # while the reader is away, what the engine sends waits in the socket
-                yield data
+                yield pieces
                 continue
             if self._done:
                 return

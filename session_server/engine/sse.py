@@ -41,16 +41,18 @@ _AFTER_IDS = b'],"meta_info":{'  # the ids list's closing `]` and the member SGL
 
 
 _ABSENT = msgspec.Raw()  # a field the event does not have (msgspec's Raw cannot be in a union with None)
+# The structs below are decoded once per engine event (a thousand per long delta stream) and never hold a reference
+# cycle: gc=False keeps them out of the cyclic collector's generations.
 
 
-class _Meta(msgspec.Struct):
+class _Meta(msgspec.Struct, gc=False):
     finish_reason: Any = None
     completion_tokens: Any = None
     output_token_logprobs: msgspec.Raw = _ABSENT
     output_top_logprobs: msgspec.Raw = _ABSENT
 
 
-class _Event(msgspec.Struct):
+class _Event(msgspec.Struct, gc=False):
     """A cumulative event, its large parts left as raw JSON (only the last of a batch is decoded at all)."""
 
     text: msgspec.Raw = _ABSENT
@@ -59,7 +61,7 @@ class _Event(msgspec.Struct):
     error: Any = None
 
 
-class _Delta(msgspec.Struct):
+class _Delta(msgspec.Struct, gc=False):
     """A delta event: its text decoded (it is streamed), its ids and per-token lists kept raw for the final body."""
 
     text: str = ""
@@ -138,18 +140,37 @@ class _Reader:
                         return None if previous is None else data[previous: last - len(_SEPARATOR)]
                     return self._cumulative(data[last:end], before)
             else:
-                events_text = data[6:end]
-                joined = b"[" + events_text.replace(_SEPARATOR, b",") + b"]"
+                payloads = data[6:end].split(_SEPARATOR)  # one pass (a replace by "," searches twice)
+                joined = b"[" + b",".join(payloads) + b"]"
                 if b"\n" not in joined:
                     try:
                         events = _decode_deltas(joined)
                     except msgspec.DecodeError:
-                        return self.batch(events_text.split(_SEPARATOR))
-                    return self._judge(events, lambda: events_text.split(_SEPARATOR))
+                        return self.batch(payloads)
+                    return self._judge(events, lambda: payloads)
         payloads = [line[5:].strip() for line in data[:end].split(b"\n") if line.startswith(b"data:")]
         if b"[DONE]" in payloads:
             payloads = payloads[: payloads.index(b"[DONE]")]
         return self.batch(payloads) if payloads else (None, None)
+
+    def pieces(self, pieces: list[bytes]) -> tuple[Progress | None, Final | None] | None:
+        """Progress and maybe the final event of delta events that are one piece each (`data: {...}` and the blank
+        line: SGLang's HTTP chunks), decoded by one msgspec call with no search for where they begin or end; None
+        when the pieces are not that (cumulative events, a `[DONE]`, other framings): the caller reads them as
+        bytes."""
+        if not self.incremental:
+            return None
+        payloads = [piece[6:-2] for piece in pieces if piece.startswith(b"data: {") and piece.endswith(b"\n\n")]
+        if len(payloads) < len(pieces):
+            return None
+        joined = b"[" + b",".join(payloads) + b"]"
+        if b"\n" in joined:  # a piece held more than one line
+            return None
+        try:
+            events = _decode_deltas(joined)
+        except msgspec.DecodeError:
+            return self.batch(payloads)
+        return self._judge(events, lambda: payloads)
 
     def batch(self, payloads: list[bytes]) -> tuple[Progress | None, Final | None]:
         """Progress of the batch's intermediate events, and the final event if the batch holds it."""
@@ -225,8 +246,8 @@ class _Reader:
         self.texts += texts
         self.raws["output_ids"] += [e.output_ids for e in deltas if e.output_ids]
         metas = [e.meta_info for e in deltas if e.meta_info is not None]
-        for key in _PER_TOKEN_META:
-            self.raws[key] += [raw for raw in (getattr(m, key) for m in metas) if raw]
+        self.raws["output_token_logprobs"] += [m.output_token_logprobs for m in metas if m.output_token_logprobs]
+        self.raws["output_top_logprobs"] += [m.output_top_logprobs for m in metas if m.output_top_logprobs]
         entries = tops = None
         if self.logprobs:  # unvalidated; the consumer checks them
             try:
@@ -295,46 +316,59 @@ class _Reader:
                                 "output_ids": _spliced(self.raws["output_ids"], ids), "meta_info": summed})
 
 
-def _spliced(raws: list[msgspec.Raw], last: list[Any]) -> msgspec.Raw:
+def _spliced(raws: Sequence[Any], last: list[Any]) -> msgspec.Raw:
     """One JSON list of the items of raw JSON lists (the events' deltas) and `last`. A raw piece that is not a list
-    becomes an object item, which the strict decode then refuses (nothing goes missing unnoticed)."""
-    items = [b[1:-1] if b[:1] == b"[" else b"{}" for b in map(bytes, raws)]
+    becomes an object item, which the strict decode then refuses (nothing goes missing unnoticed). The pieces are
+    read through views (a Raw is a buffer), not copied out one by one."""
+    items: list[Any] = [v[1:-1] if (v := memoryview(raw))[0] == 91 else b"{}" for raw in raws]  # 91: `[`
     items.append(_encoder.encode(last)[1:-1])
     return msgspec.Raw(b"[" + b",".join(filter(None, items)) + b"]")
 
 
-async def engine_events(chunks: AsyncIterator[bytes], incremental: bool, logprobs: bool = False,
+async def engine_events(reads: AsyncIterator[list[bytes]], incremental: bool, logprobs: bool = False,
                         coalesce: float = 0.0) -> AsyncIterator[Progress | Final]:
-    """What an engine stream adds, one Progress per read that completes events, then the Final. `logprobs`: the new
-    tokens' logprob entries are wanted. `coalesce`: seconds to leave between reads after a Progress (the events
-    that arrive meanwhile wait in the socket and become one batch). An `{"error": ...}` event raises EngineError; a
-    stream that is not SGLang's (bad JSON, no final event) raises UpstreamError (502)."""
+    """What an engine stream adds, one Progress per read that completes events, then the Final. `reads`: the body
+    as it arrives, each read as the pieces the HTTP parser handed over (for a chunked body, its chunks: SGLang's
+    events). `logprobs`: the new tokens' logprob entries are wanted. `coalesce`: seconds to leave between reads
+    after a Progress (the events that arrive meanwhile wait in the socket and become one batch). An `{"error": ...}`
+    event raises EngineError; a stream that is not SGLang's (bad JSON, no final event) raises UpstreamError (502)."""
     reader = _Reader(incremental, logprobs)
     loop = asyncio.get_running_loop()
-    source = chunks.__aiter__()
+    source = reads.__aiter__()
     pending: list[bytes] = []  # what arrived since the last complete event, joined only once an event completes
     next_read = 0.0
     done = False
     while not done:
         if coalesce > 0 and (delay := next_read - loop.time()) > 0:
             await asyncio.sleep(delay)
+        data: bytes | None = None  # the events to read as bytes, up to `end`, when they are not one piece each
         try:
-            chunk = await source.__anext__()
+            read = await source.__anext__()
         except StopAsyncIteration:
             data, done = b"".join(pending), True  # whole lines left, however they are framed; not a cut-off one
             end = _trimmed(data, data.rfind(b"\n") + 1)
         else:
-            pending.append(chunk)
-            if b"\n" not in chunk:  # memchr: an event ends at a line break, and none arrived
+            carried = len(pending)  # the start of an event an earlier read cut short
+            pending += read
+            whole = _whole_pieces(pending)
+            if whole > carried > 0:  # the read's first piece is its rest (as the HTTP parser hands it over): one piece
+                pending[:carried + 1] = [b"".join(pending[:carried + 1])]
+                whole -= carried
+            if whole and (result := reader.pieces(pending[:whole])) is not None:
+                del pending[:whole]
+                progress, final = result
+            elif any(b"\n" in piece for piece in read):  # memchr: an event ends at a line break
+                data = b"".join(pending)
+                end, rest = _whole_events(data)
+                pending[:] = [data[rest:]] if rest < len(data) else []
+            else:
                 continue
-            data = b"".join(pending)
-            end, rest = _whole_events(data)
-            pending[:] = [data[rest:]] if rest < len(data) else []
-        if data.endswith(_DONE, 0, end):
-            end, done = _trimmed(data, end - len(_DONE)), True
-        if end <= 0:
-            continue
-        progress, final = reader.block(data, end)
+        if data is not None:
+            if data.endswith(_DONE, 0, end):
+                end, done = _trimmed(data, end - len(_DONE)), True
+            if end <= 0:
+                continue
+            progress, final = reader.block(data, end)
         if progress is not None:
             yield progress
             next_read = loop.time() + coalesce
@@ -342,6 +376,23 @@ async def engine_events(chunks: AsyncIterator[bytes], incremental: bool, logprob
             yield final
             return
     raise UpstreamError("engine stream ended without a final event", rule="stream_incomplete")
+
+
+async def reads_of(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+    """The reads of a client that hands the body over in joined chunks (httpx), as engine_events takes them."""
+    async for chunk in chunks:
+        yield [chunk]
+
+
+def _whole_pieces(pending: list[bytes]) -> int:
+    """How many of the pending pieces end at an event's end, when an event's end is a piece's end (0: unknown).
+    SGLang writes each event as one HTTP chunk, so a read ends with a whole event or cuts the last one short (a piece
+    without a line break); a stream cut otherwise (a proxy's own chunks) is searched for its events' ends."""
+    if pending[-1].endswith(b"\n\n"):
+        return len(pending)
+    if len(pending) > 1 and pending[-2].endswith(b"\n\n") and b"\n" not in pending[-1]:
+        return len(pending) - 1
+    return 0
 
 
 def _lean_event(payload: bytes, *, ids: bool, logprobs: bool) -> bytes:

@@ -33,7 +33,8 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 from starlette.types import Receive, Scope, Send
 
-from session_server.engine.sse import EngineError, Final, Progress, engine_events
+from session_server.engine.http11 import EngineStream
+from session_server.engine.sse import EngineError, Final, Progress, engine_events, reads_of
 from session_server.engine.wire import split_routed_experts
 from session_server.errors import (
     AbortReason,
@@ -255,7 +256,8 @@ class StreamedTurn(Generic[R]):
                 await self._passthrough(send, engine.status_code, content_type.encode("latin-1"), body)
                 return None
             try:
-                async for event in engine_events(engine.aiter_bytes(), config.engine_incremental_streaming,
+                reads = engine.aiter_pieces() if isinstance(engine, EngineStream) else reads_of(engine.aiter_bytes())
+                async for event in engine_events(reads, config.engine_incremental_streaming,
                                                  self.logprobs, config.stream_coalesce_ms / 1000):
                     if isinstance(event, Final):
                         return event.raw

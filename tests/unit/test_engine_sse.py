@@ -47,15 +47,37 @@ def _stream(pieces: list[tuple[str, list[int]]], incremental: bool, framing: str
     return (body + f"data: [DONE]{sep}").encode(), whole
 
 
-async def _read(raw: bytes, cuts: list[int], incremental: bool, logprobs: bool = True) -> tuple[str, list[Any], Any]:
+def _chunk_ends(raw: bytes, framing: str) -> list[int]:
+    """Where the body's HTTP chunks end when each event is one chunk, as SGLang (uvicorn) writes them."""
+    sep = {"sglang": b"\n\n", "crlf": b"\r\n\r\n", "comments": b"\n: keep-alive\n\n"}[framing]
+    ends, at = [], raw.find(sep)
+    while at >= 0:
+        ends.append(at + len(sep))
+        at = raw.find(sep, at + len(sep))
+    return ends
+
+
+async def _read(raw: bytes, cuts: list[int], incremental: bool, logprobs: bool = True,
+                piece_ends: list[int] | None = None) -> tuple[str, list[Any], Any]:
+    """The stream read in reads that end at `cuts`, each read in pieces that end at `piece_ends` too (the HTTP
+    parser's pieces: its chunks, cut by the reads); None: each read is one piece, through sse.reads_of."""
+    bounds = [0, *sorted(c % (len(raw) + 1) for c in cuts), len(raw)]
+
     async def chunks() -> AsyncIterator[bytes]:
-        bounds = [0, *sorted(c % (len(raw) + 1) for c in cuts), len(raw)]
         for a, b in itertools.pairwise(bounds):
             if b > a:
                 yield raw[a:b]
 
+    async def pieces() -> AsyncIterator[list[bytes]]:
+        ends = sorted({e % (len(raw) + 1) for e in piece_ends or ()})
+        for a, b in itertools.pairwise(bounds):
+            if b > a:
+                edges = [a, *(e for e in ends if a < e < b), b]
+                yield [raw[x:y] for x, y in itertools.pairwise(edges)]
+
+    reads = sse.reads_of(chunks()) if piece_ends is None else pieces()
     text, logprobs, final = "", [], None
-    async for event in engine_events(chunks(), incremental, logprobs=logprobs):
+    async for event in engine_events(reads, incremental, logprobs=logprobs):
         if isinstance(event, Progress):
             text += event.text
             logprobs += event.logprobs or []
@@ -65,13 +87,17 @@ async def _read(raw: bytes, cuts: list[int], incremental: bool, logprobs: bool =
     return text, logprobs, final
 
 
-@settings(max_examples=examples(150), deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(pieces=_pieces, cuts=st.lists(st.integers(0, 10_000), max_size=8), incremental=st.booleans(),
-       framing=st.sampled_from(["sglang", "crlf", "comments"]), wanted=st.booleans())
+       framing=st.sampled_from(["sglang", "crlf", "comments"]), wanted=st.booleans(),
+       layout=st.sampled_from(["reads", "chunks", "pieces"]), piece_ends=st.lists(st.integers(0, 10_000), max_size=8))
 def test_any_split_reads_the_same_reply(pieces: list[tuple[str, list[int]]], cuts: list[int], incremental: bool,
-                                        framing: str, wanted: bool) -> None:
+                                        framing: str, wanted: bool, layout: str, piece_ends: list[int]) -> None:
+    """However the body is cut into reads, and each read into pieces (one per read, the HTTP chunks SGLang writes
+    one per event, or anywhere: a proxy's own chunks), the same reply comes out."""
     raw, whole = _stream(pieces, incremental, framing)
-    text, logprobs, final = asyncio.run(_read(raw, cuts, incremental, logprobs=wanted))
+    ends = {"reads": None, "chunks": _chunk_ends(raw, framing), "pieces": piece_ends}[layout]
+    text, logprobs, final = asyncio.run(_read(raw, cuts, incremental, logprobs=wanted, piece_ends=ends))
     assert final is not None
     assert final["text"] == whole["text"]
     assert final["output_ids"] == whole["output_ids"]
@@ -177,6 +203,39 @@ def test_a_cumulative_stream_stops_reading_ids_once_its_shape_is_known() -> None
     deltas, _ = _stream([("a", [1]), ("b", [2]), ("c", [3])], incremental=True)
     with pytest.raises(UpstreamError, match="--engine-incremental-streaming"):
         asyncio.run(_read(deltas, list(range(0, len(deltas), 7)), incremental=False))
+
+
+def test_delta_events_one_per_piece_are_read_without_a_search() -> None:
+    """SGLang's delta events, one HTTP chunk each, are decoded as they came (sse._Reader.pieces); pieces that are not
+    one event each (a proxy's chunks, `[DONE]`, cumulative events) are left to the bytes path."""
+    raw, whole = _stream([("a", [1]), ("b", [2]), ("c", [3])], incremental=True)
+    ends = _chunk_ends(raw, "sglang")
+    chunks = [raw[a:b] for a, b in itertools.pairwise([0, *ends])]
+    assert chunks[-1] == b"data: [DONE]\n\n"
+    progress, final = sse._Reader(True, True).pieces(chunks[:-1]) or (None, None)
+    assert progress is not None and progress.text == "ab" and final is not None
+    assert json.loads(final.raw)["output_ids"] == whole["output_ids"]
+    two = [chunks[0] + chunks[1], chunks[2]]
+    halves = [chunks[0][:9], chunks[0][9:]]
+    for pieces, incremental in ((chunks, True), (two, True), (halves, True), (chunks[:-1], False)):
+        assert sse._Reader(incremental, True).pieces(pieces) is None
+
+
+def test_an_event_is_read_in_the_read_that_completes_it() -> None:
+    """A read whose last piece holds a whole event and the start of the next (a proxy's chunks) hands that event on
+    with the others, not one read later."""
+    raw, _ = _stream([("a", [1]), ("b", [2]), ("c", [3]), ("d", [4])], incremental=True)
+    ends = _chunk_ends(raw, "sglang")
+    chunks = [raw[a:b] for a, b in itertools.pairwise([0, *ends])]
+
+    async def reads() -> AsyncIterator[list[bytes]]:
+        yield [chunks[0], chunks[1] + chunks[2][:9]]
+        yield [chunks[2][9:], *chunks[3:]]
+
+    async def texts() -> list[str]:
+        return [e.text async for e in engine_events(reads(), True) if isinstance(e, Progress)]
+
+    assert asyncio.run(texts()) == ["ab", "c"]
 
 
 def test_an_error_event_raises_with_its_bytes() -> None:
