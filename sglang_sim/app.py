@@ -27,7 +27,15 @@ from sglang_sim import wire
 from sglang_sim.auth import ApiKeyMiddleware
 from sglang_sim.engine import Engine
 from sglang_sim.faults import BODY_FAULTS, Fault, FaultInjector, corrupt
-from sglang_sim.requests import BadRequest, ContractError, GenerateInput, SimRequest, ValueRefusal, parse_generate
+from sglang_sim.requests import (
+    BadRequest,
+    ContractError,
+    FieldValidationError,
+    GenerateInput,
+    SimRequest,
+    ValueRefusal,
+    parse_generate,
+)
 from sglang_sim.routed_experts import payload as routed_payload
 
 JSON = "application/json"
@@ -132,6 +140,8 @@ class SimServer:
                 raise ValueRefusal("sglang-sim injected fault: value_error")
         except ContractError as exc:  # http_server.py generate_request: the contract gate's own text, unwrapped
             return json_response({"error": str(exc)}, 400)
+        except FieldValidationError as exc:  # http_server.py validation_exception_handler: an ErrorResponse
+            return json_response(wire.validation_error(str(exc)), 400)
         except ValueRefusal as exc:
             if isinstance(body, dict) and body.get("stream") is True:
                 return StreamingResponse(_refusal_stream(str(exc)), media_type="text/event-stream")

@@ -39,6 +39,12 @@ class ContractError(BadRequest):
     types), which SGLang refuses before anything else with HTTP 400 and `{"error": "<the contract's text>"}`."""
 
 
+class FieldValidationError(BadRequest):
+    """A `/generate` field that FastAPI's parse of GenerateReqInput (pydantic, lax types) refuses before the contract
+    gate sees the body: http_server.py `validation_exception_handler` answers HTTP 400 with the OpenAI-style
+    ErrorResponse, its message FastAPI's text of the error."""
+
+
 def _unexpected(v: Any) -> str:
     """serde's `Unexpected` display, which SGLang's contract error texts use."""
     if v is None:
@@ -244,12 +250,27 @@ def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> Gener
         require_reasoning=_contract_bool(body, "require_reasoning"))
 
 
+# pydantic's lax booleans: the strings (any case) FastAPI's parse of a `bool` field takes for true or false.
+_LAX_BOOLS = frozenset({"1", "on", "t", "true", "y", "yes", "0", "off", "f", "false", "n", "no"})
+
+
 def _contract_bool(body: dict[str, Any], key: str) -> bool:
-    """A boolean field of SGLang's JSON contract: null or absent is false, any other non-boolean a ContractError."""
-    value = body.get(key)
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    raise ContractError(f"invalid type: {_unexpected(value)}, expected a boolean")
+    """A `bool` field of GenerateReqInput (absent: false), checked twice as SGLang does: FastAPI's pydantic parse
+    refuses what is no lax boolean (null included) with its own 400, then the contract gate refuses whatever it let
+    through that is not a JSON boolean (`"yes"`, `1`) with the contract's text."""
+    if key not in body:
+        return False
+    value = body[key]
+    if isinstance(value, bool):
+        return value
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if (isinstance(value, str) and value.lower() in _LAX_BOOLS) or (whole and value in (0, 1)):
+        raise ContractError(f"invalid type: {_unexpected(value)}, expected a boolean")
+    kind, msg = (("bool_parsing", "Input should be a valid boolean, unable to interpret input")
+                 if isinstance(value, str) or whole else ("bool_type", "Input should be a valid boolean"))
+    error = {"type": kind, "loc": ("body", key), "msg": msg, "input": value}
+    raise FieldValidationError(f'1 validation error:\n  {error!r}\n\n  File "sglang/srt/entrypoints/http_server.py", '
+                               f"line 928, in generate_request\n    POST /generate [{error!r}]")
 
 
 @dataclass(eq=False)

@@ -30,6 +30,11 @@ def native_error(message: str) -> dict[str, Any]:
     return {"error": {"message": message}}
 
 
+def validation_error(message: str) -> dict[str, Any]:
+    """The body of a request FastAPI's parse refused (http_server.py `validation_exception_handler`, status 400)."""
+    return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+
+
 def stream_error(message: str, code: int = 400) -> dict[str, Any]:
     """The error event of a streamed /generate (http_server.py `stream_results`)."""
     return {"error": {"message": message, "type": "invalid_request_error", "code": code, "retryable": False}}

@@ -129,8 +129,17 @@ def test_the_sim_holds_a_grammar_back_only_when_asked_and_able(sims: dict[str | 
             # Without a grammar the flag changes nothing: the scripted reasoning comes first either way.
             plain = httpx.post(f"{url}/generate", timeout=30, json={"input_ids": ids, **extra}).json()["text"]
             assert plain.startswith("<think>"), plain
-        for wrong in ("yes", 1, [True], {"x": 1}):
+        # SGLang's two refusals (tests/sglang/test_sim_differential.py holds them to its texts): FastAPI's parse
+        # refuses what pydantic cannot read as a boolean, the contract gate any other value that is not one.
+        for wrong in ("yes", 1, 0.0):
             r = httpx.post(f"{url}/generate", timeout=30, json={"input_ids": ids, "require_reasoning": wrong})
             assert r.status_code == 400, r.text
-            assert r.json()["error"].startswith("invalid type: ") and r.json()["error"].endswith(
-                "expected a boolean"), r.text
+            assert r.json() == {"error": f"invalid type: {_unexpected(wrong)}, expected a boolean"}, r.text
+        for wrong in (None, "maybe", 2, [True], {"x": 1}):
+            r = httpx.post(f"{url}/generate", timeout=30, json={"input_ids": ids, "require_reasoning": wrong})
+            assert r.status_code == 400 and r.json()["object"] == "error", r.text
+            assert "'loc': ('body', 'require_reasoning')" in r.json()["message"], r.text
+
+
+def _unexpected(value: Any) -> str:
+    return {str: f'string "{value}"', int: f"integer `{value}`", float: f"floating point `{value}`"}[type(value)]

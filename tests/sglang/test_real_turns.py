@@ -4,8 +4,10 @@ What the suite proves against the sim, here against SGLang itself: TITO over sev
 received is the stored prefix plus the appended messages' tokens; the engine's output ids and logprobs are stored
 exactly; the radix cache's `cached_tokens` grows turn by turn), plain and streamed chats (SGLang streams cumulative
 chunks that may carry several tokens; the streamed reply equals the plain one under greedy decoding), a reply without
-`max_tokens` (sent as `max_new_tokens: null`: SGLang runs to the end of the context, not to its default 128), and
-constrained decoding (tool_choice required, response_format json_schema) reaching SGLang's xgrammar backend.
+`max_tokens` (sent as `max_new_tokens: null`: SGLang runs to the end of the context, not to its default 128),
+constrained decoding (tool_choice required, response_format json_schema) reaching SGLang's xgrammar backend, and a
+forced tool call in thinking mode, which the engine (run with `--reasoning-parser qwen3`) holds back until `</think>`:
+the model thinks first, as behind SGLang's own chat server.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from support.sglang_engine import Served, ServeFactory
 from trajectory import samples_from_json
 
 GREEDY = {"temperature": 0, "max_tokens": 8}
+# Thinking off: the prompt closes the think block, the grammar applies from the first token (the random model would
+# otherwise think without end before a constrained answer).
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +145,12 @@ def test_tool_choice_required_is_decoded_under_the_grammar(served: Served, white
     # One call (`parallel_tool_calls: false`): the structural tag then stops after the first call, where the model
     # must end; with parallel calls allowed, free text may follow a call, and a random model never stops.
     reply = chat(served, sid, [{"role": "user", "content": "Pick one."}], tools=[OP_TOOL], tool_choice="required",
-                 parallel_tool_calls=False, max_tokens=256, logit_bias={str(i): -100 for i in whitespace_ids})
+                 parallel_tool_calls=False, max_tokens=256, logit_bias={str(i): -100 for i in whitespace_ids},
+                 **NO_THINKING)
     (call,) = [c for c in served.proxy.settled() if c["path"] == "/generate"]
     sampling = call["request"]["sampling_params"]
     assert "structural_tag" in sampling and len(sampling["logit_bias"]) == len(whitespace_ids)
+    assert "require_reasoning" not in call["request"]
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "tool_calls", (call["request"]["sampling_params"], call["response"]["text"])
     (tool_call,) = choice["message"]["tool_calls"]
@@ -157,10 +164,11 @@ def test_response_format_json_schema_is_decoded_under_the_grammar(served: Served
               "required": ["answer"], "additionalProperties": False}
     sid = new_session(served.server)
     served.proxy.clear()
-    reply = chat(served, sid, [{"role": "user", "content": "Yes or no?"}], max_tokens=64,
+    reply = chat(served, sid, [{"role": "user", "content": "Yes or no?"}], max_tokens=64, **NO_THINKING,
                  response_format={"type": "json_schema", "json_schema": {"name": "yn", "schema": schema}})
     (call,) = [c for c in served.proxy.settled() if c["path"] == "/generate"]
     assert json.loads(call["request"]["sampling_params"]["json_schema"]) == schema
+    assert "require_reasoning" not in call["request"]
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     assert json.loads(choice["message"]["content"])["answer"] in ("yes", "no")
@@ -193,3 +201,37 @@ def test_a_model_native_tool_grammar_is_decoded_by_sglangs_backend(served: Serve
     assert content == "" and [c.name for c in calls] == ["pick"], text
     assert json.loads(calls[0].arguments).get("op") in ("add", "sub"), (text, calls)
     assert r.json()["meta_info"]["finish_reason"]["type"] == "stop", r.json()["meta_info"]
+
+
+def test_a_forced_call_in_thinking_mode_lets_the_model_think_first(served: Served) -> None:
+    """Thinking on (Qwen3's default), the forced call's /generate says `require_reasoning` and the engine holds its
+    grammar back until `</think>`: the first tokens are those the same prompt yields unconstrained (greedy; the random
+    model does not close its think block within them, checked). Thinking off, the grammar applies at once: the reply
+    starts with the call's tag."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(served.checkpoint)
+    ask = [{"role": "user", "content": "Pick one."}]
+    outputs: dict[tuple[bool, str], dict[str, Any]] = {}
+    for thinking in (True, False):
+        for choice in ("required", "auto"):
+            sid = new_session(served.server)
+            served.proxy.clear()
+            chat(served, sid, ask, tools=[OP_TOOL], tool_choice=choice, parallel_tool_calls=True,
+                 chat_template_kwargs={"enable_thinking": thinking})
+            (call,) = [c for c in served.proxy.settled() if c["path"] == "/generate"]
+            outputs[thinking, choice] = call
+            delete(served, sid)
+    for thinking in (True, False):
+        forced, free = outputs[thinking, "required"], outputs[thinking, "auto"]
+        assert forced["request"]["input_ids"] == free["request"]["input_ids"]  # the same prompt, tools and all
+        assert "structural_tag" in forced["request"]["sampling_params"]
+        assert "structural_tag" not in free["request"]["sampling_params"] and "require_reasoning" not in free["request"]
+        assert forced["request"].get("require_reasoning") is (True if thinking else None)
+    think_end = tok.convert_tokens_to_ids("</think>")
+    free_ids = outputs[True, "auto"]["response"]["output_ids"]
+    assert len(free_ids) == GREEDY["max_tokens"] and think_end not in free_ids  # still thinking after these tokens
+    assert outputs[True, "required"]["response"]["output_ids"] == free_ids
+    # The grammar spells the tag's text (its tokens are the grammar's choice: xgrammar matches bytes, not ids).
+    assert tok.decode(outputs[False, "required"]["response"]["output_ids"]).startswith("<tool_call>")
+    assert not tok.decode(outputs[False, "auto"]["response"]["output_ids"]).startswith("<tool_call>")

@@ -8,13 +8,14 @@ the final `[DONE]`) and the session errors. Token ids, texts and timings differ 
 one) and are not compared. Each probe is one scenario; the test reports every difference at once, and a difference
 is fixed in the sim (sglang_sim/), never by loosening a probe.
 
-The sim is started to match the engine: the checkpoint's tokenizer, the same context length (2048), KV pool (8192)
-and streaming sessions.
+The sim is started to match the engine: the checkpoint's tokenizer, the same context length (2048), KV pool (8192),
+streaming sessions and reasoning parser.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -202,6 +203,28 @@ def sampling_key_of_the_wrong_type(t: Target) -> dict[str, Any]:
 
 
 @probe
+def require_reasoning_of_the_wrong_type(t: Target) -> dict[str, Any]:
+    """FastAPI's lax parse first (its 400 names the source line, here without the install path), then the contract
+    gate, which takes only a JSON boolean."""
+    out = {}
+    for value in ("yes", "Off", 1, 0.0, 2, 0.5, "maybe", None, [True], {"x": 1}):
+        answer = error(t.generate(require_reasoning=value))
+        answer["body"] = re.sub(r'File \\"[^"]*?sglang/srt/', r'File \\"sglang/srt/', answer["body"])
+        out[repr(value)] = answer
+    return out
+
+
+@probe
+def require_reasoning_with_a_grammar(t: Target) -> dict[str, Any]:
+    """What the session server sends for a constrained turn in thinking mode: both engines run a reasoning parser,
+    so the grammar waits for the reasoning's end (the random model's 4 tokens never reach it; the sim's JSON answer is
+    longer than 4 tokens): a reply of the same shape, cut by length."""
+    schema = '{"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}'
+    r = t.generate(require_reasoning=True, sampling_params={"json_schema": schema})
+    return {**reply(r), "finish_reason": r.json()["meta_info"]["finish_reason"]}
+
+
+@probe
 def sampling_value_out_of_range(t: Target) -> dict[str, Any]:
     return error(t.generate(sampling_params={"temperature": -1}))
 
@@ -358,7 +381,8 @@ def admin_and_info_routes(t: Target) -> dict[str, Any]:
     # tests read from both engines.
     info = t.http.get("/server_info").json()
     out["/server_info"] = {k: info.get(k) for k in ("max_req_input_len", "context_length", "max_total_num_tokens",
-                                                    "enable_streaming_session", "page_size")}
+                                                    "enable_streaming_session", "page_size", "reasoning_parser")}
+    out["/model_info"]["reasoning_parser"] = t.http.get("/model_info").json().get("reasoning_parser")
     out["/server_info"]["internal_states"] = shape([{"memory_usage": {"token_capacity": s["memory_usage"][
         "token_capacity"]}, "last_gen_throughput": s["last_gen_throughput"]} for s in info["internal_states"]])
     out["/server_info"]["weight_version"] = shape(info.get("weight_version"))
@@ -377,7 +401,7 @@ def admin_and_info_routes(t: Target) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def sim(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProcess]:
     with start_sim(engines.checkpoint("qwen3-dense"), "qwen3", "--context-length", "2048", "--kv-capacity-tokens",
-                   "8192", "--enable-streaming-session", "--token-latency-ms", "20",
+                   "8192", "--enable-streaming-session", "--token-latency-ms", "20", "--reasoning-parser", "qwen3",
                    log_dir=tmp_path_factory.mktemp("sim")) as proc:
         yield proc
 

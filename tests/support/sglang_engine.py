@@ -40,9 +40,13 @@ class EngineSpec:
 # No free whitespace inside constrained JSON: a random model's greedy choice is often a whitespace token, which
 # xgrammar's default grammar admits without end; without it, a finite schema always ends in a few tokens.
 CONSTRAINED = ("--constrained-json-disable-any-whitespace",)
+# Qwen3's reasoning parser, as a deployment of a thinking model runs: a request that says `require_reasoning` has its
+# grammar held back until `</think>` (the session server sends it for a constrained turn in thinking mode). Nothing
+# else changes for a /generate without a grammar (the engine only counts the reasoning's tokens).
+REASONING = ("--reasoning-parser", "qwen3")
 MOE = EngineSpec("qwen3-moe", (*CONSTRAINED, "--enable-return-routed-experts"))
 SPECS = {
-    "dense": EngineSpec("qwen3-dense", CONSTRAINED),
+    "dense": EngineSpec("qwen3-dense", (*CONSTRAINED, *REASONING)),
     "moe": MOE,
     "moe-b": MOE,  # a second worker of the same model, behind a router with "moe" (tests/sglang/test_real_routers.py)
 }
