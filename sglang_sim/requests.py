@@ -247,14 +247,14 @@ def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> Gener
         stream=bool(body.get("stream", False)), session_params=session,
         return_routed_experts=bool(body.get("return_routed_experts", False)),
         routed_experts_start_len=_opt(body, "routed_experts_start_len", int, 0), routing_key=routing_key,
-        require_reasoning=_contract_bool(body, "require_reasoning"))
+        require_reasoning=_request_bool(body, "require_reasoning"))
 
 
 # pydantic's lax booleans: the strings (any case) FastAPI's parse of a `bool` field takes for true or false.
 _LAX_BOOLS = frozenset({"1", "on", "t", "true", "y", "yes", "0", "off", "f", "false", "n", "no"})
 
 
-def _contract_bool(body: dict[str, Any], key: str) -> bool:
+def _request_bool(body: dict[str, Any], key: str) -> bool:
     """A `bool` field of GenerateReqInput (absent: false), checked twice as SGLang does: FastAPI's pydantic parse
     refuses what is no lax boolean (null included) with its own 400, then the contract gate refuses whatever it let
     through that is not a JSON boolean (`"yes"`, `1`) with the contract's text."""
