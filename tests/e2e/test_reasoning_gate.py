@@ -143,3 +143,51 @@ def test_the_sim_holds_a_grammar_back_only_when_asked_and_able(sims: dict[str | 
 
 def _unexpected(value: Any) -> str:
     return {str: f'string "{value}"', int: f"integer `{value}`", float: f"floating point `{value}`"}[type(value)]
+
+
+def test_every_front_end_and_a_stream_ask_the_same(stack_factory: StackFactory) -> None:
+    """The Responses and Anthropic front ends set the thinking switch from `reasoning.effort` / `thinking`, and a
+    streamed chat goes to the engine as a plain one: each forced call says `require_reasoning` exactly in thinking
+    mode (the turn pipeline decides it for every API, turns/turn.py)."""
+    lookup = LOOKUP["function"]
+    responses_tool = {"type": "function", "name": "lookup", "parameters": lookup["parameters"]}
+    anthropic_tool = {"name": "lookup", "input_schema": lookup["parameters"]}
+    text = ASK[0]["content"]
+    with stack_factory(family="qwen3", sim_args=("--reasoning-parser", "qwen3"), proxied={"server"}) as stack:
+        assert stack.proxy is not None
+        bodies = {
+            ("responses", True): {"model": "m", "input": text, "tools": [responses_tool], "tool_choice": "required"},
+            ("responses", False): {"model": "m", "input": text, "tools": [responses_tool], "tool_choice": "required",
+                                   "reasoning": {"effort": "none"}},
+            ("messages", True): {"model": "m", "max_tokens": 200, "messages": ASK, "tools": [anthropic_tool],
+                                 "tool_choice": {"type": "any"}},
+            ("messages", False): {"model": "m", "max_tokens": 200, "messages": ASK, "tools": [anthropic_tool],
+                                  "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"}},
+            ("chat/completions", True): {"messages": ASK, "tools": [LOOKUP], "tool_choice": "required",
+                                         "stream": True},
+            ("chat/completions", False): {"messages": ASK, "tools": [LOOKUP], "tool_choice": "required",
+                                          "stream": True, "chat_template_kwargs": {"enable_thinking": False}},
+        }
+        for (api, thinks), body in bodies.items():
+            stack.proxy.clear()
+            sid = new_session(stack.server)
+            r = httpx.post(f"{stack.server}/sessions/{sid}/v1/{api}", json=body, timeout=60)
+            assert r.status_code == 200, (api, r.text)
+            (sent,) = stack.proxy.generates()
+            assert sent["request"].get("require_reasoning") is (True if thinks else None), (api, thinks)
+            assert "structural_tag" in sent["request"]["sampling_params"], api
+            # The reasoning the engine let through first reaches each API's reply as its own reasoning item.
+            assert _reasoned(api, r) is thinks, (api, r.text[:400])
+            assert httpx.delete(f"{stack.server}/sessions/{sid}", timeout=30).status_code == 204
+        assert_engine_baseline(stack.engine)
+
+
+def _reasoned(api: str, r: httpx.Response) -> bool:
+    """Whether the reply carries reasoning: a Responses `reasoning` item, an Anthropic `thinking` block, a streamed
+    chat's `reasoning_content` delta."""
+    if api == "responses":
+        return any(item["type"] == "reasoning" for item in r.json()["output"])
+    if api == "messages":
+        return any(block["type"] == "thinking" for block in r.json()["content"])
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return any(choice["delta"].get("reasoning_content") for chunk in chunks for choice in chunk["choices"])
