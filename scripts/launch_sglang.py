@@ -10,6 +10,8 @@ Needs a GPU machine with sglang installed (`pip install '.[sglang]'`). The flags
   session server sends the api key on /generate and sessions and the admin key on abort/pause (SGLang's auth
   levels). The keys are read from the environment of both processes and never printed: set ENGINE_API_KEY and
   ENGINE_ADMIN_API_KEY before running the printed commands.
+- `--reasoning-parser` (the model family's, for a family that reasons): a forced tool call or a JSON answer in thinking
+  mode is sent with `require_reasoning`, and only an engine with a reasoning parser then lets the model think first.
 - the tokenizer stays enabled (no `--skip-tokenizer-init`): the session server sends `input_ids` either way, but
   reads the reply `text` and relies on the engine for `stop` strings.
 
@@ -26,6 +28,8 @@ import importlib.util
 import os
 import shlex
 import sys
+
+from trajectory.families import family_class
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -60,6 +64,9 @@ def sglang_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
         cmd += ["--mem-fraction-static", str(args.mem_fraction_static)]
     if args.routed_experts:
         cmd.append("--enable-return-routed-experts")
+    parser = family_class(args.model_family).sglang_reasoning_parser
+    if parser is not None:
+        cmd += ["--reasoning-parser", parser]
     if args.keys:  # expanded by the shell that runs the printed command (or by main() below): never printed
         cmd += ["--api-key", "$ENGINE_API_KEY", "--admin-api-key", "$ENGINE_ADMIN_API_KEY"]
     return cmd + extra

@@ -23,4 +23,4 @@ def ungated_grammar_warning(info: Mapping[str, Any], family: ModelFamily) -> str
         return None
     return (f"model family {family.name} reasons before it answers, but the engine runs without --reasoning-parser: "
             "a forced tool call or a JSON response format is constrained from the first token, so the model cannot "
-            "think before it (launch SGLang with the family's --reasoning-parser to let it)")
+            f"think before it (launch SGLang with --reasoning-parser {family.sglang_reasoning_parser} to let it)")

@@ -40,7 +40,8 @@ def test_thinking_mode_is_sglangs(families: dict[str, ModelFamily], sglang_modes
                                   name: str) -> None:
     family = families[name]
     parsers = {parser for parser, _ in sglang_modes[name]}
-    assert parsers == {SGLANG_PARSERS[name][1]}  # the reasoning parser SGLang picks for the template is the table's
-    assert (family.thinking_default is None) is (SGLANG_PARSERS[name][1] is None)
+    # The reasoning parser SGLang picks for the template is the table's and the one the family names (the launcher's).
+    assert parsers == {SGLANG_PARSERS[name][1]} == {family.sglang_reasoning_parser}
+    assert (family.thinking_default is None) is (family.sglang_reasoning_parser is None)
     for kwargs, (_, thinks) in zip(KWARGS, sglang_modes[name], strict=True):
         assert family.thinking_mode(kwargs) is thinks, kwargs

@@ -41,3 +41,13 @@ def test_plain_launch_has_no_keys_or_routing() -> None:
     lines = _dry_run()
     assert "--api-key" not in lines["engine"] and "--enable-return-routed-experts" not in lines["engine"]
     assert "--return-routed-experts" not in lines["session server"]
+
+
+def test_a_reasoning_family_gets_its_reasoning_parser() -> None:
+    """The engine holds a forced call's grammar back until the reasoning ends only with a reasoning parser
+    (session_server/engine/reasoning.py); a family that does not reason gets none."""
+    assert _dry_run()["engine"].split()[-2:] == ["--reasoning-parser", "qwen3"]  # the default family
+    for family, parser in (("gpt-oss", "gpt-oss"), ("deepseek", "deepseek-r1"), ("deepseek-v4", "deepseek-v4")):
+        engine = _dry_run("--model-family", family)["engine"].split()
+        assert engine[engine.index("--reasoning-parser") + 1] == parser
+    assert "--reasoning-parser" not in _dry_run("--model-family", "llama-3.1")["engine"]

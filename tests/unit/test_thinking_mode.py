@@ -91,7 +91,7 @@ def test_the_generate_body_asks_to_hold_the_grammar_back_exactly_for_a_constrain
 def test_the_warning_names_an_engine_without_a_reasoning_parser(families: dict[str, ModelFamily]) -> None:
     qwen3, llama = families["qwen3"], families["llama-3.1"]
     warning = ungated_grammar_warning({"reasoning_parser": None}, qwen3)
-    assert warning is not None and "--reasoning-parser" in warning and "qwen3" in warning
+    assert warning is not None and "--reasoning-parser qwen3" in warning
     assert ungated_grammar_warning({"reasoning_parser": None}, families["deepseek-v4"]) is not None  # it can think
     assert ungated_grammar_warning({"reasoning_parser": "qwen3"}, qwen3) is None
     assert ungated_grammar_warning({"reasoning_parser": None}, llama) is None  # never reasons

@@ -8,7 +8,7 @@ from .llama3 import Llama31Family
 from .mistral import MistralNemoFamily
 from .qwen3 import Qwen3Family
 from .qwen35 import Qwen35Family, Qwen36Family
-from .registry import family_names, get_family, register_family
+from .registry import family_class, family_names, get_family, register_family
 
 __all__ = [
     "DeepSeekFamily",
@@ -22,6 +22,7 @@ __all__ = [
     "Qwen35Family",
     "Qwen36Family",
     "ToolCall",
+    "family_class",
     "family_names",
     "get_family",
     "register_family",

@@ -126,6 +126,9 @@ class ModelFamily(ABC):
     # server decides it (`_get_reasoning_from_request`: the template's toggle and its default, or a reasoning parser
     # that is always on); True without a switch: the model always reasons. None: the model does not reason.
     thinking_default: ClassVar[bool | None] = None
+    # SGLang's `--reasoning-parser` for the family (the one SGLang suggests for its template): an engine holds a
+    # grammar back until the reasoning ends only with it. None: the model does not reason.
+    sglang_reasoning_parser: ClassVar[str | None] = None
     # Text a generation prompt may end with that belongs to the reply (Qwen3.5's `<think>\n` with thinking on): the
     # engine's text then starts after it, so parsing a reply puts it back first (`opened_reply`).
     reply_opening: ClassVar[str] = ""

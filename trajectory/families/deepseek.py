@@ -60,6 +60,7 @@ class DeepSeekFamily(ModelFamily):
     reasoning_markers = (THINK_OPEN, THINK_CLOSE)
     # R1's template has no switch: the model always opens its reasoning itself (SGLang's `deepseek-r1` parser).
     thinking_default = True
+    sglang_reasoning_parser = "deepseek-r1"
     tool_call_markers = (CALLS_BEGIN, CALLS_END)
     tool_call_structure: ClassVar[tuple[str, str, str, str] | None] = (
         CALLS_BEGIN + CALL_BEGIN + "function" + TOOL_SEP, "\n```json\n", "\n```" + CALL_END + CALLS_END, CALLS_BEGIN)

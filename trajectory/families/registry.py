@@ -29,10 +29,14 @@ def family_names() -> tuple[str, ...]:
     return tuple(sorted(_FAMILIES))
 
 
-def get_family(name: str, tokenizer: Any) -> ModelFamily:
-    """Bind family `name` to an already-loaded tokenizer (loading it is the caller's I/O)."""
+def family_class(name: str) -> type[ModelFamily]:
+    """The class of family `name`: what it declares without a tokenizer (its formats, its SGLang parsers)."""
     try:
-        cls = _FAMILIES[name]
+        return _FAMILIES[name]
     except KeyError:
         raise ValueError(f"unknown model family {name!r}; known: {', '.join(family_names())}") from None
-    return cls(tokenizer)
+
+
+def get_family(name: str, tokenizer: Any) -> ModelFamily:
+    """Bind family `name` to an already-loaded tokenizer (loading it is the caller's I/O)."""
+    return family_class(name)(tokenizer)
