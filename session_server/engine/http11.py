@@ -121,6 +121,8 @@ class EngineStream(_Parsed):
         self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._wake = asyncio.Event()
         self._chunks: list[bytes] = []
+        self._chunked = False  # Transfer-Encoding: chunked
+        self._open = False  # the last of _chunks is an HTTP chunk not yet complete (a socket read ended inside it)
         self._paused = False
         self._done = False
         self._error: Exception | None = None
@@ -138,12 +140,20 @@ class EngineStream(_Parsed):
 
     def on_headers_complete(self) -> None:
         self.status_code = self._parser.get_status_code()
+        self._chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
         if not self._head.done():
             self._head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        self._chunks.append(body)
+        if self._open and self._chunks:  # the rest of a chunk a socket read cut: one piece with its start
+            self._chunks[-1] += body
+        else:
+            self._chunks.append(body)
+        self._open = self._chunked
         self._wake.set()
+
+    def on_chunk_complete(self) -> None:
+        self._open = False
 
     def on_message_complete(self) -> None:
         self._done = True
@@ -163,8 +173,9 @@ class EngineStream(_Parsed):
             yield b"".join(pieces)
 
     async def aiter_pieces(self) -> AsyncIterator[list[bytes]]:
-        """The body as it arrives, as the parser handed it over: everything received since the previous read, in the
-        pieces of the body's own chunks (cut where a socket read ended), which a reader may use unjoined."""
+        """The body as it arrives, unjoined: everything received since the previous read, one piece per HTTP chunk of
+        a chunked body (SGLang writes one per stream event; a chunk still arriving when the reader takes the pieces
+        is the last piece, and its rest comes first in the next read), one per socket read of any other body."""
         while True:
             if self._chunks:
                 pieces, self._chunks = self._chunks, []

@@ -33,6 +33,7 @@ from trajectory.errors import UpstreamError
 _encoder = msgspec.json.Encoder()
 _PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs")
 _DONE = b"data: [DONE]"
+_DONE_PIECE = _DONE + b"\n\n"  # as SGLang writes it, one HTTP chunk
 _TOKEN_LOGPROBS = b'"output_token_logprobs":['  # SGLang's key and the list's opening, as orjson writes them
 _AFTER_TOKEN_LOGPROBS = b'],"output_token_logprobs_length":'  # the list's closing `]` and the key SGLang puts next
 _SEPARATOR = b"\n\ndata: "  # between two events in SGLang's own framing (`data: <json>\n\n`, no other lines)
@@ -141,7 +142,7 @@ class _Reader:
                     return self._cumulative(data[last:end], before)
             else:
                 payloads = data[6:end].split(_SEPARATOR)  # one pass (a replace by "," searches twice)
-                joined = b"[" + b",".join(payloads) + b"]"
+                joined = _array(payloads)
                 if b"\n" not in joined:
                     try:
                         events = _decode_deltas(joined)
@@ -163,7 +164,7 @@ class _Reader:
         payloads = [piece[6:-2] for piece in pieces if piece.startswith(b"data: {") and piece.endswith(b"\n\n")]
         if len(payloads) < len(pieces):
             return None
-        joined = b"[" + b",".join(payloads) + b"]"
+        joined = _array(payloads)
         if b"\n" in joined:  # a piece held more than one line
             return None
         try:
@@ -177,7 +178,7 @@ class _Reader:
         if not self.incremental:
             return self._cumulative(payloads[-1], lambda: payloads[-2] if len(payloads) > 1 else None)
         try:
-            decoded: Sequence[_Event | _Delta] = _decode_deltas(b"[" + b",".join(payloads) + b"]")
+            decoded: Sequence[_Event | _Delta] = _decode_deltas(_array(payloads))
         except msgspec.DecodeError:
             decoded = [self._one(p) for p in payloads]  # find the culprit, with the rule it breaks
         return self._judge(decoded, lambda: payloads)
@@ -322,7 +323,15 @@ def _spliced(raws: Sequence[Any], last: list[Any]) -> msgspec.Raw:
     read through views (a Raw is a buffer), not copied out one by one."""
     items: list[Any] = [v[1:-1] if (v := memoryview(raw))[0] == 91 else b"{}" for raw in raws]  # 91: `[`
     items.append(_encoder.encode(last)[1:-1])
-    return msgspec.Raw(b"[" + b",".join(filter(None, items)) + b"]")
+    return msgspec.Raw(_array([item for item in items if item]))
+
+
+def _array(items: Sequence[Any]) -> bytes:
+    """The JSON array of items (each raw JSON, bytes or a view) in one copy: the brackets go onto the first and the
+    last item, not onto the joined megabytes."""
+    if len(items) < 2:
+        return b"[" + bytes(items[0]) + b"]" if items else b"[]"
+    return b",".join([b"[" + bytes(items[0]), *items[1:-1], bytes(items[-1]) + b"]"])
 
 
 async def engine_events(reads: AsyncIterator[list[bytes]], incremental: bool, logprobs: bool = False,
@@ -354,9 +363,11 @@ async def engine_events(reads: AsyncIterator[list[bytes]], incremental: bool, lo
             if whole > carried > 0:  # the read's first piece is its rest (as the HTTP parser hands it over): one piece
                 pending[:carried + 1] = [b"".join(pending[:carried + 1])]
                 whole -= carried
-            if whole and (result := reader.pieces(pending[:whole])) is not None:
+            ends = whole > 0 and pending[whole - 1] == _DONE_PIECE  # SGLang's `[DONE]`: nothing after it is read
+            if whole and (result := reader.pieces(pending[:whole - ends])) is not None:
                 del pending[:whole]
                 progress, final = result
+                done = ends
             elif any(b"\n" in piece for piece in read):  # memchr: an event ends at a line break
                 data = b"".join(pending)
                 end, rest = _whole_events(data)

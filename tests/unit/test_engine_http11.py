@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from session_server.engine.client import EngineClient
-from session_server.engine.http11 import EngineHTTP
+from session_server.engine.http11 import EngineHTTP, EngineStream
 from session_server.errors import EngineUnavailableError
 
 Handler = Callable[["Origin", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -107,6 +107,28 @@ def test_chunked_response_body_is_joined() -> None:
             assert await client.post("/generate", b"{}", {}) == (200, b'{"text":"hello"}', "application/json")
             client.close()
             assert o.connections == 1  # chunked framing keeps the connection reusable
+
+    run(main())
+
+
+def test_a_stream_is_read_in_pieces_one_per_chunk() -> None:
+    """EngineStream hands a chunked body over one piece per HTTP chunk, however the socket reads cut the chunks (a
+    chunk a read cut is one piece with its rest), and a body of another framing one piece per read."""
+    chunks = [b"data: %d%s\n\n" % (i, b"x" * i) for i in range(40)]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def main() -> None:
+        for step in (1, 7, 64, len(body)):
+            stream = EngineStream()
+            stream.data_received(head)
+            for at in range(0, len(body), step):
+                stream.data_received(body[at:at + step])
+            assert [p async for pieces in stream.aiter_pieces() for p in pieces] == chunks
+        plain = EngineStream()
+        plain.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n01234")
+        plain.data_received(b"56789")
+        assert [p async for pieces in plain.aiter_pieces() for p in pieces] == [b"01234", b"56789"]
 
     run(main())
 

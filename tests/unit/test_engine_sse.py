@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -238,6 +239,14 @@ def test_an_event_is_read_in_the_read_that_completes_it() -> None:
     assert asyncio.run(texts()) == ["ab", "c"]
 
 
+@given(lists=st.lists(st.lists(st.integers(0, 99), max_size=3), max_size=5),
+       last=st.lists(st.integers(0, 9), max_size=2))
+def test_spliced_lists_are_the_concatenation(lists: list[list[int]], last: list[int]) -> None:
+    """The summed per-token lists of a delta stream: the events' raw lists (empty ones too) and the final event's."""
+    raws = [msgspec.Raw(json.dumps(x, separators=(",", ":")).encode()) for x in lists]
+    assert json.loads(bytes(sse._spliced(raws, last))) == [i for x in lists for i in x] + last
+
+
 def test_an_error_event_raises_with_its_bytes() -> None:
     raw = b'data: {"text":"a","output_ids":[1],"meta_info":{"finish_reason":null}}\n\n' \
           b'data: {"error":{"message":"boom","code":400}}\n\ndata: [DONE]\n\n'
@@ -250,9 +259,23 @@ def test_an_error_event_raises_with_its_bytes() -> None:
 @pytest.mark.parametrize("raw", [b'data: {"text":"a","output_ids":[1],"meta_info":{"finish_reason":null}}\n\n'
                                  b"data: [DONE]\n\n", b'data: {"text":"a","output_ids":[1]', b""])
 def test_a_stream_without_its_final_event_is_a_502(raw: bytes) -> None:
-    for incremental in (False, True):
+    for incremental, ends in itertools.product((False, True), (None, _chunk_ends(raw, "sglang"))):
         with pytest.raises(UpstreamError, match="without a final event"):
-            asyncio.run(_read(raw, [7], incremental))
+            asyncio.run(_read(raw, [7], incremental, piece_ends=ends))
+
+
+def test_sglangs_delta_stream_is_read_without_the_bytes_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read as SGLang writes it (one chunk per event, `[DONE]` last, reads cut anywhere), a delta stream never goes
+    the bytes path (a search through every read)."""
+    raw, whole = _stream([("a", [1]), ("b", [2]), ("c", [3]), ("d", [4])], incremental=True)
+
+    def refused(*_: object) -> None:
+        raise AssertionError("the bytes path")
+
+    monkeypatch.setattr(sse._Reader, "block", refused)
+    for cuts in ([], [len(raw) - 3], [30, 200, len(raw) - 20]):
+        text, _, final = asyncio.run(_read(raw, cuts, True, piece_ends=_chunk_ends(raw, "sglang")))
+        assert final is not None and final["output_ids"] == whole["output_ids"] and text == "abc"
 
 
 def test_an_event_that_is_not_json_is_a_502() -> None:
