@@ -6,7 +6,7 @@ import copy
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from support.examples import examples
@@ -229,9 +229,12 @@ def test_parse_output_reads_the_generated_ids(families, name):
 @settings(max_examples=examples(150), deadline=None)
 @given(content=TEXT | st.just("") | st.just("\n x \n"), reasoning=st.none() | TEXT | st.just("") | st.just("\na\n"),
        calls=st.lists(st.tuples(TOOL_NAME, ARGUMENTS), max_size=3))
+@example(content="", reasoning=None, calls=[("a", '{"0": "NULL", "1": "null x"}')])
 def test_parse_inverts_format(families, name, content, reasoning, calls):
     """With the tools typed as the arguments are (XML-call families write values as bare text: the schema types
-    them), and one tool per call."""
+    them), and one tool per call. A bare value that reads `null` in any case is null whatever the schema says, as
+    SGLang's Qwen3CoderDetector reads it (`_convert_param_value` checks it first): that format cannot carry the
+    string "null"."""
     family = families[name]
     reasoning = None if name in NO_REASONING else reasoning
     calls = [(f"{n}_{i}", a) for i, (n, a) in enumerate(calls)]
@@ -241,4 +244,7 @@ def test_parse_inverts_format(families, name, content, reasoning, calls):
     if name == "deepseek-v4":  # DSML string values are stripped when parsed, as SGLang's deepseekv4 detector does
         calls = [(n, json.dumps({k: v.strip() if isinstance(v, str) else v for k, v in json.loads(a).items()},
                                 ensure_ascii=False)) for n, a in calls]
+    if family.structural_tag_format == "qwen_3_coder":
+        calls = [(n, json.dumps({k: None if isinstance(v, str) and v.lower() == "null" else v
+                                 for k, v in json.loads(a).items()}, ensure_ascii=False)) for n, a in calls]
     assert parsed == ParsedCompletion(content, reasoning, [ToolCall(n, a) for n, a in calls])
