@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import settings
 
 from scripts.build_tokenizers import build_all
 from support.families import FAMILIES
@@ -23,6 +24,12 @@ from trajectory import ModelFamily, get_family
 ROOT = Path(__file__).resolve().parent.parent
 
 TOKENIZER_CACHE = ROOT / ".cache" / "tokenizers"
+
+# CI (.ci/run) sets HYPOTHESIS_PROFILE=ci: every property's examples derive from the test itself, so CI's verdict on a
+# commit is the one a fresh clone reproduces; `make test` and `make test-fast` elsewhere draw fresh examples and keep
+# exploring (what they find is replayed first from hypothesis' example database).
+settings.register_profile("ci", derandomize=True, database=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
