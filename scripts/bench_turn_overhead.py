@@ -41,6 +41,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from rollout.processes import start_session_server, start_sim
 from scripts.benchlib import (
@@ -137,6 +138,7 @@ async def end_to_end(
 
         if before_turns is not None:
             before_turns()
+        stages_before = await stage_totals(server)
         rss_before = proc_kib(main.pid, "VmRSS")
         sids = {t.name: [(await clients[t.name].post("/sessions", json={})).json()["session_id"]
                          for _ in range(args.sessions)] for t in targets}
@@ -185,6 +187,7 @@ async def end_to_end(
         wall = time.perf_counter() - t_start
         if after_turns is not None:
             after_turns()
+        stages_after = await stage_totals(server)
         wait_frac = (proc_schedstat(main.pid)[1] - wait0) / 1e9 / wall
         await asyncio.sleep(0.5)  # let the allocator settle before reading RSS
         rss_after = proc_kib(main.pid, "VmRSS")
@@ -221,6 +224,7 @@ async def end_to_end(
     return {"rows": [r for r in rows[main.name] if "direct_s" in r], "errors": errors,
             "rss_before_kib": rss_before, "rss_after_kib": rss_after, "stored_tokens": stored,
             "get_cpu_ns": get_cpu_ns, "server_wait_frac": wait_frac,
+            "stage_ms": stage_means(stages_before, stages_after),
             "others": {t.name: rows[t.name] for t in targets[1:]}}
 
 
@@ -374,6 +378,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parse_stack_args(p, argv)
 
 
+async def stage_totals(server: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
+    """The server's stage histograms (`session_server_stage_seconds`, metrics.py) now: (seconds, count) per stage."""
+    response = await server.get("/metrics")
+    response.raise_for_status()
+    return parse_stage_totals(response.text)
+
+
+def parse_stage_totals(text: str) -> dict[str, tuple[float, float]]:
+    """(seconds, count) per stage from a Prometheus exposition text."""
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "session_server_stage_seconds":
+            continue
+        for sample in family.samples:
+            slot = {"session_server_stage_seconds_sum": 0, "session_server_stage_seconds_count": 1}.get(sample.name)
+            if slot is not None:
+                totals.setdefault(sample.labels["stage"], [0.0, 0.0])[slot] = sample.value
+    return {name: (total, count) for name, (total, count) in totals.items()}
+
+
+def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean ms per observation of each stage between two `stage_totals` readings."""
+    means = {}
+    for name, (total, count) in after.items():
+        total0, count0 = before.get(name, (0.0, 0.0))
+        if count > count0:
+            means[name] = 1000 * (total - total0) / (count - count0)
+    return means
+
+
 def summarize_e2e(e2e: dict[str, Any], figs: Figures, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = e2e["rows"]
     added = np.array([r["server_s"] - r["direct_s"] for r in rows]) * 1000
@@ -404,6 +438,8 @@ def summarize_e2e(e2e: dict[str, Any], figs: Figures, args: argparse.Namespace) 
         figs.add("history_tokens_last_turn", last["prompt_tokens_mean"], "tokens")
         figs.add("server_cpu_per_turn_last_turn_ms", last["server_cpu_ms_p50"], "ms", "lower", floor=0.1)
         figs.add("added_latency_last_turn_p50_ms", last["added_latency_ms_p50"], "ms", "lower", floor=0.3)
+    for name, ms in e2e["stage_ms"].items():
+        figs.add(f"server_stage_{name}_ms", ms, "ms", "lower", floor=0.02)
     figs.add("get_session_cpu_ms", pct(np.array(e2e["get_cpu_ns"]) / 1e6, 50), "ms", "lower", floor=0.2)
     figs.add("server_runqueue_wait_frac", e2e["server_wait_frac"], "fraction", "lower", floor=0.02)
     stored = e2e["stored_tokens"]
@@ -524,6 +560,11 @@ def main(argv: list[str] | None = None) -> int:
                 ours = figs.values.get(key)
                 figs.add(f"{key.removesuffix('_ms')}_x_floor", ours / value if ours and value else None,
                          "x floor", "lower", floor=0.05)
+            decode, last, floor_last = (figs.values.get(k) for k in (
+                "server_stage_decode_ms", "server_cpu_per_turn_last_turn_ms", "floor_server_cpu_per_turn_last_turn_ms"))
+            figs.add("server_cpu_per_turn_last_turn_less_decode_x_floor",
+                     (last - decode) / floor_last if decode and last and floor_last else None, "x floor", "lower",
+                     floor=0.05)
         extra["baselines"] = {name.removeprefix("baseline:"): {"cpu_per_turn_mean_ms": mean,
                                                                "cpu_per_turn_last_turn_ms": last}
                               for name, (mean, last) in others.items() if name.startswith("baseline:")}
@@ -561,6 +602,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"costs {fmt(v['server_cpu_per_turn_mean_x_floor'])}x the floor, "
                   f"{fmt(v['server_cpu_per_turn_last_turn_x_floor'])}x at the last turn (target <= 1.5x; the "
                   "floor took every turn alternately with the server)")
+        if "server_stage_decode_ms" in v:
+            print("  STAGES          wall time per turn in the server, mean over the measured turns: " + ", ".join(
+                f"{name} {fmt(v[f'server_stage_{name}_ms'])} ms" for name in ("prepare", "decode", "commit")
+                if f"server_stage_{name}_ms" in v))
+        if v.get("server_cpu_per_turn_last_turn_less_decode_x_floor") is not None:
+            print(f"  LESS DECODE     the server's CPU at the last turn less its mean reply decode (the strict check "
+                  f"of the engine's token ids and logprobs, which the floor skips): "
+                  f"{fmt(v['server_cpu_per_turn_last_turn_less_decode_x_floor'])}x the floor")
         for src, b in extra.get("baselines", {}).items():
             fl, fl_last = v.get("floor_server_cpu_per_turn_mean_ms"), v.get("floor_server_cpu_per_turn_last_turn_ms")
             ratio = f", {b['cpu_per_turn_mean_ms'] / fl:.2f}x the floor" if fl and b["cpu_per_turn_mean_ms"] else ""
