@@ -151,8 +151,11 @@ async def end_to_end(
         # histories and a slow drift of the machine (other tenants, thermal, the allocator) lands on every turn
         # index alike instead of on the last ones; the per-history column then compares like with like.
         offsets = [s % args.turns for s in range(args.sessions)]
+        stages_last_round = stages_before
         for rnd in range(2 * args.turns - 1):
             due = [(s, rnd - offsets[s]) for s in range(args.sessions) if 0 <= rnd - offsets[s] < args.turns]
+            if rnd == 2 * args.turns - 2:  # the last round holds only last turns: their stages on their own
+                stages_last_round = await stage_totals(server)
             rng.shuffle(due)
             messages = {s: user_message(rng, s, turn, args.user_words, args.reply_tokens) for s, turn in due}
             # A round's turns go through one target after another (whose turn is first rotates), not each turn
@@ -225,6 +228,7 @@ async def end_to_end(
             "rss_before_kib": rss_before, "rss_after_kib": rss_after, "stored_tokens": stored,
             "get_cpu_ns": get_cpu_ns, "server_wait_frac": wait_frac,
             "stage_ms": stage_means(stages_before, stages_after),
+            "stage_ms_last_turn": stage_means(stages_last_round, stages_after),
             "others": {t.name: rows[t.name] for t in targets[1:]}}
 
 
@@ -440,6 +444,8 @@ def summarize_e2e(e2e: dict[str, Any], figs: Figures, args: argparse.Namespace) 
         figs.add("added_latency_last_turn_p50_ms", last["added_latency_ms_p50"], "ms", "lower", floor=0.3)
     for name, ms in e2e["stage_ms"].items():
         figs.add(f"server_stage_{name}_ms", ms, "ms", "lower", floor=0.02)
+    for name, ms in e2e["stage_ms_last_turn"].items():
+        figs.add(f"server_stage_{name}_last_turn_ms", ms, "ms", "lower", floor=0.02)
     figs.add("get_session_cpu_ms", pct(np.array(e2e["get_cpu_ns"]) / 1e6, 50), "ms", "lower", floor=0.2)
     figs.add("server_runqueue_wait_frac", e2e["server_wait_frac"], "fraction", "lower", floor=0.02)
     stored = e2e["stored_tokens"]
@@ -560,11 +566,15 @@ def main(argv: list[str] | None = None) -> int:
                 ours = figs.values.get(key)
                 figs.add(f"{key.removesuffix('_ms')}_x_floor", ours / value if ours and value else None,
                          "x floor", "lower", floor=0.05)
-            decode, last, floor_last = (figs.values.get(k) for k in (
-                "server_stage_decode_ms", "server_cpu_per_turn_last_turn_ms", "floor_server_cpu_per_turn_last_turn_ms"))
-            figs.add("server_cpu_per_turn_last_turn_less_decode_x_floor",
-                     (last - decode) / floor_last if decode and last and floor_last else None, "x floor", "lower",
-                     floor=0.05)
+            # The gap to the floor, split: the stages the floor has no counterpart of (TITO prepare, the strict
+            # decode of the reply's ids and logprobs, the commit), and the rest of the server's CPU at the last turn.
+            stages = [figs.values.get(f"server_stage_{name}_last_turn_ms") for name in ("prepare", "decode", "commit")]
+            last = figs.values.get("server_cpu_per_turn_last_turn_ms")
+            floor_last = figs.values.get("floor_server_cpu_per_turn_last_turn_ms")
+            if last and floor_last and all(ms is not None for ms in stages):
+                own = sum(ms for ms in stages if ms is not None)
+                figs.add("server_stages_last_turn_x_floor", own / floor_last, "x floor", "lower", floor=0.05)
+                figs.add("server_rest_last_turn_x_floor", (last - own) / floor_last, "x floor", "lower", floor=0.05)
         extra["baselines"] = {name.removeprefix("baseline:"): {"cpu_per_turn_mean_ms": mean,
                                                                "cpu_per_turn_last_turn_ms": last}
                               for name, (mean, last) in others.items() if name.startswith("baseline:")}
@@ -602,14 +612,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"costs {fmt(v['server_cpu_per_turn_mean_x_floor'])}x the floor, "
                   f"{fmt(v['server_cpu_per_turn_last_turn_x_floor'])}x at the last turn (target <= 1.5x; the "
                   "floor took every turn alternately with the server)")
-        if "server_stage_decode_ms" in v:
-            print("  STAGES          wall time per turn in the server, mean over the measured turns: " + ", ".join(
-                f"{name} {fmt(v[f'server_stage_{name}_ms'])} ms" for name in ("prepare", "decode", "commit")
-                if f"server_stage_{name}_ms" in v))
-        if v.get("server_cpu_per_turn_last_turn_less_decode_x_floor") is not None:
-            print(f"  LESS DECODE     the server's CPU at the last turn less its mean reply decode (the strict check "
-                  f"of the engine's token ids and logprobs, which the floor skips): "
-                  f"{fmt(v['server_cpu_per_turn_last_turn_less_decode_x_floor'])}x the floor")
+        for when, suffix in (("over all measured turns", ""), ("at the last turn", "_last_turn")):
+            if f"server_stage_decode{suffix}_ms" in v:
+                print(f"  STAGES          wall time per turn in the server {when}: " + ", ".join(
+                    f"{name} {fmt(v[f'server_stage_{name}{suffix}_ms'])} ms" for name in ("prepare", "decode", "commit")
+                    if f"server_stage_{name}{suffix}_ms" in v))
+        if v.get("server_stages_last_turn_x_floor") is not None:
+            print(f"  GAP             at the last turn, the server's prepare (TITO), decode (the strict check of the "
+                  f"reply's token ids and logprobs) and commit take {fmt(v['server_stages_last_turn_x_floor'])}x the "
+                  f"floor's whole turn; the rest of its CPU (HTTP, engine client, reply) "
+                  f"{fmt(v['server_rest_last_turn_x_floor'])}x")
         for src, b in extra.get("baselines", {}).items():
             fl, fl_last = v.get("floor_server_cpu_per_turn_mean_ms"), v.get("floor_server_cpu_per_turn_last_turn_ms")
             ratio = f", {b['cpu_per_turn_mean_ms'] / fl:.2f}x the floor" if fl and b["cpu_per_turn_mean_ms"] else ""
