@@ -152,12 +152,20 @@ async def end_to_end(
         # index alike instead of on the last ones; the per-history column then compares like with like.
         offsets = [s % args.turns for s in range(args.sessions)]
         stages_last_round = stages_before
+        group_first: dict[int, dict[str, str]] = {}  # a group's shared first message (--group-size)
         for rnd in range(2 * args.turns - 1):
             due = [(s, rnd - offsets[s]) for s in range(args.sessions) if 0 <= rnd - offsets[s] < args.turns]
             if rnd == 2 * args.turns - 2:  # the last round holds only last turns: their stages on their own
                 stages_last_round = await stage_totals(server)
             rng.shuffle(due)
-            messages = {s: user_message(rng, s, turn, args.user_words, args.reply_tokens) for s, turn in due}
+            messages = {}
+            for s, turn in due:
+                if turn == 0 and (s // args.group_size) in group_first:
+                    messages[s] = group_first[s // args.group_size]
+                else:
+                    messages[s] = user_message(rng, s, turn, args.user_words, args.reply_tokens)
+                    if turn == 0:
+                        group_first[s // args.group_size] = messages[s]
             # A round's turns go through one target after another (whose turn is first rotates), not each turn
             # through every target: targets share a core, and switching at every turn would leave each one's caches
             # cold and add the switching to every figure.
@@ -355,6 +363,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--reply-tokens", type=int, default=448, help="reply length per turn ([[sim: tokens N]])")
     p.add_argument("--tools", type=int, default=0, help="tool schemas sent with every turn, as agents send them")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="sessions in groups of G begin with the same first message, as a GRPO group's G samples of "
+                   "one prompt do (default 1: every first message its own)")
     p.add_argument("--user-words", type=int, default=48, help="words per user message (~1.3 tokens each)")
     p.add_argument("--tito-sizes", type=int, nargs="+", default=[1024, 4096, 8192, 32768])
     p.add_argument("--tito-reps", type=int, default=40)

@@ -42,6 +42,7 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
     registry = Registry(config.tombstones, id_prefix=config.session_id_prefix)
     engine = build_engines(config)
     metrics = Metrics()
+    family.first_turns.resize(config.first_turn_cache_tokens)
     journal = journaled[0] if journaled is not None else None
     engine_sessions = (EngineSessions(
         engine, config.session_idle_timeout, metrics, config.request_timeout,
@@ -147,6 +148,13 @@ def watch_state(server: ServerState) -> None:
     watch("engine_retries_pending", "failed engine control calls (aborts, closes) being retried in the background",
           lambda: (drains.retries_pending if drains is not None else 0)
           + (engine_sessions.closes_pending if engine_sessions is not None else 0))
+    first_turns, watch_count = server.family.first_turns, server.metrics.watch_count
+    watch_count("first_turn_cache_hits", "first turns whose prompt ids came from the first-turn cache (the repeats "
+                "of a GRPO group's shared first request)", lambda: first_turns.hits)
+    watch_count("first_turn_cache_misses", "first turns rendered and tokenized (the cache on, not holding them)",
+                lambda: first_turns.misses)
+    watch("first_turn_cache_tokens", "token ids the first-turn cache holds (--first-turn-cache-tokens bounds them)",
+          lambda: first_turns.tokens)
     workers = server.engine.workers
     watch("engines", "engine workers configured (--engine-url)", lambda: len(workers))
     watch("engines_healthy", "engine workers passing their health checks", lambda: sum(w.healthy for w in workers))

@@ -204,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
              "(a pool hop costs more than a small decode); 0 pools everything (default %(default)s)",
     )
     p.add_argument(
+        "--first-turn-cache-tokens", type=int, default=_default("first_turn_cache_tokens"),
+        help="token ids of first turns kept by their exact request (messages, tools, template kwargs), so the G "
+             "samples of a GRPO group render their shared first request once; least recently used out first, "
+             "0 keeps none (default %(default)s, 4 bytes each)",
+    )
+    p.add_argument(
         "--inline-decode", action="store_true",
         help="decode engine responses on the event loop instead of the CPU pool (for benchmarks)",
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from session_server.cpu_pool import DEFAULT_INLINE_BELOW_BYTES
 from session_server.engine.client import ENGINE_CLIENTS
 from session_server.sessions.journal import SYNC_MODES
+from trajectory import first_turns
 from trajectory.linear import SPECIAL_TOKEN_MODES
 from trajectory.messages import MATCHER_NAMES as MATCHERS
 from trajectory.segments import DIVERGENCE_POLICIES
@@ -59,6 +60,7 @@ class ServerConfig:
     admin_token: str | None = None
     inline_decode: bool = False
     inline_below_bytes: int = DEFAULT_INLINE_BELOW_BYTES
+    first_turn_cache_tokens: int = first_turns.DEFAULT_MAX_TOKENS  # trajectory/first_turns.py; 0 keeps none
     return_routed_experts: bool = False
     engine_connections: int = 512
     engine_client: str = "httptools"  # the /generate hot path: engine/http11.py, or "httpx" to measure against it
@@ -99,6 +101,8 @@ class ServerConfig:
             problems.append("--cpu-workers must be >= 1")
         if self.inline_below_bytes < 0:
             problems.append("--inline-below-bytes must be >= 0")
+        if self.first_turn_cache_tokens < 0:
+            problems.append("--first-turn-cache-tokens must be >= 0 (0 keeps no first turns)")
         if self.max_rollback < 0:
             problems.append("--max-rollback must be >= 0")
         if not self.stream_coalesce_ms >= 0:

@@ -41,6 +41,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.gc_collector import GCCollector
 
 from session_server.errors import AbortReason
@@ -107,6 +108,19 @@ class HistogramTally:
         child._sum.set(self._sum)
         for bucket, count in zip(child._buckets, self._counts, strict=True):
             bucket.set(float(count))
+
+
+class _ReadCounter:
+    """A counter read from its owner at collection time (`Metrics.watch_count`)."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        self._name, self._doc, self._read = name, doc, read
+
+    def describe(self) -> list[Any]:
+        return [CounterMetricFamily(self._name, self._doc)]
+
+    def collect(self) -> Iterator[Any]:
+        yield CounterMetricFamily(self._name, self._doc, value=self._read())
 
 
 class _Folder:
@@ -242,6 +256,10 @@ class Metrics:
     def watch(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """A gauge whose value is `read()` at scrape time (never updated on the hot path)."""
         Gauge(f"{PREFIX}_{name}", doc, registry=self.registry).set_function(read)
+
+    def watch_count(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        """A counter whose value is `read()` at scrape time: a count its owner keeps (a cache's hits)."""
+        self.registry.register(_ReadCounter(f"{PREFIX}_{name}", doc, read))
 
     # -- counting helpers --------------------------------------------------------------------------------
     def response(self, route: str, method: str, status: int) -> None:

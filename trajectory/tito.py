@@ -34,13 +34,19 @@ def _render_ids(family: ModelFamily, messages: Sequence[dict[str, Any]], tools: 
 def first_turn_ids(family: ModelFamily, messages: Sequence[dict[str, Any]],
                    tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None = None,
                    text_only: bool = True) -> np.ndarray:
-    """The whole conversation rendered with the generation prompt, as int32 ids.
+    """The whole conversation rendered with the generation prompt, as int32 ids (read-only when they came from or
+    went into the family's first-turn cache).
 
     `text_only`: spellings of control tokens inside the messages and tools are tokenized as text (families/control.py);
     False tokenizes the rendered string as one, as the engine's own chat endpoint does.
     """
-    return _render_ids(family, messages, tools, text_only, lambda m, t: family.render(
+    cache = family.first_turns  # a GRPO group's samples open with the same request (first_turns.py)
+    key = cache.key(messages, tools, template_kwargs, text_only)
+    if key is not None and (ids := cache.get(key)) is not None:
+        return ids
+    ids = _render_ids(family, messages, tools, text_only, lambda m, t: family.render(
         m, t, add_generation_prompt=True, template_kwargs=template_kwargs))
+    return ids if key is None else cache.put(key, ids)
 
 
 def continuation_ids(family: ModelFamily, last_completion_token: int | None,

@@ -47,3 +47,11 @@ def test_replica_name_is_the_prefix_of_minted_ids() -> None:
     for bad in ("Pod", "3pod", "a.b", "", "x" * 33):
         with pytest.raises(ValueError, match="--replica-name"):
             config_from_args(build_parser().parse_args([*REQUIRED, "--replica-name", bad]))
+
+
+def test_first_turn_cache_budget() -> None:
+    assert config_from_args(build_parser().parse_args(REQUIRED)).first_turn_cache_tokens > 0  # on by default
+    config = config_from_args(build_parser().parse_args([*REQUIRED, "--first-turn-cache-tokens", "0"]))
+    assert config.first_turn_cache_tokens == 0  # keeps none
+    with pytest.raises(ValueError, match="--first-turn-cache-tokens"):
+        config_from_args(build_parser().parse_args([*REQUIRED, "--first-turn-cache-tokens", "-1"]))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import RequestValidationError, TemplateError, TokenizationError
+from ..first_turns import FirstTurnCache
 from .control import ControlTokens, trie_pattern
 from .fast_encoder import FastEncoder, fast_encoder
 from .segments import MIN_SEGMENT_CHARS, SegmentCache
@@ -146,6 +147,8 @@ class ModelFamily(ABC):
         self.mirrors_template: bool = isinstance(template, str) and \
             hashlib.sha256(template.encode()).hexdigest() in self.mirrored_templates
         self._segments: SegmentCache | None = None  # set below, once the added tokens are known
+        # Whole first turns by their inputs; none for a template that reads the clock (first_turns.py).
+        self.first_turns = FirstTurnCache(enabled="strftime_now" not in str(template or ""))
         # The Rust tokenizer directly: half the cost of the transformers wrapper, same ids (test_tokenizers.py).
         # `encode_batch_fast` of one text: no character offsets computed (encode's, unused here: ~15 % of a short
         # text's cost), and the GIL is released while it runs, so a megabyte prompt tokenized on the pool does not

@@ -1,0 +1,157 @@
+"""The first-turn cache (trajectory/first_turns.py): a repeated first request gets exactly the ids a fresh render
+gives, for every family's real tokenizer and whatever the request; inputs that differ in any way the template could
+see never share an entry; the budget, the eviction order and the clock-reading templates behave as documented."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from support.examples import examples
+from support.families import FAMILIES
+from trajectory import ModelFamily
+from trajectory.families.registry import get_family
+from trajectory.first_turns import FirstTurnCache
+from trajectory.tito import first_turn_ids
+
+SETTINGS = settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+
+
+def _tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "description": f"the {name} tool",
+                                             "parameters": parameters}}
+
+
+def _uncached(family: ModelFamily, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+              kwargs: dict[str, Any] | None = None) -> np.ndarray:
+    saved, family.first_turns = family.first_turns, FirstTurnCache(enabled=False)
+    try:
+        return first_turn_ids(family, messages, tools, kwargs)
+    finally:
+        family.first_turns = saved
+
+
+@contextlib.contextmanager
+def own_cache(family: ModelFamily, max_tokens: int = 1 << 20) -> Iterator[FirstTurnCache]:
+    """The family with an empty cache of its own for the block (the suite shares family objects)."""
+    saved, family.first_turns = family.first_turns, FirstTurnCache(max_tokens)
+    try:
+        yield family.first_turns
+    finally:
+        family.first_turns = saved
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@SETTINGS
+@given(data=st.data())
+def test_a_repeated_first_turn_has_the_ids_of_a_fresh_render(families, name, data):
+    family = families[name]
+    system = data.draw(st.one_of(st.none(), TEXT))
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": data.draw(TEXT) or "hi"}]
+    tools = data.draw(st.one_of(st.none(), st.lists(st.builds(
+        lambda n, d: _tool(f"t{n}", {"type": "object", "properties": {"q": {"type": "string", "description": d}}}),
+        st.integers(0, 9), TEXT), min_size=1, max_size=3)))
+    expected = _uncached(family, messages, tools)
+    with own_cache(family) as cache:
+        first = first_turn_ids(family, messages, tools)
+        again = first_turn_ids(family, copy.deepcopy(messages), copy.deepcopy(tools))  # equal, not the same objects
+        assert cache.misses == 1 and cache.hits == 1
+    assert again is first and not first.flags.writeable
+    np.testing.assert_array_equal(first, expected)
+
+
+def test_inputs_a_template_tells_apart_never_share_an_entry(families):
+    """An int from a float, a mapping's order, NaN from null, the template kwargs: each its own entry, each the
+    ids of its own render (the renders differ, so a shared entry would be a wrong prompt)."""
+    family = families["qwen3"]
+    with own_cache(family) as cache:
+        _tell_apart(family, cache)
+
+
+def _tell_apart(family: ModelFamily, cache: FirstTurnCache) -> None:
+    user = [{"role": "user", "content": "find it"}]
+    variants: list[tuple[list[dict[str, Any]] | None, dict[str, Any] | None]] = [
+        ([_tool("lookup", {"type": "object", "properties": {"n": {"type": "integer", "maximum": 1}}})], None),
+        ([_tool("lookup", {"type": "object", "properties": {"n": {"type": "integer", "maximum": 1.0}}})], None),
+        ([_tool("lookup", {"properties": {"n": {"type": "integer", "maximum": 1}}, "type": "object"})], None),
+        ([_tool("lookup", {"type": "object", "properties": {"n": {"type": "number", "default": math.nan}}})], None),
+        ([_tool("lookup", {"type": "object", "properties": {"n": {"type": "number", "default": None}}})], None),
+        (None, None),
+        (None, {"enable_thinking": False}),
+    ]
+    renders = []
+    for tools, kwargs in variants:
+        ids = first_turn_ids(family, user, tools, kwargs)
+        np.testing.assert_array_equal(ids, _uncached(family, user, tools, kwargs))
+        renders.append(ids.tobytes())
+    assert len(set(renders)) == len(variants)  # every variant renders differently ...
+    assert cache.misses == len(variants) and len(cache) == len(variants)  # ... and keyed apart
+    for tools, kwargs in variants:  # each one now a hit, with its own ids
+        np.testing.assert_array_equal(first_turn_ids(family, user, tools, kwargs), _uncached(family, user, tools,
+                                                                                             kwargs))
+    assert cache.hits == len(variants)
+
+
+def test_the_budget_keeps_the_most_recent_first_turns():
+    cache = FirstTurnCache(max_tokens=10)
+    keys = [cache.key([{"role": "user", "content": str(i)}], None, None, True) for i in range(4)]
+    assert all(k is not None for k in keys)
+    for k in keys[:3]:
+        assert k is not None
+        cache.put(k, np.arange(4, dtype=np.int32))
+    assert cache.tokens == 8 and len(cache) == 2  # the first one went to make room for the third
+    assert keys[0] is not None and keys[1] is not None and keys[2] is not None and keys[3] is not None
+    assert cache.get(keys[0]) is None and cache.get(keys[1]) is not None
+    cache.put(keys[3], np.arange(4, dtype=np.int32))  # keys[1] was used last: keys[2] goes
+    assert cache.get(keys[2]) is None and cache.get(keys[1]) is not None and cache.get(keys[3]) is not None
+    cache.put(cache.key([], None, None, True) or b"", np.arange(11, dtype=np.int32))  # larger than the budget
+    assert cache.tokens == 8 and len(cache) == 2
+    cache.resize(0)
+    assert cache.tokens == 0 and len(cache) == 0 and cache.key([], None, None, True) is None
+
+
+def test_a_template_that_reads_the_clock_keeps_no_first_turns(hf_tokenizers):
+    """Real Llama 3.x templates write today's date with `strftime_now`: equal requests render differently from one
+    day to the next, so such a family renders every first turn."""
+    tokenizer = copy.copy(hf_tokenizers["qwen3"])
+    tokenizer.chat_template = "{{ strftime_now('%d %b %Y') }}" + str(tokenizer.chat_template)
+    family = get_family("qwen3", tokenizer)
+    assert not family.first_turns.enabled
+    family.first_turns.resize(1 << 20)  # a budget does not turn it on
+    messages = [{"role": "user", "content": "what day is it"}]
+    first_turn_ids(family, messages, None)
+    first_turn_ids(family, messages, None)
+    assert family.first_turns.hits == family.first_turns.misses == len(family.first_turns) == 0
+
+
+def test_threads_sharing_the_cache_keep_its_books():
+    """First turns are prepared on the CPU pool: concurrent puts and gets leave the token count equal to what the
+    entries hold, within the budget."""
+    cache = FirstTurnCache(max_tokens=500)
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(400):
+            key = cache.key([{"role": "user", "content": str(int(rng.integers(0, 60)))}], None, None, True)
+            assert key is not None
+            if cache.get(key) is None:
+                cache.put(key, np.zeros(int(rng.integers(1, 40)), dtype=np.int32))
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cache.tokens == sum(len(ids) for ids in cache._ids.values()) <= 500
+    assert cache.hits + cache.misses == 6 * 400 and cache.hits > 0
