@@ -21,10 +21,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from rollout.client import SessionClient
-from rollout.episodes import AgentConfig, EpisodeResult, run_episodes
+from rollout.episodes import AgentConfig, EpisodeResult, Task, run_episodes
 from rollout.processes import LOOPBACK, ProcessCrashed, RunningProcess, free_port, start_session_server, start_sim
 from rollout.scripted import shopping_tasks
 from trajectory import family_names, samples_to_json
@@ -36,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--episodes", type=int, default=64, help="number of agent episodes (default 64)")
     p.add_argument("--concurrency", type=int, default=16, help="episodes in flight at once (default 16)")
+    p.add_argument("--group-size", type=int, default=4, metavar="G",
+                   help="episodes per task, launched one after another as a GRPO trainer samples a group\n"
+                        "(they open with the same request: the server renders it once; default 4)")
     p.add_argument("--model-family", default="qwen3", metavar="NAME",
                    help=f"model family, one of: {', '.join(family_names())} (default %(default)s)")
     p.add_argument("--tokenizers", type=Path, default=ROOT / ".cache" / "tokenizers",
@@ -83,8 +88,26 @@ def services(args: argparse.Namespace, tokenizer: Path, log_dir: Path) -> Iterat
             print(f"{how}: {proc.name} (exit code {code})")
 
 
+def grouped_tasks(args: argparse.Namespace) -> list[tuple[Task, str]]:
+    """`--episodes` tasks in groups of `--group-size` identical ones (each its own objects: a toolbox keeps an
+    episode's state), a group's episodes next to each other so they run together."""
+    prompts = -(-args.episodes // args.group_size)
+    copies = [shopping_tasks(prompts, seed=args.seed, max_turns=args.max_turns, scripted=args.engine_url is None)
+              for _ in range(args.group_size)]
+    return [copies[g][p] for p in range(prompts) for g in range(args.group_size)][: args.episodes]
+
+
+async def first_turn_counts(server_url: str) -> dict[str, int]:
+    """The server's first-turn cache counts (`/metrics`): rendered, and served from the cache."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(f"{server_url}/metrics")).text
+    values = {s.name: int(s.value) for f in text_string_to_metric_families(text) for s in f.samples}
+    return {"first turns rendered": values.get("session_server_first_turn_cache_misses_total", 0),
+            "first turns from cache": values.get("session_server_first_turn_cache_hits_total", 0)}
+
+
 async def run(args: argparse.Namespace, server_url: str) -> tuple[list[EpisodeResult], list[str], float]:
-    pairs = shopping_tasks(args.episodes, seed=args.seed, max_turns=args.max_turns, scripted=args.engine_url is None)
+    pairs = grouped_tasks(args)
     tasks, expected = [t for t, _ in pairs], [a for _, a in pairs]
     config = AgentConfig(model=args.model, max_tokens=args.max_tokens)
     async with SessionClient(server_url) as client:
@@ -105,7 +128,8 @@ async def run(args: argparse.Namespace, server_url: str) -> tuple[list[EpisodeRe
     return results, expected, elapsed
 
 
-def summarize(results: list[EpisodeResult], expected: list[str], elapsed: float, scripted: bool) -> dict[str, Any]:
+def summarize(results: list[EpisodeResult], expected: list[str], elapsed: float, scripted: bool,
+              first_turns: dict[str, int] | None = None) -> dict[str, Any]:
     samples = [s for r in results for s in r.samples]
     turns = sum(r.turns for r in results)
     summary: dict[str, Any] = {
@@ -125,6 +149,7 @@ def summarize(results: list[EpisodeResult], expected: list[str], elapsed: float,
     }
     if scripted:
         summary["correct answers"] = sum(r.final_answer == e for r, e in zip(results, expected, strict=True))
+    summary.update(first_turns or {})
     return summary
 
 
@@ -180,16 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     if not (tokenizer / "tokenizer_config.json").exists():
         print(f"error: no tokenizer in {tokenizer} (run `make tokenizers`, or pass --tokenizer DIR)", file=sys.stderr)
         return 2
-    if args.episodes < 1 or args.concurrency < 1:
-        print("error: --episodes and --concurrency must be >= 1", file=sys.stderr)
+    if args.episodes < 1 or args.concurrency < 1 or args.group_size < 1:
+        print("error: --episodes, --concurrency and --group-size must be >= 1", file=sys.stderr)
         return 2
     try:
         with services(args, tokenizer, args.out / "logs") as (server_url, _):
             results, expected, elapsed = asyncio.run(run(args, server_url))
+            first_turns = asyncio.run(first_turn_counts(server_url))
     except (ProcessCrashed, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    summary = summarize(results, expected, elapsed, scripted=args.engine_url is None)
+    summary = summarize(results, expected, elapsed, scripted=args.engine_url is None, first_turns=first_turns)
     print_table(summary)
     failed = [r for r in results if not r.ok]
     for r in failed[:5]:

@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-journal", action="store_true", help="replicas without --journal")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "cluster", help="output folder (default out/cluster)")
     args = p.parse_args(argv)
-    args.engine_url, args.model = None, "default"  # what scripts.demo.run reads: emulated engines, scripted tasks
+    # What scripts.demo.run reads: emulated engines, scripted tasks, each its own prompt.
+    args.engine_url, args.model, args.group_size = None, "default", 1
     return args
 
 

@@ -13,9 +13,13 @@ inputs and the same ids; a key that differs only in how the pickler shared objec
 A template that reads the clock (`strftime_now`, in real Llama 3.x templates) renders differently from day to day:
 its family keeps no first turns. The ids are stored read-only and handed out as they are.
 
+A group's samples are launched together, so its first requests arrive together: one renders, and the others wait
+for its ids instead of rendering the same prompt beside it on the CPU pool (where the GIL would run the renders one
+after another anyway). A render that fails (a template error) hands nothing on: each waiter renders for itself.
+
 Bounded by tokens (int32 ids: 4 bytes each), least recently used out first; entries are short-lived by nature (a
 group starts within seconds), so the budget only needs to hold the prompts in flight. Thread-safe: first turns are
-prepared on the CPU pool.
+prepared on the CPU pool and on the event loop.
 """
 
 from __future__ import annotations
@@ -23,23 +27,34 @@ from __future__ import annotations
 import pickle
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 DEFAULT_MAX_TOKENS = 4 * 1024 * 1024  # 16 MiB of ids: thousands of first turns of a few thousand tokens
+WAIT_SECONDS = 60.0  # a render in flight taking longer than this (it never should): the waiter renders itself
+
+
+class _InFlight:
+    """A render running now: its ids once done (None if it failed)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ids: np.ndarray | None = None
 
 
 class FirstTurnCache:
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, *, enabled: bool = True) -> None:
         """`enabled` False: a family whose renders may differ for equal inputs; no budget turns it on."""
         self._ids: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._rendering: dict[bytes, _InFlight] = {}
         self._lock = threading.Lock()
         self.enabled = enabled
         self.max_tokens = max(0, max_tokens)
         self.tokens = 0  # ids held
-        self.hits = 0
-        self.misses = 0
+        self.hits = 0  # first turns answered from the cache or from a render in flight
+        self.misses = 0  # renders
 
     def resize(self, max_tokens: int) -> None:
         """A new token budget (0 keeps nothing), entries evicted down to it."""
@@ -56,29 +71,48 @@ class FirstTurnCache:
         except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
             return None
 
-    def get(self, key: bytes) -> np.ndarray | None:
+    def ids(self, key: bytes, render: Callable[[], np.ndarray]) -> np.ndarray:
+        """The first turn's ids: kept, or from the same render in flight, or `render()`'s (kept, read-only)."""
         with self._lock:
             ids = self._ids.get(key)
-            if ids is None:
-                self.misses += 1
-                return None
-            self._ids.move_to_end(key)
-            self.hits += 1
-            return ids
-
-    def put(self, key: bytes, ids: np.ndarray) -> np.ndarray:
-        """Keep `ids` (made read-only: every hit shares the array) unless it alone exceeds the budget; returns it."""
-        ids.flags.writeable = False
-        with self._lock:
-            if len(ids) > self.max_tokens or key in self._ids:
+            if ids is not None:
+                self._ids.move_to_end(key)
+                self.hits += 1
                 return ids
-            self._ids[key] = ids
-            self.tokens += len(ids)
-            self._evict()
+            flight = self._rendering.get(key)
+            if flight is None:
+                flight = self._rendering[key] = _InFlight()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            if flight.done.wait(WAIT_SECONDS) and flight.ids is not None:
+                with self._lock:
+                    self.hits += 1
+                return flight.ids
+            return self._render(render)  # the render failed (its error is the request's, raised there) or hangs
+        try:
+            ids = self._render(render)
+            flight.ids = ids
+        finally:
+            with self._lock:
+                del self._rendering[key]
+                if flight.ids is not None and len(flight.ids) <= self.max_tokens and key not in self._ids:
+                    self._ids[key] = flight.ids
+                    self.tokens += len(flight.ids)
+                    self._evict()
+            flight.done.set()
         return ids
 
     def __len__(self) -> int:
         return len(self._ids)
+
+    def _render(self, render: Callable[[], np.ndarray]) -> np.ndarray:
+        with self._lock:
+            self.misses += 1
+        ids = render()
+        ids.flags.writeable = False
+        return ids
 
     def _evict(self) -> None:
         while self.tokens > self.max_tokens and self._ids:

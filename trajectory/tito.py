@@ -40,13 +40,13 @@ def first_turn_ids(family: ModelFamily, messages: Sequence[dict[str, Any]],
     `text_only`: spellings of control tokens inside the messages and tools are tokenized as text (families/control.py);
     False tokenizes the rendered string as one, as the engine's own chat endpoint does.
     """
+    def render() -> np.ndarray:
+        return _render_ids(family, messages, tools, text_only, lambda m, t: family.render(
+            m, t, add_generation_prompt=True, template_kwargs=template_kwargs))
+
     cache = family.first_turns  # a GRPO group's samples open with the same request (first_turns.py)
     key = cache.key(messages, tools, template_kwargs, text_only)
-    if key is not None and (ids := cache.get(key)) is not None:
-        return ids
-    ids = _render_ids(family, messages, tools, text_only, lambda m, t: family.render(
-        m, t, add_generation_prompt=True, template_kwargs=template_kwargs))
-    return ids if key is None else cache.put(key, ids)
+    return render() if key is None else cache.ids(key, render)
 
 
 def continuation_ids(family: ModelFamily, last_completion_token: int | None,

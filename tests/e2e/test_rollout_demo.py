@@ -23,6 +23,8 @@ def test_demo_writes_samples_and_batch(tokenizer_dirs: dict[str, Path], tmp_path
     summary = json.loads((out / "summary.json").read_text())
     assert summary["episodes"] == summary["completed"] == summary["correct answers"] == 4
     assert summary["errors"] == 0 and summary["turns"] >= 16
+    # One GRPO group of 4 (--group-size 4 by default), two at a time: the server rendered its first request once.
+    assert summary["first turns rendered"] == 1 and summary["first turns from cache"] == 3
     for key in ("episodes", "turns", "tokens", "sampled tokens", "mean turns / episode", "chats/s", "errors"):
         assert key in run.stdout  # the printed table
     assert "stopped on SIGTERM: session-server (exit code 0)" in run.stdout

@@ -8,7 +8,8 @@ import contextlib
 import copy
 import math
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -103,22 +104,103 @@ def _tell_apart(family: ModelFamily, cache: FirstTurnCache) -> None:
     assert cache.hits == len(variants)
 
 
+def _key(cache: FirstTurnCache, text: str) -> bytes:
+    key = cache.key([{"role": "user", "content": text}], None, None, True)
+    assert key is not None
+    return key
+
+
 def test_the_budget_keeps_the_most_recent_first_turns():
     cache = FirstTurnCache(max_tokens=10)
-    keys = [cache.key([{"role": "user", "content": str(i)}], None, None, True) for i in range(4)]
-    assert all(k is not None for k in keys)
+    rendered: list[int] = []
+
+    def render(n: int) -> Callable[[], np.ndarray]:
+        return lambda: rendered.append(n) or np.arange(n, dtype=np.int32)
+
+    keys = [_key(cache, str(i)) for i in range(4)]
     for k in keys[:3]:
-        assert k is not None
-        cache.put(k, np.arange(4, dtype=np.int32))
+        cache.ids(k, render(4))
     assert cache.tokens == 8 and len(cache) == 2  # the first one went to make room for the third
-    assert keys[0] is not None and keys[1] is not None and keys[2] is not None and keys[3] is not None
-    assert cache.get(keys[0]) is None and cache.get(keys[1]) is not None
-    cache.put(keys[3], np.arange(4, dtype=np.int32))  # keys[1] was used last: keys[2] goes
-    assert cache.get(keys[2]) is None and cache.get(keys[1]) is not None and cache.get(keys[3]) is not None
-    cache.put(cache.key([], None, None, True) or b"", np.arange(11, dtype=np.int32))  # larger than the budget
+    cache.ids(keys[1], render(4))  # kept: no render
+    assert rendered == [4, 4, 4] and cache.hits == 1
+    cache.ids(keys[3], render(4))  # keys[1] was used last: keys[2] goes
     assert cache.tokens == 8 and len(cache) == 2
+    cache.ids(keys[2], render(4))  # rendered again
+    assert rendered == [4, 4, 4, 4, 4] and cache.misses == 5
+    big = cache.ids(_key(cache, "big"), render(11))  # larger than the whole budget: handed out, not kept
+    assert len(big) == 11 and not big.flags.writeable and cache.tokens == 8 and len(cache) == 2
     cache.resize(0)
     assert cache.tokens == 0 and len(cache) == 0 and cache.key([], None, None, True) is None
+
+
+def _until_waiting(cache: FirstTurnCache, key: bytes, n: int) -> None:
+    """Until `n` threads wait on the render of `key` in flight (the Event's condition lists its waiters)."""
+    deadline = time.monotonic() + 10
+    while len(cache._rendering[key].done._cond._waiters) < n:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the waiters never waited"
+        time.sleep(0.001)
+
+
+def test_a_group_arriving_together_renders_once():
+    """G first turns of one prompt at once (a GRPO group launched together), on G threads as on the CPU pool: one
+    renders, the others wait for its ids."""
+    cache = FirstTurnCache()
+    key = _key(cache, "the group's prompt")
+    started, release = threading.Event(), threading.Event()
+    renders: list[int] = []
+
+    def render() -> np.ndarray:
+        renders.append(1)
+        started.set()
+        release.wait(10)
+        return np.arange(5, dtype=np.int32)
+
+    results: list[np.ndarray] = []
+    owner = threading.Thread(target=lambda: results.append(cache.ids(key, render)))
+    owner.start()
+    assert started.wait(10)
+    waiters = [threading.Thread(target=lambda: results.append(cache.ids(key, render))) for _ in range(5)]
+    for t in waiters:
+        t.start()
+    _until_waiting(cache, key, 5)  # all five wait on the render in flight (not a render of their own, not a hit)
+    release.set()
+    for t in [owner, *waiters]:
+        t.join(10)
+    assert len(renders) == 1 and cache.misses == 1 and cache.hits == 5
+    assert len(results) == 6 and all(r is results[0] for r in results)
+
+
+def test_a_failed_render_hands_nothing_on():
+    """The render's error is its own request's: a waiter renders for itself, and nothing is kept."""
+    cache = FirstTurnCache()
+    key = _key(cache, "an unrenderable prompt")
+    started, release = threading.Event(), threading.Event()
+
+    def failing() -> np.ndarray:
+        started.set()
+        release.wait(10)
+        raise ValueError("the template refuses it")
+
+    errors: list[BaseException] = []
+
+    def owner_call() -> None:
+        try:
+            cache.ids(key, failing)
+        except ValueError as exc:
+            errors.append(exc)
+
+    owner = threading.Thread(target=owner_call)
+    owner.start()
+    assert started.wait(10)
+    got: list[np.ndarray] = []
+    waiter = threading.Thread(target=lambda: got.append(cache.ids(key, lambda: np.arange(3, dtype=np.int32))))
+    waiter.start()
+    _until_waiting(cache, key, 1)
+    release.set()
+    owner.join(10)
+    waiter.join(10)
+    assert len(errors) == 1 and len(got) == 1 and list(got[0]) == [0, 1, 2]
+    assert cache.misses == 2 and cache.hits == 0 and len(cache) == 0  # the waiter's own render is not kept either
 
 
 def test_a_template_that_reads_the_clock_keeps_no_first_turns(hf_tokenizers):
@@ -136,17 +218,15 @@ def test_a_template_that_reads_the_clock_keeps_no_first_turns(hf_tokenizers):
 
 
 def test_threads_sharing_the_cache_keep_its_books():
-    """First turns are prepared on the CPU pool: concurrent puts and gets leave the token count equal to what the
-    entries hold, within the budget."""
+    """First turns are prepared on the CPU pool: concurrent first turns leave the token count equal to what the
+    entries hold, within the budget, and every call counted once."""
     cache = FirstTurnCache(max_tokens=500)
 
     def work(seed: int) -> None:
         rng = np.random.default_rng(seed)
         for _ in range(400):
-            key = cache.key([{"role": "user", "content": str(int(rng.integers(0, 60)))}], None, None, True)
-            assert key is not None
-            if cache.get(key) is None:
-                cache.put(key, np.zeros(int(rng.integers(1, 40)), dtype=np.int32))
+            n = int(rng.integers(0, 60))
+            cache.ids(_key(cache, str(n)), lambda n=n: np.zeros(n % 37 + 1, dtype=np.int32))
 
     threads = [threading.Thread(target=work, args=(seed,)) for seed in range(6)]
     for t in threads:
@@ -154,4 +234,4 @@ def test_threads_sharing_the_cache_keep_its_books():
     for t in threads:
         t.join()
     assert cache.tokens == sum(len(ids) for ids in cache._ids.values()) <= 500
-    assert cache.hits + cache.misses == 6 * 400 and cache.hits > 0
+    assert cache.hits + cache.misses == 6 * 400 and cache.hits > 0 and not cache._rendering
