@@ -153,6 +153,9 @@ def watch_state(server: ServerState) -> None:
                 "of a GRPO group's shared first request)", lambda: first_turns.hits)
     watch_count("first_turn_cache_misses", "first turns rendered and tokenized (the cache on, not holding them)",
                 lambda: first_turns.misses)
+    repeats = server.first_turn_repeats
+    watch_count("first_turns_on_loop", "repeated first requests whose kept ids were served on the event loop, "
+                "without the CPU pool's hop (repeated_first_turns.py)", lambda: repeats.on_loop)
     watch("first_turn_cache_tokens", "token ids the first-turn cache holds (--first-turn-cache-tokens bounds them)",
           lambda: first_turns.tokens)
     workers = server.engine.workers

@@ -13,6 +13,7 @@ from session_server.engine.drains import EngineDrains
 from session_server.engine.placement import EnginePlacement
 from session_server.engine.sessions import EngineSessions
 from session_server.metrics import Metrics
+from session_server.repeated_first_turns import RepeatedFirstTurns
 from session_server.sessions.journal import Journal
 from session_server.sessions.lifecycle import Lifecycle
 from session_server.sessions.registry import Registry
@@ -34,6 +35,8 @@ class ServerState:
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))
     prompt_token_limit: int | None = None  # the engine's largest input, once learned (turns/limits.py)
     paused_in_place: bool = False  # /admin/pause mode in_place paused the engines too (api/admin.py)
+    # First requests seen before: a repeat whose ids are kept is prepared on the loop (repeated_first_turns.py).
+    first_turn_repeats: RepeatedFirstTurns = field(default_factory=RepeatedFirstTurns)
 
     def new_trajectory(self) -> LinearTrajectory:
         return LinearTrajectory(

@@ -13,6 +13,9 @@ inputs and the same ids; a key that differs only in how the pickler shared objec
 A template that reads the clock (`strftime_now`, in real Llama 3.x templates) renders differently from day to day:
 its family keeps no first turns. The ids are stored read-only and handed out as they are.
 
+A caller on the event loop asks with `cached_only()`: the ids if they are kept, else `NotCached` at once (no render,
+no wait for one), so a repeat is served without the CPU pool's hop and anything else goes to the pool as before.
+
 A group's samples are launched together, so its first requests arrive together: one renders, and the others wait
 for its ids instead of rendering the same prompt beside it on the CPU pool (where the GIL would run the renders one
 after another anyway). A render that fails (a template error) hands nothing on: each waiter renders for itself.
@@ -24,16 +27,42 @@ prepared on the CPU pool and on the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
 
 DEFAULT_MAX_TOKENS = 4 * 1024 * 1024  # 16 MiB of ids: thousands of first turns of a few thousand tokens
 WAIT_SECONDS = 60.0  # a render in flight taking longer than this (it never should): the waiter renders itself
+
+
+_CACHED_ONLY: ContextVar[bool] = ContextVar("first_turns_cached_only", default=False)
+
+
+class NotCached(Exception):
+    """A first turn asked for inside `cached_only()` is not kept (or is still rendering): prepare it elsewhere."""
+
+
+@contextlib.contextmanager
+def cached_only() -> Iterator[None]:
+    """Within the block, a first turn whose ids are not kept raises NotCached instead of being rendered or waited
+    for: the event loop serves a repeat itself and must not spend a render's milliseconds."""
+    token = _CACHED_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _CACHED_ONLY.reset(token)
+
+
+def refuse_render() -> None:
+    """Raise NotCached inside `cached_only()`: a render is about to start."""
+    if _CACHED_ONLY.get():
+        raise NotCached
 
 
 class _InFlight:
@@ -56,6 +85,11 @@ class FirstTurnCache:
         self.hits = 0  # first turns answered from the cache or from a render in flight
         self.misses = 0  # renders
 
+    @property
+    def active(self) -> bool:
+        """Whether first turns are kept at all (a clock-reading template or a zero budget keeps none)."""
+        return self.enabled and self.max_tokens > 0
+
     def resize(self, max_tokens: int) -> None:
         """A new token budget (0 keeps nothing), entries evicted down to it."""
         with self._lock:
@@ -64,7 +98,7 @@ class FirstTurnCache:
 
     def key(self, messages: Any, tools: Any, template_kwargs: Any, text_only: bool) -> bytes | None:
         """The key of a first turn's render, or None when the cache is off or the inputs do not pickle."""
-        if not self.enabled or self.max_tokens <= 0:
+        if not self.active:
             return None
         try:
             return pickle.dumps((messages, tools, template_kwargs, text_only), protocol=pickle.HIGHEST_PROTOCOL)
@@ -79,6 +113,8 @@ class FirstTurnCache:
                 self._ids.move_to_end(key)
                 self.hits += 1
                 return ids
+            if _CACHED_ONLY.get():
+                raise NotCached
             flight = self._rendering.get(key)
             if flight is None:
                 flight = self._rendering[key] = _InFlight()

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .families.base import ModelFamily
+from .first_turns import refuse_render
 
 Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
 
@@ -46,7 +47,10 @@ def first_turn_ids(family: ModelFamily, messages: Sequence[dict[str, Any]],
 
     cache = family.first_turns  # a GRPO group's samples open with the same request (first_turns.py)
     key = cache.key(messages, tools, template_kwargs, text_only)
-    return render() if key is None else cache.ids(key, render)
+    if key is None:
+        refuse_render()  # nothing kept to answer from: inside cached_only(), NotCached
+        return render()
+    return cache.ids(key, render)
 
 
 def continuation_ids(family: ModelFamily, last_completion_token: int | None,

@@ -218,12 +218,19 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
     # its bytes weigh FIRST_TURN_BYTE_WEIGHT times more: a short first turn runs inline (a pool hop would cost more
     # than it does), while one with a few tool schemas goes to the pool (run inline, a burst of those held the loop:
     # /health p99 89 ms under 64-chat waves of first turns with 8 tools).
-    cost = len(body) if session.trajectory.checkpoints else FIRST_TURN_BYTE_WEIGHT * len(body)
+    first = not session.trajectory.checkpoints
+    cost = FIRST_TURN_BYTE_WEIGHT * len(body) if first else len(body)
     t0 = time.perf_counter()
-    parsed, matched = await server.pool.run_sized(
-        cost, prepare_turn, body, session.segments, api,
-        TurnLimits(server.prompt_token_limit, server.config.max_session_tokens), session.busy_segments(),
-    )
+    limits = TurnLimits(server.prompt_token_limit, server.config.max_session_tokens)
+    busy = session.busy_segments()
+    # A GRPO group's repeated first request with its ids kept: prepared here, no pool hop (repeated_first_turns.py),
+    # if its parse is as small as what runs here anyway.
+    on_loop = first and len(body) < server.pool.inline_below_bytes and server.family.first_turns.active
+    prepared = server.first_turn_repeats.prepare(body, lambda: prepare_turn(
+        body, session.segments, api, limits, busy)) if on_loop else None
+    if prepared is None:
+        prepared = await server.pool.run_sized(cost, prepare_turn, body, session.segments, api, limits, busy)
+    parsed, matched = prepared
     metrics.stage("prepare", time.perf_counter() - t0)
     if parsed.ignored:
         metrics.ignored(api.name, parsed.ignored)

@@ -5,6 +5,7 @@ ones a server without the cache sends. /metrics counts the hits and misses; `--f
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,17 +24,17 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "loo
 
 @pytest.fixture(scope="module")
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
-    servers = {"server": [], "uncached": ["--first-turn-cache-tokens", "0"]}
+    servers = {"server": [], "uncached": ["--first-turn-cache-tokens", "0"], "small": ["--inline-below-bytes", "128"]}
     with stack_factory(family="qwen3", servers=servers, proxied=set(servers)) as stack:
         yield stack
 
 
 def counts(server: str) -> dict[str, float]:
-    """The first-turn cache's samples on /metrics, by name less the common prefix (`hits_total`, ...)."""
+    """The first-turn samples on /metrics, by name less the common prefix (`cache_hits_total`, `on_loop_total`)."""
     text = httpx.get(f"{server}/metrics", timeout=10).text
-    prefix = "session_server_first_turn_cache_"
-    return {s.name.removeprefix(prefix): s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name.startswith(prefix)}
+    prefixes = ("session_server_first_turn_", "session_server_first_turns_")
+    return {s.name.removeprefix(p): s.value for f in text_string_to_metric_families(text) for s in f.samples
+            for p in prefixes if s.name.startswith(p)}
 
 
 def first_prompt(stack: Stack, server: str, body: dict[str, Any]) -> list[int]:
@@ -60,16 +61,25 @@ def test_a_group_renders_its_first_request_once(stack: Stack) -> None:
     before = counts(server)
     prompts = [first_prompt(stack, server, body) for _ in range(GROUP)]
     after = counts(server)
-    assert after["misses_total"] - before["misses_total"] == 1
-    assert after["hits_total"] - before["hits_total"] == GROUP - 1
-    assert after["tokens"] >= len(prompts[0])
+    assert after["cache_misses_total"] - before["cache_misses_total"] == 1
+    assert after["cache_hits_total"] - before["cache_hits_total"] == GROUP - 1
+    # The repeats came one after another with the same body: each prepared on the event loop (repeated_first_turns.py)
+    assert after["on_loop_total"] - before["on_loop_total"] == GROUP - 1
+    assert after["cache_tokens"] >= len(prompts[0])
     assert all(p == prompts[0] for p in prompts)
     assert first_prompt(stack, stack["uncached"], body) == prompts[0]  # what a fresh render sends
 
     other = {**body, "tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": "look it up"}}]}
     changed = first_prompt(stack, server, other)  # another prompt: a miss, its own ids
-    assert counts(server)["misses_total"] == after["misses_total"] + 1
+    assert counts(server)["cache_misses_total"] == after["cache_misses_total"] + 1
     assert changed != prompts[0] and changed == first_prompt(stack, stack["uncached"], other)
+
+    # Another body with the same render (a different max_tokens): not predicted, so the pool's, and still a hit.
+    before = counts(server)
+    assert first_prompt(stack, server, {**body, "max_tokens": 64}) == prompts[0]
+    after = counts(server)
+    assert after["cache_hits_total"] - before["cache_hits_total"] == 1
+    assert after["on_loop_total"] == before["on_loop_total"]
 
 
 def test_a_zero_budget_keeps_no_first_turns(stack: Stack) -> None:
@@ -79,4 +89,17 @@ def test_a_zero_budget_keeps_no_first_turns(stack: Stack) -> None:
     first_prompt(stack, server, body)
     first_prompt(stack, server, body)
     after = counts(server)
-    assert after["hits_total"] == before["hits_total"] and after["tokens"] == 0
+    assert after["cache_hits_total"] == before["cache_hits_total"] and after["cache_tokens"] == 0
+    assert after["on_loop_total"] == 0  # nothing kept: no first turn is tried on the loop
+
+
+def test_a_repeat_larger_than_the_loop_takes_goes_to_the_pool(stack: Stack) -> None:
+    """Only bodies below --inline-below-bytes are parsed on the loop: a larger repeat is still a hit, on the pool."""
+    server = stack["small"]
+    body = {"messages": [{"role": "user", "content": "Solve task 9. [[sim: tokens 4]]"}], "tools": TOOLS}
+    assert len(json.dumps(body)) > 128
+    before = counts(server)
+    assert first_prompt(stack, server, body) == first_prompt(stack, server, body)
+    after = counts(server)
+    assert after["cache_hits_total"] - before["cache_hits_total"] == 1
+    assert after["on_loop_total"] == before["on_loop_total"]

@@ -17,11 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from session_server.repeated_first_turns import RepeatedFirstTurns
 from support.examples import examples
 from support.families import FAMILIES
 from trajectory import ModelFamily
 from trajectory.families.registry import get_family
-from trajectory.first_turns import FirstTurnCache
+from trajectory.first_turns import FirstTurnCache, NotCached, cached_only, refuse_render
 from trajectory.tito import first_turn_ids
 
 SETTINGS = settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -235,3 +236,55 @@ def test_threads_sharing_the_cache_keep_its_books():
         t.join()
     assert cache.tokens == sum(len(ids) for ids in cache._ids.values()) <= 500
     assert cache.hits + cache.misses == 6 * 400 and cache.hits > 0 and not cache._rendering
+
+
+def test_cached_only_answers_from_kept_ids_or_refuses_at_once(families):
+    """On the event loop (`cached_only()`) a first turn is kept ids or NotCached: never a render, never a wait for
+    one, and nothing counted (the pool counts the turn when it prepares it)."""
+    family = families["qwen3"]
+    messages = [{"role": "user", "content": "a prompt the loop asks for"}]
+    with own_cache(family) as cache:
+        with cached_only(), pytest.raises(NotCached):
+            first_turn_ids(family, messages, None)
+        assert cache.hits == cache.misses == len(cache) == 0 and not cache._rendering
+        ids = first_turn_ids(family, messages, None)
+        with cached_only():
+            assert first_turn_ids(family, copy.deepcopy(messages), None) is ids
+        assert cache.hits == 1 and cache.misses == 1
+
+        key = _key(cache, "still rendering")
+        started, release = threading.Event(), threading.Event()
+        def slow() -> np.ndarray:
+            started.set()
+            release.wait(10)
+            return np.arange(2, dtype=np.int32)
+
+        owner = threading.Thread(target=cache.ids, args=(key, slow))
+        owner.start()
+        assert started.wait(10)
+        try:
+            with cached_only(), pytest.raises(NotCached):  # in flight: refused at once, not waited for
+                cache.ids(key, lambda: np.arange(9, dtype=np.int32))
+        finally:
+            release.set()
+            owner.join(10)
+    with own_cache(family, max_tokens=0), cached_only(), pytest.raises(NotCached):  # nothing kept: no render either
+        first_turn_ids(family, messages, None)
+
+
+def test_repeated_bodies_are_tried_on_the_loop():
+    repeats = RepeatedFirstTurns(max_bodies=2)
+    calls: list[bool] = []
+
+    def prepare() -> str:
+        calls.append(True)
+        refuse_render()  # as a first turn whose ids are not kept does, inside cached_only()
+        return "prepared"
+
+    assert repeats.prepare(b"a", prepare) is None and calls == []  # first sighting: the pool's
+    assert repeats.prepare(b"a", prepare) is None and calls == [True]  # a repeat, but nothing kept: the pool's
+    assert repeats.prepare(b"a", lambda: "kept") == "kept" and repeats.on_loop == 1
+    repeats.prepare(b"b", prepare)
+    repeats.prepare(b"c", prepare)  # two remembered: "a", the oldest, is forgotten
+    assert repeats.prepare(b"a", lambda: "kept") is None and repeats.on_loop == 1
+    assert repeats.prepare(b"c", lambda: "kept") == "kept" and repeats.on_loop == 2
