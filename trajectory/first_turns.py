@@ -113,8 +113,7 @@ class FirstTurnCache:
                 self._ids.move_to_end(key)
                 self.hits += 1
                 return ids
-            if _CACHED_ONLY.get():
-                raise NotCached
+            refuse_render()  # inside cached_only(): neither a render nor a wait for one
             flight = self._rendering.get(key)
             if flight is None:
                 flight = self._rendering[key] = _InFlight()
