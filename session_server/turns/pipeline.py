@@ -18,6 +18,7 @@ exactly once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -221,15 +222,16 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
     first = not session.trajectory.checkpoints
     cost = FIRST_TURN_BYTE_WEIGHT * len(body) if first else len(body)
     t0 = time.perf_counter()
-    limits = TurnLimits(server.prompt_token_limit, server.config.max_session_tokens)
-    busy = session.busy_segments()
+    prepare = functools.partial(
+        prepare_turn, body, session.segments, api,
+        TurnLimits(server.prompt_token_limit, server.config.max_session_tokens), session.busy_segments(),
+    )
     # A GRPO group's repeated first request with its ids kept: prepared here, no pool hop (repeated_first_turns.py),
     # if its parse is as small as what runs here anyway.
     on_loop = first and len(body) < server.pool.inline_below_bytes and server.family.first_turns.active
-    prepared = server.first_turn_repeats.prepare(body, lambda: prepare_turn(
-        body, session.segments, api, limits, busy)) if on_loop else None
+    prepared = server.first_turn_repeats.prepare(body, prepare) if on_loop else None
     if prepared is None:
-        prepared = await server.pool.run_sized(cost, prepare_turn, body, session.segments, api, limits, busy)
+        prepared = await server.pool.run_sized(cost, prepare)
     parsed, matched = prepared
     metrics.stage("prepare", time.perf_counter() - t0)
     if parsed.ignored:
