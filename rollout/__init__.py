@@ -1,7 +1,7 @@
 """The trainer's side: session client, agent-episode driver, torch batches.
 
-Exports are resolved lazily: `import rollout` imports neither `openai` nor torch; `rollout.to_torch_batch`
-imports torch on first use.
+Exports are resolved lazily: `import rollout` imports neither `openai` nor torch; `rollout.to_torch_batch` and
+`rollout.check_logprobs` import torch on first use.
 
 ```python
 from rollout import AgentConfig, SessionClient, Task, run_episodes, to_torch_batch
@@ -32,22 +32,30 @@ _EXPORTS = {
     "Toolbox": "rollout.tools",
     "default_toolbox": "rollout.tools",
     "to_torch_batch": "rollout.torch_batch",
+    "LogprobCheckReport": "rollout.logprob_check",
+    "SampleCheck": "rollout.logprob_check",
+    "TokenMismatch": "rollout.logprob_check",
+    "check_logprobs": "rollout.logprob_check",
 }
 
 __all__ = [
     "AgentConfig",
     "EpisodeResult",
+    "LogprobCheckReport",
     "RolloutError",
+    "SampleCheck",
     "ServerBusyError",
     "ServerConnectionError",
     "SessionClient",
     "SessionNotFoundError",
     "SessionServerError",
     "Task",
+    "TokenMismatch",
     "Tool",
     "ToolCall",
     "Toolbox",
     "UnknownSessionError",
+    "check_logprobs",
     "default_toolbox",
     "iter_episodes",
     "run_episode",
@@ -66,6 +74,7 @@ if TYPE_CHECKING:
         SessionServerError,
         UnknownSessionError,
     )
+    from rollout.logprob_check import LogprobCheckReport, SampleCheck, TokenMismatch, check_logprobs
     from rollout.tools import Tool, Toolbox, ToolCall, default_toolbox
     from rollout.torch_batch import to_torch_batch
 

@@ -1,0 +1,441 @@
+"""`check_logprobs`: recompute every sampled token's logprob with the policy and report the rollout-vs-trainer
+mismatch under the names RL teams already track.
+
+A sample is worth training on only if the trainer, given the same tokens and the same weights, assigns each sampled
+token the logprob the engine reported: the importance ratio of a policy-gradient step is built from both. This module
+is the trainer's side of that contract (DESIGN.md 6): one forward pass per sample (per weight version it spans), the
+logits at position t-1 scored against token t in fp32, `log_softmax(logits / T)`, compared on the loss mask.
+
+What SGLang 0.5.23 returns as a token's logprob (`srt/layers/sampler.py`, read from the released source):
+- greedy (`temperature` 0, which SGLang turns into temperature 1 with top_k 1): `log_softmax(logits)`, the raw
+  distribution;
+- sampled: `log(softmax(logits / T))`, the temperature-scaled distribution, taken before top-k / top-p / min-p
+  filtering (those change what may be drawn, not the returned logprob), unless the engine runs with
+  `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, which returns `log_softmax(logits)` for every request;
+- always after `logit_bias`, penalties and a grammar's vocabulary mask (applied to the logits before the sampler):
+  tokens sampled under those carry logprobs of the modified distribution, which no trainer recomputes from weights.
+So pass the request's `temperature` (0 or 1 for raw logprobs); samples do not record it.
+
+Metrics (`LogprobCheckReport.metrics`), with the trainer's logprob `t` and the engine's `r` on each sampled token:
+- verl's rollout-correction family (`rollout_corr/...`, verl's `compute_offpolicy_metrics`): `kl` = mean(r - t) over
+  tokens, `k3_kl` = mean(exp(t - r) - (t - r) - 1), `training_ppl` / `rollout_ppl` (batch mean of each sample's
+  perplexity) and their `_log_ppl`, `log_ppl_diff` (batch mean of each sample's mean(r) - mean(t)) with
+  `log_ppl_abs_diff`, `log_ppl_diff_max`, `log_ppl_diff_min`, `ppl_ratio`, `chi2_token` = mean(exp(t - r)^2) - 1 and
+  `chi2_seq` (per sample, the squared product of ratios, log-ratio sums clamped to +-20 as verl clamps them);
+- verl's debug metrics on probabilities: `training/rollout_probs_diff_{mean,max,std}` = |exp(t) - exp(r)| and
+  `training/rollout_actor_probs_pearson_corr`;
+- miles' `train_rollout_logprob_abs_diff`: the mean over samples of each sample's mean |t - r| (miles logs it as
+  `train/train_rollout_logprob_abs_diff` and its CI gates on it);
+- ours, the bar of DESIGN.md 6 (fp32, within 1e-3): `rollout_check/logprob_abs_diff_max` and `_mean` over tokens,
+  token / sample counts, and for MoE `rollout_check/routing_mismatch_fraction`: the (token, layer) rows where the
+  trainer's router picks another expert set than the engine recorded.
+
+MoE routing replay: a sample with `routed_experts` (SGLang's `[tokens, layers * top_k]` ids) is recomputed with each
+layer's top-k choice replaced by the recorded experts, as the engine routed them (miles' R3). The expert weights
+stay the trainer router's softmax over all experts, gathered at the replayed ids and renormalised when the model
+says `norm_topk_prob` (what SGLang's Qwen3-MoE `TopK(renormalize=norm_topk_prob)` computes). Rows the engine did not
+record (the last token, which no forward pass routed) keep the router's own choice: no sampled token's logprob
+depends on them. The routers are found by shape (transformers' `*TopKRouter` modules: `top_k`, `num_experts`,
+returning logits, scores and indices), so nothing here imports transformers.
+
+Weight versions: a merged or segment sample's `weight_version_spans` (`[version, start, end)` over its positions)
+says which weights sampled each token; a turn sample's `weight_version` covers its completion. With a callable
+policy, tokens of version v are scored by `policy(v)` (v as the engine reported it: SGLang's versions are strings,
+"default" until the trainer names one in `/update_weights_from_disk`), one forward pass per sample and version.
+
+torch is imported here and by rollout.torch_batch only: `import rollout` stays torch-free.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from trajectory import Sample
+
+# A policy: the model itself, or weight version -> the model holding those weights.
+Policy = torch.nn.Module | Callable[[Any], torch.nn.Module]
+
+# verl clamps log-ratios (token and sequence) to +-20 before exponentiating them for chi-square.
+SAFETY_BOUND = 20.0
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenMismatch:
+    """One sampled token where the trainer and the engine disagree, located for a human."""
+
+    sample: int                 # index into the checked samples
+    position: int               # position of the token in the sample
+    token_id: int
+    rollout_log_prob: float     # the engine's
+    trainer_log_prob: float     # recomputed
+    abs_diff: float
+    turn: int | None            # the trajectory turn that sampled it (None when the sample does not say)
+    weight_version: Any         # the weights that sampled it, as the engine reported them
+
+
+@dataclass(slots=True)
+class SampleCheck:
+    """One sample's comparison; `trainer_log_probs` has the sample's length (0.0 where the loss mask is 0), so a
+    trainer can reuse it as its recomputed old logprobs."""
+
+    index: int
+    num_tokens: int                 # sampled tokens compared
+    trainer_log_probs: np.ndarray   # float32 [len(tokens)]
+    abs_diff_mean: float
+    abs_diff_max: float
+    kl: float                       # mean(r - t)
+    k3_kl: float                    # mean(exp(t - r) - (t - r) - 1)
+    log_ppl_diff: float             # mean(r) - mean(t)
+    replayed: bool                  # routing replayed from the sample's routed experts
+    routing_rows: int               # (token, layer) rows compared with the engine's routing
+    routing_mismatched: int         # of those, where the trainer's router chose other experts
+    weight_versions: tuple[Any, ...]
+
+
+@dataclass(slots=True)
+class LogprobCheckReport:
+    metrics: dict[str, float]
+    per_sample: list[SampleCheck]
+    worst: list[TokenMismatch]
+
+    @property
+    def max_abs_diff(self) -> float:
+        return self.metrics.get("rollout_check/logprob_abs_diff_max", 0.0)
+
+    def ok(self, atol: float = 1e-3) -> bool:
+        """Every sampled token within `atol` of the engine's logprob (the fp32 bar of DESIGN.md 6)."""
+        return self.max_abs_diff <= atol
+
+    def format(self) -> str:
+        """A few lines for a log: the headline metrics and the worst tokens."""
+        m = self.metrics
+        lines = [
+            f"logprob check: {int(m.get('rollout_check/samples', 0))} samples, "
+            f"{int(m.get('rollout_check/tokens', 0))} sampled tokens, "
+            f"max |diff| {self.max_abs_diff:.3g}, mean {m.get('rollout_check/logprob_abs_diff_mean', 0.0):.3g}, "
+            f"k3_kl {m.get('rollout_corr/k3_kl', 0.0):.3g}"
+        ]
+        if "rollout_check/routing_mismatch_fraction" in m:
+            lines[0] += (f", replayed {int(m['rollout_check/replayed_samples'])} samples, routing mismatch "
+                         f"{m['rollout_check/routing_mismatch_fraction']:.2%}")
+        for w in self.worst:
+            lines.append(f"  sample {w.sample} pos {w.position} id {w.token_id} turn {w.turn} "
+                         f"version {w.weight_version!r}: engine {w.rollout_log_prob:.6f} "
+                         f"trainer {w.trainer_log_prob:.6f} |diff| {w.abs_diff:.3g}")
+        return "\n".join(lines)
+
+
+def check_logprobs(samples: Sequence[Sample], policy: Policy, *, replay_routing: bool = True, worst: int = 10,
+                   temperature: float = 1.0) -> LogprobCheckReport:
+    """Recompute every sampled token of `samples` with `policy` and compare with the rollout logprobs.
+
+    `policy` is a torch module (a transformers causal LM, or any module whose output is logits or has `.logits`)
+    or a callable `version -> module` (tokens sampled under weight version v are scored by `policy(v)`). With
+    `replay_routing`, samples that carry routed experts are recomputed with the engine's routing (MoE); without, with
+    the trainer's own. `temperature` is the sampling temperature of the requests (0 counts as 1, as in SGLang).
+    `worst` tokens by absolute difference are listed in the report.
+    """
+    if temperature < 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    scale = temperature if temperature > 0 else 1.0
+    resolve = _resolver(policy)
+    checks: list[SampleCheck] = []
+    rollout_all: list[np.ndarray] = []
+    trainer_all: list[np.ndarray] = []
+    where: list[tuple[int, np.ndarray]] = []
+    replays: dict[int, _RoutingReplay] = {}
+    try:
+        for index, sample in enumerate(samples):
+            positions = np.flatnonzero(sample.loss_mask)
+            positions = positions[positions > 0]  # position 0 has no context to predict it from
+            versions = _versions_of(sample, positions)
+            trainer = np.zeros(len(sample.tokens), dtype=np.float32)
+            rows = sample.routed_experts
+            routing_rows = routing_mismatched = 0
+            replayed = False
+            for model, chosen in _by_model(resolve, positions, versions):
+                replay = None
+                if rows is not None:
+                    replay = replays.get(id(model))
+                    if replay is None:
+                        replay = replays[id(model)] = _RoutingReplay(model)
+                    if not replay.routers:
+                        if replay_routing:
+                            raise ValueError(f"sample {index} has routed experts but the policy has no top-k router "
+                                             "to replay them into")
+                        replay = None
+                with _routing(replay, rows, replay_routing):
+                    trainer[chosen] = _score(model, sample.tokens, chosen, scale)
+                if replay is not None:
+                    routing_rows += replay.compared
+                    routing_mismatched += replay.mismatched
+                    replayed = replay_routing
+            r = sample.rollout_log_probs[positions].astype(np.float64)
+            t = trainer[positions].astype(np.float64)
+            checks.append(_sample_check(index, trainer, r, t, replayed, routing_rows, routing_mismatched,
+                                        tuple(dict.fromkeys(versions))))
+            rollout_all.append(r)
+            trainer_all.append(t)
+            where.append((index, positions))
+    finally:
+        for replay in replays.values():
+            replay.close()
+    metrics = _metrics(checks, rollout_all, trainer_all, any(s.routed_experts is not None for s in samples))
+    return LogprobCheckReport(metrics, checks, _worst(samples, where, rollout_all, trainer_all, worst))
+
+
+# -- which weights scored which token ---------------------------------------------------------------------------
+def _resolver(policy: Policy) -> Callable[[Any], torch.nn.Module]:
+    if isinstance(policy, torch.nn.Module):
+        return lambda _version: policy
+    if callable(policy):
+        return policy
+    raise TypeError(f"policy must be a torch module or a callable version -> module, got {type(policy).__name__}")
+
+
+def _versions_of(sample: Sample, positions: np.ndarray) -> list[Any]:
+    """The weight version of each position in `positions`: the sample's spans, else its one version, else None."""
+    meta = sample.metadata
+    default = meta.get("weight_version")
+    out: list[Any] = [default] * len(positions)
+    for span in meta.get("weight_version_spans") or ():
+        version, start, end = span
+        lo, hi = np.searchsorted(positions, [start, end])
+        out[lo:hi] = [version] * (hi - lo)
+    return out
+
+
+def _by_model(resolve: Callable[[Any], torch.nn.Module], positions: np.ndarray, versions: list[Any]
+              ) -> Iterator[tuple[torch.nn.Module, np.ndarray]]:
+    """(model, positions it scores): versions that resolve to the same module share one forward pass."""
+    groups: dict[int, tuple[torch.nn.Module, list[int]]] = {}
+    models: dict[Any, torch.nn.Module] = {}
+    for i, version in enumerate(versions):
+        key = (type(version).__name__, version)
+        model = models.get(key)
+        if model is None:
+            model = models[key] = resolve(version)
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(f"policy({version!r}) returned {type(model).__name__}, not a torch module")
+        groups.setdefault(id(model), (model, []))[1].append(i)
+    for model, picks in groups.values():
+        yield model, positions[picks]
+
+
+# -- the forward pass -----------------------------------------------------------------------------------------
+def _score(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray, temperature: float) -> np.ndarray:
+    """log p(tokens[p] | tokens[:p]) for each p in `positions`, in fp32, from one forward pass over the sample."""
+    if not len(positions):
+        return np.zeros(0, dtype=np.float32)
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    end = int(positions.max())  # nothing after the last scored token's context is needed
+    ids = torch.as_tensor(tokens[:end].astype(np.int64), device=device).unsqueeze(0)
+    before = torch.as_tensor(positions - 1, dtype=torch.long, device=device)
+    kwargs: dict[str, Any] = {}
+    if _accepts(model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = before  # only the rows scored: a full [len, vocab] block can be GBs
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids, **kwargs)
+            logits = out.logits if hasattr(out, "logits") else out
+            logits = logits[0] if "logits_to_keep" in kwargs else logits[0, before]
+            logits = logits.float() / temperature
+            targets = torch.as_tensor(tokens[positions].astype(np.int64), device=device)
+            picked = logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    finally:
+        model.train(was_training)
+    return picked.cpu().numpy().astype(np.float32)
+
+
+def _accepts(model: torch.nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# -- MoE routing replay ---------------------------------------------------------------------------------------
+class _RoutingReplay:
+    """Forward hooks on a model's top-k routers that compare (and, when asked, replace) each layer's choice of
+    experts with the engine's recorded one for the sample being scored."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers: list[tuple[int, int, torch.nn.Module]] = []  # (decoder layer, router ordinal, module)
+        for name, module in model.named_modules():
+            if (type(module).__name__.endswith("Router") and isinstance(getattr(module, "top_k", None), int)
+                    and isinstance(getattr(module, "num_experts", None), int)):
+                match = _LAYER.search(name + ".")
+                layer = int(match.group(1)) if match else len(self.routers)
+                self.routers.append((layer, len(self.routers), module))
+        config = getattr(model, "config", None)
+        self.num_layers = getattr(config, "num_hidden_layers", None)
+        self.rows: torch.Tensor | None = None  # [tokens, layers, top_k] int64, -1 where not recorded
+        self.replace = False
+        self.by_layer = True  # the rows' layer axis is the decoder layer (SGLang's), else the router's ordinal
+        self.compared = self.mismatched = 0
+        self.handles = [module.register_forward_hook(self._hook(layer, ordinal))
+                        for layer, ordinal, module in self.routers]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def load(self, rows: np.ndarray, replace: bool) -> None:
+        top_k = int(self.routers[0][2].top_k)
+        if rows.shape[1] % top_k:
+            raise ValueError(f"{rows.shape[1]} routed-expert values per token are not layers x top_k {top_k}")
+        layers = rows.shape[1] // top_k
+        if layers not in (self.num_layers, len(self.routers)):
+            raise ValueError(f"routed experts cover {layers} layers; the policy has {self.num_layers} layers and "
+                             f"{len(self.routers)} routers")
+        self.by_layer = layers == self.num_layers
+        self.rows = torch.from_numpy(rows.astype(np.int64)).view(len(rows), layers, top_k)
+        self.replace = replace
+        self.compared = self.mismatched = 0
+
+    def unload(self) -> None:
+        self.rows = None
+
+    def _hook(self, layer: int, ordinal: int) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if self.rows is None:
+                return None
+            logits, scores, indices = output
+            recorded = self.rows[: len(indices), layer if self.by_layer else ordinal].to(indices.device)
+            known = (recorded >= 0).all(dim=-1)
+            differs = (recorded.sort(dim=-1).values != indices.sort(dim=-1).values).any(dim=-1) & known
+            self.compared += int(known.sum())
+            self.mismatched += int(differs.sum())
+            if not self.replace:
+                return None
+            chosen = torch.where(known[:, None], recorded, indices)
+            probs = torch.softmax(logits.float(), dim=-1)
+            weights = probs.gather(-1, chosen)
+            if getattr(module, "norm_topk_prob", False):
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights.to(scores.dtype), chosen
+
+        return hook
+
+
+@contextmanager
+def _routing(replay: _RoutingReplay | None, rows: np.ndarray | None, replace: bool) -> Iterator[None]:
+    if replay is None or rows is None:
+        yield
+        return
+    replay.load(rows, replace)
+    try:
+        yield
+    finally:
+        replay.unload()
+
+
+# -- metrics --------------------------------------------------------------------------------------------------
+def _sample_check(index: int, trainer: np.ndarray, r: np.ndarray, t: np.ndarray, replayed: bool, routing_rows: int,
+                  routing_mismatched: int, versions: tuple[Any, ...]) -> SampleCheck:
+    diff = np.abs(t - r)
+    n = len(diff)
+    log_ratio = t - r
+    return SampleCheck(
+        index=index, num_tokens=n, trainer_log_probs=trainer,
+        abs_diff_mean=float(diff.mean()) if n else 0.0, abs_diff_max=float(diff.max()) if n else 0.0,
+        kl=float((r - t).mean()) if n else 0.0,
+        k3_kl=float((np.exp(log_ratio) - log_ratio - 1).mean()) if n else 0.0,
+        log_ppl_diff=float(r.mean() - t.mean()) if n else 0.0,
+        replayed=replayed, routing_rows=routing_rows, routing_mismatched=routing_mismatched,
+        weight_versions=versions,
+    )
+
+
+def _metrics(checks: list[SampleCheck], rollout: list[np.ndarray], trainer: list[np.ndarray], moe: bool
+             ) -> dict[str, float]:
+    metrics: dict[str, float] = {
+        "rollout_check/samples": float(len(checks)),
+        "rollout_check/tokens": float(sum(c.num_tokens for c in checks)),
+        "rollout_check/replayed_samples": float(sum(c.replayed for c in checks)),
+    }
+    rows = sum(c.routing_rows for c in checks)
+    if moe and rows:
+        metrics["rollout_check/routing_mismatch_fraction"] = sum(c.routing_mismatched for c in checks) / rows
+    seqs = [(r, t) for r, t in zip(rollout, trainer, strict=True) if len(r)]
+    if not seqs:
+        metrics.update({"rollout_check/logprob_abs_diff_max": 0.0, "rollout_check/logprob_abs_diff_mean": 0.0})
+        return metrics
+    r = np.concatenate([s[0] for s in seqs])
+    t = np.concatenate([s[1] for s in seqs])
+    diff = np.abs(t - r)
+    log_ratio = t - r
+    mean_r = np.array([s[0].mean() for s in seqs])
+    mean_t = np.array([s[1].mean() for s in seqs])
+    log_ppl_diff = mean_r - mean_t
+    seq_log_ratio = np.clip([(s[1] - s[0]).sum() for s in seqs], -SAFETY_BOUND, SAFETY_BOUND)
+    probs_diff = np.abs(np.exp(t) - np.exp(r))
+    metrics.update({
+        "rollout_check/logprob_abs_diff_max": float(diff.max()),
+        "rollout_check/logprob_abs_diff_mean": float(diff.mean()),
+        "train_rollout_logprob_abs_diff": float(np.mean([np.abs(s[1] - s[0]).mean() for s in seqs])),
+        "rollout_corr/training_ppl": float(np.exp(-mean_t).mean()),
+        "rollout_corr/training_log_ppl": float((-mean_t).mean()),
+        "rollout_corr/rollout_ppl": float(np.exp(-mean_r).mean()),
+        "rollout_corr/rollout_log_ppl": float((-mean_r).mean()),
+        "rollout_corr/kl": float((r - t).mean()),
+        "rollout_corr/k3_kl": float((np.exp(log_ratio) - log_ratio - 1).mean()),
+        "rollout_corr/log_ppl_diff": float(log_ppl_diff.mean()),
+        "rollout_corr/log_ppl_abs_diff": float(np.abs(log_ppl_diff).mean()),
+        "rollout_corr/log_ppl_diff_max": float(log_ppl_diff.max()),
+        "rollout_corr/log_ppl_diff_min": float(log_ppl_diff.min()),
+        "rollout_corr/ppl_ratio": float(np.exp(log_ppl_diff).mean()),
+        "rollout_corr/chi2_token": float(np.exp(2 * np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)).mean() - 1),
+        "rollout_corr/chi2_seq": float(np.exp(2 * seq_log_ratio).mean() - 1),
+        "training/rollout_probs_diff_mean": float(probs_diff.mean()),
+        "training/rollout_probs_diff_max": float(probs_diff.max()),
+        "training/rollout_probs_diff_std": float(probs_diff.std(ddof=1)) if len(probs_diff) > 1 else 0.0,
+    })
+    p_t, p_r = np.exp(t), np.exp(r)
+    if len(r) > 1 and p_t.std() > 0 and p_r.std() > 0:
+        metrics["training/rollout_actor_probs_pearson_corr"] = float(np.corrcoef(p_t, p_r)[0, 1])
+    return metrics
+
+
+def _turn_of(sample: Sample, position: int) -> int | None:
+    meta = sample.metadata
+    if isinstance(meta.get("turn"), int):
+        return int(meta["turn"])
+    for k, (prompt_len, completion_len) in enumerate(meta.get("turns") or ()):
+        if prompt_len <= position < prompt_len + completion_len:
+            return k
+    return None
+
+
+def _worst(samples: Sequence[Sample], where: list[tuple[int, np.ndarray]], rollout: list[np.ndarray],
+           trainer: list[np.ndarray], count: int) -> list[TokenMismatch]:
+    if count <= 0 or not any(len(p) for _, p in where):
+        return []
+    owner = np.concatenate([np.full(len(p), i) for i, p in where])
+    position = np.concatenate([p for _, p in where])
+    r = np.concatenate(rollout)
+    t = np.concatenate(trainer)
+    diff = np.abs(t - r)
+    order = np.argsort(-diff, kind="stable")[:count]
+    out = []
+    for k in order:
+        sample = samples[int(owner[k])]
+        pos = int(position[k])
+        out.append(TokenMismatch(
+            sample=int(owner[k]), position=pos, token_id=int(sample.tokens[pos]), rollout_log_prob=float(r[k]),
+            trainer_log_prob=float(t[k]), abs_diff=float(diff[k]), turn=_turn_of(sample, pos),
+            weight_version=_versions_of(sample, np.array([pos]))[0]))
+    return out
