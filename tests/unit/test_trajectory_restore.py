@@ -56,7 +56,8 @@ steps = st.lists(
 )
 
 
-@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(family_name=st.sampled_from(FAMILIES), script=steps)
 def test_replaying_stored_turns_gives_the_live_trajectory(families, family_name, script) -> None:
     family = families[family_name]
