@@ -10,7 +10,6 @@ per-token emission (latency, abort, pause) is the scheduler's business.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from sglang_sim.constraints import StructuralTag, allowed_calls, json_text, tool_calls_text
-from sglang_sim.directives import MARK, PATTERN
+from sglang_sim.directives import MARK, PATTERN, Script, read
 from sglang_sim.family import EngineFamily
 
 _WORD_TEXT = (
@@ -32,16 +31,6 @@ _WORD_TEXT = (
 )
 WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
 
-
-
-@dataclass(frozen=True)
-class Script:
-    """What the prompt asked for; empty fields fall back to seeded words."""
-
-    think: bool = False
-    reply: str | None = None
-    tokens: int | None = None
-    tool_calls: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,52 +73,6 @@ class ReplyPlan:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_script(text: str) -> Script:
-    """Read every directive of one message; `tool_call` repeats into parallel calls."""
-    think = False
-    reply: str | None = None
-    tokens: int | None = None
-    calls: list[tuple[str, str]] = []
-    decoder = json.JSONDecoder()
-    for m in PATTERN.finditer(text):
-        kind, rest = m.group(1), text[m.end():]
-        if kind == "think":
-            think = True
-        elif kind == "tokens":
-            num = re.match(r"\s*(\d+)\s*\]\]", rest)
-            if num:
-                tokens = int(num.group(1))
-        elif kind == "reply":
-            end = rest.find("]]")
-            if end >= 0:
-                reply = rest[:end].strip()
-        else:
-            call = re.match(r"\s*name=([A-Za-z0-9_.\-]+)\s+args=", rest)
-            if not call:
-                continue
-            try:
-                args, _ = decoder.raw_decode(rest[call.end():])
-            except json.JSONDecodeError:
-                continue
-            calls.append((call.group(1), json.dumps(args, ensure_ascii=False)))
-    return Script(think=think, reply=reply, tokens=tokens, tool_calls=tuple(calls))
-
-
-def _quoted_directives(text: str) -> str | None:
-    """The message text inside a JSON string that holds the directives, for templates that write a message with `tojson`
-    (Llama 3.1's tool results): the directives as the agent wrote them, unescaped. None when there is none."""
-    decoder = json.JSONDecoder()
-    first = text.find(MARK)
-    for quote in re.finditer('"', text[:first]):
-        try:
-            value, _ = decoder.raw_decode(text, quote.start())
-        except ValueError:
-            continue
-        if isinstance(value, str) and MARK in value:
-            return value
-    return None
-
-
 def find_script(family: EngineFamily, prompt: np.ndarray) -> Script | None:
     """Directives of the LAST message that carries any; None when the prompt has none."""
     if MARK not in family.decode_text(prompt, skip_special_tokens=False):
@@ -139,7 +82,7 @@ def find_script(family: EngineFamily, prompt: np.ndarray) -> Script | None:
         if MARK in text and PATTERN.search(text):
             for start in family.family.inline_message_starts:  # messages merged into one turn: the last one's
                 text = next((part for part in reversed(text.split(start)) if PATTERN.search(part)), text)
-            return parse_script(_quoted_directives(text) or text)
+            return read(text)
     return None
 
 
