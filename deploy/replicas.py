@@ -1,7 +1,7 @@
 """The replica list of a deployment: `--replica NAME=HOST:PORT`, one per `session-server --replica-name NAME`.
 
-The name is the routing key of every session the replica mints (`NAME.<hex>`, session_server/registry.py), so it
-must be the replica's `--replica-name` and must stay with the replica's address and journal across restarts.
+The name is the routing key of every session the replica mints (`NAME.<hex>`, session_server/sessions/registry.py),
+so it must be the replica's `--replica-name` and must stay with the replica's address and journal across restarts.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ kv_used_tokens 0, `/sim/books` ok; server in-flight 0 and sessions 0; server RSS
 
     python scripts/soak.py --chats 3000 --sessions 64 [--engine-sessions] [--json-out out/soak.json]
 
-Exits 1 when any invariant was violated. tests/test_soak.py runs the same harness in a smaller configuration.
+Exits 1 when any invariant was violated. tests/e2e/test_soak.py runs the same harness in a smaller configuration.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The pure core's errors (bad request, template, rollback, invariant, engine reply
 trajectory/errors.py; the failure modes that exist only because there is a server -- unknown, busy or paused
 sessions, an engine that cannot be reached or does not answer in time, a body too large, a client gone, admin auth --
 are defined here as subclasses of the same base. A handler lets them escape: the error boundary
-(http/boundary.py) renders every one with its status, so there is one renderer and no handler repeats the catch.
+(http/front_door.py) renders every one with its status, so there is one renderer and no handler repeats the catch.
 Why a chat was cut off is one enum, `AbortReason`: what a claim is aborted for, and the label it is counted by.
 """
 

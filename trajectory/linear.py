@@ -83,7 +83,8 @@ class TurnRecord:
     tail_logprobs: tuple[float, ...] = ()
     routed_experts: bytes | memoryview | None = field(default=None, repr=False)  # a view into the engine body
     # SGLang's routed experts are base64 int32 [rows, layers, top_k] for positions [start, start + rows): the
-    # routing of every token fed to the model this turn from `routed_experts_start` on (trajectory/routed_experts.py).
+    # routing of every token fed to the model this turn from `routed_experts_start` on (trajectory/samples.py
+    # assemble_routed_experts places them on the trajectory's positions).
     routed_experts_start: int = 0
     # (version, start, end) of the weights that sampled completion tokens [start, end) (SGLang's weight_versions).
     weight_versions: tuple[tuple[str, int, int], ...] | None = None
