@@ -70,7 +70,3 @@ CHAT = ChatCompletions()
 async def chat_completions(request: Request) -> Response:
     return await serve_turn(request, request.path_params["session_id"], CHAT)
 
-
-async def serve_chat(request: Request, session_id: str) -> Response:
-    """One chat on the session `session_id`, however the request addressed it (URL path or X-Session-ID)."""
-    return await serve_turn(request, session_id, CHAT)

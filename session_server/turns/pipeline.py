@@ -1,68 +1,41 @@
 """One turn, whatever API carried it (the front end parses and formats; turn.py says how they meet):
 
     claim the slot (before the body is read)  ->  read the body  ->  parse + match a segment + prepare (pure)
-    ->  bind the claim to the segment (409 if busy)  ->  encode (pooled if large)
-    ->  engine call + decode WITHOUT the lock, raced against client disconnect, abort requests and the timeout
-    ->  commit under the lock  ->  reply (or, with `stream: true`, stream.py from the engine call on)
+    ->  bind the claim to the segment (409 if busy)  ->  the engine call (engine_call.py): open, then the engine
+    requests WITHOUT the lock, raced against client disconnect, abort requests and the timeout, decoded
+    ->  commit under the lock  ->  reply; with `stream: true` the same engine call, consumed by stream.py
 
 Why no lock across the engine call: the gate already guarantees a single turn per segment -- the claim owner is the
 segment's only writer -- and the lock only has to make each mutation atomic with respect to GET/samples/DELETE on
 the same loop. Holding it across a multi-second engine call would make those readers wait for the engine, and a
 cancelled holder could leave it taken. Prepare is pure and commit checks `version`, so nothing slips in unnoticed.
 
-Every way out of the race that is not a finished engine call aborts the engine request by our rid and commits
-nothing; the slot is released by the `finally` of the handler that owns it (or by the stream it was handed to),
-exactly once.
+The slot is released by the `finally` of the handler that owns it (or by the stream it was handed to), exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from session_server.engine.sessions import engine_session_gone
-from session_server.engine.wire import split_routed_experts
-from session_server.errors import (
-    AbortReason,
-    ClientDisconnectedError,
-    EngineAbortedError,
-    EngineRefusedError,
-    EngineTimeoutError,
-    SessionBusyError,
-    tag_abort,
-)
+from session_server.errors import AbortReason, ClientDisconnectedError, SessionBusyError, tag_abort
 from session_server.http import body as body_reader
 from session_server.http.disconnect import disconnects
 from session_server.sessions.session import Claim
 from session_server.state import ServerState, server_of
+from session_server.turns.engine_call import EngineCall, count_failure
 from session_server.turns.limits import TurnLimits
-from session_server.turns.output import TurnOutput, decode_turn
-from session_server.turns.race import Ending, race
-from session_server.turns.resume import Continuation, continue_turn
 from session_server.turns.stream import StreamedTurn
-from session_server.turns.turn import (
-    FrontEnd,
-    Turn,
-    TurnRequest,
-    commit_output,
-    count_failure,
-    encode_payload,
-    engine_sessions_of,
-    new_rid,
-)
-from trajectory import GenerateResult, SegmentPlan, SegmentSet
+from session_server.turns.turn import FrontEnd, Turn, TurnRequest, new_rid
+from trajectory import SegmentPlan, SegmentSet
 from trajectory.errors import SessionError
 from trajectory.messages import Message
-
-logger = logging.getLogger("session_server.turns.pipeline")
 
 R = TypeVar("R")
 
@@ -71,14 +44,6 @@ NO_LIMITS = TurnLimits()
 # measured here): with the default 64 KiB cut, first turns under 1 KiB run inline.
 FIRST_TURN_BYTE_WEIGHT = 64
 SETTLE_LOOP_TURNS = 16
-
-
-@dataclass(slots=True)
-class TurnTiming:
-    """Seconds spent waiting for the engine and decoding its reply (filled in by `_generate`)."""
-
-    engine: float = 0.0
-    decode: float = 0.0
 
 
 async def serve_turn(request: Request, session_id: str, api: FrontEnd[R]) -> Response:
@@ -90,11 +55,9 @@ async def serve_turn(request: Request, session_id: str, api: FrontEnd[R]) -> Res
         claim = await _claim(server, session_id)
     except SessionError as err:
         return api.error(err)
-    started = time.perf_counter()
-    timing = TurnTiming()
     handed_over = False  # a streamed reply takes the claim along and releases it after its last byte
     try:
-        response = await _turn(server, claim, request, api, timing)
+        response = await _turn(server, claim, request, api)
         handed_over = isinstance(response, StreamedTurn)
     except SessionError as err:
         count_failure(server.metrics, err)
@@ -102,8 +65,6 @@ async def serve_turn(request: Request, session_id: str, api: FrontEnd[R]) -> Res
     finally:
         if not handed_over:
             claim.release()
-    if not handed_over and response.status_code == 200:
-        server.metrics.chat_done(time.perf_counter() - started, timing.engine)
     return response
 
 
@@ -197,19 +158,7 @@ def prepare_turn(
     return turn, plan
 
 
-async def engine_payload(server: ServerState, claim: Claim, turn: Turn[Any]) -> bytes:
-    """The /generate body of this turn, built in one place: the whole prompt, or with engine sessions only what the
-    session's engine-side KV does not hold yet (which `begin_turn` opens or reopens as needed)."""
-    turn.engine_start, turn.session_params = 0, None
-    if engine_sessions_of(server, claim) is not None:
-        assert server.engine_sessions is not None
-        turn.engine_start, turn.session_params = await server.engine_sessions.begin_turn(
-            claim.session.id, turn.plan.new_token_start, _remaining(server, claim))
-        claim.raise_if_aborted()
-    return await encode_payload(server, turn, turn.plan.prompt_ids, turn.request.sampling_params)
-
-
-async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontEnd[R], timing: TurnTiming) -> Response:
+async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontEnd[R]) -> Response:
     session = claim.session
     metrics = server.metrics
     body = await _read_body_or_abort(claim, request, server.config.max_request_bytes, server.config.body_timeout)
@@ -238,139 +187,17 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
         metrics.ignored(api.name, parsed.ignored)
     claim.raise_if_aborted()
     matched = await _bind(server, claim, matched)
-    plan = matched.turn
     # The rid has a fixed length: no rid is a prefix of another (abort matches by prefix).
-    turn = Turn(parsed, plan, new_rid(), parsed.model or server.family.name, server.family, matched)
+    turn = Turn(parsed, matched.turn, new_rid(), parsed.model or server.family.name, server.family, matched)
     server.engine.place(session.id)  # its worker, or a healthy one if its worker failed (placement.py)
-    # The session's previous, aborted engine request must have ended first (with engine sessions: left its
-    # streaming session) -- once, before anything of this turn reaches the engine.
-    await _settle_previous(server, claim)
-    payload = await engine_payload(server, claim, turn)
+    call = EngineCall(server, claim, turn, api)
+    await call.open()
     if parsed.stream:
-        return StreamedTurn(server, claim, turn, payload, api)  # type: ignore[return-value]  # an ASGI response
-
-    engine_sessions = engine_sessions_of(server, claim)
-    committed = False
-    continuation = Continuation(server.config.max_turn_continuations)
+        return StreamedTurn(call)  # type: ignore[return-value]  # an ASGI response
     try:
-        try:
-            out, reply = await _engine_reply(server, claim, request, turn, payload, api, timing, continuation)
-        except EngineRefusedError as refused:
-            if engine_sessions is None or not engine_session_gone(refused.engine_status, refused.body):
-                raise
-            # The engine lost the session (restarted, or its idle timeout closed it): the turn never ran there.
-            # Reopen and resend the whole prompt once; the agent never sees the engine's 400.
-            logger.info("session %s: engine session gone (%r); reopening", session.id, refused.body[:120])
-            metrics.engine_session_reopens.inc()
-            engine_sessions.forget(session.id)
-            claim.raise_if_aborted()
-            payload = await engine_payload(server, claim, turn)
-            out, reply = await _engine_reply(server, claim, request, turn, payload, api, timing, continuation)
-        metrics.stage("decode", timing.decode)
-        claim.raise_if_aborted()
-        await commit_output(server, claim, plan, out)
-        committed = True
+        out, reply = await call.reply(disconnects(request.scope, request.receive))
+        await call.commit(out)
     finally:
-        if engine_sessions is not None and not committed:
-            engine_sessions.mark_dirty(session.id)
+        call.close()
+    assert reply is not None  # a plain turn's reply is built with its decode
     return Response(reply, media_type="application/json", headers=turn.headers)
-
-
-def _remaining(server: ServerState, claim: Claim) -> float:
-    """Seconds left of the turn's --request-timeout, counted from the claim: the total the client waits."""
-    return claim.started + server.config.request_timeout - time.monotonic()
-
-
-async def _settle_previous(server: ServerState, claim: Claim) -> None:
-    """Wait (bounded) until this session's previously aborted engine request has ended, so the engine never runs
-    two requests of one session at once (engine/drains.py)."""
-    if server.drains is None or server.drains.pending(claim.lane) is None:
-        return
-    if not await server.drains.settle(claim.lane, _remaining(server, claim)):
-        raise tag_abort(EngineTimeoutError(
-            f"the session's previous engine request was still being aborted after "
-            f"{server.config.request_timeout:g}s; nothing was sent"), AbortReason.TIMEOUT)
-    claim.raise_if_aborted()
-
-
-def decode_and_reply(
-    body: bytes, split: tuple[bytes, memoryview | None], turn: Turn[R], api: FrontEnd[R], retry_after: int,
-    before: GenerateResult | None = None,
-) -> tuple[TurnOutput, bytes]:
-    """The strict decode and the front end's reply, in one step on the pool (or inline, by size)."""
-    out = decode_turn(body, turn.family, turn.rid, turn.request.parse_tool_calls, split, retry_after, turn.plan,
-                      before)
-    return out, api.reply(turn, out)
-
-
-async def _generate(
-    server: ServerState, session_id: str, turn: Turn[R], payload: bytes, api: FrontEnd[R], timing: TurnTiming,
-    before: GenerateResult | None,
-) -> tuple[TurnOutput, bytes]:
-    """The engine call, the strict decode of its reply (continuing `before`) and the reply; the engine's own error
-    is EngineRefusedError, an abort on its side EngineAbortedError (resume.py may continue the turn)."""
-    t0 = time.perf_counter()
-    reply = await server.engine.generate(payload, session_id)
-    t1 = time.perf_counter()
-    timing.engine = t1 - t0
-    server.metrics.engine(timing.engine)
-    if not reply.ok:
-        raise EngineRefusedError(reply.status, reply.body, reply.content_type)
-    # The cut is a memchr over the routed-experts megabytes (~0.1 ms); what is left to decode is what the pool-or-
-    # inline choice should weigh, and it is usually small enough that a pool hop would cost more than the decode.
-    split = split_routed_experts(reply.body)
-    out = await server.pool.run_decode(
-        len(split[0]), decode_and_reply, reply.body, split, turn, api, server.config.retry_after, before)
-    timing.decode = time.perf_counter() - t1
-    return out
-
-
-async def _engine_reply(
-    server: ServerState, claim: Claim, request: Request, turn: Turn[R], payload: bytes, api: FrontEnd[R],
-    timing: TurnTiming, continuation: Continuation,
-) -> tuple[TurnOutput, bytes]:
-    """The turn's engine call, continued after each abort by the engine for everyone (resume.py) until its reply
-    is whole; every request raced as `_run_engine` races it, within the turn's one deadline."""
-    while True:
-        try:
-            return await _run_engine(server, claim, request, turn, payload, api, timing, continuation.before)
-        except EngineAbortedError as aborted:
-            payload = await continue_turn(server, turn, continuation, aborted)
-            claim.raise_if_aborted()
-
-
-async def _run_engine(
-    server: ServerState, claim: Claim, request: Request, turn: Turn[R], payload: bytes, api: FrontEnd[R],
-    timing: TurnTiming, before: GenerateResult | None = None,
-) -> tuple[TurnOutput, bytes]:
-    """The engine call raced against the client, the claim and the deadline (race.py). Every way out that is not a
-    finished call aborts the engine request by our rid and commits nothing."""
-    engine_task = asyncio.ensure_future(_generate(server, claim.session.id, turn, payload, api, timing, before))
-    try:
-        ending = await race(engine_task, disconnects(request.scope, request.receive), claim, _remaining(server, claim))
-    except asyncio.CancelledError:
-        # The handler itself is being cancelled: the engine request is still aborted (in the background).
-        _abort_engine(server, claim, turn.engine_rid, engine_task)
-        raise
-    if ending is Ending.FINISHED:
-        return engine_task.result()
-    _abort_engine(server, claim, turn.engine_rid, engine_task)
-    if ending is Ending.DISCONNECTED:
-        raise tag_abort(
-            ClientDisconnectedError("client disconnected during the chat; engine request aborted"),
-            AbortReason.DISCONNECT,
-        )
-    claim.raise_if_aborted()
-    raise tag_abort(
-        EngineTimeoutError(f"engine did not answer within {server.config.request_timeout:g}s; request aborted"),
-        AbortReason.TIMEOUT,
-    )
-
-
-def _abort_engine(server: ServerState, claim: Claim, rid: str, engine_task: asyncio.Future[Any]) -> None:
-    """Abort by rid and let the engine end the request in the background (engine/drains.py): the client's answer
-    and the slot never wait for the engine."""
-    if server.drains is not None:
-        server.drains.start(claim.session.id, rid, engine_task, claim.lane)
-    else:  # no lifespan state (unit use): at least close the connection
-        engine_task.cancel()

@@ -16,11 +16,13 @@ before its engine reply is read, so it never gets here. Not continued, and answe
 continuation's first token); one whose token budget is spent. The turn's deadline (--request-timeout) covers all of
 its requests. What continuation cannot keep exact is the engine's sampling state across the cut: penalties count
 output tokens from the continuation's start, and a stop string split across the cut is not seen.
+
+What is kept between the requests, and what the next one asks for, is here (pure); the engine call
+(engine_call.py) sends them.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +30,8 @@ import numpy as np
 
 from session_server.engine.wire import CONSTRAINED_KEYS
 from session_server.errors import EngineAbortedError
-from session_server.state import ServerState
-from session_server.turns.turn import Turn, encode_payload, new_rid
 from trajectory import GenerateResult, continuable_abort
 
-logger = logging.getLogger("session_server.turns.resume")
 
 @dataclass(slots=True)
 class Continuation:
@@ -42,14 +41,13 @@ class Continuation:
     before: GenerateResult | None = None
     count: int = 0
 
-    def refusal(self, turn: Turn[Any], partial: GenerateResult | None) -> str | None:
-        """Why the turn cannot go on after `partial` (a metrics label), or None."""
+    def refusal(self, params: dict[str, Any], partial: GenerateResult | None) -> str | None:
+        """Why a turn with these sampling params cannot go on after `partial` (a metrics label), or None."""
         if partial is None or not continuable_abort(partial.finish_reason):
             return "foreign"
         if self.count >= self.limit:
             return "limit"
         sampled = len(partial.output_ids)
-        params = turn.request.sampling_params
         # The grammar's state (and the reasoning gate before it) starts again at the continuation's first token.
         if sampled and any(params.get(key) is not None for key in CONSTRAINED_KEYS):
             return "constrained"
@@ -58,24 +56,24 @@ class Continuation:
             return "budget"
         return None
 
+    def go_on(self, params: dict[str, Any], aborted: EngineAbortedError) -> str:
+        """Take what `aborted` sampled as the turn's so far, unless the turn cannot go on; what happened, as the
+        metrics label: "continued", or why not (the engine call then answers with `aborted` itself)."""
+        partial = aborted.partial
+        refusal = self.refusal(params, partial)
+        if refusal is not None:
+            return refusal
+        assert partial is not None
+        self.before, self.count = partial, self.count + 1
+        return "continued"
 
-async def continue_turn(
-    server: ServerState, turn: Turn[Any], state: Continuation, aborted: EngineAbortedError
-) -> bytes:
-    """The /generate body of the turn's next engine request (and `turn.engine_rid` set to it), or `aborted` raised
-    again when the turn cannot go on."""
-    partial = aborted.partial
-    refusal = state.refusal(turn, partial)
-    server.metrics.continuation(refusal or "continued")
-    if refusal is not None:
-        raise aborted
-    assert partial is not None
-    state.before, state.count = partial, state.count + 1
-    params = dict(turn.request.sampling_params)
-    if isinstance(params.get("max_new_tokens"), int):
-        params["max_new_tokens"] -= len(partial.output_ids)
-    turn.engine_rid = new_rid()
-    logger.info("turn %s: the engine aborted it after %d tokens (%r); continuing as %s", turn.rid,
-                len(partial.output_ids), partial.finish_reason.get("message"), turn.engine_rid)
-    prompt = np.concatenate([turn.plan.prompt_ids, partial.output_ids]).astype(np.int32, copy=False)
-    return await encode_payload(server, turn, prompt, params)
+    def request(self, prompt: np.ndarray, params: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
+        """The prompt and sampling params of the turn's next engine request: the turn's own, or after an abort its
+        prompt + the tokens sampled so far, with `max_new_tokens` reduced by them."""
+        before = self.before
+        if before is None:
+            return prompt, params
+        params = dict(params)
+        if isinstance(params.get("max_new_tokens"), int):
+            params["max_new_tokens"] -= len(before.output_ids)
+        return np.concatenate([prompt, before.output_ids]).astype(np.int32, copy=False), params

@@ -1,10 +1,11 @@
-"""What a turn is to the pipeline, whatever API carried it, and the two things every way a turn ends shares.
+"""What a turn is, whatever API carried it, and how a front end meets the turn pipeline.
 
 A front end (Chat Completions, Responses, Anthropic Messages) only translates: it parses its request into a
 `TurnRequest` (the turn's messages and tools in the chat-template shape, the engine's sampling params) and formats
-the turn's output -- a plain reply, a stream of events, its own error shape. Everything between -- the slot, the
-body, TITO, limits, the engine call and its race, validation, the commit, the metrics -- is one pipeline
-(pipeline.py for a plain reply, stream.py for a streamed one), so a fix there holds for every API.
+the turn's output -- a plain reply, a stream of events, its own error shape. Everything between is one pipeline:
+the slot, the body, TITO and limits (pipeline.py), then the whole engine side -- the race, continuation, a lost engine
+session, validation, the commit, the metrics -- in one engine call (engine_call.py), which a plain turn awaits and a
+streamed one (stream.py) formats as it goes. A fix there holds for every API and both modes.
 """
 
 from __future__ import annotations
@@ -19,17 +20,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 from starlette.responses import Response
 
-from session_server.engine.pacing import stream_interval
-from session_server.engine.sessions import EngineSessions
-from session_server.engine.wire import encode_generate
-from session_server.errors import AbortReason, LimitExceededError
-from session_server.metrics import Metrics
-from session_server.sessions.session import Claim
-from session_server.state import ServerState
-from session_server.turns.commit import commit_turn
 from session_server.turns.output import TurnOutput
-from trajectory import LinearTrajectory, ModelFamily, SegmentPlan, TurnPlan, TurnRecord
-from trajectory.errors import SessionError, UpstreamError
+from trajectory import LinearTrajectory, ModelFamily, SegmentPlan, TurnPlan
+from trajectory.errors import SessionError
 
 R = TypeVar("R")
 
@@ -67,12 +60,8 @@ def new_rid() -> str:
 
 @dataclass(slots=True)
 class Turn(Generic[R]):
-    """One prepared turn: the request, its TITO plan and the ids it goes by.
-
-    `rid` names the turn (its reply ids, its tool calls, its first engine request); `engine_rid` is the engine
-    request running now, which is what an abort must name: a new one for each continuation (turns/resume.py).
-    `engine_start` and `session_params` say how the turn's prompt reached the engine (all of it, or past what its
-    SGLang streaming session holds); a continuation goes the same way."""
+    """One prepared turn: the request, its TITO plan and the ids it goes by (`rid` names its reply, its tool calls
+    and its first engine request)."""
 
     request: TurnRequest[R]
     plan: TurnPlan
@@ -81,12 +70,6 @@ class Turn(Generic[R]):
     family: ModelFamily
     segment: SegmentPlan | None = None  # the segment matched (None: a caller without segments)
     created: int = field(default_factory=lambda: int(time.time()))
-    engine_rid: str = ""
-    engine_start: int = 0
-    session_params: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        self.engine_rid = self.engine_rid or self.rid
 
     @property
     def headers(self) -> dict[str, str]:
@@ -159,55 +142,3 @@ def segment_header(plan: SegmentPlan) -> str:
     if start is None:
         return str(plan.segment)
     return f"{plan.segment}; started; reason={start.reason}; parent={start.parent}; branch_turn={start.branch_turn}"
-
-
-async def encode_payload(
-    server: ServerState, turn: Turn[Any], prompt_ids: Any, sampling_params: dict[str, Any]
-) -> bytes:
-    """The /generate body of the turn's engine request now running (`turn.engine_rid`): `prompt_ids` past
-    `turn.engine_start`, on the pool when large."""
-    request, config = turn.request, server.config
-    interval = stream_interval(config.engine_stream_interval, config.engine_incremental_streaming,
-                               sampling_params.get("max_new_tokens"), server.prompt_token_limit)
-    return await server.pool.run_sized(
-        4 * (len(prompt_ids) - turn.engine_start), encode_generate, prompt_ids, turn.engine_start, sampling_params,
-        turn.engine_rid, turn.session_params, config.return_routed_experts, request.top_logprobs, request.stream,
-        turn.plan.routed_experts_start, interval, server.family.thinking_mode(request.template_kwargs),
-    )
-
-
-def engine_sessions_of(server: ServerState, claim: Claim) -> EngineSessions | None:
-    """The SGLang streaming session of this turn: the session's first segment keeps one (--engine-sessions); other
-    segments send their whole prompt, as a streaming session holds one history and takes one request at a time."""
-    return server.engine_sessions if not claim.segment else None
-
-
-def count_failure(metrics: Metrics, err: SessionError) -> None:
-    """A turn that ended in an error, counted once by what it was: an abort by its reason, a refused limit, an engine
-    reply that broke a rule. Every other error is counted only as its response."""
-    reason: AbortReason | None = getattr(err, "abort_reason", None)
-    if reason is not None:
-        metrics.abort(reason)
-    elif isinstance(err, LimitExceededError):
-        metrics.refused(err.limit)
-    elif isinstance(err, UpstreamError):
-        metrics.validation_failure(err.rule)
-
-
-async def commit_output(server: ServerState, claim: Claim, plan: TurnPlan, out: TurnOutput) -> TurnRecord:
-    """The turn's tail, plain or streamed: the commit (journaled with --journal), its metrics, and the engine
-    session's books (it now holds exactly the trajectory)."""
-    metrics = server.metrics
-    t0 = time.perf_counter()
-    assert claim.plan is not None and claim.plan.turn is plan  # bound by the pipeline before the engine call
-    record = await commit_turn(server, claim.session, claim.plan, out.result, out.message)
-    metrics.stage("commit", time.perf_counter() - t0)
-    if claim.plan.start is not None:
-        metrics.segment_started(claim.plan.start.reason)
-    metrics.turn_tokens(len(plan.prompt_ids), record.cached_tokens, record.completion_len)
-    if plan.rolled_back:
-        metrics.rollback(plan.rollback_reason or "retry")
-    engine_sessions = engine_sessions_of(server, claim)
-    if engine_sessions is not None:
-        engine_sessions.committed(claim.session.id, len(plan.prompt_ids) + len(out.result.output_ids))
-    return record

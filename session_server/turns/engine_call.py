@@ -1,0 +1,349 @@
+"""The engine side of one turn, plain or streamed: one object owns all of it, so every rule below holds for both.
+
+    wait for the session's previous, aborted engine request to end  ->  open (or reuse) the engine session
+    ->  encode the payload  ->  each engine request raced against the client, the claim and the turn's deadline
+        - the engine lost the engine session (restarted, or its idle timeout closed it): reopen it, resend, once
+        - the engine aborted the request for everyone (a weight update): go on in a new request (resume.py)
+    ->  the strict decode (routed experts cut off first)  ->  the commit  ->  the turn's metrics
+
+A plain turn asks the engine for one reply (`/generate`) and has the front end's reply built in the same step as the
+decode; a streamed one asks for the engine's events and hands each batch to its `Listener` (stream.py, which only
+turns them into the front end's bytes). Every way out of a race that is not an engine request that ended aborts the
+request by rid -- in the background (engine/drains.py), so neither the agent's answer nor the slot waits for the
+engine -- and commits nothing; a turn that reached the engine and committed nothing leaves its engine session dirty
+(the next turn starts a fresh one). The deadline is --request-timeout counted from the claim: the total the client
+waits, over all of the turn's engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
+
+from session_server.engine.http11 import EngineStream
+from session_server.engine.pacing import stream_interval
+from session_server.engine.sessions import engine_session_gone
+from session_server.engine.sse import EngineError, Final, Progress, engine_events, reads_of
+from session_server.engine.wire import encode_generate, split_routed_experts
+from session_server.errors import (
+    AbortReason,
+    ClientDisconnectedError,
+    EngineAbortedError,
+    EngineRefusedError,
+    EngineTimeoutError,
+    LimitExceededError,
+    tag_abort,
+)
+from session_server.http.disconnect import Disconnects
+from session_server.metrics import Metrics
+from session_server.sessions.session import Claim
+from session_server.state import ServerState
+from session_server.turns.commit import commit_turn
+from session_server.turns.output import TurnOutput, decode_turn
+from session_server.turns.race import Ending, race
+from session_server.turns.resume import Continuation
+from session_server.turns.turn import FrontEnd, Turn, new_rid
+from trajectory import GenerateResult, TurnRecord
+from trajectory.errors import InvariantError, SessionError, UpstreamError
+
+logger = logging.getLogger("session_server.turns.engine_call")
+
+R = TypeVar("R")
+
+
+class Listener(Protocol):
+    """What a streamed turn does with the engine's events as they come (a plain turn has none)."""
+
+    logprobs: bool  # whether the events' new tokens' logprob entries are wanted
+
+    async def progress(self, progress: Progress) -> None: ...  # what a batch of intermediate events adds
+
+    async def resumed(self, before: GenerateResult) -> None:  # before a continuation's first event: all sampled so far
+        ...
+
+
+class _Abandoned(Exception):
+    """An engine request handed to the drains ended: what it sent is nobody's (never decoded, never committed)."""
+
+
+def client_gone() -> SessionError:
+    """What a turn whose client went away ends with (the engine request aborted, nothing committed)."""
+    return tag_abort(ClientDisconnectedError("client disconnected during the chat; engine request aborted"),
+                     AbortReason.DISCONNECT)
+
+
+def count_failure(metrics: Metrics, err: SessionError) -> None:
+    """A turn that ended in an error, counted once by what it was: an abort by its reason, a refused limit, an engine
+    reply that broke a rule. Every other error is counted only as its response."""
+    reason: AbortReason | None = getattr(err, "abort_reason", None)
+    if reason is not None:
+        metrics.abort(reason)
+    elif isinstance(err, LimitExceededError):
+        metrics.refused(err.limit)
+    elif isinstance(err, UpstreamError):
+        metrics.validation_failure(err.rule)
+
+
+def decode_and_reply(
+    body: bytes, split: tuple[bytes, memoryview | None], turn: Turn[R],
+    reply: Callable[[Turn[R], TurnOutput], bytes] | None, retry_after: int, before: GenerateResult | None = None,
+) -> tuple[TurnOutput, bytes | None]:
+    """The strict decode (continuing `before`) and, for a plain turn, the front end's reply: one step on the pool
+    (or inline, by size)."""
+    out = decode_turn(body, turn.family, turn.rid, turn.request.parse_tool_calls, split, retry_after, turn.plan,
+                      before)
+    return out, reply(turn, out) if reply is not None else None
+
+
+def _refusal(failed: EngineError) -> EngineRefusedError:
+    """An `{"error": ...}` event as the engine's refusal (SGLang streams a refused request as HTTP 200 and one error
+    event): the status its `code` names, else 400."""
+    error = failed.error
+    code = error.get("code") if isinstance(error, dict) else None
+    status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else 400
+    return EngineRefusedError(status, failed.raw, "application/json")
+
+
+class EngineCall(Generic[R]):
+    """The engine side of one prepared turn: `open`, then `reply` (raced, continued, reopened, decoded), then
+    `commit`; `close` once the turn is over, committed or not, before its slot is released."""
+
+    def __init__(self, server: ServerState, claim: Claim, turn: Turn[R], api: FrontEnd[R]) -> None:
+        self.server = server
+        self.claim = claim
+        self.turn = turn
+        self.api = api
+        # The session's first segment keeps an SGLang streaming session (--engine-sessions); other segments send their
+        # whole prompt, as a streaming session holds one history and takes one request at a time.
+        self.sessions = server.engine_sessions if not claim.segment else None
+        self.continuation = Continuation(server.config.max_turn_continuations)
+        self.listener: Listener | None = None
+        self.rid = turn.rid  # the engine request running now (what an abort names): a new one per continuation
+        self.start = 0  # the first prompt index sent: past what the engine session holds
+        self.session_params: dict[str, Any] | None = None
+        self.payload = b""
+        self.engine_seconds = 0.0  # over every engine request of the turn
+        self.committed = False
+        self.abandoned = False  # an engine request was handed to the drains: nothing more of it reaches the agent
+        self._sent = False  # a request reached the engine (its engine session may hold what it ran)
+        self._running = False  # a streamed request whose end the engine has not sent yet
+        self._reopened = False
+        self._resumed: GenerateResult | None = None  # what a streamed continuation hands its listener first
+
+    # -- before the first request -----------------------------------------------------------------------------------
+
+    def remaining(self) -> float:
+        """Seconds left of the turn's --request-timeout, counted from the claim: the total the client waits."""
+        return self.claim.started + self.server.config.request_timeout - time.monotonic()
+
+    def _timed_out(self, what: str) -> SessionError:
+        return tag_abort(EngineTimeoutError(
+            f"{what} within the request timeout ({self.server.config.request_timeout:g}s); request aborted"),
+            AbortReason.TIMEOUT)
+
+    async def open(self) -> None:
+        """Everything before the turn's first byte reaches the engine: the session's previous, aborted engine request
+        has ended (so the engine never runs two of one session at once, and a streaming session is free again), the
+        engine session is opened or reused, and the payload is encoded."""
+        drains = self.server.drains
+        if drains is not None and drains.pending(self.claim.lane) is not None:
+            if not await drains.settle(self.claim.lane, self.remaining()):
+                raise self._timed_out("the session's previous engine request did not end")
+            self.claim.raise_if_aborted()
+        await self._open_session()
+        self.payload = await self._encode()
+
+    async def _open_session(self) -> None:
+        self.start, self.session_params = 0, None
+        if self.sessions is not None:
+            self.start, self.session_params = await self.sessions.begin_turn(
+                self.claim.session.id, self.turn.plan.new_token_start, self.remaining())
+            self.claim.raise_if_aborted()
+
+    async def _encode(self) -> bytes:
+        """The /generate body of the request to send now (`self.rid`): the prompt past `self.start`, on the pool when
+        large; after an engine abort, the prompt + the tokens sampled so far (resume.py)."""
+        server, config, request = self.server, self.server.config, self.turn.request
+        prompt, params = self.continuation.request(self.turn.plan.prompt_ids, request.sampling_params)
+        interval = stream_interval(config.engine_stream_interval, config.engine_incremental_streaming,
+                                   params.get("max_new_tokens"), server.prompt_token_limit)
+        return await server.pool.run_sized(
+            4 * (len(prompt) - self.start), encode_generate, prompt, self.start, params, self.rid,
+            self.session_params, config.return_routed_experts, request.top_logprobs, request.stream,
+            self.turn.plan.routed_experts_start, interval, server.family.thinking_mode(request.template_kwargs),
+        )
+
+    # -- the engine requests ----------------------------------------------------------------------------------------
+
+    async def reply(self, client: Disconnects, listener: Listener | None = None) -> tuple[TurnOutput, bytes | None]:
+        """The turn's output once its reply is whole, and for a plain turn (no `listener`) the front end's reply
+        bytes. A streamed turn's `listener` gets the engine's events as they come."""
+        self.listener = listener
+        while True:
+            try:
+                return await self._race(client)
+            except EngineAbortedError as aborted:
+                await self._go_on(aborted)
+            except EngineRefusedError as refused:
+                await self._reopen(refused)
+
+    async def _go_on(self, aborted: EngineAbortedError) -> None:
+        """After an abort by the engine for everyone: the next request, or `aborted` when the turn cannot go on."""
+        params = self.turn.request.sampling_params
+        result = self.continuation.go_on(params, aborted)
+        self.server.metrics.continuation(result)
+        if result != "continued":
+            raise aborted
+        before = self.continuation.before
+        assert before is not None
+        old, self.rid = self.rid, new_rid()
+        logger.info("turn %s: the engine aborted %s after %d tokens (%r); continuing as %s", self.turn.rid, old,
+                    len(before.output_ids), before.finish_reason.get("message"), self.rid)
+        self.payload = await self._encode()
+        self.claim.raise_if_aborted()
+        self._resumed = before if self.listener is not None else None
+
+    async def _reopen(self, refused: EngineRefusedError) -> None:
+        """The engine lost the engine session (restarted, or its idle timeout closed it): the request never ran there.
+        Reopen it and resend the whole prompt, once; the agent never sees the engine's 400. Any other refusal is
+        the agent's, as the engine gave it."""
+        if (self.sessions is None or self._reopened
+                or not engine_session_gone(refused.engine_status, refused.body)):
+            raise refused
+        self._reopened = True
+        session_id = self.claim.session.id
+        logger.info("session %s: engine session gone (%r); reopening", session_id, refused.body[:120])
+        self.server.metrics.engine_session_reopens.inc()
+        self.sessions.forget(session_id)
+        self.claim.raise_if_aborted()
+        await self._open_session()
+        self.payload = await self._encode()
+
+    async def _race(self, client: Disconnects) -> tuple[TurnOutput, bytes | None]:
+        """One engine request raced against the client, the claim and the deadline (race.py)."""
+        self._sent = True
+        work = asyncio.ensure_future(self._generate() if self.listener is None else self._stream())
+        try:
+            ending = await race(work, client, self.claim, self.remaining())
+        except asyncio.CancelledError:
+            self._abandon(work)  # the handler itself is cancelled (shutdown): the request is still aborted
+            raise
+        if ending is Ending.FINISHED:
+            if self._running and work.exception() is not None:
+                # A stream that broke before the engine ended it (the agent gone, an event not SGLang's): its
+                # connection is closed, and the request is aborted by rid as well.
+                self._running = False
+                self.server.metrics.engine_aborts.inc()
+                await self.server.engine.abort(self.rid, self.claim.session.id)
+            return work.result()
+        self._abandon(work)
+        if ending is Ending.DISCONNECTED:
+            raise client_gone()
+        if ending is Ending.ABORTED:
+            err = self.claim.abort_error()
+            assert err is not None  # the race ends ABORTED only once the claim has a reason
+            raise err
+        raise self._timed_out("the engine did not finish")
+
+    def _abandon(self, work: asyncio.Future[Any]) -> None:
+        """Abort by rid and let the engine end the request in the background (engine/drains.py)."""
+        self.abandoned = True
+        if self.server.drains is not None:
+            self.server.drains.start(self.claim.session.id, self.rid, work, self.claim.lane)
+        else:  # no lifespan state (unit use): at least close the connection
+            work.cancel()
+
+    def _engine_time(self, started: float) -> None:
+        seconds = time.perf_counter() - started
+        self.engine_seconds += seconds
+        self.server.metrics.engine(seconds)
+
+    async def _generate(self) -> tuple[TurnOutput, bytes | None]:
+        """A plain turn's request: the engine's reply, decoded, with the front end's reply built from it."""
+        t0 = time.perf_counter()
+        reply = await self.server.engine.generate(self.payload, self.claim.session.id)
+        self._engine_time(t0)
+        if self.abandoned:
+            raise _Abandoned
+        if not reply.ok:
+            raise EngineRefusedError(reply.status, reply.body, reply.content_type)
+        return await self._decode(reply.body)
+
+    async def _stream(self) -> tuple[TurnOutput, bytes | None]:
+        """A streamed turn's request: its events handed to the listener as they come (none once the request is
+        abandoned: it is read on until the engine ends it), then its final event decoded."""
+        listener, config = self.listener, self.server.config
+        assert listener is not None
+        if self._resumed is not None:
+            before, self._resumed = self._resumed, None
+            await listener.resumed(before)
+        t0 = time.perf_counter()
+        async with self.server.engine.stream_generate(self.payload, self.claim.session.id) as engine:
+            if not 200 <= engine.status_code < 300:
+                content_type = engine.headers.get("content-type", "application/json")
+                raise EngineRefusedError(engine.status_code, await engine.aread(), content_type)
+            self._running = True
+            reads = engine.aiter_pieces() if isinstance(engine, EngineStream) else reads_of(engine.aiter_bytes())
+            raw = None
+            try:
+                async for event in engine_events(reads, config.engine_incremental_streaming, listener.logprobs,
+                                                 config.stream_coalesce_ms / 1000):
+                    if isinstance(event, Final):
+                        raw = event.raw
+                        break
+                    if not self.abandoned:
+                        await listener.progress(event)
+            except EngineError as failed:
+                self._running = False
+                raise _refusal(failed) from None
+            self._running = False
+        self._engine_time(t0)
+        if self.abandoned:
+            raise _Abandoned
+        if raw is None:
+            raise InvariantError("the engine stream ended without its final event")  # engine_events raises first
+        return await self._decode(raw)
+
+    async def _decode(self, body: bytes) -> tuple[TurnOutput, bytes | None]:
+        """The strict decode (an engine abort raises EngineAbortedError, which `reply` may continue)."""
+        t0 = time.perf_counter()
+        # The cut is a memchr over the routed-experts megabytes (~0.1 ms); what is left to decode is what the pool-or-
+        # inline choice should weigh, and it is usually small enough that a pool hop would cost more than the decode.
+        split = split_routed_experts(body)
+        out = await self.server.pool.run_decode(
+            len(split[0]), decode_and_reply, body, split, self.turn, self.api.reply if self.listener is None else None,
+            self.server.config.retry_after, self.continuation.before)
+        self.server.metrics.stage("decode", time.perf_counter() - t0)
+        return out
+
+    # -- after the reply --------------------------------------------------------------------------------------------
+
+    async def commit(self, out: TurnOutput) -> TurnRecord:
+        """The commit (journaled with --journal), the turn's metrics, and the engine session's books (it now holds
+        exactly the trajectory)."""
+        server, claim, plan = self.server, self.claim, self.turn.plan
+        metrics = server.metrics
+        claim.raise_if_aborted()
+        t0 = time.perf_counter()
+        assert claim.plan is not None and claim.plan.turn is plan  # bound by the pipeline before the engine call
+        record = await commit_turn(server, claim.session, claim.plan, out.result, out.message)
+        self.committed = True
+        metrics.stage("commit", time.perf_counter() - t0)
+        if claim.plan.start is not None:
+            metrics.segment_started(claim.plan.start.reason)
+        metrics.turn_tokens(len(plan.prompt_ids), record.cached_tokens, record.completion_len)
+        if plan.rolled_back:
+            metrics.rollback(plan.rollback_reason or "retry")
+        if self.sessions is not None:
+            self.sessions.committed(claim.session.id, len(plan.prompt_ids) + len(out.result.output_ids))
+        metrics.chat_done(time.monotonic() - claim.started, self.engine_seconds)
+        return record
+
+    def close(self) -> None:
+        """Once the turn is over, before its slot is released: a turn that reached the engine and committed nothing
+        may have left its tokens in the engine session, which no longer matches the trajectory."""
+        if self.sessions is not None and self._sent and not self.committed:
+            self.sessions.mark_dirty(self.claim.session.id)
