@@ -5,9 +5,9 @@ for it. Every per-token array of a `Sample` (tokens, loss mask, rollout logprobs
 with mask 0 and logprob 0.0 on prompt and inter-turn tokens; padding keeps those conventions (mask 0, logprob
 0.0, attention 0), so `(loss * loss_mask).sum() / loss_mask.sum()` is correct on the padded batch as is.
 
-A session whose history forked (a compaction, a sub-agent: trajectory/segments.py) yields one sample per segment,
-so an episode may own several rows; `episodes` (e.g. `[r.samples for r in results if r.ok]`) builds the batch from
-per-episode lists and adds `episode_index`, the row's episode, to spread one reward over all of an episode's rows.
+A session whose history forked (a compaction, a sub-agent: trajectory/session_segments.py) yields one sample per
+segment, so an episode may own several rows; `episodes` (e.g. `[r.samples for r in results if r.ok]`) builds the batch
+from per-episode lists and adds `episode_index`, the row's episode, to spread one reward over all of an episode's rows.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from session_server.sessions.journal import SYNC_MODES
 from trajectory.families import family_names
 from trajectory.linear import SPECIAL_TOKEN_MODES
 from trajectory.messages import MATCHER_NAMES as MATCHERS
-from trajectory.segments import DIVERGENCE_POLICIES
+from trajectory.session_segments import DIVERGENCE_POLICIES
 
 if TYPE_CHECKING:
     from trajectory import ModelFamily

@@ -17,7 +17,7 @@ from session_server.sessions.journal import SYNC_MODES
 from trajectory import first_turns
 from trajectory.linear import SPECIAL_TOKEN_MODES
 from trajectory.messages import MATCHER_NAMES as MATCHERS
-from trajectory.segments import DIVERGENCE_POLICIES
+from trajectory.session_segments import DIVERGENCE_POLICIES
 
 # A replica's name starts the ids it mints (`NAME.<hex>`), which a load balancer maps back to it: lowercase, short,
 # and with no dot, so the name is exactly what precedes an id's first dot.
@@ -40,7 +40,7 @@ class ServerConfig:
     max_rollback: int = 1
     # A request that extends no segment within max_rollback: "segment" starts a new one, "reject" is a 400.
     on_divergence: str = "segment"
-    max_segments: int = 16  # segments per session (trajectory/segments.py); a request past it gets 400
+    max_segments: int = 16  # segments per session (trajectory/session_segments.py); a request past it gets 400
     # A full render that extends a segment's every token continues that segment (LinearTrajectory.merge_plan).
     merge_segments: bool = False
     engine_sessions: bool = False

@@ -46,7 +46,7 @@ from prometheus_client.gc_collector import GCCollector
 
 from session_server.errors import AbortReason
 from trajectory.messages import ROLLBACK_REASONS
-from trajectory.segments import SEGMENT_REASONS
+from trajectory.session_segments import SEGMENT_REASONS
 
 # `<name>_created` timestamp series double the output and nobody graphs them (process-wide switch, set once).
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]

@@ -13,7 +13,7 @@ One turn, as the server drives it::
     record = traj.commit(plan, result, reply)                            # atomic; InvariantError (500)
 
 A session whose history is not one line (compaction, sub-agents, side requests) is a `SegmentSet` of such
-trajectories (segments.py): the same prepare/commit, with the segment chosen by the request's messages.
+trajectories (session_segments.py): the same prepare/commit, with the segment chosen by the request's messages.
 """
 
 from . import errors
@@ -33,7 +33,7 @@ from .samples import (
     samples_to_safetensors,
     truncate_sample,
 )
-from .segments import Segment, SegmentPlan, SegmentSet
+from .session_segments import Segment, SegmentPlan, SegmentSet
 
 __all__ = [
     "MATCHER_NAMES",

@@ -20,7 +20,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from .linear import LinearTrajectory
-from .segments import Segment
+from .session_segments import Segment
 
 STATUSES = ("completed", "truncated", "aborted")
 _FORMAT = "trajectory-samples/v1"

@@ -3,7 +3,7 @@
 The merged sample is snapshotted under the session lock (cheap array copies, no await inside), then truncated and
 serialized on the CPU pool, so a large trajectory never stalls the loop. JSON by default; one safetensors payload
 with `Accept: application/octet-stream`. The body is a list with one merged sample per segment of the session (one for
-a single-line session, empty before the first turn; trajectory/segments.py), decoded by
+a single-line session, empty before the first turn; trajectory/session_segments.py), decoded by
 trajectory.samples_from_json / samples_from_safetensors.
 """
 

@@ -1,6 +1,6 @@
 """A session and the claims on its in-flight slots, one per segment.
 
-The record is what a session is: its segments (trajectory/segments.py; one linear trajectory until the agent's history
+The record is what a session is: its segments (trajectory/session_segments.py; one trajectory until the agent's history
 forks), its metadata, the lock that makes each mutation of a trajectory atomic, and the claims of the turns in flight. A
 claim is taken before the body is read and bound to its segment once the request is matched (`Lifecycle.bind`): at most
 one turn per segment, turns of different segments run side by side. The claim is a token object: only the handler that

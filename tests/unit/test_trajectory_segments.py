@@ -28,7 +28,7 @@ from trajectory import (
     samples_to_json,
 )
 from trajectory.errors import RollbackLimitError
-from trajectory.segments import SegmentLimitError, SegmentPlan
+from trajectory.session_segments import SegmentLimitError, SegmentPlan
 
 SETTINGS = settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

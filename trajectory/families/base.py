@@ -23,7 +23,7 @@ from ..errors import RequestValidationError, TemplateError, TokenizationError
 from ..first_turns import FirstTurnCache
 from .control import ControlTokens, trie_pattern
 from .fast_encoder import FastEncoder, fast_encoder
-from .segments import MIN_SEGMENT_CHARS, SegmentCache
+from .span_cache import MIN_SPAN_CHARS, SpanCache
 
 # The anchor conversation: plain text, no reasoning, no tool calls, so every template renders it the
 # same way whatever follows it, unless the template is genuinely not append-stable.
@@ -146,7 +146,7 @@ class ModelFamily(ABC):
         template = getattr(tokenizer, "chat_template", None)
         self.mirrors_template: bool = isinstance(template, str) and \
             hashlib.sha256(template.encode()).hexdigest() in self.mirrored_templates
-        self._segments: SegmentCache | None = None  # set below, once the added tokens are known
+        self._spans: SpanCache | None = None  # set below, once the added tokens are known
         # Whole first turns by their inputs; none for a template that reads the clock (first_turns.py).
         self.first_turns = FirstTurnCache(enabled="strftime_now" not in str(template or ""))
         # The Rust tokenizer directly: half the cost of the transformers wrapper, same ids (test_tokenizers.py).
@@ -180,11 +180,11 @@ class ModelFamily(ABC):
             (t.content for t in added.values() if t.content not in self.content_markup), self.encode,
             frozenset(added),
         )
-        # Long repeated segments between added-token spellings (the tool preamble) are tokenized once (segments.py).
+        # Long repeated spans between added-token spellings (the tool preamble) are tokenized once (span_cache.py).
         # Only where the tokenizer splits at them before anything else: non-normalized, no whitespace stripping.
         boundaries = [t for t in added.values() if not t.normalized]
         if boundaries and not any(t.lstrip or t.rstrip for t in boundaries):
-            self._segments = SegmentCache(trie_pattern(t.content for t in boundaries), self._encode_text)
+            self._spans = SpanCache(trie_pattern(t.content for t in boundaries), self._encode_text)
         # A completion that ended on a non-template stop token has that token replaced by `eos_token`.
         self.max_trim_tokens: int = 1 if self.extra_stop_tokens else 0
         self._anchor_lock = threading.Lock()
@@ -223,8 +223,8 @@ class ModelFamily(ABC):
     # -- text <-> ids ------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` with no special tokens inserted (templates already write BOS where needed)."""
-        if len(text) >= 2 * MIN_SEGMENT_CHARS and self._segments is not None:
-            return self._segments.encode(text)
+        if len(text) >= 2 * MIN_SPAN_CHARS and self._spans is not None:
+            return self._spans.encode(text)
         return self._encode_text(text)
 
     def _encode_text(self, text: str) -> list[int]:
