@@ -102,12 +102,8 @@ class EnginePlacement:
         self._probe = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT), headers=probe_headers or {},
                                         limits=httpx.Limits(keepalive_expiry=IDLE_LIMIT))
         self._loop_task: asyncio.Task[Any] | None = None
-        self._tasks: set[asyncio.Future[Any]] = set()
 
     # -- placement ------------------------------------------------------------------------------------------
-    def worker_of(self, session_id: str) -> Worker | None:
-        return self._placement.get(session_id)
-
     def _healthy(self) -> list[Worker]:
         """The healthy workers, or all of them when none is (a call to one then says what is wrong)."""
         return [w for w in self.workers if w.healthy] or self.workers
@@ -281,11 +277,6 @@ class EnginePlacement:
                     return None
         return None
 
-    def _background(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     def _probe_soon(self, worker: Worker) -> None:
         if worker.probing is None or worker.probing.done():
             worker.probing = asyncio.ensure_future(self.probe(worker))
@@ -302,7 +293,7 @@ class EnginePlacement:
             self._loop_task = asyncio.ensure_future(self._run() if self.health_interval > 0 else self.classify())
 
     async def aclose(self) -> None:
-        tasks = [t for t in (self._loop_task, *(w.probing for w in self.workers), *self._tasks) if t is not None]
+        tasks = [t for t in (self._loop_task, *(w.probing for w in self.workers)) if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
