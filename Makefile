@@ -37,7 +37,7 @@ $(HARNESSES)/.installed:
 
 harnesses: $(HARNESSES)/.installed
 
-# Extra flags: make demo DEMO_ARGS="--journal out/journal.sqlite" (the server keeps a SQLite journal; see README).
+# Extra flags: make demo DEMO_ARGS="--journal out/journal.sqlite" (the server keeps a SQLite journal; docs/operating.md).
 DEMO_ARGS ?=
 demo: $(STAMP) $(TOKENIZERS)/.built
 	$(PY) -m scripts.demo --tokenizers $(TOKENIZERS) $(DEMO_ARGS)
@@ -61,7 +61,7 @@ test: $(STAMP) $(TOKENIZERS)/.built nginx $(HARNESSES)/.installed
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
-# The real-engine tier (tests/sglang, DESIGN.md 5.1b): released SGLang 0.5.23 serving tiny random Qwen3 / Qwen3-MoE
+# The real-engine tier (tests/sglang, docs/design.md 5.5): released SGLang 0.5.23 serving tiny random Qwen3 / Qwen3-MoE
 # checkpoints on the CPU. SGLang runs from its own venv (~6.5 GB, every package pinned in tests/sglang/engine-lock.txt,
 # installed once: the stamp is rebuilt only when the lock changes), the suite and the session server from ./.venv.
 # `make test` never installs it. The engines are shared across the tier's modules: a handful of launches in all.

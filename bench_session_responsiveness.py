@@ -469,7 +469,7 @@ def measure(args: argparse.Namespace, floor: bool = False) -> Measurement:
         engine_args += ["--routed-experts-layers", str(layers)]
     server_args = list(args.server_arg)
     if args.routed_experts_bytes > 0 and not args.no_routed_request:
-        server_args.append("--return-routed-experts")  # else the engine sends no payload (DESIGN 5.1: opt-in)
+        server_args.append("--return-routed-experts")  # else the engine sends no payload (docs/design.md 5.1: opt-in)
     if args.cpu_workers is not None:
         server_args += ["--cpu-workers", str(args.cpu_workers)]
     if args.inline_decode:

@@ -3,8 +3,8 @@ mismatch under the names RL teams already track.
 
 A sample is worth training on only if the trainer, given the same tokens and the same weights, assigns each sampled
 token the logprob the engine reported: the importance ratio of a policy-gradient step is built from both. This module
-is the trainer's side of that contract (DESIGN.md 6): one forward pass per sample (per weight version it spans), the
-logits at position t-1 scored against token t in fp32, `log_softmax(logits / T)`, compared on the loss mask.
+is the trainer's side of that contract (docs/design.md 6): one forward pass per sample (per weight version it spans),
+the logits at position t-1 scored against token t in fp32, `log_softmax(logits / T)`, compared on the loss mask.
 
 What SGLang 0.5.23 returns as a token's logprob (`srt/layers/sampler.py`, read from the released source):
 - greedy (`temperature` 0, which SGLang turns into temperature 1 with top_k 1): `log_softmax(logits)`, the raw
@@ -26,7 +26,7 @@ Metrics (`LogprobCheckReport.metrics`), with the trainer's logprob `t` and the e
   `training/rollout_actor_probs_pearson_corr`;
 - miles' `train_rollout_logprob_abs_diff`: the mean over samples of each sample's mean |t - r| (miles logs it as
   `train/train_rollout_logprob_abs_diff` and its CI gates on it);
-- ours, the bar of DESIGN.md 6 (fp32, within 1e-3): `rollout_check/logprob_abs_diff_max` and `_mean` over tokens,
+- ours, the bar of docs/design.md 6 (fp32, within 1e-3): `rollout_check/logprob_abs_diff_max` and `_mean` over tokens,
   token / sample counts, and for MoE `rollout_check/routing_mismatch_fraction`: the (token, layer) rows where the
   trainer's router picks another expert set than the engine recorded.
 
@@ -113,7 +113,7 @@ class LogprobCheckReport:
         return self.metrics.get("rollout_check/logprob_abs_diff_max", 0.0)
 
     def ok(self, atol: float = 1e-3) -> bool:
-        """Every sampled token within `atol` of the engine's logprob (the fp32 bar of DESIGN.md 6)."""
+        """Every sampled token within `atol` of the engine's logprob (the fp32 bar of docs/design.md 6)."""
         return self.max_abs_diff <= atol
 
     def format(self) -> str:

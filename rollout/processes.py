@@ -348,7 +348,7 @@ def start_smg(
     return proc
 
 
-# The flags that serve a model with released SGLang 0.5.23 on a CPU (DESIGN.md 5.1b): its pure-PyTorch paths
+# The flags that serve a model with released SGLang 0.5.23 on a CPU (docs/design.md 5.5): its pure-PyTorch paths
 # (`SGLANG_USE_CPU_ENGINE` unset: the official CPU engine needs a CPU build of sgl_kernel that PyPI lacks), no CUDA
 # graphs, no warm-up request, a small KV pool, the streaming sessions the session server's --engine-sessions uses, and
 # a scheduler that sleeps when idle (it busy-polls by default: a whole core per idle engine).

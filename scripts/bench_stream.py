@@ -5,7 +5,7 @@ events and `--incremental-streaming-output` deltas (the server then runs with `-
 emulated engine streams one event per token (`--stream-interval 1`, SGLang's default), and the benchmark asks the
 server for the same one-turn reply with `stream: false` and with `stream: true`, alternately, `--reps` times each. The
 server's CPU per chat is its schedstat runtime across the chat (ns, all threads), so the figure does not depend on the
-benchmark's own speed; the ratio streamed / unstreamed is the goal of DESIGN.md 7 (at most 2 at 16k and 32k tokens,
+benchmark's own speed; the ratio streamed / unstreamed is the goal of docs/design.md 7 (at most 2 at 16k and 32k tokens,
 in both modes). The floor (scripts/floor_proxy.py: uvicorn + Starlette + our engine client relaying the same chats,
 each engine event decoded and relayed as a chunk) is measured the same way, in the same run, on the same core.
 
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{fmt(x_floor)} | {streamed['engine_mib']:.1f} | "
                   f"{asked} | "
                   f"{streamed['chunks']} |")
-    print("target: streamed / unstreamed <= 2 at 16k and 32k tokens, in both modes (DESIGN.md 7)")
+    print("target: streamed / unstreamed <= 2 at 16k and 32k tokens, in both modes (docs/design.md 7)")
     if args.json_out:
         write_report(args.json_out, "stream", {**vars(args), "pinning": pin_note}, figs, results=results)
     return 1 if errors else 0

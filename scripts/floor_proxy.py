@@ -1,10 +1,10 @@
 """The floor: the least any chat proxy on our stack costs, measured beside the session server in every benchmark.
 
-Absolute CPU figures move about 4x between our machines (DESIGN.md 7), so the benchmarks report the session server's
-CPU per turn and per chat as a multiple of this proxy's, measured in the same run on the same pinned cores against
-the same engine. It is the same stack -- uvicorn (uvloop + httptools, one worker), Starlette, the session server's
-own engine client -- relaying the same chats to the same engine, and nothing else: no TITO (the messages' text is
-joined and sent as `text`, which the engine tokenizes on its own core), no validation, no session bookkeeping, no
+Absolute CPU figures move about 4x between our machines (docs/design.md 7), so the benchmarks report the session
+server's CPU per turn and per chat as a multiple of this proxy's, measured in the same run on the same pinned cores
+against the same engine. It is the same stack -- uvicorn (uvloop + httptools, one worker), Starlette, the session
+server's own engine client -- relaying the same chats to the same engine, and nothing else: no TITO (the messages' text
+is joined and sent as `text`, which the engine tokenizes on its own core), no validation, no session bookkeeping, no
 tool or field handling. Engine replies are decoded as the server does (the routed-experts payload cut out first, the
 rest by a typed msgspec decode), and answered as an OpenAI chat completion; `stream: true` relays the engine's SSE
 events as OpenAI chunks of the new text.

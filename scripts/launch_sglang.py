@@ -3,7 +3,7 @@
 Needs a GPU machine with sglang installed (`pip install '.[sglang]'`). The flags that matter to the session server:
 
 - `--enable-streaming-session`: lets `session-server --engine-sessions` keep each trajectory's KV in an engine
-  session, so a turn prefills only its new tokens (DESIGN.md 5.2). Harmless without `--engine-sessions`.
+  session, so a turn prefills only its new tokens (docs/design.md 5.2). Harmless without `--engine-sessions`.
 - `--enable-return-routed-experts` (with `--routed-experts`): MoE routing replay; the session server keeps the
   payload in its records and never sends it to agents.
 - `--api-key` / `--admin-api-key` (with `--keys`): the engine wants `Authorization: Bearer` on every call; the

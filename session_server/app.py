@@ -1,4 +1,4 @@
-"""build_app(config, family): the route table of DESIGN.md 3 and the lifespan that owns the shared objects.
+"""build_app(config, family): the route table of docs/design.md 3 and the lifespan that owns the shared objects.
 
 Only these paths exist; everything else -- in particular any engine path under a session URL -- is a JSON 404, so a
 session URL handed to an agent grants chat, samples and the model list, and nothing else.

@@ -1,7 +1,7 @@
 """Server configuration: one frozen dataclass built from the CLI flags.
 
 Every behaviour switch is read from here at the place it matters, so a flag never changes behaviour far from where it
-is documented (DESIGN.md 8).
+is documented (docs/design.md 8).
 """
 
 from __future__ import annotations

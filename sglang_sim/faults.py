@@ -97,7 +97,7 @@ class FaultInjector:
 
 
 def corrupt(body: dict[str, Any], fault: Fault, vocab_size: int) -> bytes:
-    """Encode a `/generate` body with the fault's damage; rules of DESIGN 5.3 each get one violation."""
+    """Encode a `/generate` body with the fault's damage; rules of docs/design.md 5.3 each get one violation."""
     meta = body["meta_info"]
     entries = meta.get("output_token_logprobs")
     ids = body["output_ids"]

@@ -3,7 +3,7 @@
 Python lists of ints cost ~36 bytes per token per list; a long-lived session server holding thousands of
 trajectories cannot afford that. Buffers grow geometrically by 1.1x (amortised O(1) appends: all the copies
 together move about 11x the final size, a memcpy), so beyond the small initial capacity the slack is at most ~10%:
-under 10 bytes per stored token, DESIGN.md 7's bar for the token arrays (1.25x allowed up to 11.25).
+under 10 bytes per stored token, docs/design.md 7's bar for the token arrays (1.25x allowed up to 11.25).
 """
 
 from __future__ import annotations

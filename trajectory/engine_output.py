@@ -1,4 +1,4 @@
-"""Strict, fast decoding of SGLang's native `/generate` response (DESIGN.md 5.3).
+"""Strict, fast decoding of SGLang's native `/generate` response (docs/design.md 5.3).
 
 Nothing the engine says is recorded before it passes these rules, because a bad token id or a NaN
 logprob silently poisons a training batch. The schema is a set of typed msgspec Structs, so type
@@ -114,7 +114,7 @@ _INT32_IDS = 2**31  # the fast path stores ids straight into int32: only for voc
 NAN_MATCHED = "NaN happened"  # schedule_batch.py Req._check_vocab_boundary_finish: a NaN sample
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
 _MISSING = re.compile(r"missing required field `(\w+)`")
-# Which DESIGN 5.3 rule a schema failure breaks, by the JSON path msgspec reports (first match wins).
+# Which docs/design.md 5.3 rule a schema failure breaks, by the JSON path msgspec reports (first match wins).
 _RULES_BY_PATH: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^\.meta_info\.output_token_logprobs\[\d+\]\[0\]"), "logprob_value"),
     (re.compile(r"^\.meta_info\.output_token_logprobs\[\d+\]\[1\]"), "token_id_type"),
@@ -241,7 +241,7 @@ def _output_ids(raw: msgspec.Raw) -> list[int] | None:
 
 
 def _decode_strictly(body: bytes, vocab_size: int) -> GenerateResult:
-    """The strict path: every rule of DESIGN 5.3 in order, the first broken one raised with its name."""
+    """The strict path: every rule of docs/design.md 5.3 in order, the first broken one raised with its name."""
     response = _decode(body)
     meta = response.meta_info
     entries = meta.output_token_logprobs

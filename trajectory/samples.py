@@ -1,4 +1,4 @@
-"""Training samples from a trajectory (DESIGN.md section 6), truncation, and their two wire encodings.
+"""Training samples from a trajectory (docs/design.md section 6), truncation, and their two wire encodings.
 
 All arrays of a sample have the same length as `tokens` (the loss mask and logprobs are not cut to the
 response), so a consumer never has to guess an offset; `response_length` counts the tokens after the

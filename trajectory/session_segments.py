@@ -1,4 +1,4 @@
-"""A session's segments: histories that are not one line (DESIGN.md 4).
+"""A session's segments: histories that are not one line (docs/design.md 4).
 
 Agents do not keep one linear conversation per episode. A coding harness compacts its history into a summary,
 spawns sub-agents with conversations of their own and sends side requests (a title, a summary) while the main turn

@@ -1,4 +1,4 @@
-"""Token-in-token-out prompt building (DESIGN.md section 4).
+"""Token-in-token-out prompt building (docs/design.md section 4).
 
 A first turn renders the whole conversation with the family's template and tokenizes it. Every later
 turn reuses the stored token ids verbatim (what the model actually saw and sampled) and tokenizes only

@@ -1,4 +1,4 @@
-"""POST /sessions/{id}/samples: the trajectory as training samples (DESIGN.md 6).
+"""POST /sessions/{id}/samples: the trajectory as training samples (docs/design.md 6).
 
 The merged sample is snapshotted under the session lock (cheap array copies, no await inside), then truncated and
 serialized on the CPU pool, so a large trajectory never stalls the loop. JSON by default; one safetensors payload

@@ -1,4 +1,4 @@
-"""The one HTTP client to the engine (SGLang's native API, DESIGN.md 5.1).
+"""The one HTTP client to the engine (SGLang's native API, docs/design.md 5.1).
 
 Two pools for the whole process: the hot POST /generate runs on a lean keep-alive HTTP/1.1 pool (engine/http11.py,
 up to ServerConfig.engine_connections sockets), and control calls (abort, open/close session, ready, models) on a small

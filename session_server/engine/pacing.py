@@ -2,7 +2,7 @@
 
 SGLang sends a stream event per `stream_interval` tokens (its --stream-interval, 1 by default; a request's
 `sampling_params.stream_interval` overrides it, output_streamer.py: the first token at once, then whenever that many
-are unsent). What an event costs the server decides what a streamed reply costs (DESIGN.md 7: at most twice the
+are unsent). What an event costs the server decides what a streamed reply costs (docs/design.md 7: at most twice the
 unstreamed reply):
 
 - delta events (`--incremental-streaming-output`) are small, but each is a JSON object of 400-700 bytes, most of it

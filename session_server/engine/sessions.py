@@ -1,9 +1,9 @@
 """SGLang streaming sessions (--engine-sessions): one per trajectory, so each turn prefills only its new tokens.
 
-A streaming engine session is append-only (DESIGN.md 5.2): it can only be reused when it holds exactly the prefix the
-next prompt keeps (`plan.new_token_start`). Anything else -- a rollback, a trimmed stop token, or an uncommitted turn
-that ran in it (502, abort, disconnect) -- replaces it with a fresh one that receives the full prompt. The trajectory's
-tokens are therefore identical with and without the flag; only the engine's prefill work differs.
+A streaming engine session is append-only (docs/design.md 5.2): it can only be reused when it holds exactly the prefix
+the next prompt keeps (`plan.new_token_start`). Anything else -- a rollback, a trimmed stop token, or an uncommitted
+turn that ran in it (502, abort, disconnect) -- replaces it with a fresh one that receives the full prompt. The
+trajectory's tokens are therefore identical with and without the flag; only the engine's prefill work differs.
 
 The state of each trajectory's engine session is kept here, by session id: engine code never sees the session record.
 

@@ -1,7 +1,7 @@
 """The engine's side of a turn: the SGLang /generate body we send and the strict decode of what comes back.
 
-Pure functions of their arguments (they run on the CPU pool or inline, by size). The body follows DESIGN.md 5.1 and
-the released SGLang source; the decode enforces DESIGN.md 5.3 (trajectory.decode_generate_response) after cutting
+Pure functions of their arguments (they run on the CPU pool or inline, by size). The body follows docs/design.md 5.1 and
+the released SGLang source; the decode enforces docs/design.md 5.3 (trajectory.decode_generate_response) after cutting
 the routed-experts payload out of the raw bytes, so megabytes of replay data are never parsed on the hot path.
 """
 
@@ -15,7 +15,7 @@ import orjson
 from trajectory import GenerateResult, decode_generate_response
 from trajectory.errors import UpstreamError
 
-# Sampling keys of constrained decoding (DESIGN.md 5.1): each installs a grammar on the engine's request.
+# Sampling keys of constrained decoding (docs/design.md 5.1): each installs a grammar on the engine's request.
 CONSTRAINED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
@@ -32,7 +32,7 @@ def encode_generate(
     stream_interval: int | None = None,
     thinking: bool = False,
 ) -> bytes:
-    """The /generate body of DESIGN.md 5.1. `start` > 0 sends only the tokens an engine session does not hold;
+    """The /generate body of docs/design.md 5.1. `start` > 0 sends only the tokens an engine session does not hold;
     `stream_interval`: tokens per stream event (engine/pacing.py), for a streamed request.
 
     `thinking`: the turn is in thinking mode (`ModelFamily.thinking_mode`). SGLang's chat server then sends

@@ -1,7 +1,7 @@
 """--journal PATH: every session, committed turn and deletion in SQLite, so a killed server restarts with its sessions.
 
 Why SQLite (the standard library's sqlite3, WAL mode): no server to run, atomic transactions, and a file an operator
-can open with the `sqlite3` shell. What is stored (DESIGN.md 7 Durability):
+can open with the `sqlite3` shell. What is stored (docs/design.md 7, durability):
 
     sessions    id, family, settings (max_rollback, matcher), metadata, created_at, last_active (wall clock)
     turns       one row per committed turn, as deltas (trajectory/restore.py): appended prompt tokens, completion and

@@ -137,7 +137,7 @@ class Lifecycle:
             raise SessionPausedError("server is paused", self.retry_after)
 
     def claim(self, session_id: str) -> Claim:
-        """404 unknown/deleted/closing, 503 paused, 409 busy -- in that order (DESIGN.md 3). Busy before the body:
+        """404 unknown/deleted/closing, 503 paused, 409 busy -- in that order (docs/design.md 3). Busy before the body:
         a single-line session (`--on-divergence reject`) with a turn in flight, or every segment busy and no room for
         another."""
         session = self.registry.require(session_id)

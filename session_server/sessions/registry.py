@@ -78,7 +78,7 @@ class Registry:
         return self._sessions.get(sid)
 
     def require(self, sid: str) -> Session:
-        """The live session, marked active now; 404 if unknown, deleted or being deleted (DESIGN.md 3 order)."""
+        """The live session, marked active now; 404 if unknown, deleted or being deleted (docs/design.md 3 order)."""
         session = self._sessions.get(sid)
         if session is None:
             gone = self._tombstones.get(sid)

@@ -282,7 +282,7 @@ def test_admin_token_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatc
                      (b"Bearer wrong", f"Bearer {TOKEN}".encode())]
 
 
-# -- 404 before 400 on the session routes (DESIGN.md 3) ----------------------------------------------------------
+# -- 404 before 400 on the session routes (docs/design.md 3) ----------------------------------------------------------
 BAD_SAMPLES_BODIES = {
     "not_json": b"{max_seq_len: 8",
     "not_object": b"[8]",

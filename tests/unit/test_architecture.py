@@ -1,4 +1,4 @@
-"""The import graph is the architecture (DESIGN.md 2): checked from the source, so a shortcut cannot creep in.
+"""The import graph is the architecture (docs/design.md 2): checked from the source, so a shortcut cannot creep in.
 
 Every import counts, including those under `if TYPE_CHECKING:` and inside functions: a cycle hidden from the
 interpreter is still a cycle for the reader. Inside `session_server`, imports point one way, down the layers below

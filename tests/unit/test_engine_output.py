@@ -1,4 +1,4 @@
-"""Strict validation of the engine's /generate body (DESIGN.md 5.3): every well-formed payload passes,
+"""Strict validation of the engine's /generate body (docs/design.md 5.3): every well-formed payload passes,
 every single-rule corruption is a 502 naming the rule, and nothing reaches the trajectory."""
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _delete(path: tuple) -> Callable[[dict], None]:
 
 
 M, LP = ("meta_info",), ("meta_info", "output_token_logprobs")
-# (name, corruption, rule): each breaks exactly one rule of DESIGN 5.3 on a valid 3-token payload.
+# (name, corruption, rule): each breaks exactly one rule of docs/design.md 5.3 on a valid 3-token payload.
 CORRUPTIONS: list[tuple[str, Callable[[dict], None], str]] = [
     ("bool id in output_ids", _set(("output_ids", 1), True), "output_ids"),
     ("str id in output_ids", _set(("output_ids", 1), "7"), "output_ids"),

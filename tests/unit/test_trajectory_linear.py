@@ -269,7 +269,7 @@ def test_storage_is_compact(qwen):
         turn(traj, [user(f"question {k} " + "lorem ipsum " * 60)], Reply("answer " * 300), rid=f"r{k}")
     assert traj.num_tokens > 16_000
     assert traj.token_ids.dtype == np.int32 and traj.logprobs.dtype == np.float32 and traj.loss_mask.dtype == np.uint8
-    assert traj.nbytes / traj.num_tokens <= 10  # DESIGN.md 7: token arrays at most 10 bytes per stored token
+    assert traj.nbytes / traj.num_tokens <= 10  # docs/design.md 7: token arrays at most 10 bytes per stored token
     with pytest.raises(ValueError):
         traj.token_ids[0] = 1  # views are read-only: only commit mutates
 
@@ -292,8 +292,8 @@ def test_to_dict_is_json_and_keeps_heavy_payloads_out(qwen):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=5000), min_size=1, max_size=40))
 def test_token_buffer_stays_under_ten_bytes_per_token(appends: list[int]) -> None:
-    """DESIGN.md 7's bar for token arrays, after any sequence of appends: at most 10 bytes per stored token once the
-    buffer is past its initial capacity (below it, the initial capacity is all there is)."""
+    """docs/design.md 7's bar for token arrays, after any sequence of appends: at most 10 bytes per stored token once
+    the buffer is past its initial capacity (below it, the initial capacity is all there is)."""
     buffer = TokenBuffer()
     initial = buffer.nbytes
     for n in appends:
