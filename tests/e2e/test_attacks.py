@@ -29,6 +29,7 @@ BODY_TIMEOUT = 2.0
 CONTEXT_LENGTH = 4096
 MAX_HEADER_BYTES = 32 * 1024
 DRAIN_TIMEOUT = 1.0
+PATIENT_BODY_TIMEOUT = 60.0  # the "patient" server's upload deadline: a stalled upload outlasts any step of a test
 MAX_SESSIONS = 3
 MAX_SESSION_TOKENS = 120
 
@@ -47,6 +48,8 @@ def stack(stack_factory: StackFactory) -> Iterator[Stack]:
             # a small server for the count limits (the main one accumulates the attacks' sessions)
             "small": ["--max-sessions", str(MAX_SESSIONS), "--max-session-tokens", str(MAX_SESSION_TOKENS),
                       "--create-sessions-on-demand"],
+            # an upload deadline far beyond the test's own steps, for a drain that starts while an upload stalls
+            "patient": ["--body-timeout", str(PATIENT_BODY_TIMEOUT), "--drain-timeout", str(DRAIN_TIMEOUT)],
         },
     ) as stack:
         yield stack
@@ -88,7 +91,7 @@ def witness(stack: Stack) -> Witness:
 def after(stack: Stack, witness: Witness) -> Iterator[None]:
     """Run the attack, then: /health answers, the witness still chats and matches, the engine's books are clean."""
     yield
-    health = httpx.get(f"{stack.server}/health", timeout=5)
+    health = httpx.get(f"{stack.server}/health", timeout=30)
     assert health.status_code == 200
     witness.turn()
     witness.check()
@@ -301,7 +304,7 @@ def test_no_trailing_slash_redirect(stack: Stack, after: None) -> None:
 # -- deadlines --------------------------------------------------------------------------------------------------
 def _stalled_upload(server: str, path: str, declared: int, sent: bytes) -> socket.socket:
     parts = urlsplit(server)
-    sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=60)
     sock.sendall(
         f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
         .encode() + sent
@@ -342,7 +345,7 @@ def test_body_upload_deadline_is_408(stack: Stack, after: None, route: str) -> N
     sock = _stalled_upload(server, paths[route], 1000, b'{"messages": ')
     try:
         # /health answers while the upload stalls
-        assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{server}/health", timeout=30).status_code == 200
         status, head, rest = _read_reply(sock)
         length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
                           if line.lower().startswith(b"content-length:")))
@@ -352,7 +355,7 @@ def test_body_upload_deadline_is_408(stack: Stack, after: None, route: str) -> N
         sock.close()
     assert status == 408
     assert f"request body was not received within {BODY_TIMEOUT:g}s (upload deadline)" in rest.decode(), rest
-    assert time.monotonic() - t0 < BODY_TIMEOUT + 10  # bounded by the deadline, not by the client
+    assert time.monotonic() - t0 < BODY_TIMEOUT + 20  # bounded by the deadline, not by the client (60 s)
 
 
 def test_metrics_count_the_attacks(stack: Stack, after: None) -> None:
@@ -557,15 +560,17 @@ def test_drain_has_a_deadline_and_aborts_a_chat_the_engine_holds(stack: Stack, a
 def test_drain_does_not_wait_for_an_upload_which_is_refused_when_it_arrives(stack: Stack, after: None) -> None:
     """A chat still sending its body when a drain starts is not waited for (one slow upload would hold every weight
     update for up to --body-timeout): the pause returns at once, and the chat is answered 503 + Retry-After when its
-    body arrives, having sent nothing to the engine."""
-    server = stack.server
+    body arrives, having sent nothing to the engine. On the "patient" server the upload could stall for a minute: the
+    body arrives when the test sends it, never after a deadline a slow machine reached first."""
+    server = stack["patient"]
     sid = new_session(server)
     body = b'{"messages": [{"role": "user", "content": "hi"}]}'
     sock = _stalled_upload(server, f"/sessions/{sid}/v1/chat/completions", len(body), body[:10])
     try:
-        wait_for(lambda: metric(server, "session_server_in_flight") == 1, 5)  # the chat holds its slot
+        wait_for(lambda: metric(server, "session_server_in_flight") == 1, 30)  # the chat holds its slot
         finished0 = engine_info(stack.engine)["finished_requests"]
-        paused = httpx.post(f"{server}/admin/pause", json={"mode": "drain"}, timeout=BODY_TIMEOUT / 2)
+        # Waiting for the upload would take the minute of --body-timeout: the answer comes long before.
+        paused = httpx.post(f"{server}/admin/pause", json={"mode": "drain"}, timeout=PATIENT_BODY_TIMEOUT / 3)
         assert paused.status_code == 200 and paused.json()["aborted"] == 0, paused.text
         sock.sendall(body[10:])
         status, head, _ = _read_reply(sock)
@@ -683,5 +688,5 @@ def test_floods_are_bounded(stack: Stack) -> None:
     creates, chats = asyncio.run(flood())
     assert creates.count(200) == MAX_SESSIONS and creates.count(503) == 64 - MAX_SESSIONS
     assert set(chats) <= {200, 409} and chats.count(200) >= 1
-    assert httpx.get(f"{small}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{small}/health", timeout=30).status_code == 200
     assert_engine_baseline(stack.engine)
