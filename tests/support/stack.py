@@ -23,6 +23,10 @@ from rollout.processes import RunningProcess, start_session_server, start_sim
 
 from .server import RecordingProxy, start_parallel
 
+# Seconds a process of a stack may take to become ready: a bound that only turns a hang into a failure. Several
+# tokenizer loads at once on a loaded 2-core machine take tens of seconds (issue 30); when fast it costs nothing.
+STARTUP_TIMEOUT = 300.0
+
 
 @dataclass
 class Stack:
@@ -68,7 +72,7 @@ def launch_stack(
     stack = Stack(family=family, tok=tok, logs=logs, engine="")
     started: list[RunningProcess] = []
     try:
-        sim = start_sim(tok, family, *sim_args, log_dir=logs, cpus=cpus)
+        sim = start_sim(tok, family, *sim_args, log_dir=logs, cpus=cpus, startup_timeout=STARTUP_TIMEOUT)
         started.append(sim)
         stack.engine = sim.url
         if proxied:
@@ -76,7 +80,7 @@ def launch_stack(
         pending = [
             start_session_server(
                 stack.proxy.url if stack.proxy is not None and name in proxied else sim.url,
-                tok, family, *args, name=name, log_dir=logs, wait=False, cpus=cpus,
+                tok, family, *args, name=name, log_dir=logs, wait=False, cpus=cpus, startup_timeout=STARTUP_TIMEOUT,
             )
             for name, args in (servers if servers is not None else {"server": ()}).items()
         ]
@@ -132,7 +136,9 @@ def launch_fleet(
     procs: list[RunningProcess] = []
     try:
         procs += start_parallel(*(
-            functools.partial(start_sim, tok, family, *sim_args, log_path=logs / f"sim{i}.log") for i in range(sims)
+            functools.partial(start_sim, tok, family, *sim_args, log_path=logs / f"sim{i}.log",
+                              startup_timeout=STARTUP_TIMEOUT)
+            for i in range(sims)
         ))
         yield Fleet(tok, logs, procs[:sims], procs)
     finally:
