@@ -1,4 +1,4 @@
-"""Engine sessions over HTTP: streaming-session semantics of DESIGN 5.2 and SGLang's non-streaming session tree.
+"""Engine sessions over HTTP: streaming-session semantics of docs/design.md 5.2 and SGLang's non-streaming session tree.
 
 No verdict depends on the machine's speed (issue 30): a request that must still run while the test makes its calls
 asks for RUNNING tokens (3 s at the engine, an order of magnitude more than those calls; one the test aborts, for
