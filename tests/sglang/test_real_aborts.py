@@ -1,10 +1,15 @@
 """Every way a chat is cut off aborts its request in the real engine, by its rid, and leaves nothing behind.
 
 A client that disconnects, a DELETE of the session, the server's `--request-timeout` and an admin pause in `abort`
-mode each end a long generation (1500 tokens: minutes on a CPU) within seconds: the server sends SGLang
+mode each end a long generation within seconds: the server sends SGLang
 `/abort_request` with the rid of its `/generate`, SGLang ends that request with an abort `finish_reason`, and its own
 load report then shows no running or waiting request and no KV held by any request (`assert_engine_clean` also
 flushes the radix cache, which SGLang refuses while anything holds KV). The session commits nothing.
+
+The generation is long by construction, not by the machine's slowness: the engine runs paced (`paced`, SGLang's own
+`/slow_down`) at PACE seconds per step, so LONG's 1500 tokens take at least 150 s on any machine, where every cut
+here lands within a second or two of its cause; the bounds (BOUND) sit between the two, an order of magnitude from
+the right answer and well short of the wrong one.
 """
 
 from __future__ import annotations
@@ -18,14 +23,17 @@ import httpx
 import pytest
 
 from support.server import chat_url, metric, new_session
-from support.sglang_engine import Served, ServeFactory, assert_engine_clean, loads, wait_loads
+from support.sglang_engine import Served, ServeFactory, assert_engine_clean, loads, paced, wait_loads
 
 LONG = {"messages": [{"role": "user", "content": "Write a very long essay."}], "temperature": 0, "max_tokens": 1500}
+PACE = 0.1  # seconds per engine step: LONG takes at least 150 s
+BOUND = 30.0  # seconds: a cut that lands takes ~1 s (10x on a loaded machine); one that does not, LONG's 150 s
+TIMEOUT = 6  # --request-timeout
 
 
 @pytest.fixture(scope="module")
 def served(serve: ServeFactory) -> Iterator[Served]:
-    with serve("dense", "--request-timeout", "6") as s:
+    with serve("dense", "--request-timeout", str(TIMEOUT)) as s, paced(s.engine, PACE):
         yield s
 
 
@@ -70,9 +78,9 @@ def test_client_disconnect_aborts_the_engine_request(served: Served) -> None:
             chat.cancel()  # the connection closes: the client went away
             with pytest.raises(asyncio.CancelledError):
                 await chat
-        async with asyncio.timeout(15):
+        async with asyncio.timeout(BOUND):
             await wait_loads(served.engine, lambda report: report["num_running_reqs"] == 0)
-        assert time.monotonic() - started < 15
+        assert time.monotonic() - started < BOUND
 
     asyncio.run(main())
     assert_aborted_by_rid(served, sid, "disconnect", before)
@@ -89,7 +97,7 @@ def test_delete_during_a_chat_aborts_the_engine_request(served: Served) -> None:
             await wait_engine_running(served.engine)
             deleted = await http.delete(f"{served.server}/sessions/{sid}")
             assert deleted.status_code == 204
-            return await asyncio.wait_for(chat, 15)
+            return await asyncio.wait_for(chat, BOUND)
 
     reply = asyncio.run(main())
     assert reply.status_code == 404, reply.text  # the session is gone; nothing was committed
@@ -103,7 +111,7 @@ def test_request_timeout_aborts_the_engine_request(served: Served) -> None:
     reply = httpx.post(chat_url(served.server, sid), json=LONG, timeout=60)
     elapsed = time.monotonic() - started
     assert reply.status_code == 504, reply.text
-    assert 5.5 < elapsed < 10, elapsed  # --request-timeout 6, the abort included
+    assert TIMEOUT - 0.5 < elapsed < TIMEOUT + BOUND, elapsed  # the deadline, the abort included
     assert_aborted_by_rid(served, sid, "timeout", before)
     assert httpx.delete(f"{served.server}/sessions/{sid}", timeout=10).status_code == 204
 
@@ -118,7 +126,7 @@ def test_admin_pause_abort_aborts_the_engine_request_and_the_turn_is_retried(ser
             await wait_engine_running(served.engine)
             paused = await http.post(f"{served.server}/admin/pause", json={"mode": "abort"})
             assert paused.status_code == 200 and paused.json()["aborted"] == 1, paused.text
-            return await asyncio.wait_for(chat, 15), loads(served.engine)
+            return await asyncio.wait_for(chat, BOUND), loads(served.engine)
 
     reply, report = asyncio.run(main())
     assert reply.status_code == 503 and "retry-after" in reply.headers, reply.text

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from support.server import chat_url, new_session
-from support.sglang_engine import Engines, Served, ServeFactory, assert_engine_clean, wait_loads
+from support.sglang_engine import Engines, Served, ServeFactory, assert_engine_clean, paced, wait_loads
 
 TURN = {"temperature": 0, "max_tokens": 6}
 
@@ -94,7 +94,10 @@ def test_engine_sigkill_mid_turn_then_restart(serve: ServeFactory, engines: Engi
                 return await asyncio.wait_for(turn, 60)
 
         started = time.monotonic()
-        failed = asyncio.run(killed_mid_turn())
+        # Paced (SGLang's own /slow_down): the 1500-token turn takes at least 150 s on any machine, so the kill lands
+        # in the middle of it. The pace dies with the engine: the restarted one runs at full speed.
+        with paced(engine.url, 0.1):
+            failed = asyncio.run(killed_mid_turn())
         assert failed.status_code in (502, 503), failed.text  # the engine is gone: an engine error, not the agent's
         assert time.monotonic() - started < 60
         records = httpx.get(f"{s.server}/sessions/{sid}", timeout=10).json()["records"]

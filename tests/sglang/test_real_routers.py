@@ -18,11 +18,15 @@ server behind each, sending its session id as `X-SMG-Routing-Key`. What holds, a
 - what the others break is refused: sglang-router drops `return_routed_experts` from the body the engine gets and
   404s the session, abort, pause and weight-update paths, as plain smg does; the server refuses `--engine-sessions` and
   `--return-routed-experts` behind them at startup, and `/admin/pause` `in_place` with a 502 that says why.
+
+The long replies are long by construction: while an abort or a pause must land in the middle of one, both engines run
+paced (`paced`, SGLang's own `/slow_down`, PACE seconds per step), so LONG outlasts every bound here on any machine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -37,7 +41,7 @@ import pytest
 
 from rollout.processes import RunningProcess, free_port, start_router, start_session_server, start_smg
 from support.server import RecordingProxy, assert_sample_is_what_the_engine_saw, chat_url, new_session, sse_events
-from support.sglang_engine import Engines, assert_engine_clean, wait_loads
+from support.sglang_engine import Engines, assert_engine_clean, paced, wait_loads
 from trajectory import samples_from_json
 
 FAMILY = "qwen3"
@@ -45,6 +49,7 @@ ENGINES = ("moe", "moe-b")
 LAYERS, TOP_K = 2, 2  # the tiny MoE checkpoint (scripts/build_tiny_checkpoints.py)
 GREEDY = {"temperature": 0, "max_tokens": 8}
 LONG = {"messages": [{"role": "user", "content": "Write a very long essay."}], "temperature": 0, "max_tokens": 1500}
+PACE = 0.2  # seconds per engine step while a test needs a reply under way: LONG takes at least 300 s
 SERVER_FLAGS = {
     "sglang-router": (),
     "smg": (),
@@ -123,6 +128,15 @@ def routed(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         engines.stop("moe-b")  # this module's own worker: its memory back for the modules after it
 
 
+@pytest.fixture
+def paced_engines(routed: Routed) -> Iterator[None]:
+    """Both engines paced for the test (a reply of N tokens takes N * PACE seconds at least)."""
+    with contextlib.ExitStack() as stack:
+        for url in routed.engines:
+            stack.enter_context(paced(url, PACE))
+        yield
+
+
 def _whole_prompts(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The calls with each prompt as the engine saw it: a turn in an engine session sends only its new tokens, which
     SGLang appends to what the session holds (the previous turns' prompts and outputs)."""
@@ -193,6 +207,7 @@ def test_routed_experts_through_smg_rl(routed: Routed) -> None:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 @pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.usefixtures("paced_engines")
 def test_an_abort_through_the_router_frees_the_engines_kv(routed: Routed, router: str, stream: bool) -> None:
     server = routed.servers[router].url
     routed.clear()
@@ -280,6 +295,7 @@ def test_sglang_router_drops_return_routed_experts_and_smg_keeps_it(routed: Rout
     assert kept == {"sglang-router": (None, False), "smg": (True, True)}
 
 
+@pytest.mark.usefixtures("paced_engines")
 def test_pause_in_place_and_a_weight_update_through_smg_rl(routed: Routed) -> None:
     server, smg = routed.servers["smg-rl"].url, routed.routers["smg-rl"].url
     sid = new_session(server)
@@ -287,7 +303,7 @@ def test_pause_in_place_and_a_weight_update_through_smg_rl(routed: Routed) -> No
 
     async def main() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(timeout=300) as http:
-            body = {**LONG, "max_tokens": 400, "stream": True}
+            body = {**LONG, "max_tokens": 200, "stream": True}  # 40 s at PACE: the pause lands well inside it
             async with http.stream("POST", chat_url(server, sid), json=body) as reply:
                 assert reply.status_code == 200
                 chunks = reply.aiter_bytes()

@@ -2,6 +2,10 @@
 (`/pause_generation` mode `in_place`: running requests keep their KV), the trainer loads a second random checkpoint
 with SGLang's `/update_weights_from_disk`, `POST /admin/continue` resumes the engine, and the in-flight chat ends as
 one reply whose tokens are each recorded with the weight version that sampled them.
+
+The reply is long by construction: the engine runs paced (`paced`, SGLang's own `/slow_down`), so its MAX_TOKENS
+take at least MAX_TOKENS * PACE = 20 s on any machine, and what a test does as the first tokens arrive lands in the
+middle of the reply, not after its end.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import numpy as np
 import pytest
 
 from support.server import assert_sample_is_what_the_engine_saw, chat_url, new_session
-from support.sglang_engine import Engines, Served, ServeFactory, assert_engine_clean
+from support.sglang_engine import Engines, Served, ServeFactory, assert_engine_clean, paced
 from trajectory import samples_from_json
 
-MAX_TOKENS = 400  # at 50-300 tokens/s: seconds of generation left when the pause lands after the first chunk
+MAX_TOKENS = 400
+PACE = 0.05  # seconds per engine step
 
 
 async def _chunks(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
@@ -59,7 +64,8 @@ def served(serve: ServeFactory, engines: Engines) -> Iterator[Served]:
     second weights), they get it back running on the first weights."""
     with serve("dense") as s:
         try:
-            yield s
+            with paced(s.engine, PACE):
+                yield s
         finally:
             httpx.post(f"{s.engine}/continue_generation", json={}, timeout=30)
             assert_engine_clean(s.engine)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,28 @@ class Engines:
         for proc in self.running.values():
             proc.stop()
         self.running.clear()
+
+
+@contextlib.contextmanager
+def paced(engine: str, seconds_per_step: float) -> Iterator[None]:
+    """The engine at a fixed pace while the block runs: SGLang's own test hook `POST /slow_down` makes its scheduler
+    sleep `seconds_per_step` before every forward batch (prefill or one decode step), so a reply of N tokens takes at
+    least N * seconds_per_step however fast the machine is. A test whose verdict needs a reply to outlast a deadline
+    (an abort, a timeout, a pause mid-reply) runs paced, with the pace chosen so the reply outlasts it tenfold; the
+    pace is lifted on the way out (`forward_sleep_time` 0), whatever happened in the block (an engine the block
+    killed took its pace with it)."""
+    slow_down(engine, seconds_per_step)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(httpx.TransportError):
+            slow_down(engine, 0.0)
+
+
+def slow_down(engine: str, seconds: float) -> None:
+    """SGLang's `/slow_down`: `seconds` of sleep before each forward batch from now on (0: none)."""
+    r = httpx.post(f"{engine}/slow_down", json={"forward_sleep_time": seconds}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def loads(engine: str) -> dict[str, Any]:
