@@ -217,15 +217,16 @@ def test_one_id_is_one_episode_others_run_alongside(stack: Stack) -> None:
             def chat(sid: str, content: str) -> Any:
                 return http.post("/v1/chat/completions", headers={"X-Session-ID": sid},
                                  json={"messages": [{"role": "user", "content": content}]})
-            owner = asyncio.ensure_future(chat("race-1", "long [[sim: tokens 400]]"))
+            # 6 s at the engine: the contender and another episode's whole turn come long before its end
+            owner = asyncio.ensure_future(chat("race-1", "long [[sim: tokens 1200]]"))
             await wait_running(engine, 1)
-            contender = await chat("race-1", "long [[sim: tokens 400]]")
+            contender = await chat("race-1", "long [[sim: tokens 1200]]")
             other = await chat("race-2", "another episode [[sim: tokens 3]]")
             assert not owner.done()  # both answers came while the owner was still generating
             return (await owner).status_code, contender.status_code, other.status_code
 
     assert asyncio.run(main()) == (200, 409, 200)
-    for sid, contents in (("race-1", ["long [[sim: tokens 400]]"]), ("race-2", ["another episode [[sim: tokens 3]]"])):
+    for sid, contents in (("race-1", ["long [[sim: tokens 1200]]"]), ("race-2", ["another episode [[sim: tokens 3]]"])):
         info = _session(server, sid)
         assert [m["content"] for m in info["messages"] if m["role"] == "user"] == contents
         assert len(info["records"]) == 1

@@ -103,7 +103,8 @@ def test_sub_agent_during_an_in_flight_turn_gets_200(stack: Stack) -> None:
 
     async def main() -> None:
         async with session_client(server, sid) as client, httpx.AsyncClient(timeout=60) as http:
-            big_job = [SYSTEM, {"role": "user", "content": f"big job {tokens(300)}"}]
+            # 6 s at the engine: the sub-agent's short turn and the contender come long before its end
+            big_job = [SYSTEM, {"role": "user", "content": f"big job {tokens(600)}"}]
             main_turn = asyncio.ensure_future(turn(client, big_job))
             await wait_running(engine, 1)
             sub, sub_headers = await turn(client, [{"role": "system", "content": "You are a sub-agent."},
@@ -132,7 +133,7 @@ def test_delete_aborts_every_running_segment(stack: Stack) -> None:
     async def main() -> list[int]:
         async with httpx.AsyncClient(timeout=60) as http:
             running = [asyncio.ensure_future(http.post(chat_url(server, sid), json={"messages": [
-                {"role": "user", "content": f"agent {i} {tokens(500)}"}]})) for i in range(3)]
+                {"role": "user", "content": f"agent {i} {tokens(3000)}"}]})) for i in range(3)]  # cut: 30 s
             await wait_running(engine, 3)
             deleted = await http.delete(f"{server}/sessions/{sid}")
             assert deleted.status_code == 204
@@ -194,12 +195,13 @@ def test_a_sub_agent_that_disconnects_leaves_the_main_turn_running(stack: Stack)
     server, engine = stack["server"], stack["engine"]
     sid = new_session(server)
     aborts = metric(server, "session_server_engine_aborts_total")
-    sub_agent = {"messages": [{"role": "system", "content": "sub-agent"}, {"role": "user", "content": tokens(400)}]}
+    # the sub-agent's first try is cut (its 30 s never run); the main turn's 6 s outlast the cut and the retry
+    sub_agent = {"messages": [{"role": "system", "content": "sub-agent"}, {"role": "user", "content": tokens(3000)}]}
 
     async def main() -> int:
         async with httpx.AsyncClient(timeout=60) as http:
             main_turn = asyncio.ensure_future(http.post(chat_url(server, sid), json={"messages": [
-                {"role": "user", "content": f"main {tokens(150)}"}]}))
+                {"role": "user", "content": f"main {tokens(600)}"}]}))
             await wait_running(engine, 1)
             sub = asyncio.ensure_future(http.post(chat_url(server, sid), json=sub_agent))
             await wait_running(engine, 2)
