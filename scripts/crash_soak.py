@@ -1,4 +1,4 @@
-"""Crash soak for --journal (DESIGN.md 7 Durability): chats, deletes and SIGKILLs; nothing a client received is lost.
+"""Crash soak for --journal (docs/design.md 7): chats, deletes and SIGKILLs; nothing a client received is lost.
 
 Starts a real `sglang-sim` and a real `session-server --journal PATH`, then M agents run multi-turn episodes (each
 episode ends with DELETE and a new session) until N chat requests were sent. Every so often the server is killed with

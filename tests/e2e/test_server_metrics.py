@@ -109,7 +109,7 @@ def test_rollback_and_validation_failure_are_counted(stack: Stack) -> None:
     assert first.status_code == 200
     before = scrape(server)
     # Regenerate the first turn: the history diverges inside the stored turn, a one-step rollback (sharing the first
-    # message: a request that shares none starts a segment, trajectory/segments.py).
+    # message: a request that shares none starts a segment, trajectory/session_segments.py).
     retry = httpx.post(chat_url(server, sid), json={"messages": [
         history[0], history[1] | {"content": "uno [[sim: tokens 3]]"}]})
     assert retry.status_code == 200

@@ -1,6 +1,6 @@
 """Histories that are not one line, against real processes with the official openai SDK as the agent: a compacting
 agent, a sub-agent during an in-flight turn, DELETE with several segments running, the reject policy and a journal
-restart with segments (trajectory/segments.py, DESIGN.md 4)."""
+restart with segments (trajectory/session_segments.py, docs/design.md 4)."""
 
 from __future__ import annotations
 
