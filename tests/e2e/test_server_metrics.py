@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.server import assert_engine_baseline, chat_url, new_session, wait_running
+from support.server import assert_engine_baseline, chat_url, new_session, wait_engine_idle, wait_running
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
@@ -92,7 +92,7 @@ def test_responses_tokens_and_latencies(stack: Stack) -> None:
     assert delta("session_server_chat_seconds_sum") >= delta("session_server_engine_seconds_sum")
     assert delta("session_server_sessions_created_total") == 1
     # The loop-lag ticker reports every 0.1 s from the server's start; a test this quick may scrape before its first.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while value(after, "session_server_event_loop_lag_seconds_count") == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
         after = scrape(server)
@@ -132,7 +132,8 @@ def test_rollback_and_validation_failure_are_counted(stack: Stack) -> None:
 
 def test_aborts_by_cause_and_live_gauges(stack: Stack) -> None:
     server, engine = stack.server, stack.engine
-    long_chat = {"messages": [{"role": "user", "content": "long [[sim: tokens 400]]"}]}
+    # 100 s at the engine: both chats are cut long before their end, however slow the machine
+    long_chat = {"messages": [{"role": "user", "content": "long [[sim: tokens 20000]]"}], "max_tokens": 20000}
     before = scrape(server)
     gone, kept = new_session(server), new_session(server)
 
@@ -145,6 +146,8 @@ def test_aborts_by_cause_and_live_gauges(stack: Stack) -> None:
             chat.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await chat
+            # the disconnect's abort lands first, so the engine request waited for next is the DELETE's chat
+            await asyncio.to_thread(wait_engine_idle, engine)
             # A DELETE that cuts a chat off.
             chat = asyncio.ensure_future(http.post(chat_url(server, gone), json=long_chat))
             await wait_running(engine, 1)
@@ -156,7 +159,7 @@ def test_aborts_by_cause_and_live_gauges(stack: Stack) -> None:
     assert value(during, "session_server_in_flight") == 1
     assert value(during, "session_server_in_flight_at_engine") == 1  # its request reached the engine
     assert value(during, "session_server_sessions") == value(before, "session_server_sessions") + 2
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while value(after := scrape(server), "session_server_aborts_total", cause="disconnect") == value(
         before, "session_server_aborts_total", cause="disconnect"
     ):
@@ -182,8 +185,9 @@ def test_a_pause_abort_is_counted_as_a_pause_whether_streamed_or_not(stack: Stac
 
     async def main() -> int:
         async with httpx.AsyncClient(timeout=60) as http:
-            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json={
-                "messages": [{"role": "user", "content": "long [[sim: tokens 400]]"}], "stream": stream}))
+            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json={  # 100 s unless cut: it is cut
+                "messages": [{"role": "user", "content": "long [[sim: tokens 20000]]"}], "max_tokens": 20000,
+                "stream": stream}))
             await wait_running(engine, 1)
             paused = await http.post(f"{server}/admin/pause", json={"mode": "abort"})
             assert paused.status_code == 200 and paused.json()["aborted"] == 1, paused.text

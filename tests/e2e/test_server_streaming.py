@@ -117,7 +117,7 @@ def test_streamed_tool_loop_commits_exactly_what_was_streamed(stack: Stack, serv
         messages.append(_history(message))
         for i, call in sorted(message["tool_calls"].items()):
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"result {i}"})
-        messages[-1]["content"] += " [[sim: tokens 30]]"
+        messages[-1]["content"] += " [[sim: tokens 300]]"  # 1.2 s: read in many pieces, however late the reads
         chunks = await _stream(client, messages=messages, tools=tools, logprobs=True,
                                stream_options={"include_usage": True})
         message, finish, usage, logprobs = assemble(chunks)
@@ -149,15 +149,24 @@ def test_streamed_tool_loop_commits_exactly_what_was_streamed(stack: Stack, serv
 
 
 def test_deltas_arrive_while_the_engine_is_still_generating(stack: Stack) -> None:
+    """A reply of 3500 tokens (14 s at the engine): its first words reach the agent while the engine still generates,
+    however slowly the agent reads; the agent then hangs up, which ends it."""
     async def run() -> None:
-        client = session_client(stack.server, new_session(stack.server))
+        sid = new_session(stack.server)
+        client = session_client(stack.server, sid)
         stream = await client.chat.completions.create(
-            model="m", stream=True, messages=[{"role": "user", "content": "Long. [[sim: tokens 400]]"}])
+            model="m", stream=True, messages=[{"role": "user", "content": "Long. [[sim: tokens 3500]]"}])
         seen_running = None
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content and seen_running is None:
+            if chunk.choices and chunk.choices[0].delta.content:
                 seen_running = engine_info(stack.engine)["running_requests"]
+                break
+        await stream.close()
         assert seen_running == 1  # the first words reached the agent before the engine had finished
+        wait_engine_idle(stack.engine)
+        async with httpx.AsyncClient(timeout=30) as http:
+            assert (await http.delete(f"{stack.server}/sessions/{sid}")).status_code == 204
+        assert_engine_baseline(stack.engine)
 
     asyncio.run(run())
 
@@ -165,7 +174,9 @@ def test_deltas_arrive_while_the_engine_is_still_generating(stack: Stack) -> Non
 def test_disconnect_mid_stream_aborts_the_engine_and_commits_nothing(stack: Stack) -> None:
     async def run() -> None:
         sid = new_session(stack.server)
-        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "Long. [[sim: tokens 1500]]"}]}
+        # 14 s at the engine: still generating when the client hangs up, however slow the machine
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "Long. [[sim: tokens 3500]]"}]}
+        aborted = engine_info(stack.engine)["aborted_requests"]
         async with httpx.AsyncClient(timeout=30) as http:
             async with http.stream("POST", chat_url(stack.server, sid), json=body) as resp:
                 assert resp.status_code == 200
@@ -173,7 +184,7 @@ def test_disconnect_mid_stream_aborts_the_engine_and_commits_nothing(stack: Stac
                     if '"content"' in line and '"content":""' not in line:
                         break  # real content arrived: hang up now
             info = wait_engine_idle(stack.engine)
-            assert info["aborted_requests"] >= 1
+            assert info["aborted_requests"] == aborted + 1  # aborted, not finished
             # the slot is free at once and nothing was committed: the same turn can be retried immediately
             retry = await http.post(chat_url(stack.server, sid), json={**body, "stream": False, "max_tokens": 5})
             assert retry.status_code == 200, retry.text
@@ -236,7 +247,8 @@ def test_errors_before_the_first_byte_keep_their_status(stack: Stack) -> None:
 def test_a_streaming_chat_holds_its_slot_until_the_last_byte(stack: Stack) -> None:
     async def run() -> None:
         sid = new_session(stack.server)
-        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "Long. [[sim: tokens 300]]"}]}
+        # 4 s at the engine: the second request comes long before the stream's end, however slow the machine
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "Long. [[sim: tokens 1000]]"}]}
         async with httpx.AsyncClient(timeout=30) as http:
             async with http.stream("POST", chat_url(stack.server, sid), json=body) as resp:
                 lines = resp.aiter_lines()
@@ -355,7 +367,8 @@ def test_gpt_oss_streams_its_analysis_and_answer_as_they_arrive(gpt_oss: Stack) 
     async def run() -> None:
         sid = new_session(gpt_oss.server)
         client = session_client(gpt_oss.server, sid)
-        messages: list[dict[str, Any]] = [{"role": "user", "content": "Hi. [[sim: think]] [[sim: tokens 30]]"}]
+        # the answer's 300 tokens take 0.6 s: read in many pieces, however late the reads
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Hi. [[sim: think]] [[sim: tokens 300]]"}]
         chunks = await _stream(client, messages=messages, stream_options={"include_usage": True})
         message, finish, usage, _ = assemble(chunks)
         assert finish == "stop" and message["reasoning_content"] and message["content"]
