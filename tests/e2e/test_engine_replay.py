@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from sglang_sim.routed_experts import routing
-from support.server import chat_url, new_session, wait_running
+from support.server import chat_url, new_session, wait_emitted, wait_running
 from support.stack import Stack, StackFactory
 from trajectory import samples_from_json, samples_from_safetensors
 
@@ -90,10 +90,11 @@ def test_weight_versions_per_token_in_samples(stack: Stack) -> None:
     async def main() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
             history = [{"role": "user", "content": "turn 0 [[sim: tokens 6]]"}]
-            history += [first, {"role": "user", "content": "long [[sim: tokens 600]]"}]
+            # 3 s at the engine: the update lands long before its end, after some tokens (counted, not slept for)
+            history += [first, {"role": "user", "content": "long [[sim: tokens 1500]]"}]
             chat = asyncio.ensure_future(http.post(chat_url(server, sid), json={"messages": history}))
             await wait_running(stack.engine)
-            await asyncio.sleep(0.3)
+            await asyncio.to_thread(wait_emitted, stack.engine, 20)
             r = await http.post(f"{stack.engine}/update_weight_version",
                                 json={"new_version": "step-2", "abort_all_requests": False})
             assert r.status_code == 200

@@ -36,7 +36,8 @@ from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
 TOKEN_MS = 5
-LONG_CHAT = {"messages": [{"role": "user", "content": "slow [[sim: tokens 400]]"}]}
+# 100 s at the engine: cut by the DELETE long before its end, however slow the machine
+LONG_CHAT = {"messages": [{"role": "user", "content": "slow [[sim: tokens 20000]]"}], "max_tokens": 20000}
 
 
 @pytest.fixture(scope="module")
