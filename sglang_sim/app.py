@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -303,6 +304,23 @@ class SimServer:
         self.engine.resume()
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
+    async def slow_down(self, request: Request) -> Response:
+        """SGLang's test hook: `forward_sleep_time` seconds of sleep before every forward step from now on (null or
+        <= 0: none), on top of --token-latency-ms. Tests pace an engine with it, the real one and this one alike.
+        A body FastAPI's parse refuses gets its validation error (400)."""
+        try:
+            body = await _json_body(request)
+        except BadRequest as exc:
+            return json_response(wire.validation_error(str(exc)), 400)
+        if not isinstance(body, dict) or "forward_sleep_time" not in body:
+            return json_response(wire.validation_error("forward_sleep_time: Field required"), 400)
+        seconds = body["forward_sleep_time"]
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int | float)
+                                    or not math.isfinite(seconds)):
+            return json_response(wire.validation_error("forward_sleep_time: Input should be a valid number"), 400)
+        self.engine.slow_down(None if seconds is None else float(seconds))
+        return json_response(None)
+
     async def flush_cache(self, request: Request) -> Response:
         ok = self.engine.flush_cache()
         return Response(FLUSH_MESSAGE, status_code=200 if ok else 400, media_type="text/plain")
@@ -413,6 +431,7 @@ class SimServer:
             Route("/pause_generation", self.pause_generation, methods=["POST"]),
             Route("/continue_generation", self.continue_generation, methods=["POST"]),
             Route("/flush_cache", self.flush_cache, methods=get_post),
+            Route("/slow_down", self.slow_down, methods=get_post),
             Route("/health", self.health, methods=["GET"]),
             Route("/health_generate", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),

@@ -65,6 +65,7 @@ class Engine:
         self.sessions: dict[str, EngineSession] = {}
         self.paused = False
         self.pause_mode: str | None = None
+        self.forward_sleep_s = 0.0  # SGLang's /slow_down: added to every decode step
         self.weight_version = config.weight_version
         self.last_routing_key: str | None = None
         self.routing_keys: dict[str, int] = {}  # X-SMG-Routing-Key -> requests seen (bounded, oldest dropped)
@@ -237,11 +238,19 @@ class Engine:
             slots = self.pool.alloc(n)
         return slots
 
+    def slow_down(self, seconds: float | None) -> None:
+        """SGLang's `/slow_down` (scheduler.py): sleep `seconds` before every step from the next one on; None or
+        <= 0 lifts it."""
+        self.forward_sleep_s = seconds if seconds is not None and seconds > 0 else 0.0
+
+    def _step_latency(self) -> float:
+        """Seconds per decoded token: the configured latency plus the /slow_down pace, read at every step."""
+        return self.config.token_latency_ms / 1000.0 + self.forward_sleep_s
+
     async def _decode(self, req: SimRequest) -> str:
         """Prefill what is not cached, then emit the planned tokens; returns done | abort | retract."""
         n = len(req.plan.output_ids)
-        latency = self.config.token_latency_ms / 1000.0
-        chunk = max(1, math.ceil(_MIN_SLEEP_S / latency)) if latency > 0 else max(n, 1)
+        latency = self._step_latency()
         uncached = len(req.prompt) + req.generated - req.admitted_cached  # after a retraction, recompute output too
         prefill = self.config.prefill_latency_ms / 1000.0 * max(0, uncached) / 1000.0
         if latency == 0 and prefill == 0:
@@ -262,6 +271,8 @@ class Engine:
                 continue
             if req.generated >= n:
                 return "done"
+            latency = self._step_latency()
+            chunk = max(1, math.ceil(_MIN_SLEEP_S / latency)) if latency > 0 else max(n, 1)
             step = min(chunk, n - req.generated)
             if latency > 0:
                 started = time.perf_counter()

@@ -28,7 +28,7 @@ import pytest
 
 from rollout.processes import RunningProcess, start_sim
 from session_server.engine import sse
-from support.sglang_engine import Engines, assert_engine_clean, loads
+from support.sglang_engine import Engines, assert_engine_clean, loads, paced
 from trajectory import engine_output
 from trajectory.errors import UpstreamError
 
@@ -396,6 +396,18 @@ def admin_and_info_routes(t: Target) -> dict[str, Any]:
     return out
 
 
+@probe
+def slow_down(t: Target) -> dict[str, Any]:
+    """SGLang's test hook that the tier paces engines with (support/sglang_engine.py `paced`): a pace, its lift,
+    and what a malformed body gets. The last probe: it lifts the pace the real engine's observation runs at."""
+    out = {}
+    for name, body in (("pace", {"forward_sleep_time": 0.001}), ("null", {"forward_sleep_time": None}),
+                       ("missing", {}), ("string", {"forward_sleep_time": "x"})):
+        out[name] = reply(t.http.post("/slow_down", json=body))
+    out["lift"] = reply(t.http.post("/slow_down", json={"forward_sleep_time": 0}))
+    return out
+
+
 # -- the test -------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -427,7 +439,10 @@ def differences(real: Any, sim: Any, path: str = "") -> list[str]:
 def test_the_sim_answers_like_real_sglang(engines: Engines, sim: RunningProcess) -> None:
     engine = engines.get("dense")
     checkpoint = engines.checkpoint("qwen3-dense")
-    real = observe(Target(engine.url, checkpoint))
+    # Paced as the sim is (--token-latency-ms 20): the probes that cut a 1500-token reply cut it within a second of
+    # its first tokens, and at this pace it runs at least 30 s on any machine.
+    with paced(engine.url, 0.02):
+        real = observe(Target(engine.url, checkpoint))
     emulated = observe(Target(sim.url, checkpoint))
     diff = differences(real, emulated)
     assert not diff, "\n".join(diff)
