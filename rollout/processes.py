@@ -78,7 +78,8 @@ class RunningProcess:
     """A started child process serving HTTP at `url` (ready on return unless `wait=False`: then `wait_ready()`).
 
     `cpus`: the cores the child may run on (default: this process's). `python_path`: directories put first on the
-    child's PYTHONPATH."""
+    child's PYTHONPATH. `startup_timeout` only turns a hang into a failure: a start takes a second or two on a quiet
+    machine and tens of seconds on a loaded one (a tokenizer load beside an engine's), so the default is generous."""
 
     def __init__(
         self,
@@ -88,7 +89,7 @@ class RunningProcess:
         url: str | None = None,
         health_path: str | None = "/health",
         env: dict[str, str] | None = None,
-        startup_timeout: float = 60.0,
+        startup_timeout: float = 300.0,
         name: str | None = None,
         log_path: Path | None = None,
         log_dir: Path | None = None,
@@ -299,11 +300,11 @@ def start_router(
     wait = options.pop("wait", True)
     proc = RunningProcess(cmd, url=f"http://{LOOPBACK}:{port}", name="sglang-router", wait=False, **options)
     if wait:
-        wait_router(proc, len(worker_urls), options.get("startup_timeout", 60.0))
+        wait_router(proc, len(worker_urls), options.get("startup_timeout", 300.0))
     return proc
 
 
-def wait_router(proc: RunningProcess, workers: int, timeout: float = 60.0, *, path: str = "/get_server_info",
+def wait_router(proc: RunningProcess, workers: int, timeout: float = 300.0, *, path: str = "/get_server_info",
                 count_key: str = "workers_count") -> RunningProcess:
     """Block until the router answers and its `GET path` counts `workers` workers under `count_key`; a failed router
     is stopped."""
@@ -344,7 +345,7 @@ def start_smg(
     wait = options.pop("wait", True)
     proc = RunningProcess(cmd, url=f"http://{LOOPBACK}:{port}", name="smg", wait=False, **options)
     if wait:
-        wait_router(proc, len(worker_urls), options.get("startup_timeout", 60.0), path="/workers", count_key="total")
+        wait_router(proc, len(worker_urls), options.get("startup_timeout", 300.0), path="/workers", count_key="total")
     return proc
 
 

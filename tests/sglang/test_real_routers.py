@@ -101,11 +101,11 @@ def routed(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         metrics = ("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()))
         routers = {
             "sglang-router": start_router(workers, *probe, *metrics, policy="manual",
-                                          log_path=logs / "sglang-router.log", startup_timeout=120),
+                                          log_path=logs / "sglang-router.log", startup_timeout=300),
             "smg": start_smg(workers, *probe, "--policy", "consistent_hashing", log_path=logs / "smg.log",
-                             startup_timeout=120),
+                             startup_timeout=300),
             "smg-rl": start_smg(workers, *probe, "--policy", "manual", "--assignment-mode", "min_load", "--enable-rl",
-                                log_path=logs / "smg-rl.log", startup_timeout=120),
+                                log_path=logs / "smg-rl.log", startup_timeout=300),
         }
         started += routers.values()
         servers = {}
