@@ -136,18 +136,26 @@ def test_helpers_count_by_label_and_watch_reads_at_scrape_time() -> None:
 
 
 def test_loop_lag_ticker_sees_a_blocked_loop() -> None:
+    """Ticks are waited for by their count, not by a sleep: a loaded machine runs the ticker later, never sooner."""
     metrics = Metrics()
+
+    def ticks() -> float:
+        return samples(metrics)[("session_server_event_loop_lag_seconds_count", ())]
+
+    async def until_ticks(n: float) -> None:
+        while ticks() < n:  # noqa: ASYNC110 -- polls a counter; bounded by the wait_for below
+            await asyncio.sleep(0.01)
 
     async def main() -> None:
         ticker = LoopLagTicker(metrics, interval=0.01)
         ticker.start()
-        await asyncio.sleep(0.05)
-        time.sleep(0.2)  # noqa: ASYNC251 -- block the loop on purpose: the ticker wakes up late by about this much
-        await asyncio.sleep(0.05)
+        await until_ticks(1)
+        time.sleep(0.2)  # noqa: ASYNC251 -- block the loop on purpose: the ticker wakes up late by at least this much
+        await until_ticks(3)
         await ticker.stop()
         await ticker.stop()  # idempotent
 
-    asyncio.run(main())
+    asyncio.run(asyncio.wait_for(main(), 60))
     s = samples(metrics)
     assert s[("session_server_event_loop_lag_seconds_count", ())] >= 3
     # The blocked tick landed in a bucket above 0.1 s.

@@ -79,7 +79,7 @@ async def _scenario(family: EngineFamily, ops: list[tuple]) -> None:
         if books["kv_session_tokens"]:
             event("a session held KV")
     engine.resume()
-    await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in requests)), timeout=10)
+    await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in requests)), timeout=60)  # only a hang fails
     if engine.check_books()["kv_session_tokens"]:
         event("a session held KV")
     for sid in sessions:
@@ -103,8 +103,10 @@ def test_random_schedules_keep_the_books(family, ops):
 
 
 def test_prefill_latency_is_paid_only_for_uncached_tokens(family):
+    """A second apart: the cold prefill of 1000 tokens takes at least 1 s (a sleep is never short), the warm one, 2
+    uncached tokens, 2 ms of it plus the event loop's own time, which a loaded machine stretches, but not to 0.5 s."""
     async def scenario() -> tuple[float, float, int]:
-        engine = Engine(EngineConfig(kv_capacity_tokens=10000, prefill_latency_ms=200.0), family)
+        engine = Engine(EngineConfig(kv_capacity_tokens=10000, prefill_latency_ms=1000.0), family)
         prompt = np.arange(1000, 2000, dtype=np.int32)
 
         async def timed(ids: np.ndarray, rid: str) -> tuple[float, int]:
@@ -119,7 +121,7 @@ def test_prefill_latency_is_paid_only_for_uncached_tokens(family):
         return cold, warm, cached
 
     cold, warm, cached = asyncio.run(scenario())
-    assert cached == 1000 and cold >= 0.19 and warm < 0.1
+    assert cached == 1000 and cold >= 0.99 and warm < 0.5
 
 
 def test_appended_turn_drops_a_leading_bos(hf_tokenizers):
