@@ -24,10 +24,12 @@ from support.stack import Stack, StackFactory
 from trajectory import Sample
 
 FAMILY = "qwen3"
-# A reply long enough to still be generating when the test cancels it: 400 tokens at 5 ms each.
-SLOW_REPLY = "[[sim: tokens 400]]"
+# A reply long enough to still be generating when the test cancels it, however slow the machine: 60 s at 5 ms a token
+# (every such episode is cancelled, so it costs nothing; three of them fit the sim's KV at once).
+SLOW_REPLY = "[[sim: tokens 12000]]"
 TOKEN_LATENCY_MS = "5"
-SLOW = AgentConfig(max_tokens=1000)
+SLOW = AgentConfig(max_tokens=12000)
+CUT_WITHIN = 20.0  # seconds for a cancelled episode's engine request to be gone: a third of its reply
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +209,7 @@ def test_cancelled_episode_leaves_no_session(stack: dict, cancels: int) -> None:
             with pytest.raises(asyncio.CancelledError):
                 await episode
             assert client.open_sessions() == {stack["a"]: 0}  # the DELETE completed before the cancel surfaced
-            await asyncio.to_thread(wait_engine_idle, stack["engine"])
+            await asyncio.to_thread(wait_engine_idle, stack["engine"], CUT_WITHIN)
             return client.created
 
     (session_id,) = asyncio.run(main())
