@@ -1,0 +1,204 @@
+"""What every adapter reads off a `trajectory.Sample`, in one place: numpy only, no trainer.
+
+A sample is one segment of one session (rollout.client `SessionClient.collect`): `tokens`, `loss_mask` and
+`rollout_log_probs` all span the whole sequence, the first `len(tokens) - response_length` tokens are the first
+turn's prompt, and the metadata of a merged sample says which weights sampled which tokens
+(`weight_version_spans`, `[version, start, end)` on the sample's positions) and where each generated turn sits
+(`turns`, `[prompt_len, completion_len]` per turn). Each trainer wants some cut of that; the cuts are here so that the
+seven adapters cannot disagree on an offset.
+
+The agent contract every session-driving seam shares is miles' custom agent function: `async def agent(base_url,
+prompt, request_kwargs, metadata) -> float | dict | None` (a reward, a dict of metadata with an optional "reward",
+or nothing), run against one session of our server and followed by a collect of its samples.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rollout.client import SessionClient
+from trajectory import Sample
+
+Agent = Callable[..., Awaitable[Any]]
+
+# SGLang's initial weight_version (server_args.weight_version) before any update names one.
+INITIAL_VERSION = "default"
+# OpenAI chat fields a trainer's sampling params may carry, after renaming SGLang's spellings.
+_REQUEST_KEYS = frozenset({"temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "seed",
+                           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"})
+_RENAMES = {"max_new_tokens": "max_tokens", "sampling_seed": "seed"}
+STOP_REASONS = {"completed": "stop", "truncated": "length", "aborted": "abort"}
+
+
+def prompt_length(sample: Sample) -> int:
+    """Tokens before the response: the first turn's prompt."""
+    return len(sample.tokens) - sample.response_length
+
+
+def response_part(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The response's token ids, loss mask and rollout logprobs (tool output and glue inside it masked 0)."""
+    p = prompt_length(sample)
+    return sample.tokens[p:], sample.loss_mask[p:], sample.rollout_log_probs[p:]
+
+
+def parse_version(version: Any) -> int:
+    """A weight version as an integer step: SGLang's versions are strings; the initial one counts as step 0."""
+    if version == INITIAL_VERSION:
+        return 0
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        raise ValueError(f"weight version {version!r} is not an integer step: pass version_of= to map it") from None
+
+
+def token_weight_versions(sample: Sample) -> list[str | None]:
+    """The version that sampled each token (None where the mask is 0), from the sample's spans.
+
+    A sample without spans (a per-turn sample) has one `weight_version` for all of its sampled tokens. A sampled
+    token that no span covers is an error: the trainer would otherwise file it under the wrong weights.
+    """
+    n = len(sample.tokens)
+    versions: list[str | None] = [None] * n
+    spans = sample.metadata.get("weight_version_spans")
+    if spans is None:
+        spans = [[sample.metadata.get("weight_version", INITIAL_VERSION), 0, n]]
+    sampled = sample.loss_mask.astype(bool)
+    for version, start, end in spans:
+        for i in range(max(0, int(start)), min(n, int(end))):
+            if sampled[i]:
+                versions[i] = str(version)
+    missing = [i for i in np.flatnonzero(sampled).tolist() if versions[i] is None]
+    if missing:
+        raise ValueError(f"sampled tokens {missing[:5]} have no weight version in the sample's spans")
+    return versions
+
+
+def token_versions(sample: Sample, *, fill: int = -1,
+                   version_of: Callable[[str], int] = parse_version) -> np.ndarray:
+    """int64 per token: the integer version that sampled it, `fill` where the mask is 0 (AReaL's -1)."""
+    out = np.full(len(sample.tokens), fill, dtype=np.int64)
+    for i, version in enumerate(token_weight_versions(sample)):
+        if version is not None:
+            out[i] = version_of(version)
+    return out
+
+
+def version_range(sample: Sample, version_of: Callable[[str], int] = parse_version) -> tuple[int | None, int | None]:
+    """The oldest and newest integer version among the sample's sampled tokens (None, None if it has none)."""
+    versions = {version_of(v) for v in token_weight_versions(sample) if v is not None}
+    return (min(versions), max(versions)) if versions else (None, None)
+
+
+def turn_versions(sample: Sample) -> list[str]:
+    """One version per generated turn (the engine call's `weight_version`, as slime and miles record them)."""
+    versions = sample.metadata.get("weight_versions")
+    if versions is not None:
+        return [str(v) for v in versions]
+    return [str(sample.metadata.get("weight_version", INITIAL_VERSION))]
+
+
+def generation_spans(sample: Sample) -> list[tuple[int, int]]:
+    """`(start, end)` of each engine call's kept generation: the runs of mask 1, in order (one per turn)."""
+    mask = np.concatenate([[0], sample.loss_mask.astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(mask))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def routed_experts(sample: Sample, layers: int | None) -> np.ndarray | None:
+    """int32 [len(tokens), layers, top_k] (the engine's shape) or, without `layers`, the flat [len(tokens), k] rows.
+
+    Rows are -1 where the engine reported none: the last token (never fed to the model) and turns without them.
+    """
+    rows = sample.routed_experts
+    if rows is None:
+        return None
+    if layers is None:
+        return rows
+    if layers <= 0 or rows.shape[1] % layers:
+        raise ValueError(f"{rows.shape[1]} routed-expert values per token do not split into {layers} layers")
+    return rows.reshape(len(rows), layers, rows.shape[1] // layers)
+
+
+def fed_routed_experts(sample: Sample, layers: int | None) -> np.ndarray | None:
+    """The rows of the tokens fed to the model (all but the last), as SGLang returns them for a whole sequence:
+    [len(tokens) - 1, layers, top_k]. A fed token without a row is an error (replay would route it nowhere)."""
+    rows = routed_experts(sample, layers)
+    if rows is None:
+        return None
+    fed = rows[: max(0, len(rows) - 1)]
+    missing = np.flatnonzero((fed.reshape(len(fed), -1) < 0).any(axis=1))
+    if missing.size:
+        raise ValueError(f"tokens {missing[:5].tolist()} were fed to the model but have no routed experts")
+    return fed
+
+
+def reward_of(result: Any) -> float | None:
+    """The reward an agent returned: a number, or a dict's "reward"."""
+    if isinstance(result, bool):
+        raise TypeError("an agent's reward must be a number, not a bool")
+    if isinstance(result, (int, float)):
+        return float(result)
+    if isinstance(result, Mapping) and result.get("reward") is not None:
+        return float(result["reward"])
+    return None
+
+
+def request_kwargs(sampling_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A trainer's sampling params as OpenAI chat request fields (SGLang's names renamed, the rest dropped)."""
+    out: dict[str, Any] = {}
+    for key, value in (sampling_params or {}).items():
+        key = _RENAMES.get(key, key)
+        if key in _REQUEST_KEYS and value is not None and key not in out:
+            out[key] = value
+    return out
+
+
+def load_function(path: str | Agent) -> Agent:
+    """`module.sub.function` -> the function (what trainers' `--custom-*-path` flags name); a callable as is."""
+    if callable(path):
+        return path
+    module, _, name = path.rpartition(".")
+    if not module:
+        raise ValueError(f"{path!r} is not a module.function path")
+    fn: Agent = getattr(importlib.import_module(module), name)
+    return fn
+
+
+@dataclass
+class SessionEpisode:
+    """One session run by an agent: its samples (one per segment), the reward and what the agent returned."""
+
+    session_id: str
+    samples: list[Sample]
+    reward: float | None
+    result: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+async def run_session(client: SessionClient, agent: Agent, *, prompt: Any = None,
+                      request: Mapping[str, Any] | None = None, metadata: dict[str, Any] | None = None,
+                      max_seq_len: int | None = None, base_url_suffix: str = "/v1") -> SessionEpisode:
+    """Open a session, run `agent` on its base URL, collect its samples, delete it (on every exit).
+
+    `base_url_suffix`: "/v1" gives the agent the session's OpenAI base URL; "" gives miles' convention (the session
+    root, to which a miles agent function appends /v1 itself).
+    """
+    meta = dict(metadata or {})
+    async with client.session(metadata=meta or None) as sid:
+        base = client.base_url(sid)
+        if not base_url_suffix:
+            base = base.removesuffix("/v1")
+        result = await agent(base_url=base, prompt=prompt, request_kwargs=dict(request or {}), metadata=meta)
+        samples = await client.collect(sid, max_seq_len=max_seq_len)
+    return SessionEpisode(sid, samples, reward_of(result), result,
+                          dict(result) if isinstance(result, Mapping) else {})
+
+
+def require_samples(samples: Sequence[Sample]) -> None:
+    if not samples:
+        raise ValueError("the session has no sample: the agent made no model call")

@@ -1,0 +1,101 @@
+"""slime: our samples as slime `Sample`s, and a custom generate function that runs the episode on our server.
+
+slime's seam is `--custom-generate-function-path`: `async def generate(args, sample, sampling_params,
+evaluation=False) -> Sample | list[Sample]`. Field for field (slime's `slime/utils/types.py`, v0.3.1), each output a
+copy of the input sample (its prompt, label, index, group_index and metadata kept) with:
+
+- `tokens`: the whole sequence; `response_length`: the tokens after the first turn's prompt;
+- `loss_mask` and `rollout_log_probs`: the response part only, slime's convention (`len == response_length`), 0 on
+  tool output and glue;
+- `weight_versions`: one per engine call, as slime's `_apply_meta_info` appends them; the per-token spans stay in
+  `metadata["weight_version_spans"]`;
+- `rollout_routed_experts`: int32 [len(tokens) - 1, layers, top_k] (the tokens fed to the model, the shape slime
+  reshapes SGLang's payload to with `--num-layers` and `--moe-router-topk`);
+- `status`: the input class's `Status` (COMPLETED / TRUNCATED / ABORTED); `reward`: the agent's reward, if any;
+- `rollout_id`: the same on every segment of one session, so slime's loss averages within the rollout once.
+
+`generate` reads its servers from `args.session_servers` (a list of URLs) and the agent from
+`args.custom_agent_function_path` (miles' agent contract); nothing of slime is imported: the output samples are
+copies of the input's own class.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from rollout.adapters._common import (
+    fed_routed_experts,
+    load_function,
+    prompt_length,
+    request_kwargs,
+    run_session,
+    turn_versions,
+)
+from trajectory import Sample
+
+_STATUS = {"completed": "COMPLETED", "truncated": "TRUNCATED", "aborted": "ABORTED"}
+
+
+def to_samples(samples: Sequence[Sample], base: Any, *, reward: Any = None, rollout_id: int | None = None,
+               expert_layers: int | None = None, experts_as: str = "torch", tokenizer: Any = None,
+               metadata: dict[str, Any] | None = None) -> list[Any]:
+    """Copies of slime/miles' input `base` sample, one per segment, filled from our samples.
+
+    `experts_as`: "torch" (slime keeps a tensor) or "numpy" (miles' int32 array). `tokenizer`: decodes `response`
+    for reward models that read text (left as the input's otherwise).
+    """
+    if rollout_id is None:
+        rollout_id = base.rollout_id if base.rollout_id is not None else base.index
+    out = []
+    for sample in samples:
+        p = prompt_length(sample)
+        item = copy.deepcopy(base)
+        item.tokens = sample.tokens.tolist()
+        item.response_length = sample.response_length
+        item.loss_mask = sample.loss_mask[p:].astype(int).tolist()
+        item.rollout_log_probs = sample.rollout_log_probs[p:].astype(float).tolist()
+        item.weight_versions = turn_versions(sample)
+        item.status = getattr(type(base).Status, _STATUS[sample.status])
+        item.reward = reward
+        item.rollout_id = rollout_id
+        item.metadata = {**(base.metadata or {}), **sample.metadata, **(metadata or {})}
+        if tokenizer is not None:
+            item.response = tokenizer.decode(sample.tokens[p:].tolist())
+        if sample.routed_experts is not None:
+            if expert_layers is None:
+                raise ValueError("slime wants routed experts as [tokens, layers, top_k]: pass expert_layers")
+            fed = fed_routed_experts(sample, expert_layers)
+            assert fed is not None
+            if experts_as == "torch":
+                import torch
+
+                item.rollout_routed_experts = torch.from_numpy(fed.copy())
+            else:
+                item.rollout_routed_experts = fed.copy()
+        out.append(item)
+    return out
+
+
+async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], evaluation: bool = False) -> list[Any]:
+    """slime's custom generate function: one session on `args.session_servers` driven by the agent at
+    `args.custom_agent_function_path`; every segment a sample sharing the input's rollout id."""
+    from rollout.client import SessionClient
+
+    agent = load_function(args.custom_agent_function_path)
+    max_seq_len = getattr(args, "max_seq_len", None)
+    async with SessionClient(list(args.session_servers)) as client:
+        episode = await run_session(client, agent, prompt=sample.prompt, request=request_kwargs(sampling_params),
+                                    metadata=dict(sample.metadata or {}), max_seq_len=max_seq_len)
+    if not episode.samples:
+        failed = copy.deepcopy(sample)
+        failed.status = type(sample).Status.ABORTED
+        return [failed]
+    return to_samples(episode.samples, sample, reward=episode.reward,
+                      expert_layers=getattr(args, "num_layers", None) if _has_experts(episode.samples) else None,
+                      metadata=episode.metadata)
+
+
+def _has_experts(samples: Sequence[Sample]) -> bool:
+    return any(s.routed_experts is not None for s in samples)

@@ -1,0 +1,58 @@
+"""The trainer-adapter tier (`make test-trainers`, its own venv .venv-trainers with the trainers' released packages):
+real samples from a real session server in front of sglang-sim (routed experts on: 2 layers x 2 experts per token),
+fed through each adapter into the trainer's own types.
+
+Collected only when TEST_TRAINERS=1 (the make target sets it): the project's venv has no trainer installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import trainer_agents
+
+from rollout.adapters import SessionEpisode, run_session
+from rollout.client import SessionClient
+from support.stack import Stack, StackFactory
+
+if os.environ.get("TEST_TRAINERS") != "1":
+    collect_ignore_glob = ["test_*.py"]
+
+LAYERS, TOP_K = 2, 2
+
+
+@dataclass
+class Episodes:
+    stack: Stack
+    tool: SessionEpisode       # one segment, three turns, two tool results masked, versions 5 and 7
+    compacted: SessionEpisode  # two segments of one session
+
+
+@pytest.fixture(scope="session")
+def trainer_stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    with stack_factory(family="qwen3",
+                       sim_args=["--routed-experts-layers", str(LAYERS), "--routed-experts-top-k", str(TOP_K)],
+                       servers={"server": ["--return-routed-experts"]}) as stack:
+        trainer_agents.ENGINE["url"] = stack.engine
+        yield stack
+
+
+def run(stack: Stack, agent: Any, **kwargs: Any) -> SessionEpisode:
+    async def main() -> SessionEpisode:
+        async with SessionClient(stack.server) as client:
+            return await run_session(client, agent, **kwargs)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="session")
+def episodes(trainer_stack: Stack) -> Episodes:
+    tool = run(trainer_stack, trainer_agents.tool_agent, prompt="fix it")
+    compacted = run(trainer_stack, trainer_agents.compacting_agent)
+    assert len(tool.samples) == 1 and len(compacted.samples) == 2
+    return Episodes(trainer_stack, tool, compacted)

@@ -1,0 +1,51 @@
+"""What every adapter test asserts of the samples themselves and of a prompt/response cut against them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from trajectory import Sample
+
+TOOL_VERSIONS = ("5", "7")  # trainer_agents.tool_agent: turns 1-2 on "5", turn 3 on "7"
+
+
+def sampled_runs(sample: Sample) -> list[tuple[int, int]]:
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], sample.loss_mask.astype(np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def assert_tool_sample(sample: Sample) -> None:
+    """The tool episode is what the adapters are checked on: three generated turns with tool output between them
+    (masked 0), two weight versions, routed experts on every fed token."""
+    runs = sampled_runs(sample)
+    assert len(runs) == 3, runs
+    assert runs[1][0] > runs[0][1] and runs[2][0] > runs[1][1]  # tool output between the turns
+    assert sample.routed_experts is not None and (sample.routed_experts[:-1] >= 0).all()
+    spans = sample.metadata["weight_version_spans"]
+    assert {v for v, _, _ in spans} == set(TOOL_VERSIONS)
+
+
+def assert_split(sample: Sample, prompt: Any, response: Any, mask: Any, logprobs: Any) -> None:
+    """A trainer's prompt / response / mask / logprobs are exactly the sample cut at its first prompt."""
+    p = len(sample.tokens) - sample.response_length
+    assert list(prompt) == sample.tokens[:p].tolist()
+    assert list(response) == sample.tokens[p:].tolist()
+    assert list(prompt) + list(response) == sample.tokens.tolist()
+    assert [int(m) for m in mask] == sample.loss_mask[p:].tolist()
+    assert np.array_equal(np.asarray(logprobs, dtype=np.float32), sample.rollout_log_probs[p:])
+    # tool output inside the response is masked and carries no logprob
+    off = np.asarray(mask) == 0
+    assert off.any() or sample.metadata.get("num_turns") == 1
+    assert np.all(np.asarray(logprobs, dtype=np.float32)[off] == 0.0)
+
+
+def expected_token_versions(sample: Sample) -> list[str | None]:
+    """Per token: the version of the turn whose run holds it (tool_agent: "5", "5", "7"), None off the mask."""
+    out: list[str | None] = [None] * len(sample.tokens)
+    versions = sample.metadata["weight_versions"]
+    for (start, end), version in zip(sampled_runs(sample), versions, strict=True):
+        for i in range(start, end):
+            out[i] = version
+    return out

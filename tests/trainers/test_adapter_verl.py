@@ -1,0 +1,67 @@
+"""rollout.adapters.verl against verl 0.9.1: real samples into verl's own `AgentLoopOutput` (pydantic), its
+`as_dict()` (what verl's TransferQueue worker stores), and `SessionAgentLoop.run` on a live session."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+import trainer_agents
+import verl.experimental.agent_loop.agent_loop as verl_loop
+from conftest import LAYERS, TOP_K, Episodes
+from sample_checks import assert_split, assert_tool_sample, expected_token_versions
+
+from rollout.adapters import verl as adapter
+
+
+def test_tool_episode_field_for_field(episodes: Episodes) -> None:
+    (sample,) = episodes.tool.samples
+    assert_tool_sample(sample)
+    (out,) = adapter.to_agent_loop_outputs(episodes.tool.samples, reward=episodes.tool.reward, rollout_id="r1",
+                                           expert_layers=LAYERS)
+    assert type(out) is verl_loop.AgentLoopOutput
+    assert_split(sample, out.prompt_ids, out.response_ids, out.response_mask, out.response_logprobs)
+    assert out.reward_score == trainer_agents.REWARD and out.num_turns == 3
+    p = len(out.prompt_ids)
+    assert out.extra_fields["weight_versions"] == expected_token_versions(sample)[p:]
+    assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (5, 7)
+    assert out.extra_fields["rollout_id"] == "r1"
+    experts = np.asarray(out.routed_experts)
+    assert experts.shape == (len(sample.tokens), LAYERS, TOP_K)
+    assert np.array_equal(experts[:-1].reshape(len(sample.tokens) - 1, -1), sample.routed_experts[:-1])
+    assert (experts[-1] == 0).all()  # the unreported last row, zero as verl pads it
+
+    # verl's own conversion to the tensors it trains on
+    d = out.as_dict()
+    assert torch.equal(d["prompts"], torch.tensor(sample.tokens[:p].tolist()))
+    assert torch.equal(d["response_mask"], torch.tensor(sample.loss_mask[p:].tolist()))
+    assert torch.allclose(d["rollout_log_probs"], torch.from_numpy(sample.rollout_log_probs[p:]))
+    assert d["routed_experts"].shape == (len(sample.tokens), LAYERS, TOP_K)
+    assert d["rm_scores"][-1] == trainer_agents.REWARD and d["rm_scores"][:-1].abs().sum() == 0
+
+
+def test_compacted_session_is_one_output_per_segment_sharing_the_rollout_id(episodes: Episodes) -> None:
+    samples = episodes.compacted.samples
+    outs = adapter.to_agent_loop_outputs(samples, reward=episodes.compacted.reward, rollout_id="r2",
+                                         expert_layers=LAYERS)
+    assert len(outs) == 2
+    for sample, out in zip(samples, outs, strict=True):
+        assert_split(sample, out.prompt_ids, out.response_ids, out.response_mask, out.response_logprobs)
+        assert out.extra_fields["rollout_id"] == "r2" and out.reward_score == trainer_agents.REWARD
+    assert [o.extra_fields["segment"]["segment"] for o in outs] == [0, 1]
+    assert outs[1].extra_fields["segment"]["parent"] == 0 and outs[1].num_turns == 2
+
+
+def test_session_agent_loop_runs_an_episode(episodes: Episodes) -> None:
+    cls = adapter.SessionAgentLoop
+    assert issubclass(cls, verl_loop.AgentLoopBase)
+    loop = cls(servers=episodes.stack.server, agent="trainer_agents.compacting_agent", expert_layers=LAYERS)
+    outs = asyncio.run(loop.run({"temperature": 1.0, "top_p": 1.0, "logprobs": True}, raw_prompt="fix it"))
+    assert isinstance(outs, list) and len(outs) == 2
+    assert all(type(o) is verl_loop.AgentLoopOutput for o in outs)
+    assert len({o.extra_fields["rollout_id"] for o in outs}) == 1
+    assert all(o.reward_score == trainer_agents.REWARD for o in outs)
+    single = asyncio.run(cls(servers=[episodes.stack.server], agent=trainer_agents.tool_agent).run({}, raw_prompt="x"))
+    assert type(single) is verl_loop.AgentLoopOutput and single.num_turns == 3
+    assert (single.extra_fields["min_global_steps"], single.extra_fields["max_global_steps"]) == (5, 7)
