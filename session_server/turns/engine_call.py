@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
+import msgspec
+
 from session_server.engine.http11 import EngineStream
 from session_server.engine.pacing import stream_interval
 from session_server.engine.sessions import engine_session_gone
@@ -96,6 +98,39 @@ def decode_and_reply(
     out = decode_turn(body, turn.family, turn.rid, turn.request.parse_tool_calls, split, retry_after, turn.plan,
                       before)
     return out, reply(turn, out) if reply is not None else None
+
+
+class _Finish(msgspec.Struct):
+    finish_reason: Any = None
+
+
+class _FinalMeta(msgspec.Struct):
+    meta_info: _Finish | None = None
+
+
+_final_meta = msgspec.json.Decoder(_FinalMeta).decode
+_error_body = msgspec.json.Encoder().encode
+
+
+def refused_in_stream(raw: bytes) -> EngineRefusedError | None:
+    """SGLang's refusal of a streamed request it had accepted (a session that does not exist, a bad value found by
+    the scheduler): a final event, HTTP 200, whose abort carries the `status_code` a plain request is answered with
+    (tokenizer_manager.py `_handle_abort_finish_reason`; a plain one gets that status and `{"error": {"message"}}`).
+    As that refusal, so the two modes treat it alike; None for any other final event (an abort of everything, e.g.
+    a weight update, has no status code)."""
+    if b'"status_code"' not in raw:  # memmem: nearly every final event stops here
+        return None
+    try:
+        meta = _final_meta(raw).meta_info
+    except msgspec.DecodeError:
+        return None  # the strict decode says what is wrong with it
+    finish = meta.finish_reason if meta is not None else None
+    status = finish.get("status_code") if isinstance(finish, dict) else None
+    if (not isinstance(finish, dict) or finish.get("type") != "abort" or not isinstance(status, int)
+            or isinstance(status, bool) or not 400 <= status < 600):
+        return None
+    message = finish.get("message")
+    return EngineRefusedError(status, _error_body({"error": {"message": str(message)}}), "application/json")
 
 
 def _refusal(failed: EngineError) -> EngineRefusedError:
@@ -288,12 +323,14 @@ class EngineCall(Generic[R]):
             self._running = True
             reads = engine.aiter_pieces() if isinstance(engine, EngineStream) else reads_of(engine.aiter_bytes())
             raw = None
+            progressed = False
             try:
                 async for event in engine_events(reads, config.engine_incremental_streaming, listener.logprobs,
                                                  config.stream_coalesce_ms / 1000):
                     if isinstance(event, Final):
                         raw = event.raw
                         break
+                    progressed = True
                     if not self.abandoned:
                         await listener.progress(event)
             except EngineError as failed:
@@ -305,6 +342,9 @@ class EngineCall(Generic[R]):
             raise _Abandoned
         if raw is None:
             raise InvariantError("the engine stream ended without its final event")  # engine_events raises first
+        refused = None if progressed else refused_in_stream(raw)
+        if refused is not None:
+            raise refused
         return await self._decode(raw)
 
     async def _decode(self, body: bytes) -> tuple[TurnOutput, bytes | None]:
