@@ -1,8 +1,13 @@
 """`stream: true` chats as OpenAI writes them: chat.completion.chunk events, then `finish_reason`, a usage chunk with
 empty `choices` when `stream_options.include_usage`, and `[DONE]`; an error after the first byte is an error event.
 
-The streamed turn itself (the engine stream, the deltas, the commit, every failure rule) is turns/stream.py; this
-only formats what it hands over, the same facts a plain reply is built from (protocol.py).
+With token ids asked for (turns/token_ids.py) the first chunk carries `prompt_token_ids`, as vLLM's does, and the
+finishing chunk carries them again with the choice's `token_ids`: every token of the reply at once, as it is
+committed (the chunks before carry none, so a client that joins the chunks' `token_ids` gets the reply's too).
+
+The streamed turn itself is the turn's engine call (turns/engine_call.py: the engine stream, the commit, every
+failure rule) and turns/stream.py (the deltas); this only formats what they hand over, the same facts a plain reply
+is built from (protocol.py).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from session_server.errors import SessionPausedError
 from session_server.openai.logprobs import openai_logprobs
 from session_server.openai.protocol import ChatRequest, finish_reason, system_fingerprint, usage
 from session_server.turns.output import TurnOutput
+from session_server.turns.token_ids import turn_tokens
 from session_server.turns.turn import NewTokens, Turn
 from trajectory.errors import SessionError
 
@@ -35,13 +41,19 @@ class ChatStream:
         self.id = f"chatcmpl-{turn.rid}"
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
-               fingerprint: str | None = None) -> bytes:
+               fingerprint: str | None = None, prompt_ids: list[int] | None = None,
+               token_ids: list[int] | None = None) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         chunk: dict[str, Any] = {
             "id": self.id, "object": "chat.completion.chunk", "created": self.turn.created, "model": self.turn.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [choice],
         }
         if fingerprint is not None:
             chunk["system_fingerprint"] = fingerprint
+        if prompt_ids is not None:
+            chunk["prompt_token_ids"] = prompt_ids
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return _event(chunk)
 
     def _logprobs(self, tokens: NewTokens | None) -> Any:
@@ -51,7 +63,9 @@ class ChatStream:
                                self.options.top_logprobs)
 
     def start(self) -> list[bytes]:
-        return [self._chunk({"role": "assistant", "content": ""})]
+        # The prompt is known before the engine answers: vLLM's first chunk carries it.
+        prompt = self.turn.plan.prompt_ids.tolist() if self.turn.return_token_ids else None
+        return [self._chunk({"role": "assistant", "content": ""}, prompt_ids=prompt)]
 
     def delta(self, delta: dict[str, Any] | None, tokens: NewTokens | None) -> list[bytes]:
         return [self._chunk(delta or {}, logprobs=self._logprobs(tokens))]
@@ -64,8 +78,11 @@ class ChatStream:
         if rest is not None:
             events.append(self._chunk(rest, logprobs=logprobs, fingerprint=fingerprint))
             logprobs = None
+        ids = turn_tokens(self.turn.return_token_ids, self.turn.plan, out)
         events.append(self._chunk({}, finish=finish_reason(result, out.message), logprobs=logprobs,
-                                  fingerprint=fingerprint))
+                                  fingerprint=fingerprint,
+                                  prompt_ids=None if ids is None else ids.prompt_token_ids,
+                                  token_ids=None if ids is None else ids.token_ids))
         if self.options.include_usage:
             events.append(_event({"id": self.id, "object": "chat.completion.chunk", "created": self.turn.created,
                                   "model": self.turn.model, "system_fingerprint": fingerprint, "choices": [],

@@ -174,9 +174,10 @@ class EngineCall(Generic[R]):
         """Seconds left of the turn's --request-timeout, counted from the claim: the total the client waits."""
         return self.claim.started + self.server.config.request_timeout - time.monotonic()
 
-    def _timed_out(self, what: str) -> SessionError:
+    def _timed_out(self, what: str, then: str) -> SessionError:
+        """The turn's deadline passed (one text for every mode and stage: `what` did not happen, `then` followed)."""
         return tag_abort(EngineTimeoutError(
-            f"{what} within the request timeout ({self.server.config.request_timeout:g}s); request aborted"),
+            f"{what} within the request timeout ({self.server.config.request_timeout:g}s); {then}"),
             AbortReason.TIMEOUT)
 
     async def open(self) -> None:
@@ -186,7 +187,7 @@ class EngineCall(Generic[R]):
         drains = self.server.drains
         if drains is not None and drains.pending(self.claim.lane) is not None:
             if not await drains.settle(self.claim.lane, self.remaining()):
-                raise self._timed_out("the session's previous engine request did not end")
+                raise self._timed_out("the session's previous engine request did not end", "nothing was sent")
             self.claim.raise_if_aborted()
         await self._open_session()
         self.payload = await self._encode()
@@ -281,7 +282,7 @@ class EngineCall(Generic[R]):
             err = self.claim.abort_error()
             assert err is not None  # the race ends ABORTED only once the claim has a reason
             raise err
-        raise self._timed_out("the engine did not finish")
+        raise self._timed_out("the engine did not finish", "request aborted")
 
     def _abandon(self, work: asyncio.Future[Any]) -> None:
         """Abort by rid and let the engine end the request in the background (engine/drains.py)."""

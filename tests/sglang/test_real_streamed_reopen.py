@@ -1,0 +1,115 @@
+"""A streamed turn on a lost engine session, against released SGLang 0.5.23 (issue 31): reopened, as a plain one is.
+
+With `--engine-sessions` an engine that restarted between two turns no longer has the trajectory's streaming
+session. A plain request naming it gets SGLang's 400 "session id ... does not exist" and the server reopens the
+session and resends the whole prompt. A streamed one gets the same refusal as a final event, HTTP 200 with an abort
+that carries `status_code: 400` (tokenizer_manager.py `_handle_abort_finish_reason`): before the one engine call
+(session_server/turns/engine_call.py) the streamed turn failed there with 502 -- what Codex CLI and Claude Code, which
+stream every turn, would have met. Here the engine restarts between two turns and the next one streams; and, without
+the cost of a restart, the engine session is closed behind the server's back (what a restart loses) before a
+streamed turn of each API.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from support.server import metric, new_session
+from support.sglang_engine import Engines, Served, ServeFactory, assert_engine_clean
+
+REOPENS = "session_server_engine_session_reopens_total"
+FIRST = "Hello there."
+SECOND = "Tell me more."
+PATHS = {"chat": "chat/completions", "responses": "responses", "messages": "messages"}
+
+
+@pytest.fixture(scope="module")
+def served(serve: ServeFactory) -> Iterator[Served]:
+    with serve("dense", "--engine-sessions") as s:
+        yield s
+
+
+def _body(api: str, stream: bool, before: dict[str, Any] | None) -> dict[str, Any]:
+    """The first turn (`before` None) or the second, continuing the first's reply as the API returned it."""
+    sampling = {"temperature": 0, "stream": stream}
+    if api == "chat":
+        history = [] if before is None else [{"role": "user", "content": FIRST}, before["choices"][0]["message"]]
+        return {"messages": [*history, {"role": "user", "content": SECOND if before else FIRST}], "max_tokens": 6,
+                **sampling}
+    if api == "responses":
+        chained = {} if before is None else {"previous_response_id": before["id"]}
+        return {"model": "m", "input": SECOND if before else FIRST, "max_output_tokens": 6, **chained, **sampling}
+    history = [] if before is None else [{"role": "user", "content": FIRST},
+                                         {"role": "assistant", "content": before["content"]}]
+    return {"model": "m", "messages": [*history, {"role": "user", "content": SECOND if before else FIRST}],
+            "max_tokens": 6, **sampling}
+
+
+def _streamed_ok(api: str, body: bytes) -> None:
+    """The stream ended as a whole reply: no error event, and the API's closing event."""
+    events = [json.loads(line[5:]) for line in body.split(b"\n") if line.startswith(b"data:")
+              and line[5:].strip() != b"[DONE]"]
+    if api == "chat":
+        assert not [e for e in events if "error" in e], events
+        assert events[-1]["choices"][0]["finish_reason"] is not None, events[-1]
+    elif api == "responses":
+        assert events[-1]["type"] == "response.completed", events[-1]
+    else:
+        assert events[-1]["type"] == "message_stop", events[-1]
+
+
+def _turn(served: Served, sid: str, api: str, stream: bool, before: dict[str, Any] | None) -> dict[str, Any] | None:
+    url = f"{served.server}/sessions/{sid}/v1/{PATHS[api]}"
+    with httpx.stream("POST", url, json=_body(api, stream, before), timeout=300) as r:
+        body = r.read()
+    assert r.status_code == 200, body
+    if stream:
+        _streamed_ok(api, body)
+        return None
+    return json.loads(body)
+
+
+def _records(served: Served, sid: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{served.server}/sessions/{sid}", timeout=10).json()["records"]
+
+
+def _second_turn_reopens(served: Served, sid: str, api: str, first: dict[str, Any]) -> None:
+    reopens = metric(served.server, REOPENS, 0.0)
+    served.proxy.clear()
+    _turn(served, sid, api, True, first)
+    assert metric(served.server, REOPENS, 0.0) == reopens + 1
+    generates = [c for c in served.proxy.settled() if c["path"] == "/generate"]
+    assert len(generates) == 2 and all(g["request"]["stream"] for g in generates)
+    refused, resent = generates
+    assert len(resent["request"]["input_ids"]) > len(refused["request"]["input_ids"])  # the whole prompt again
+    records = _records(served, sid)
+    assert len(records) == 2 and records[1]["prompt_len"] > records[0]["prompt_len"]
+    assert httpx.delete(f"{served.server}/sessions/{sid}", timeout=30).status_code == 204
+
+
+@pytest.mark.parametrize("api", sorted(PATHS))
+def test_a_streamed_turn_reopens_an_engine_session_closed_behind_the_servers_back(served: Served, api: str) -> None:
+    sid = new_session(served.server)
+    served.proxy.clear()
+    first = _turn(served, sid, api, False, None)
+    assert first is not None
+    (opened,) = [c for c in served.proxy.settled() if c["path"] == "/open_session"]
+    closed = httpx.post(f"{served.engine}/close_session", json={"session_id": opened["response"]}, timeout=30)
+    assert closed.status_code == 200, closed.text
+    _second_turn_reopens(served, sid, api, first)
+    assert_engine_clean(served.engine)
+
+
+def test_a_streamed_turn_after_an_engine_restart_reopens_its_engine_session(served: Served, engines: Engines) -> None:
+    sid = new_session(served.server)
+    first = _turn(served, sid, "chat", False, None)
+    assert first is not None
+    engine = engines.get("dense")
+    engines.start("dense", port=engine.port)  # back where the server and its proxy expect it, with no sessions
+    _second_turn_reopens(served, sid, "chat", first)
+    assert_engine_clean(served.engine)
