@@ -95,8 +95,9 @@ def test_abort_behind_router_closes_the_connection_and_frees_kv_at_once(stack: R
 
     deleted, chat_status, freed_after = asyncio.run(main())
     assert (deleted, chat_status) == (204, 404)
-    # The router answered /abort_request 404; waiting the 5 s grace would hold the worker's KV that long.
-    assert freed_after < 2.5, freed_after
+    # The router answered /abort_request 404; waiting the 5 s grace would hold the worker's KV that long (at least: a
+    # timer never fires early), while closing at once frees it in well under a second, even on a loaded machine.
+    assert freed_after < 4.0, freed_after
     assert any("abort of rid" in line for line in stack.server_proc.output), stack.server_proc.tail()
     for sim in stack.sims:
         assert_engine_baseline(sim)
