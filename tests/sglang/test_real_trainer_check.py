@@ -230,9 +230,10 @@ def test_each_turn_recomputes_with_the_weights_of_its_version(served: Served, en
     delete(served, sid)
 
 
-async def _story_with_update_inside(served: Served, sid: str, second: str) -> None:
-    """A long streamed reply; once its first tokens arrive, the server pauses in place, the engine loads `second`
-    as version step-2, and generation continues in the same request."""
+async def _story_with_update_inside(served: Served, sid: str, second: str, *, in_place: bool) -> None:
+    """A long streamed reply; once its first tokens arrive, the engine loads `second` as version step-2: either with
+    the server paused in place (generation continues in the same request), or aborting the running request with the
+    radix cache flushed (the server resubmits prompt + the tokens so far, prefilled anew under step-2)."""
     body = {"messages": [{"role": "user", "content": "Write a long story."}], "temperature": 0, "max_tokens": 400,
             "stream": True}
     async with httpx.AsyncClient(timeout=600) as http, http.stream("POST", chat_url(served.server, sid),
@@ -242,14 +243,19 @@ async def _story_with_update_inside(served: Served, sid: str, second: str) -> No
         async for line in lines:
             if line.startswith("data:") and '"content"' in line:
                 break
-        paused = await http.post(f"{served.server}/admin/pause", json={"mode": "in_place"})
-        assert paused.status_code == 200, paused.text
-        try:
-            await asyncio.to_thread(update_weights, served.engine, second, "step-2", False)
-        finally:
-            assert (await http.post(f"{served.server}/admin/continue")).status_code == 200
-        async for _ in lines:
-            pass
+        if in_place:
+            paused = await http.post(f"{served.server}/admin/pause", json={"mode": "in_place"})
+            assert paused.status_code == 200, paused.text
+            try:
+                await asyncio.to_thread(update_weights, served.engine, second, "step-2", False)
+            finally:
+                assert (await http.post(f"{served.server}/admin/continue")).status_code == 200
+        else:
+            r = await http.post(f"{served.engine}/update_weights_from_disk", timeout=300, json={
+                "model_path": second, "weight_version": "step-2", "flush_cache": True, "abort_all_requests": True})
+            assert r.status_code == 200 and r.json()["success"], r.text
+        async for line in lines:
+            assert '"error"' not in line, line
 
 
 def test_an_update_inside_a_request_leaves_tokens_no_single_weights_reproduce(
@@ -258,7 +264,7 @@ def test_an_update_inside_a_request_leaves_tokens_no_single_weights_reproduce(
     tokens it samples after the update are of neither checkpoint alone. The tokens before the switch recompute
     exactly with their version; after it, the check reports the gap, the update's tokens at the top of the list."""
     sid = new_session(served.server)
-    asyncio.run(_story_with_update_inside(served, sid, str(engines.checkpoint("qwen3-dense-b"))))
+    asyncio.run(_story_with_update_inside(served, sid, str(engines.checkpoint("qwen3-dense-b")), in_place=True))
     (merged,) = samples(served, sid)
     spans = merged.metadata["weight_version_spans"]
     assert [v for v, _, _ in spans] == ["default", "step-2"]
@@ -270,6 +276,19 @@ def test_an_update_inside_a_request_leaves_tokens_no_single_weights_reproduce(
     assert before.max() <= ATOL, before.max()
     assert after.max() > 100 * ATOL, after.max()
     assert {w.weight_version for w in report.worst} == {"step-2"}
+    delete(served, sid)
+
+
+def test_an_update_that_aborts_and_flushes_keeps_every_token_exact(
+        served: Served, engines: Engines, weights: dict[str, torch.nn.Module]) -> None:
+    """The other way to push weights under a running reply: `abort_all_requests` with `flush_cache`. The server
+    resubmits prompt + the tokens sampled so far, and the engine prefills them anew under step-2 (nothing of the old
+    KV survives the flush), so every token of the reply recomputes exactly with the weights of its own version."""
+    sid = new_session(served.server)
+    asyncio.run(_story_with_update_inside(served, sid, str(engines.checkpoint("qwen3-dense-b")), in_place=False))
+    (merged,) = samples(served, sid)
+    assert [v for v, _, _ in merged.metadata["weight_version_spans"]][-2:] == ["default", "step-2"]
+    assert_exact(check_logprobs([merged], weights.__getitem__, temperature=0), sampled([merged]))
     delete(served, sid)
 
 
