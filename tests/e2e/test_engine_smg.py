@@ -148,7 +148,8 @@ def test_abort_closes_the_connection_and_the_worker_frees_its_kv(stack: SmgStack
 
     deleted, chat_status, freed_after = asyncio.run(main())
     assert (deleted, chat_status) == (204, 404)
-    assert freed_after < 2.5, freed_after  # not the 5 s abort grace: smg passed the disconnect on
+    # not the 5 s abort grace (at least 5 s: a timer never fires early): smg passed the disconnect on
+    assert freed_after < 4.0, freed_after
     for sim in stack.sims:
         assert_engine_baseline(sim)
 
@@ -185,7 +186,7 @@ def test_engine_control_paths_are_404_but_the_rl_fan_out_reaches_every_worker(st
     r = httpx.post(f"{stack.rl.url}/v1/rl/workers/{target['id']}/engine/close_session", json={"session_id": "one"},
                    timeout=10)
     assert r.status_code == 200, r.text
-    wait_for(lambda: all(engine_info(s)["open_sessions"] == 0 for s in stack.sims), 5)
+    wait_for(lambda: all(engine_info(s)["open_sessions"] == 0 for s in stack.sims), 60)
 
 
 def test_the_b64_shape_through_smg_is_the_engines(stack: SmgStack) -> None:
@@ -232,7 +233,7 @@ def test_behind_smg_rl_engine_sessions_aborts_and_pause_go_through_the_fan_out(s
             return deleted.status_code, (await chat).status_code
 
     assert asyncio.run(abort()) == (204, 404)
-    wait_for(lambda: not running() and _open_sessions(stack.sims) == [0, 0], 20)
+    wait_for(lambda: not running() and _open_sessions(stack.sims) == [0, 0], 60)
     assert not any("abort of rid" in line for line in server.output), server.tail()  # acknowledged, not 404
     assert httpx.post(f"{server.url}/admin/pause", json={"mode": "in_place"}, timeout=10).status_code == 200
     assert all(engine_info(s)["paused"] for s in stack.sims)

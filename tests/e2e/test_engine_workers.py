@@ -97,7 +97,7 @@ def test_abort_goes_to_the_worker_running_the_request(two: Fleet) -> None:
 
     deleted, status, took = asyncio.run(main())
     assert (deleted, status) == (204, 404)
-    assert took < 2.5, took  # acknowledged by the engine, not dropped after the 5 s grace
+    assert took < 4.0, took  # acknowledged by the engine, not dropped after the 5 s grace (a timer never fires early)
     aborted = [engine_info(u)["aborted_requests"] - a for u, a in zip(two.urls, aborted0, strict=True)]
     assert sorted(aborted) == [0, 1], aborted
     for url in two.urls:
@@ -138,7 +138,7 @@ def test_a_dead_worker_s_sessions_move_on_their_next_turn(fleet_factory: FleetFa
         survivor, victim = f.sims
         victim.proc.kill()
         victim.proc.wait(10)
-        wait_for(lambda: httpx.get(f"{f.server}/ready", timeout=10).json()["status"] == "degraded", 10)
+        wait_for(lambda: httpx.get(f"{f.server}/ready", timeout=10).json()["status"] == "degraded", 60)
         ready = httpx.get(f"{f.server}/ready", timeout=10)
         assert ready.status_code == 200  # one worker left: still serving
         assert [e["healthy"] for e in ready.json()["engines"]] == [True, False]
