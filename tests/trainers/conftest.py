@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import trainer_agents
+from sample_checks import Episodes
+from trainer_agents import LAYERS, TOP_K
 
 from rollout.adapters import SessionEpisode, run_session
 from rollout.client import SessionClient
@@ -22,15 +23,10 @@ from support.stack import Stack, StackFactory
 
 if os.environ.get("TEST_TRAINERS") != "1":
     collect_ignore_glob = ["test_*.py"]
+else:
+    import skyrl_seam
 
-LAYERS, TOP_K = 2, 2
-
-
-@dataclass
-class Episodes:
-    stack: Stack
-    tool: SessionEpisode       # one segment, three turns, two tool results masked, versions 5 and 7
-    compacted: SessionEpisode  # two segments of one session
+    skyrl_seam.load()
 
 
 @pytest.fixture(scope="session")

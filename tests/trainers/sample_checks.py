@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from rollout.adapters import SessionEpisode
+from support.stack import Stack
 from trajectory import Sample
 
 TOOL_VERSIONS = ("5", "7")  # trainer_agents.tool_agent: turns 1-2 on "5", turn 3 on "7"
+
+
+@dataclass
+class Episodes:
+    """The session-scoped real episodes every adapter test converts (tests/trainers/conftest.py)."""
+
+    stack: Stack
+    tool: SessionEpisode       # one segment, three turns, two tool results masked, versions 5 and 7
+    compacted: SessionEpisode  # two segments of one session
 
 
 def sampled_runs(sample: Sample) -> list[tuple[int, int]]:

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 import trainer_agents
 import verl.experimental.agent_loop.agent_loop as verl_loop
-from conftest import LAYERS, TOP_K, Episodes
-from sample_checks import assert_split, assert_tool_sample, expected_token_versions
+from sample_checks import Episodes, assert_split, assert_tool_sample, expected_token_versions
+from trainer_agents import LAYERS, TOP_K
 
 from rollout.adapters import verl as adapter
 

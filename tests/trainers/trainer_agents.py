@@ -16,6 +16,7 @@ import openai
 
 from sglang_sim.directives import reply, tokens, tool_call
 
+LAYERS, TOP_K = 2, 2  # the sim's routed experts per token
 ENGINE: dict[str, str] = {}  # "url": the sim, set by the tests' stack fixture
 REWARD = 0.75
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
