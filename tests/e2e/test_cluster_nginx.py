@@ -157,7 +157,8 @@ def test_a_reload_loses_no_chat_in_flight(cluster: LocalCluster, fleet: Fleet) -
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as http:
             def post(e: Episode, stream: bool) -> Any:
-                body = {"messages": [{"role": "user", "content": f"long {tokens(400)}"}], "stream": stream}
+                # 5 s at the engine: all four are running there at once, however slowly they arrive
+                body = {"messages": [{"role": "user", "content": f"long {tokens(2500)}"}], "stream": stream}
                 return http.post(chat_url(cluster.url, e.sid), json=body)
 
             chats = [asyncio.ensure_future(post(e, stream=i % 2 == 1)) for i, e in enumerate(episodes)]

@@ -104,7 +104,7 @@ def test_every_engine_request_passes_sglangs_own_schema(stack: Stack, mode: str)
     # The disconnect's abort (and the engine session's close after it) go out in the background
     # (session_server/engine/drains.py), possibly after the episode has returned: wait for them, then check.
     proxy = stack.proxy
-    wait_for(lambda: expected <= {c["path"] for c in proxy.calls}, timeout=10)
+    wait_for(lambda: expected <= {c["path"] for c in proxy.calls}, timeout=60)
     calls = [c for c in stack.proxy.calls if c["path"] in SCHEMAS]
     seen = {c["path"] for c in calls}
     assert {"/generate", "/abort_request"} <= seen

@@ -27,8 +27,12 @@ from trajectory import samples_from_json
 
 FAMILY = "qwen3"
 TOKEN_MS = 10
-LONG = 200  # tokens: 2 s at the engine
+LONG = 200  # tokens: 2 s at the engine; cut once after 20, it leaves 1.8 s for the one call that cuts it
 CHAT = {"messages": [{"role": "user", "content": f"go on [[sim: tokens {LONG}]]"}]}
+# Cut twice: the second cut needs 20 tokens of the continuation and a call, after however long the first cut took on
+# a loaded machine (every token emitted meanwhile comes off the continuation): 5 s at the engine leaves seconds.
+LONG_TWICE = 500
+CHAT_TWICE = {"messages": [{"role": "user", "content": f"go on and on [[sim: tokens {LONG_TWICE}]]"}]}
 CONTINUED = 'session_server_turn_continuations_total{result="continued"}'
 
 
@@ -198,7 +202,7 @@ def test_a_streamed_reply_simply_goes_on(stack: Stack, versions: None) -> None:
 def test_several_continuations_keep_every_weight_version(stack: Stack, versions: None, stream: bool) -> None:
     server = stack.server
     before = _continued(server)
-    resp = _cut(stack, server, ["step-2", "step-3"], {**CHAT, "stream": stream})
+    resp = _cut(stack, server, ["step-2", "step-3"], {**CHAT_TWICE, "stream": stream})
     assert resp.status_code == 200, resp.text
     assert _continued(server) == before + 2
     sample = _sample(server, resp.extensions["sid"])
@@ -206,7 +210,7 @@ def test_several_continuations_keep_every_weight_version(stack: Stack, versions:
     assert [v for v, _, _ in spans] == ["default", "step-2", "step-3"], spans
     assert spans[0][1] == len(sample.tokens) - sample.response_length and spans[-1][2] == len(sample.tokens)
     assert all(a[2] == b[1] for a, b in itertools.pairwise(spans))
-    _, whole_sample = _uninterrupted(stack, CHAT)
+    _, whole_sample = _uninterrupted(stack, CHAT_TWICE)
     assert sample.tokens.tolist() == whole_sample.tokens.tolist()
     assert httpx.delete(f"{server}/sessions/{resp.extensions['sid']}").status_code == 204
     assert_engine_baseline(stack.engine)
@@ -216,7 +220,7 @@ def test_several_continuations_keep_every_weight_version(stack: Stack, versions:
 def test_past_the_bound_the_turn_is_a_503_and_commits_nothing(stack: Stack, versions: None, stream: bool) -> None:
     server = stack["bounded"]
     limit = metric(server, 'session_server_turn_continuations_total{result="limit"}', default=0.0)
-    resp = _cut(stack, server, ["step-2", "step-3"], {**CHAT, "stream": stream})
+    resp = _cut(stack, server, ["step-2", "step-3"], {**CHAT_TWICE, "stream": stream})
     sid = resp.extensions["sid"]
     if stream:  # the reply had begun: it ends with an error event
         assert resp.status_code == 200
@@ -225,7 +229,7 @@ def test_past_the_bound_the_turn_is_a_503_and_commits_nothing(stack: Stack, vers
         assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
     assert metric(server, 'session_server_turn_continuations_total{result="limit"}') == limit + 1
     assert httpx.get(f"{server}/sessions/{sid}", timeout=10).json()["records"] == []
-    again = httpx.post(chat_url(server, sid), json=CHAT, timeout=60)  # the same turn, retried
+    again = httpx.post(chat_url(server, sid), json=CHAT_TWICE, timeout=60)  # the same turn, retried
     assert again.status_code == 200, again.text
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
     assert_engine_baseline(stack.engine)
