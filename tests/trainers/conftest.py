@@ -7,18 +7,14 @@ Collected only when TEST_TRAINERS=1 (the make target sets it): the project's ven
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import trainer_agents
-from sample_checks import Episodes
+from sample_checks import Episodes, run_episode
 from trainer_agents import LAYERS, TOP_K
 
-from rollout.adapters import SessionEpisode, run_session
-from rollout.client import SessionClient
 from support.stack import Stack, StackFactory
 
 if os.environ.get("TEST_TRAINERS") != "1":
@@ -38,17 +34,9 @@ def trainer_stack(stack_factory: StackFactory) -> Iterator[Stack]:
         yield stack
 
 
-def run(stack: Stack, agent: Any, **kwargs: Any) -> SessionEpisode:
-    async def main() -> SessionEpisode:
-        async with SessionClient(stack.server) as client:
-            return await run_session(client, agent, **kwargs)
-
-    return asyncio.run(main())
-
-
 @pytest.fixture(scope="session")
 def episodes(trainer_stack: Stack) -> Episodes:
-    tool = run(trainer_stack, trainer_agents.tool_agent, prompt="fix it")
-    compacted = run(trainer_stack, trainer_agents.compacting_agent)
+    tool = run_episode(trainer_stack, trainer_agents.tool_agent, prompt="fix it")
+    compacted = run_episode(trainer_stack, trainer_agents.compacting_agent)
     assert len(tool.samples) == 1 and len(compacted.samples) == 2
     return Episodes(trainer_stack, tool, compacted)

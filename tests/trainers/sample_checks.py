@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from rollout.adapters import SessionEpisode
+from rollout.adapters import SessionEpisode, run_session
+from rollout.client import SessionClient
 from support.stack import Stack
 from trajectory import Sample
 
@@ -61,3 +63,12 @@ def expected_token_versions(sample: Sample) -> list[str | None]:
         for i in range(start, end):
             out[i] = version
     return out
+
+
+def run_episode(stack: Stack, agent: Any, **kwargs: Any) -> SessionEpisode:
+    """One session of `agent` on the stack's server, its samples collected (rollout.adapters.run_session)."""
+    async def main() -> SessionEpisode:
+        async with SessionClient(stack.server) as client:
+            return await run_session(client, agent, **kwargs)
+
+    return asyncio.run(main())

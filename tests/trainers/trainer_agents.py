@@ -77,7 +77,7 @@ async def compacting_agent(base_url: str, prompt: Any, request_kwargs: dict[str,
         else:
             messages.append({"role": "user", "content": f"go on {tokens(4)}"})
     await client.close()
-    return {"reward": REWARD, "turns": 5}
+    return {"reward": REWARD, "agent_turns": 5}
 
 
 async def responses_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
