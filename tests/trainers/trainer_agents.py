@@ -99,3 +99,18 @@ async def responses_agent(base_url: str, prompt: Any, request_kwargs: dict[str, 
     OUTPUTS[base_url] = outputs
     await client.close()
     return REWARD
+
+
+async def short_tool_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
+                           metadata: dict[str, Any]) -> float:
+    """Two turns: a tool call whose result is fed back, then a reply (TRL's rows; no version change of its own)."""
+    client = _sdk(base_url)
+    text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    messages: list[Any] = [SYSTEM, {"role": "user", "content": f"{text} {tool_call('run', cmd='ls')}"}]
+    completion = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, **request_kwargs)
+    message = completion.choices[0].message
+    assert message.tool_calls
+    messages += [message.model_dump(exclude_none=True), _tool_result(1, message.tool_calls[0].id)]
+    await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, **request_kwargs)
+    await client.close()
+    return REWARD
