@@ -109,7 +109,8 @@ def clipped_pg_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
 
 def sampled_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                       attention_mask: torch.Tensor | None = None, *, temperature: float = 1.0,
-                      alphabet: torch.Tensor | None = None) -> torch.Tensor:
+                      alphabet: torch.Tensor | None = None, alphabet_rows: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """[B, L] logprobs of each token where `loss_mask` is 1 (0.0 elsewhere) under a transformers causal LM, with the
     output head applied only at the positions that predict a sampled token (a [positions, vocab] block instead of
     [B, L, vocab]: a 151k vocabulary makes the full one gigabytes).
@@ -117,30 +118,42 @@ def sampled_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask
     `alphabet`: the only output rows that are not all zero (a policy trained on a restricted alphabet keeps every
     other row of its tied embedding at exactly 0, so each of those tokens has logit exactly 0): the logsumexp is then
     taken over the alphabet's logits plus log(vocab - len(alphabet)) for the rest, the same number as the full
-    softmax at a fraction of its cost. Every scored token must be in it."""
+    softmax at a fraction of its cost (a token outside it scores its logit 0). `alphabet_rows` ([len(alphabet), hidden],
+    e.g. a trainable copy of those rows) stands for the model's own rows of a tied embedding, on the input side too
+    (every other token embeds to the zero vector, as its zero row says)."""
     body = getattr(model, "model", None)
     head = model.get_output_embeddings()
     if body is None or head is None:
         raise TypeError("need a transformers causal LM (a .model body and an output embedding)")
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    weight = head.weight
+    vocab = weight.shape[0]
+    index = None
+    if alphabet is not None:
+        index = torch.full((vocab,), -1, dtype=torch.long)
+        index[alphabet] = torch.arange(len(alphabet))
+    if alphabet_rows is not None:
+        if index is None or alphabet_rows.shape[0] != len(index[index >= 0]):
+            raise ValueError("alphabet_rows needs the alphabet, one row per token")
+        local_ids = index[input_ids]
+        embeds = alphabet_rows[local_ids.clamp(min=0)] * (local_ids >= 0).unsqueeze(-1).to(alphabet_rows.dtype)
+        hidden = body(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
+    else:
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     rows, cols = torch.nonzero(loss_mask[:, 1:], as_tuple=True)
     states = hidden[rows, cols]  # the state at t-1 predicts the token at t
     targets = input_ids[rows, cols + 1]
-    weight = head.weight
-    vocab = weight.shape[0]
     scale = temperature if temperature > 0 else 1.0
-    if alphabet is None:
+    if index is None or alphabet is None:
         logits = (states @ weight.T).float() / scale
         picked = logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     else:
-        index = torch.full((vocab,), -1, dtype=torch.long)
-        index[alphabet] = torch.arange(len(alphabet))
         local = index[targets]
-        if bool((local < 0).any()):
-            raise ValueError("a scored token is outside the alphabet")
-        logits = (states @ weight[alphabet].T).float() / scale
+        out_rows = weight[alphabet] if alphabet_rows is None else alphabet_rows
+        logits = (states @ out_rows.T).float() / scale
         rest = torch.full((len(logits), 1), math.log(vocab - len(alphabet)), dtype=logits.dtype)
-        picked = logits.gather(-1, local[:, None])[:, 0] - torch.logsumexp(torch.cat([logits, rest], -1), dim=-1)
+        # A token outside the alphabet has logit exactly 0 (its row is zero).
+        target_logit = torch.where(local >= 0, logits.gather(-1, local.clamp(min=0)[:, None])[:, 0], 0.0)
+        picked = target_logit - torch.logsumexp(torch.cat([logits, rest], -1), dim=-1)
     out = torch.zeros(loss_mask.shape, dtype=picked.dtype)
     out[rows, cols + 1] = picked
     return out

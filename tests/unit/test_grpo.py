@@ -132,8 +132,17 @@ def test_the_alphabet_shortcut_equals_the_full_softmax_when_other_rows_are_zero(
         got = sampled_log_probs(model, ids, mask, alphabet=alphabet)
         full = _full_log_probs(model, ids)
     torch.testing.assert_close(got[:, 1:][mask[:, 1:] > 0], full[mask[:, 1:] > 0], atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="outside the alphabet"):
-        sampled_log_probs(model, torch.tensor([[3, 5]]), torch.tensor([[0.0, 1.0]]), alphabet=alphabet)
+    # Tokens outside the alphabet (zero rows: zero embeddings, logit 0) score as in the full softmax too, inputs
+    # and targets alike; so does a trainable copy of the alphabet's rows standing for them.
+    ids = torch.tensor([[3, 5, 7, 90, 8, 0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    rows = model.get_output_embeddings().weight[alphabet].detach().clone().requires_grad_(True)
+    got = sampled_log_probs(model, ids, mask, alphabet=alphabet, alphabet_rows=rows)
+    with torch.no_grad():
+        full = _full_log_probs(model, ids)
+    torch.testing.assert_close(got[0, 1:].detach(), full[0], atol=1e-5, rtol=0)
+    got.sum().backward()
+    assert rows.grad is not None and rows.grad.abs().sum() > 0
 
 
 def _sample(spans: list[list[object]], n: int = 10, sampled: tuple[int, int] = (4, 10)) -> Sample:
