@@ -246,7 +246,7 @@ class CrashSoak:
             for agent in self.agents:
                 if agent.sid is not None and (await http.delete(f"{server}/sessions/{agent.sid}")).status_code != 204:
                     fail(f"final delete of {agent.sid} failed")
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60  # only a hang fails: a loaded machine may take seconds to go idle
             while True:
                 idle = (await http.get(f"{engine}/server_info")).json()
                 if engine_idle(idle) or time.monotonic() > deadline:

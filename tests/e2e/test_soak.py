@@ -32,7 +32,13 @@ def test_soak_leaves_no_leaks(
         engine_sessions=engine_sessions,
         pause_period=1.0,  # several pauses even in a short run: each one checks the engine is idle
         fault_period=1.0,
-        time_limit=240,
+        # Verdicts a loaded machine cannot fake (issue 30): long turns of 1.2-2.4 s, so a reply committed after a
+        # hang-up more than 1 s before its end is the server's fault, not a slow machine's; a slot still held 30 s
+        # after a disconnect is a leak.
+        long_tokens=(600, 1200),
+        disconnect_notice_ms=1000.0,
+        slot_release_limit=30.0,
+        time_limit=600,
         log_dir=tmp_path,
     )
     report = run_soak(cfg)
