@@ -55,7 +55,7 @@ def to_tensor_dict(samples: Sequence[Sample], *, reward: float | None = None,
 def _workflow_class() -> type:
     from areal.api.workflow_api import RolloutWorkflow
 
-    class SessionWorkflow(RolloutWorkflow):  # type: ignore[misc, valid-type]
+    class SessionWorkflow(RolloutWorkflow):  # type: ignore[misc]
         """Runs each episode as one session on our servers; `data` goes to the agent as the prompt (its "messages"
         when it has them) and as metadata."""
 

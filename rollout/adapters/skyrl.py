@@ -94,7 +94,7 @@ def to_generator_output(
 def _generator_class() -> type:
     from skyrl.train.generators.base import GeneratorInterface
 
-    class SessionGenerator(GeneratorInterface):  # type: ignore[misc, valid-type]
+    class SessionGenerator(GeneratorInterface):  # type: ignore[misc]
         """Runs every prompt of the batch as one session on our servers (the agent follows miles' contract: it gets
         the session's OpenAI base URL, the prompt, the request fields and the env extras as metadata)."""
 

@@ -90,7 +90,7 @@ def to_agent_loop_outputs(
 def _agent_loop_class() -> type:
     from verl.experimental.agent_loop.agent_loop import AgentLoopBase
 
-    class SessionAgentLoop(AgentLoopBase):  # type: ignore[misc, valid-type]
+    class SessionAgentLoop(AgentLoopBase):  # type: ignore[misc]
         """An agent loop whose episode runs against our session server (YAML: `_target_:
         rollout.adapters.verl.SessionAgentLoop`, with `servers`, `agent` (a module.function path, miles' agent
         contract), optional `max_seq_len` and `expert_layers`). verl's own server manager and tokenizer are not
