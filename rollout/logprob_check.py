@@ -257,7 +257,8 @@ def _score(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray, te
             picked = logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     finally:
         model.train(was_training)
-    return picked.cpu().numpy().astype(np.float32)
+    scored: np.ndarray = picked.cpu().numpy().astype(np.float32)
+    return scored
 
 
 def _accepts(model: torch.nn.Module, name: str) -> bool:
@@ -294,7 +295,7 @@ class _RoutingReplay:
             handle.remove()
 
     def load(self, rows: np.ndarray, replace: bool) -> None:
-        top_k = int(self.routers[0][2].top_k)
+        top_k: int = getattr(self.routers[0][2], "top_k")  # noqa: B009 (a module attribute torch types as Tensor)
         if rows.shape[1] % top_k:
             raise ValueError(f"{rows.shape[1]} routed-expert values per token are not layers x top_k {top_k}")
         layers = rows.shape[1] // top_k

@@ -74,6 +74,7 @@ def turns_of(merged: Sample) -> list[Sample]:
 
 
 def assert_exact(report: LogprobCheckReport, tokens: int) -> None:
+    print("\n" + report.format().splitlines()[0])  # the measured figures, for `pytest -s`
     assert report.metrics["rollout_check/tokens"] == tokens, report.format()
     assert report.ok(ATOL), report.format()
     assert abs(report.metrics["rollout_corr/k3_kl"]) < 1e-6 and abs(report.metrics["rollout_corr/log_ppl_diff"]) < ATOL
@@ -269,6 +270,7 @@ def test_an_update_inside_a_request_leaves_tokens_no_single_weights_reproduce(
     spans = merged.metadata["weight_version_spans"]
     assert [v for v, _, _ in spans] == ["default", "step-2"]
     report = check_logprobs([merged], weights.__getitem__, temperature=0, worst=20)
+    print("\n" + report.format().splitlines()[0])
     trainer, rollout = report.per_sample[0].trainer_log_probs, merged.rollout_log_probs
     (_, a, b), (_, c, d) = spans
     before = np.abs(trainer[a:b] - rollout[a:b])
