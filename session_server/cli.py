@@ -218,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="ask the engine for routed experts (MoE routing replay); kept raw in the records, never sent to agents",
     )
     p.add_argument(
+        "--return-token-ids", action="store_true",
+        help="put the turn's token ids on every Chat and Responses reply (vLLM's prompt_token_ids and token_ids; "
+             "NeMo Gym's fields on Responses items), as a request's own `return_token_ids: true` does",
+    )
+    p.add_argument(
         "--engine-client", choices=ENGINE_CLIENTS, default=_default("engine_client"),
         help="client for the hot POST /generate: the lean httptools pool (default) or httpx, to measure against it",
     )

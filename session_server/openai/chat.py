@@ -18,6 +18,7 @@ from session_server.openai.chat_stream import ChatStream
 from session_server.openai.protocol import ChatRequest, chat_completion, chat_request, parse_chat_request, turn_tools
 from session_server.turns.output import TurnOutput
 from session_server.turns.pipeline import serve_turn
+from session_server.turns.token_ids import turn_tokens
 from session_server.turns.turn import Turn, TurnRequest
 from trajectory import LinearTrajectory, ModelFamily
 from trajectory.errors import SessionError
@@ -29,7 +30,7 @@ def turn_request(chat: ChatRequest, family: ModelFamily, api: R) -> TurnRequest[
         messages=chat.messages, tools=turn_tools(chat, family), sampling_params=chat.sampling_params, api=api,
         template_kwargs=options.chat_template_kwargs, stream=chat.stream, model=chat.model,
         top_logprobs=options.top_logprobs, parse_tool_calls=options.parse_tool_calls,
-        messages_json=chat.messages_json,
+        messages_json=chat.messages_json, return_token_ids=options.return_token_ids,
     )
 
 
@@ -52,7 +53,8 @@ class ChatCompletions:
         return turn_request(chat, family, chat)
 
     def reply(self, turn: Turn[ChatRequest], out: TurnOutput) -> bytes:
-        return chat_completion(out, turn.family, turn.rid, turn.model, turn.created, turn.request.api.options)
+        return chat_completion(out, turn.family, turn.rid, turn.model, turn.created, turn.request.api.options,
+                               turn_tokens(turn.return_token_ids, turn.plan, out))
 
     def stream(self, turn: Turn[ChatRequest]) -> ChatStream:
         return ChatStream(turn)

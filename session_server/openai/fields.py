@@ -35,6 +35,7 @@ import msgspec
 
 from session_server.http.body import check_json_value
 from session_server.openai.tool_grammar import native_structural_tag
+from session_server.turns import token_ids
 from trajectory.errors import RequestValidationError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
@@ -111,6 +112,7 @@ class RequestOptions:
     json_schema: Any = None  # the schema object when response_format == "json_schema"
     chat_template_kwargs: dict[str, Any] | None = None
     include_usage: bool = False
+    return_token_ids: bool | None = None  # None: as the server is configured (turns/token_ids.py)
 
     @property
     def parse_tool_calls(self) -> bool:
@@ -121,7 +123,7 @@ class RequestOptions:
 
 # Every field parse_options reads: a request with none of them (most agents' turns) gets the shared defaults.
 _OPTION_FIELDS = frozenset({"logprobs", "top_logprobs", "parallel_tool_calls", "response_format", "stream_options",
-                            "tool_choice", "chat_template_kwargs", "modalities", *_UNSUPPORTED})
+                            "tool_choice", "chat_template_kwargs", "modalities", token_ids.FIELD, *_UNSUPPORTED})
 _DEFAULT_OPTIONS = RequestOptions()
 
 
@@ -250,6 +252,7 @@ def parse_options(obj: Mapping[str, Any]) -> RequestOptions:
         logprobs=bool(logprobs), top_logprobs=top or 0, tool_choice=_tool_choice(obj.get("tool_choice")),
         parallel_tool_calls=parallel is not False, response_format=fmt, json_schema=schema,
         chat_template_kwargs=_template_kwargs(obj.get("chat_template_kwargs")), include_usage=include_usage,
+        return_token_ids=token_ids.requested(obj),
     )
 
 

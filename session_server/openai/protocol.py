@@ -33,6 +33,7 @@ from session_server.openai.fields import (
 from session_server.openai.logprobs import openai_logprobs
 from session_server.turns.output import TurnOutput
 from session_server.turns.reply_facts import reasoning_token_count
+from session_server.turns.token_ids import TurnTokens
 from trajectory import GenerateResult, ModelFamily
 from trajectory.linear import SentHistory
 from trajectory.messages import normalize_tools
@@ -173,22 +174,27 @@ def usage(out: TurnOutput, family: ModelFamily) -> dict[str, Any]:
 
 
 def chat_completion(
-    out: TurnOutput, family: ModelFamily, rid: str, model: str, created: int, options: RequestOptions
+    out: TurnOutput, family: ModelFamily, rid: str, model: str, created: int, options: RequestOptions,
+    tokens: TurnTokens | None = None,
 ) -> bytes:
     """The client reply of a plain turn, encoded once. It never carries the heavy replay payloads (routed experts
-    stay in the trajectory's records)."""
+    stay in the trajectory's records). `tokens`: the turn's ids, as vLLM writes them for `return_token_ids`
+    (`prompt_token_ids` beside the choices, `token_ids` in the choice)."""
     result, message = out.result, out.message
     logprobs = (openai_logprobs(family.tokenizer, result.output_ids, result.logprobs, result.top_logprobs,
                                 options.top_logprobs) if options.logprobs else None)
-    return _encoder.encode(
-        {
-            "id": f"chatcmpl-{rid}",
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "system_fingerprint": system_fingerprint(family, result),
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result, message),
-                         "logprobs": logprobs}],
-            "usage": usage(out, family),
-        }
-    )
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason(result, message),
+                              "logprobs": logprobs}
+    body: dict[str, Any] = {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": system_fingerprint(family, result),
+        "choices": [choice],
+        "usage": usage(out, family),
+    }
+    if tokens is not None:
+        body["prompt_token_ids"] = tokens.prompt_token_ids
+        choice["token_ids"] = tokens.token_ids
+    return _encoder.encode(body)

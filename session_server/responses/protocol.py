@@ -29,7 +29,7 @@ _NEUTRAL = ("store", "metadata", "user", "safety_identifier", "prompt_cache_key"
 _KNOWN = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
     "temperature", "top_p", "reasoning", "text", "include", "previous_response_id", "stream", "truncation",
-    "background", "max_tool_calls", "top_logprobs", "conversation", "prompt", *_NEUTRAL,
+    "background", "max_tool_calls", "top_logprobs", "conversation", "prompt", "return_token_ids", *_NEUTRAL,
 })
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 # The reasoning text travels back and forth in `encrypted_content` for clients that keep no server state
@@ -334,6 +334,7 @@ def parse_responses(obj: dict[str, Any], thinking_switch: str | None,
         "chat_template_kwargs": template_kwargs,
         "stream": obj.get("stream"),
         "model": obj.get("model"),
+        "return_token_ids": obj.get("return_token_ids"),  # NeMo Gym's token fields on the output (reply.py)
     }
     echo = {key: obj.get(key) for key in ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls",
                                           "previous_response_id", "reasoning", "store", "temperature", "text",

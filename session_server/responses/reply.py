@@ -11,6 +11,10 @@ shows it as a second message item; the committed turn is the same either way.
 
 Events carry `sequence_number`s from 0, and each item is announced (`output_item.added`), filled (`*.delta`) and
 closed (`*.done`, `output_item.done` with the whole item) in order -- Codex reads only the closed items.
+
+With token ids asked for (turns/token_ids.py), the last output item of the finished response carries the turn's
+`prompt_token_ids`, `generation_token_ids` and `generation_log_probs`, as NeMo Gym's model servers attach them to the
+last item of each model call (its `*ForTraining` item types); the items' events before it carry none.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 from session_server.responses.protocol import ResponsesTurn, encode_reasoning_state
 from session_server.turns.reply_facts import ReplyFacts, sse_event, whole_delta
+from session_server.turns.token_ids import TurnTokens
 
 
 def _usage(facts: ReplyFacts) -> dict[str, Any]:
@@ -186,13 +191,16 @@ class ResponseBuilder:
             events += self._call(call["index"], call)
         return events
 
-    def finish(self, rest: dict[str, Any] | None, facts: ReplyFacts) -> list[bytes]:
+    def finish(self, rest: dict[str, Any] | None, facts: ReplyFacts, tokens: TurnTokens | None = None) -> list[bytes]:
         """The rest of the message, every item closed, then `response.completed` (or `response.incomplete` when the
-        reply ran out of `max_output_tokens`) with the whole response object."""
+        reply ran out of `max_output_tokens`) with the whole response object; `tokens` go on its last item."""
         events = self.delta(rest)
         if not self.items:
             events += self._text("")
         events += self._close()
+        if tokens is not None:
+            self.items[-1] = {**self.items[-1], "prompt_token_ids": tokens.prompt_token_ids,
+                              "generation_token_ids": tokens.token_ids, "generation_log_probs": tokens.log_probs}
         status = "incomplete" if facts.ending == "length" else "completed"
         self.final = self.response(status, facts)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
@@ -200,8 +208,8 @@ class ResponseBuilder:
 
 
 def response_body(rid: str, model: str, created: int, turn: ResponsesTurn, message: dict[str, Any],
-                  facts: ReplyFacts) -> dict[str, Any]:
+                  facts: ReplyFacts, tokens: TurnTokens | None = None) -> dict[str, Any]:
     """The plain (non-streamed) response object of a turn."""
     builder = ResponseBuilder(rid, model, created, turn)
-    builder.finish(whole_delta(message), facts)
+    builder.finish(whole_delta(message), facts, tokens)
     return builder.final

@@ -28,6 +28,7 @@ from session_server.responses.protocol import ResponsesTurn, parse_responses
 from session_server.responses.reply import ResponseBuilder, response_body
 from session_server.turns.output import TurnOutput
 from session_server.turns.reply_facts import encode_json, reply_facts, sse_event, turn_facts
+from session_server.turns.token_ids import turn_tokens
 from session_server.turns.turn import ChatReader, NewTokens, Turn, TurnRequest
 from trajectory import LinearTrajectory
 from trajectory.errors import SessionError
@@ -72,7 +73,9 @@ class ResponsesStream:
         return self.builder.delta(delta)
 
     def finish(self, out: TurnOutput, rest: dict[str, Any] | None, tokens: NewTokens | None) -> list[bytes]:
-        events = self.builder.finish(rest, reply_facts(self.turn.family, out.result, out.message))
+        turn = self.turn
+        events = self.builder.finish(rest, reply_facts(turn.family, out.result, out.message),
+                                     turn_tokens(turn.return_token_ids, turn.plan, out))
         self.last = events.pop()  # response.completed: sent once the slot is free again (end)
         return events
 
@@ -110,7 +113,8 @@ class Responses:
 
     def reply(self, turn: Turn[ResponsesTurn], out: TurnOutput) -> bytes:
         facts = reply_facts(turn.family, out.result, out.message)
-        return encode_json(response_body(turn.rid, turn.model, turn.created, turn.request.api, out.message, facts))
+        return encode_json(response_body(turn.rid, turn.model, turn.created, turn.request.api, out.message, facts,
+                                         turn_tokens(turn.return_token_ids, turn.plan, out)))
 
     def stream(self, turn: Turn[ResponsesTurn]) -> ResponsesStream:
         return ResponsesStream(turn)

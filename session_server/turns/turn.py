@@ -42,6 +42,7 @@ class TurnRequest(Generic[R]):
     parse_tool_calls: bool = True
     ignored: Sequence[str] = ()  # request fields accepted without effect on the tokens (counted by front end)
     messages_json: bytes | None = None  # the bytes `messages` were read from, if the front end kept them
+    return_token_ids: bool | None = None  # the request's own `return_token_ids` (None: the server's default)
 
 
 # Request ids without a urandom read per turn: a 64-bit count from a random start, then 64 random bits per process
@@ -70,6 +71,7 @@ class Turn(Generic[R]):
     family: ModelFamily
     segment: SegmentPlan | None = None  # the segment matched (None: a caller without segments)
     created: int = field(default_factory=lambda: int(time.time()))
+    return_token_ids: bool = False  # the reply carries the turn's token ids (turns/token_ids.py)
 
     @property
     def headers(self) -> dict[str, str]:
