@@ -28,7 +28,10 @@ Metrics (`LogprobCheckReport.metrics`), with the trainer's logprob `t` and the e
   `train/train_rollout_logprob_abs_diff` and its CI gates on it);
 - ours, the bar of docs/design.md 6 (fp32, within 1e-3): `rollout_check/logprob_abs_diff_max` and `_mean` over tokens,
   token / sample counts, and for MoE `rollout_check/routing_mismatch_fraction`: the (token, layer) rows where the
-  trainer's router picks another expert set than the engine recorded.
+  trainer's router picks another expert set than the engine recorded; `rollout_check/switched_tokens`, the tokens
+  sampled after their turn's weights changed (an update inside the request: paused in place, the request keeps the
+  KV its prefix got from the old weights, so no single checkpoint reproduces them), and
+  `rollout_check/logprob_abs_diff_max_unswitched`, the max over the others (`ok(switched=False)` gates on it).
 
 MoE routing replay: a sample with `routed_experts` (SGLang's `[tokens, layers * top_k]` ids) is recomputed with each
 layer's top-k choice replaced by the recorded experts, as the engine routed them (miles' R3). The expert weights
@@ -81,6 +84,7 @@ class TokenMismatch:
     abs_diff: float
     turn: int | None            # the trajectory turn that sampled it (None when the sample does not say)
     weight_version: Any         # the weights that sampled it, as the engine reported them
+    switched: bool = False      # sampled after its turn's weights changed (an update inside the request)
 
 
 @dataclass(slots=True)
@@ -100,6 +104,7 @@ class SampleCheck:
     routing_rows: int               # (token, layer) rows compared with the engine's routing
     routing_mismatched: int         # of those, where the trainer's router chose other experts
     weight_versions: tuple[Any, ...]
+    switched_tokens: int = 0        # sampled after their turn's weights changed (see `check_logprobs`)
 
 
 @dataclass(slots=True)
@@ -112,9 +117,12 @@ class LogprobCheckReport:
     def max_abs_diff(self) -> float:
         return self.metrics.get("rollout_check/logprob_abs_diff_max", 0.0)
 
-    def ok(self, atol: float = 1e-3) -> bool:
-        """Every sampled token within `atol` of the engine's logprob (the fp32 bar of docs/design.md 6)."""
-        return self.max_abs_diff <= atol
+    def ok(self, atol: float = 1e-3, *, switched: bool = True) -> bool:
+        """Every sampled token within `atol` of the engine's logprob (the fp32 bar of docs/design.md 6); with
+        `switched=False`, every token but those sampled after their turn's weights changed."""
+        if switched:
+            return self.max_abs_diff <= atol
+        return self.metrics.get("rollout_check/logprob_abs_diff_max_unswitched", 0.0) <= atol
 
     def format(self) -> str:
         """A few lines for a log: the headline metrics and the worst tokens."""
@@ -125,6 +133,9 @@ class LogprobCheckReport:
             f"max |diff| {self.max_abs_diff:.3g}, mean {m.get('rollout_check/logprob_abs_diff_mean', 0.0):.3g}, "
             f"k3_kl {m.get('rollout_corr/k3_kl', 0.0):.3g}"
         ]
+        if m.get("rollout_check/switched_tokens"):
+            lines[0] += (f", {int(m['rollout_check/switched_tokens'])} tokens sampled after their turn's weights "
+                         f"changed (max |diff| of the others {m['rollout_check/logprob_abs_diff_max_unswitched']:.3g})")
         if "rollout_check/routing_mismatch_fraction" in m:
             lines[0] += (f", replayed {int(m['rollout_check/replayed_samples'])} samples, routing mismatch "
                          f"{m['rollout_check/routing_mismatch_fraction']:.2%}")
@@ -153,12 +164,14 @@ def check_logprobs(samples: Sequence[Sample], policy: Policy, *, replay_routing:
     rollout_all: list[np.ndarray] = []
     trainer_all: list[np.ndarray] = []
     where: list[tuple[int, np.ndarray]] = []
+    flags: list[np.ndarray] = []
     replays: dict[int, _RoutingReplay] = {}
     try:
         for index, sample in enumerate(samples):
             positions = np.flatnonzero(sample.loss_mask)
             positions = positions[positions > 0]  # position 0 has no context to predict it from
             versions = _versions_of(sample, positions)
+            switched = _switched(sample, positions, versions)
             trainer = np.zeros(len(sample.tokens), dtype=np.float32)
             rows = sample.routed_experts
             routing_rows = routing_mismatched = 0
@@ -183,15 +196,16 @@ def check_logprobs(samples: Sequence[Sample], policy: Policy, *, replay_routing:
             r = sample.rollout_log_probs[positions].astype(np.float64)
             t = trainer[positions].astype(np.float64)
             checks.append(_sample_check(index, trainer, r, t, replayed, routing_rows, routing_mismatched,
-                                        tuple(dict.fromkeys(versions))))
+                                        tuple(dict.fromkeys(versions)), int(switched.sum())))
             rollout_all.append(r)
             trainer_all.append(t)
             where.append((index, positions))
+            flags.append(switched)
     finally:
         for replay in replays.values():
             replay.close()
-    metrics = _metrics(checks, rollout_all, trainer_all, any(s.routed_experts is not None for s in samples))
-    return LogprobCheckReport(metrics, checks, _worst(samples, where, rollout_all, trainer_all, worst))
+    metrics = _metrics(checks, rollout_all, trainer_all, flags, any(s.routed_experts is not None for s in samples))
+    return LogprobCheckReport(metrics, checks, _worst(samples, where, rollout_all, trainer_all, flags, worst))
 
 
 # -- which weights scored which token ---------------------------------------------------------------------------
@@ -212,6 +226,17 @@ def _versions_of(sample: Sample, positions: np.ndarray) -> list[Any]:
         version, start, end = span
         lo, hi = np.searchsorted(positions, [start, end])
         out[lo:hi] = [version] * (hi - lo)
+    return out
+
+
+def _switched(sample: Sample, positions: np.ndarray, versions: list[Any]) -> np.ndarray:
+    """Which of `positions` were sampled after their turn's weights changed: an update inside the request (SGLang's
+    `weight_versions` spans). Paused in place, the request keeps the KV its prefix got from the old weights, so no
+    single checkpoint reproduces these tokens; aborted and re-prefilled after a cache flush, they are exact."""
+    out = np.zeros(len(positions), dtype=bool)
+    for start, n in sample.metadata.get("turns") or ():
+        lo, hi = np.searchsorted(positions, [start, start + n])
+        out[lo:hi] = [v != versions[lo] for v in versions[lo:hi]] if hi > lo else []
     return out
 
 
@@ -346,7 +371,7 @@ def _routing(replay: _RoutingReplay | None, rows: np.ndarray | None, replace: bo
 
 # -- metrics --------------------------------------------------------------------------------------------------
 def _sample_check(index: int, trainer: np.ndarray, r: np.ndarray, t: np.ndarray, replayed: bool, routing_rows: int,
-                  routing_mismatched: int, versions: tuple[Any, ...]) -> SampleCheck:
+                  routing_mismatched: int, versions: tuple[Any, ...], switched: int) -> SampleCheck:
     diff = np.abs(t - r)
     n = len(diff)
     log_ratio = t - r
@@ -357,27 +382,30 @@ def _sample_check(index: int, trainer: np.ndarray, r: np.ndarray, t: np.ndarray,
         k3_kl=float((np.exp(log_ratio) - log_ratio - 1).mean()) if n else 0.0,
         log_ppl_diff=float(r.mean() - t.mean()) if n else 0.0,
         replayed=replayed, routing_rows=routing_rows, routing_mismatched=routing_mismatched,
-        weight_versions=versions,
+        weight_versions=versions, switched_tokens=switched,
     )
 
 
-def _metrics(checks: list[SampleCheck], rollout: list[np.ndarray], trainer: list[np.ndarray], moe: bool
-             ) -> dict[str, float]:
+def _metrics(checks: list[SampleCheck], rollout: list[np.ndarray], trainer: list[np.ndarray],
+             flags: list[np.ndarray], moe: bool) -> dict[str, float]:
     metrics: dict[str, float] = {
         "rollout_check/samples": float(len(checks)),
         "rollout_check/tokens": float(sum(c.num_tokens for c in checks)),
         "rollout_check/replayed_samples": float(sum(c.replayed for c in checks)),
+        "rollout_check/switched_tokens": float(sum(c.switched_tokens for c in checks)),
     }
     rows = sum(c.routing_rows for c in checks)
     if moe and rows:
         metrics["rollout_check/routing_mismatch_fraction"] = sum(c.routing_mismatched for c in checks) / rows
     seqs = [(r, t) for r, t in zip(rollout, trainer, strict=True) if len(r)]
     if not seqs:
-        metrics.update({"rollout_check/logprob_abs_diff_max": 0.0, "rollout_check/logprob_abs_diff_mean": 0.0})
+        metrics.update({"rollout_check/logprob_abs_diff_max": 0.0, "rollout_check/logprob_abs_diff_mean": 0.0,
+                        "rollout_check/logprob_abs_diff_max_unswitched": 0.0})
         return metrics
     r = np.concatenate([s[0] for s in seqs])
     t = np.concatenate([s[1] for s in seqs])
     diff = np.abs(t - r)
+    unswitched = diff[~np.concatenate([f for f, s in zip(flags, rollout, strict=True) if len(s)])]
     log_ratio = t - r
     mean_r = np.array([s[0].mean() for s in seqs])
     mean_t = np.array([s[1].mean() for s in seqs])
@@ -387,6 +415,7 @@ def _metrics(checks: list[SampleCheck], rollout: list[np.ndarray], trainer: list
     metrics.update({
         "rollout_check/logprob_abs_diff_max": float(diff.max()),
         "rollout_check/logprob_abs_diff_mean": float(diff.mean()),
+        "rollout_check/logprob_abs_diff_max_unswitched": float(unswitched.max()) if len(unswitched) else 0.0,
         "train_rollout_logprob_abs_diff": float(np.mean([np.abs(s[1] - s[0]).mean() for s in seqs])),
         "rollout_corr/training_ppl": float(np.exp(-mean_t).mean()),
         "rollout_corr/training_log_ppl": float((-mean_t).mean()),
@@ -422,13 +451,14 @@ def _turn_of(sample: Sample, position: int) -> int | None:
 
 
 def _worst(samples: Sequence[Sample], where: list[tuple[int, np.ndarray]], rollout: list[np.ndarray],
-           trainer: list[np.ndarray], count: int) -> list[TokenMismatch]:
+           trainer: list[np.ndarray], flags: list[np.ndarray], count: int) -> list[TokenMismatch]:
     if count <= 0 or not any(len(p) for _, p in where):
         return []
     owner = np.concatenate([np.full(len(p), i) for i, p in where])
     position = np.concatenate([p for _, p in where])
     r = np.concatenate(rollout)
     t = np.concatenate(trainer)
+    switched = np.concatenate(flags)
     diff = np.abs(t - r)
     order = np.argsort(-diff, kind="stable")[:count]
     out = []
@@ -438,5 +468,5 @@ def _worst(samples: Sequence[Sample], where: list[tuple[int, np.ndarray]], rollo
         out.append(TokenMismatch(
             sample=int(owner[k]), position=pos, token_id=int(sample.tokens[pos]), rollout_log_prob=float(r[k]),
             trainer_log_prob=float(t[k]), abs_diff=float(diff[k]), turn=_turn_of(sample, pos),
-            weight_version=_versions_of(sample, np.array([pos]))[0]))
+            weight_version=_versions_of(sample, np.array([pos]))[0], switched=bool(switched[k])))
     return out

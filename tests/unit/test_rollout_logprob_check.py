@@ -166,6 +166,7 @@ def test_samples_from_the_same_weights_pass() -> None:
     samples = [merged, turn_sample(merged, 0), turn_sample(merged, 1)]
     report = check_logprobs(samples, model)
     assert report.ok(1e-4), report.format()
+    assert report.metrics["rollout_check/switched_tokens"] == 0
     assert set(VERL) <= set(report.metrics)
     assert report.metrics["rollout_check/tokens"] == 12 + 6 + 6
     assert abs(report.metrics["rollout_corr/k3_kl"]) < 1e-8 and abs(report.metrics["rollout_corr/ppl_ratio"] - 1) < 1e-4
@@ -243,7 +244,13 @@ def test_a_version_switch_inside_one_turn() -> None:
         metadata={"turns": [[8, 8]], "weight_version_spans": [["default", 8, 12], ["step-2", 12, 16]]})
     report = check_logprobs([sample], {"default": a, "step-2": b}.__getitem__)
     assert report.ok(1e-4), report.format()
+    assert report.metrics["rollout_check/switched_tokens"] == 4 and report.per_sample[0].switched_tokens == 4
     assert not check_logprobs([sample], b).ok(1e-2)
+    # Scored by the old weights alone, only the tokens after the switch disagree, and they are the ones flagged.
+    stale = check_logprobs([sample], a, worst=4)
+    assert not stale.ok(1e-2) and stale.ok(1e-4, switched=False)
+    assert {(w.position >= 12, w.switched) for w in stale.worst} == {(True, True)}
+    assert "4 tokens sampled after their turn's weights changed" in stale.format()
 
 
 def top_k_after_the_best(probs: torch.Tensor) -> torch.Tensor:
