@@ -255,6 +255,9 @@ class EngineCall(Generic[R]):
         self.server.metrics.engine_session_reopens.inc()
         self.sessions.forget(session_id)
         self.claim.raise_if_aborted()
+        # Under a new rid: SGLang ends the refused stream's response with an abort of its rid (http_server.py
+        # `create_abort_task`), which would otherwise land on the resent request (seen on 0.5.23).
+        self.rid = new_rid()
         await self._open_session()
         self.payload = await self._encode()
 
