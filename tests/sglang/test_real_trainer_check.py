@@ -277,7 +277,9 @@ def test_an_update_inside_a_request_leaves_tokens_no_single_weights_reproduce(
     after = np.abs(trainer[c:d] - rollout[c:d])
     assert before.max() <= ATOL, before.max()
     assert after.max() > 100 * ATOL, after.max()
-    assert {w.weight_version for w in report.worst} == {"step-2"}
+    assert {(w.weight_version, w.switched) for w in report.worst} == {("step-2", True)}
+    assert report.metrics["rollout_check/switched_tokens"] == d - c
+    assert report.ok(ATOL, switched=False), report.format()
     delete(served, sid)
 
 
@@ -290,7 +292,9 @@ def test_an_update_that_aborts_and_flushes_keeps_every_token_exact(
     asyncio.run(_story_with_update_inside(served, sid, str(engines.checkpoint("qwen3-dense-b")), in_place=False))
     (merged,) = samples(served, sid)
     assert [v for v, _, _ in merged.metadata["weight_version_spans"]][-2:] == ["default", "step-2"]
-    assert_exact(check_logprobs([merged], weights.__getitem__, temperature=0), sampled([merged]))
+    report = check_logprobs([merged], weights.__getitem__, temperature=0)
+    assert_exact(report, sampled([merged]))
+    assert report.metrics["rollout_check/switched_tokens"] > 0  # flagged, and exact all the same
     delete(served, sid)
 
 
