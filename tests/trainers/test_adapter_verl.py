@@ -65,3 +65,18 @@ def test_session_agent_loop_runs_an_episode(episodes: Episodes) -> None:
     single = asyncio.run(cls(servers=[episodes.stack.server], agent=trainer_agents.tool_agent).run({}, raw_prompt="x"))
     assert type(single) is verl_loop.AgentLoopOutput and single.num_turns == 3
     assert (single.extra_fields["min_global_steps"], single.extra_fields["max_global_steps"]) == (5, 7)
+
+
+def test_session_agent_loop_from_verl_yaml(episodes: Episodes) -> None:
+    """The loop as verl builds it from agent_loop.yaml: OmegaConf entries, hydra.utils.instantiate, verl's kwargs."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    (entry,) = OmegaConf.create([{"name": "session", "_target_": "rollout.adapters.verl.SessionAgentLoop",
+                                  "servers": [episodes.stack.server], "agent": "trainer_agents.tool_agent",
+                                  "expert_layers": LAYERS}])
+    loop = hydra.utils.instantiate(config=entry, trainer_config=None, server_manager=None, tokenizer=None,
+                                   processor=None, hf_model_type=None, dataset_cls=None, data_config=None, tools=None)
+    out = asyncio.run(loop.run({"temperature": 1.0}, raw_prompt="fix it"))
+    assert type(out) is verl_loop.AgentLoopOutput
+    assert np.asarray(out.routed_experts).shape == (len(out.prompt_ids) + len(out.response_ids), LAYERS, TOP_K)
