@@ -1,5 +1,5 @@
 """rollout.adapters imports no trainer: every adapter module loads in a fresh interpreter of the project's venv, where
-no trainer is installed, and leaves no trainer (nor torch) in sys.modules; each seam class is built on first use only."""
+no trainer is installed, and leaves no trainer (nor torch) in sys.modules; each seam class is built on first use."""
 
 from __future__ import annotations
 
