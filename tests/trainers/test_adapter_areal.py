@@ -5,16 +5,20 @@ on a live session."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import numpy as np
+import pytest
 import torch
 import trainer_agents
 from areal.api.workflow_api import RolloutWorkflow
 from areal.infra.workflow_executor import check_trajectory_format
 from areal.utils.data import concat_padded_tensors
-from sample_checks import Episodes, assert_tool_sample, expected_token_versions
+from sample_checks import Episodes, assert_tool_sample, expected_token_versions, run_episode, sampled_runs
 
 from rollout.adapters import areal as adapter
+from rollout.adapters import verl
+from support.stack import Stack, StackFactory
 
 KEYS = {"input_ids", "loss_mask", "logprobs", "versions", "attention_mask", "rewards"}
 
@@ -60,3 +64,24 @@ def test_session_workflow_runs_an_episode(episodes: Episodes) -> None:
     assert set(d["versions"][0].tolist()) == {-1, 5, 7}
     sampled = d["loss_mask"][0].bool()
     assert bool((d["versions"][0][sampled] >= 0).all()) and bool((d["versions"][0][~sampled] == -1).all())
+
+
+@pytest.fixture(scope="module")
+def paced_stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    """An engine at 10 ms a token: a 1500-token reply outlasts by far a weight update sent after its 20th token."""
+    with stack_factory(family="qwen3", sim_args=["--token-latency-ms", "10"]) as stack:
+        yield stack
+
+
+def test_a_turn_sampled_across_a_weight_update_has_both_versions_per_token(paced_stack: Stack) -> None:
+    episode = run_episode(paced_stack, trainer_agents.straddling_agent, metadata={"engine": paced_stack.engine})
+    (sample,) = episode.samples
+    ((start, end),) = sampled_runs(sample)
+    d = adapter.to_tensor_dict(episode.samples, reward=episode.reward)
+    versions = d["versions"][0].tolist()
+    assert versions[:start] == [-1] * start and versions[end:] == [-1] * (len(versions) - end)
+    turn = versions[start:end]
+    switch = turn.index(9)
+    assert switch >= 20 and set(turn[:switch]) == {5} and set(turn[switch:]) == {9}  # one turn, two versions
+    (out,) = verl.to_agent_loop_outputs(episode.samples)
+    assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (5, 9)

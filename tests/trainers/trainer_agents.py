@@ -9,6 +9,7 @@ set to "5" before the first turn and to "7" before the last, so the sample's tok
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -112,5 +113,25 @@ async def short_tool_agent(base_url: str, prompt: Any, request_kwargs: dict[str,
     assert message.tool_calls
     messages += [message.model_dump(exclude_none=True), _tool_result(1, message.tool_calls[0].id)]
     await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, **request_kwargs)
+    await client.close()
+    return REWARD
+
+
+async def straddling_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
+                           metadata: dict[str, Any]) -> float:
+    """One long reply (1500 tokens, 15 s at the engine) whose weights change to "9" after its first 20 tokens, so one
+    turn's tokens carry two versions ("5" then "9"). `metadata["engine"]`: the sim of this session's server."""
+    from support.server import wait_emitted
+
+    engine = metadata["engine"]
+    async with httpx.AsyncClient(timeout=30) as http:
+        (await http.post(f"{engine}/update_weight_version", json={"new_version": "5"})).raise_for_status()
+        client = _sdk(base_url)
+        reply_task = asyncio.ensure_future(client.chat.completions.create(
+            model="m", messages=[SYSTEM, {"role": "user", "content": f"write {tokens(1500)}"}], max_tokens=1600))
+        await asyncio.to_thread(wait_emitted, engine, 20)
+        (await http.post(f"{engine}/update_weight_version",
+                         json={"new_version": "9", "abort_all_requests": False})).raise_for_status()
+        await reply_task
     await client.close()
     return REWARD
