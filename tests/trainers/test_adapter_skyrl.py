@@ -16,6 +16,7 @@ from skyrl.train.generators.base import GeneratorInput, GeneratorInterface, Gene
 from trainer_agents import LAYERS, TOP_K
 
 from rollout.adapters import skyrl as adapter
+from trajectory import truncate_sample
 
 
 def of_type(value: Any, hint: Any) -> bool:
@@ -83,3 +84,17 @@ def test_session_generator_runs_a_batch(episodes: Episodes) -> None:
     assert out["trajectory_ids"] == [ids[0], ids[0], ids[1], ids[1]]
     assert out["is_last_step"] == [False, True, False, True]
     assert out["rewards"] == [trainer_agents.REWARD] * 4
+
+
+def test_a_truncated_sample_is_a_length_stop_with_its_versions_cut(episodes: Episodes) -> None:
+    (sample,) = episodes.tool.samples
+    cut = truncate_sample(sample, len(sample.tokens) - 3)  # what the server does for max_seq_len: inside the last reply
+    assert cut.status == "truncated" and len(cut.tokens) == len(sample.tokens) - 3
+    out = adapter.to_generator_output([[cut]], [1.0], expert_layers=LAYERS)
+    validated(out)
+    assert out["stop_reasons"] == ["length"]
+    assert_split(cut, out["prompt_token_ids"][0], out["response_ids"][0], out["loss_masks"][0],
+                 out["rollout_logprobs"][0])
+    p = len(out["prompt_token_ids"][0])
+    assert out["rollout_metrics"]["weight_versions"][0] == expected_token_versions(sample)[p:len(cut.tokens)]
+    assert out["rollout_expert_indices"][0].shape == (len(cut.tokens) - 1, LAYERS, TOP_K)
