@@ -81,6 +81,9 @@ def to_agent_loop_outputs(
                 "segment_index": index,
                 "status": sample.status,
                 **({"segment": segment} if segment else {}),
+                # verl's TransferQueue worker copies the last output's reward_extra_info onto the others whenever a
+                # reward is set (and its reward loop, which would fill it, skips outputs that have one)
+                **({"reward_extra_info": {}} if reward is not None else {}),
                 **(extra_fields or {}),
             },
         ))

@@ -50,6 +50,7 @@ def test_compacted_session_is_one_output_per_segment_sharing_the_rollout_id(epis
         assert_split(sample, out.prompt_ids, out.response_ids, out.response_mask, out.response_logprobs)
         assert out.extra_fields["rollout_id"] == "r2" and out.reward_score == trainer_agents.REWARD
     assert [o.extra_fields["segment"]["segment"] for o in outs] == [0, 1]
+    assert all(o.extra_fields["reward_extra_info"] == {} for o in outs)  # what verl's TQ worker copies across
     assert outs[1].extra_fields["segment"]["parent"] == 0 and outs[1].num_turns == 2
 
 
