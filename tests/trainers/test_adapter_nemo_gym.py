@@ -13,7 +13,7 @@ from nemo_gym.openai_utils import (
     TokenIDLogProbMixin,
 )
 from sample_checks import Episodes, run_episode, sampled_runs
-from trainer_agents import LAYERS, OUTPUTS, TOP_K, responses_agent
+from trainer_agents import LAYERS, OUTPUTS, SERVER_FIELDS, TOP_K, responses_agent
 
 from rollout.adapters import nemo_gym as adapter
 
@@ -22,6 +22,9 @@ def test_responses_episode_items_carry_each_calls_tokens(episodes: Episodes) -> 
     episode = run_episode(episodes.stack, responses_agent)
     (sample,) = episode.samples
     outputs = next(v for k, v in OUTPUTS.items() if episode.session_id in k)
+    # the server's own return_token_ids fields on each reply are what the adapter rebuilds from the sample
+    served = next(v for k, v in SERVER_FIELDS.items() if episode.session_id in k)
+    assert served == adapter.call_token_fields(sample)
     items = adapter.training_outputs(sample, outputs, expert_layers=LAYERS)
     assert len(items) == 3
     assert type(items[0][-1]) is NeMoGymResponseFunctionToolCallForTraining

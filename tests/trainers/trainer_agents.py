@@ -24,6 +24,8 @@ SYSTEM = {"role": "system", "content": "You are a coding agent."}
 TOOLS: list[Any] = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
 RESPONSES_TOOLS: list[Any] = [{"type": "function", "name": "run", "parameters": {"type": "object"}}]
 OUTPUTS: dict[str, list[list[dict[str, Any]]]] = {}  # responses_agent: session base URL -> each call's output items
+SERVER_FIELDS: dict[str, list[dict[str, Any]]] = {}  # responses_agent: base URL -> each reply's token fields
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
 
 
 def _sdk(base_url: str) -> openai.AsyncOpenAI:
@@ -89,8 +91,11 @@ async def responses_agent(base_url: str, prompt: Any, request_kwargs: dict[str, 
                         {"role": "user", "content": f"fix it {tool_call('run', cmd='ls')}"}]
     for k in range(3):
         await set_version("5" if k < 2 else "7")
-        response = await client.responses.create(model="m", input=items, tools=RESPONSES_TOOLS)
+        response = await client.responses.create(model="m", input=items, tools=RESPONSES_TOOLS,
+                                                 extra_body={"return_token_ids": True})
         output = [item.model_dump(exclude_none=True) for item in response.output]
+        # the server's own token fields on the last item (its return_token_ids), kept apart from the plain items
+        SERVER_FIELDS.setdefault(base_url, []).append({k: output[-1].pop(k) for k in TOKEN_FIELDS if k in output[-1]})
         outputs.append(output)
         items += output
         calls = [item for item in output if item["type"] == "function_call"]
