@@ -122,7 +122,8 @@ def sampled_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask
     e.g. a trainable copy of those rows) stands for the model's own rows of a tied embedding, on the input side too
     (every other token embeds to the zero vector, as its zero row says)."""
     body = getattr(model, "model", None)
-    head = model.get_output_embeddings()
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     if body is None or head is None:
         raise TypeError("need a transformers causal LM (a .model body and an output embedding)")
     weight = head.weight
