@@ -149,7 +149,7 @@ def test_a_drain_waits_for_chats_at_the_engine_only_and_refuses_new_ones(family:
         drains = RecordingDrains()
         with in_process_app(family, drains=drains, drain_timeout=LONG) as (app, server):
             at_engine = chat(server, release_on_abort=False)
-            uploading = chat(server, admitted=False)
+            uploading = chat(server, admitted=False, release_on_abort=False)  # its body is still on the way
             async with client_of(app) as http:
                 pausing = asyncio.create_task(http.post("/admin/pause"))  # default mode: drain
                 await until(lambda: server.lifecycle.paused)
@@ -160,7 +160,9 @@ def test_a_drain_waits_for_chats_at_the_engine_only_and_refuses_new_ones(family:
                 await asyncio.sleep(0.01)
                 assert not pausing.done() and at_engine.reason is None  # the chat at the engine finishes
                 at_engine.release()
-                reply = await bounded(pausing)
+                reply = await bounded(pausing)  # while the uploading chat still holds its slot
+                assert not uploading.done.is_set()
+                uploading.release()
         assert reply.status_code == 200
         assert reply.json() == {"status": "paused", "mode": "drain", "aborted": 0}
         assert len(drains.waited) == 1 and 0 < drains.waited[0] <= LONG  # the rest of the drain's deadline
