@@ -101,6 +101,9 @@ class SoakConfig:
     # late, so its runs want long replies and a wide margin (tests/e2e/test_soak.py).
     long_tokens: tuple[int, int] = (150, 300)
     disconnect_notice_ms: float = 300.0
+    # The server's --body-timeout: a stalled upload must meet it (408), an ordinary body never. On a loaded machine an
+    # ordinary body can take a second to arrive: the test runs give it ten.
+    body_timeout: float = BODY_TIMEOUT
     time_limit: float = 1800.0
     log_dir: Path | None = None
 
@@ -536,7 +539,7 @@ class Episode:
             writer.write(f"POST {parts.path}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                          "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"messages\": ".encode())
             await writer.drain()
-            line = await asyncio.wait_for(reader.readline(), timeout=BODY_TIMEOUT + 30)
+            line = await asyncio.wait_for(reader.readline(), timeout=self.soak.cfg.body_timeout + 30)
             return int(line.split()[1]) if line else 0
         finally:
             writer.close()
@@ -792,7 +795,7 @@ def start_stack(cfg: SoakConfig) -> tuple[RunningProcess, RunningProcess]:
     # Sessions stay one line (--on-divergence reject): the contender check is the single-line gate's 409 that never
     # reads the body; requests that start segments beside a running turn are tests/e2e/test_server_segments.py's.
     extra = ["--admin-token", ADMIN_TOKEN, "--max-request-bytes", str(MAX_REQUEST_BYTES),
-             "--body-timeout", str(BODY_TIMEOUT), "--on-divergence", "reject"] + (
+             "--body-timeout", str(cfg.body_timeout), "--on-divergence", "reject"] + (
                  ["--engine-sessions"] if cfg.engine_sessions else [])
     return start_pair(
         tokenizer=str(tok), family=cfg.family, engine_cpu=None, server_cpu=None, log_dir=cfg.log_dir,
