@@ -9,9 +9,10 @@ What runs, in one process plus two children (the engine from its own venv, the s
 2. the task, multi-turn with a tool and a verifiable reward (`LookupGame`): the user names a key, the model calls
    `lookup` on it (a tool the policy learned in its warm-up: it is not declared in the prompt, which keeps prompts
    short), reads the tool's answer and answers with it; the reward is 1 when the final answer is the value stored
-   under the user's key, 0.5 when only the call names it. Half of the warm-up's demonstrations call another key than
-   the user's: the warm-up teaches the format and the copy of the key, the policy it leaves names the right key
-   about half the time, and RL has something to find;
+   under the user's key, 0.5 when only the call names it. The warm-up is short on purpose: it teaches the format and
+   has only begun to teach the copy of the key (a tiny transformer learns to copy in a sudden phase a few hundred
+   steps in), so the starting policy names the right key sometimes and RL has something to find (the copy of the
+   tool's answer into the final answer it has not learned yet at all);
 3. G episodes per prompt through the session server, with the official `openai` client against each session's URL
    (rollout.episodes), running ahead of the trainer (`--ahead-groups` beyond a step's): the next step's episodes run
    while the trainer trains, and when it pushes its weights (rollout.weight_push: `/admin/pause` in_place, SGLang's
@@ -501,10 +502,10 @@ class Trainer:
 class RunConfig:
     steps: int = 20
     groups_per_step: int = 8
-    group_size: int = 4
+    group_size: int = 8
     ahead_groups: int = 2           # groups kept running beyond the step being collected
     max_staleness: int = 1
-    lr: float = 5e-4
+    lr: float = 4e-4
     clip: float = 0.2
     is_cap: float = 2.0
     minibatches: int = 2
@@ -576,9 +577,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="groups kept running beyond the step being collected (default %(default)s)")
     p.add_argument("--max-staleness", type=int, default=RunConfig.max_staleness)
     p.add_argument("--lr", type=float, default=RunConfig.lr)
-    p.add_argument("--warmup-steps", type=int, default=500)
+    p.add_argument("--warmup-steps", type=int, default=250)
     p.add_argument("--warmup-lr", type=float, default=3e-3)
-    p.add_argument("--warmup-right-key", type=float, default=0.5,
+    p.add_argument("--warmup-right-key", type=float, default=1.0,
                    help="how often the warm-up's demonstrations call the user's key (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (default 1: the engine "
