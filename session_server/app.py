@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from session_server.api import admin, messages, responses, samples, session_header, sessions
+from session_server.anthropic import routes as messages
+from session_server.api import admin, samples, sessions
 from session_server.config import ServerConfig
 from session_server.cpu_pool import CpuPool
 from session_server.engine.client import EngineClient
@@ -25,7 +26,8 @@ from session_server.engine.sessions import EngineSessions
 from session_server.errors import method_not_allowed, not_found
 from session_server.http.front_door import FrontDoorApp
 from session_server.metrics import LoopLagTicker, Metrics
-from session_server.openai import chat
+from session_server.openai import routes as chat
+from session_server.responses import routes as responses
 from session_server.sessions.journal import Journal, JournalError, Restored
 from session_server.sessions.lifecycle import Lifecycle
 from session_server.sessions.recovery import restore_sessions
@@ -219,7 +221,7 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
             await shutdown(server)
 
     session = "/sessions/{session_id}"
-    chat_route = Route(session + "/v1/chat/completions", chat.chat_completions, methods=["POST"])
+    chat_route = Route(session + "/v1/chat/completions", chat.create, methods=["POST"])
     # First match wins and every request tries the routes in order, so the busiest come first (chats take the lane).
     routes = [
         Route("/health", admin.health, methods=["GET"]),
@@ -230,8 +232,8 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         Route(session + "/v1/messages", messages.create, methods=["POST"]),
         Route(session + "/samples", samples.collect_samples, methods=["POST"]),
         Route(session, sessions.get_session, methods=["GET"]),
-        # One base URL for many episodes, addressed by the X-Session-ID header (api/session_header.py).
-        Route("/v1/chat/completions", session_header.chat_completions, methods=["POST"]),
+        # One base URL for many episodes, addressed by the X-Session-ID header (frontend/root_session.py).
+        Route("/v1/chat/completions", chat.create_at_root, methods=["POST"]),
         Route("/v1/responses", responses.create_at_root, methods=["POST"]),
         Route("/v1/messages", messages.create_at_root, methods=["POST"]),
         Route(session + "/v1/messages/count_tokens", messages.count, methods=["POST"]),
@@ -242,7 +244,7 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         Route("/metrics", admin.metrics, methods=["GET"]),
         Route(session + "/v1/models", sessions.list_models, methods=["GET"]),
         Route(session + "/v1/models/{model_id:path}", sessions.retrieve_model, methods=["GET"]),
-        Route("/v1/models", session_header.list_models, methods=["GET"]),
+        Route("/v1/models", sessions.list_models_at_root, methods=["GET"]),
         Route("/admin/pause", admin.pause, methods=["POST"]),
         Route("/admin/continue", admin.resume, methods=["POST"]),
         Route("/admin/sessions", admin.sessions, methods=["GET"]),

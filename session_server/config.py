@@ -62,7 +62,7 @@ class ServerConfig:
     inline_below_bytes: int = DEFAULT_INLINE_BELOW_BYTES
     first_turn_cache_tokens: int = first_turns.DEFAULT_MAX_TOKENS  # trajectory/first_turns.py; 0 keeps none
     return_routed_experts: bool = False
-    # Every Chat and Responses reply carries the turn's token ids (turns/token_ids.py), as if the request had asked
+    # Every Chat and Responses reply carries the turn's token ids (frontend/token_ids.py), as if the request had asked
     # with `return_token_ids: true`; a request's own `return_token_ids: false` still turns them off.
     return_token_ids: bool = False
     engine_connections: int = 512

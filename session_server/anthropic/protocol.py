@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from session_server.turns.request_items import MAX_TOKENS, bad, non_empty_string, objects
+from session_server.frontend.request_items import MAX_TOKENS, bad, non_empty_string, objects
 
 # Accepted, without effect on the tokens.
 _NEUTRAL = ("cache_control", "metadata", "context_management", "service_tier", "speed", "inference_geo",

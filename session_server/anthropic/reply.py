@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from session_server.turns.reply_facts import ReplyFacts, sse_event, whole_delta
+from session_server.frontend.reply_facts import ReplyFacts, sse_event, whole_delta
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
 

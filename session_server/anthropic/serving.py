@@ -9,7 +9,6 @@ names the refused field (Claude Code answers a 400 by retrying without beta feat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
@@ -23,10 +22,11 @@ from session_server.errors import (
     json_response,
     retry_headers,
 )
+from session_server.frontend.chat_request import read_chat
+from session_server.frontend.reply_facts import encode_json, reply_facts, sse_event
 from session_server.http.body import decode_object
 from session_server.turns.output import TurnOutput
-from session_server.turns.reply_facts import encode_json, reply_facts, sse_event
-from session_server.turns.turn import ChatReader, NewTokens, Turn, TurnRequest
+from session_server.turns.turn import NewTokens, Turn, TurnRequest
 from trajectory import LinearTrajectory, ModelFamily
 from trajectory.errors import SessionError
 
@@ -72,8 +72,7 @@ class MessagesStream:
         return [sse_event("error", error_payload(err)[1])]
 
 
-def parse_body(body: bytes, family: ModelFamily, read_chat: ChatReader,
-               count_only: bool = False) -> TurnRequest[MessagesTurn]:
+def parse_body(body: bytes, family: ModelFamily, count_only: bool = False) -> TurnRequest[MessagesTurn]:
     """A Messages (or count_tokens) request body as the turn's request."""
     mapped = parse_messages(decode_object(body), family.thinking_switch, count_only)
     request = read_chat(mapped.chat, family, mapped)
@@ -81,15 +80,14 @@ def parse_body(body: bytes, family: ModelFamily, read_chat: ChatReader,
     return request
 
 
-@dataclass
 class Messages:
-    """The FrontEnd of the Anthropic Messages API; `read_chat` reads the chat request its requests map onto."""
+    """The FrontEnd of the Anthropic Messages API: its requests map onto the chat request every API shares
+    (frontend/chat_request.py)."""
 
-    read_chat: ChatReader
-    name: str = "messages"
+    name = "messages"
 
     def parse(self, body: bytes, trajectory: LinearTrajectory) -> TurnRequest[MessagesTurn]:
-        return parse_body(body, trajectory.family, self.read_chat)
+        return parse_body(body, trajectory.family)
 
     def reply(self, turn: Turn[MessagesTurn], out: TurnOutput) -> bytes:
         facts = reply_facts(turn.family, out.result, out.message, turn.request.api.stop_sequences)

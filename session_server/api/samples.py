@@ -16,8 +16,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from session_server.api.sessions import lookup
+from session_server.frontend.fields import MAX_INT32, is_int
 from session_server.http.body import read_object
-from session_server.openai.fields import MAX_INT32, is_int
 from session_server.state import server_of
 from trajectory import Sample, build_segment_samples, samples_to_json, samples_to_safetensors, truncate_sample
 from trajectory.errors import RequestValidationError

@@ -24,6 +24,7 @@ from session_server.errors import (
     error_response,
     json_response,
 )
+from session_server.frontend.root_session import header_id, not_found
 from session_server.http.body import read_object
 from session_server.sessions.session import Session
 from session_server.state import ServerState, server_of
@@ -111,6 +112,19 @@ async def list_models(request: Request) -> Response:
     """GET /sessions/{id}/v1/models: the engine's OpenAI model list, passed through as is (read-only)."""
     server = server_of(request)
     lookup(server, request.path_params["session_id"])
+    reply = await server.engine.models()
+    return relay(reply)
+
+
+async def list_models_at_root(request: Request) -> Response:
+    """GET /v1/models: the engine's model list. A harness asks before any episode exists, so the X-Session-ID header
+    is optional here; when given it must name a live session (nothing is created by a read)."""
+    server = server_of(request)
+    sid = header_id(request)
+    if sid is not None:
+        if not server.registry.knows(sid):
+            raise not_found(server, sid)
+        server.registry.require(sid)
     reply = await server.engine.models()
     return relay(reply)
 

@@ -9,7 +9,7 @@ matching all of it again makes a turn's cost grow with the history; here it foll
   objects, which the matcher recognises at once -- and only the elements after them are decoded and checked.
   Otherwise (a first turn, a client that re-serialises its history, a rollback) the whole array is, as before;
 - `tools`: decoded once per distinct list of bytes (a bounded cache), and those bytes are the key of the list's
-  verdict in openai/fields.py (its depth, integers and schemas, checked once per distinct list), so an unchanged
+  verdict in frontend/fields.py (its depth, integers and schemas, checked once per distinct list), so an unchanged
   list is neither decoded nor encoded again;
 - every other field is decoded and checked as before.
 
@@ -28,8 +28,8 @@ from typing import Any
 
 import msgspec
 
+from session_server.frontend.fields import CACHED_TOOL_LIST_BYTES, TOOL_LIST_VERDICTS
 from session_server.http.body import check_json_value, decode_object
-from session_server.openai.fields import CACHED_TOOL_LIST_BYTES, TOOL_LIST_VERDICTS
 from trajectory.errors import RequestValidationError
 from trajectory.linear import SentHistory
 

@@ -21,7 +21,7 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any
 
-from session_server.turns.request_items import MAX_TOKENS, bad, non_empty_string, objects
+from session_server.frontend.request_items import MAX_TOKENS, bad, non_empty_string, objects
 
 # Accepted, echoed where the response has a place for them, and without effect on the tokens.
 _NEUTRAL = ("store", "metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",

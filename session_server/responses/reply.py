@@ -12,7 +12,7 @@ shows it as a second message item; the committed turn is the same either way.
 Events carry `sequence_number`s from 0, and each item is announced (`output_item.added`), filled (`*.delta`) and
 closed (`*.done`, `output_item.done` with the whole item) in order -- Codex reads only the closed items.
 
-With token ids asked for (turns/token_ids.py), the last output item of the finished response carries the turn's
+With token ids asked for (frontend/token_ids.py), the last output item of the finished response carries the turn's
 `prompt_token_ids`, `generation_token_ids` and `generation_log_probs`, as NeMo Gym's model servers attach them to the
 last item of each model call (its `*ForTraining` item types); the items' events before it carry none.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from session_server.frontend.reply_facts import ReplyFacts, sse_event, whole_delta
+from session_server.frontend.token_ids import TurnTokens
 from session_server.responses.protocol import ResponsesTurn, encode_reasoning_state
-from session_server.turns.reply_facts import ReplyFacts, sse_event, whole_delta
-from session_server.turns.token_ids import TurnTokens
 
 
 def _usage(facts: ReplyFacts) -> dict[str, Any]:

@@ -11,7 +11,6 @@ offered: a response is a turn of a training trajectory, removed only with its se
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
@@ -23,13 +22,14 @@ from session_server.errors import (
     json_response,
     retry_headers,
 )
+from session_server.frontend.chat_request import read_chat
+from session_server.frontend.reply_facts import encode_json, reply_facts, sse_event, turn_facts
+from session_server.frontend.token_ids import turn_tokens
 from session_server.http.body import decode_object
 from session_server.responses.protocol import ResponsesTurn, parse_responses
 from session_server.responses.reply import ResponseBuilder, response_body
 from session_server.turns.output import TurnOutput
-from session_server.turns.reply_facts import encode_json, reply_facts, sse_event, turn_facts
-from session_server.turns.token_ids import turn_tokens
-from session_server.turns.turn import ChatReader, NewTokens, Turn, TurnRequest
+from session_server.turns.turn import NewTokens, Turn, TurnRequest
 from trajectory import LinearTrajectory
 from trajectory.errors import SessionError
 
@@ -92,12 +92,11 @@ class ResponsesStream:
         return [sse_event("response.failed", payload)]
 
 
-@dataclass
 class Responses:
-    """The FrontEnd of the OpenAI Responses API; `read_chat` reads the chat request its requests map onto."""
+    """The FrontEnd of the OpenAI Responses API: its requests map onto the chat request every API shares
+    (frontend/chat_request.py)."""
 
-    read_chat: ChatReader
-    name: str = "responses"
+    name = "responses"
 
     def parse(self, body: bytes, trajectory: LinearTrajectory) -> TurnRequest[ResponsesTurn]:
         obj = decode_object(body)
@@ -107,7 +106,7 @@ class Responses:
             turn = turn_of_response(trajectory, previous)
             history = trajectory.messages[: trajectory.checkpoints[turn].num_messages]
         mapped = parse_responses(obj, trajectory.family.thinking_switch, history)
-        request = self.read_chat(mapped.chat, trajectory.family, mapped)
+        request = read_chat(mapped.chat, trajectory.family, mapped)
         request.ignored = mapped.ignored
         return request
 

@@ -130,7 +130,7 @@ class Lifecycle:
     # -- the in-flight slot --------------------------------------------------------------------------------
     def check_accepting(self) -> None:
         """503 + Retry-After while the server is shutting down or paused: the one gate for new chats, whether they
-        claim a session's slot or create a session on demand (api/session_header.py)."""
+        claim a session's slot or create a session on demand (frontend/root_session.py)."""
         if self.shutting_down:
             raise SessionPausedError("server is shutting down", self.retry_after)
         if self.paused:

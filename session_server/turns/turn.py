@@ -71,7 +71,7 @@ class Turn(Generic[R]):
     family: ModelFamily
     segment: SegmentPlan | None = None  # the segment matched (None: a caller without segments)
     created: int = field(default_factory=lambda: int(time.time()))
-    return_token_ids: bool = False  # the reply carries the turn's token ids (turns/token_ids.py)
+    return_token_ids: bool = False  # the reply carries the turn's token ids (frontend/token_ids.py)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -112,14 +112,6 @@ class FrontEnd(Protocol[R]):
     def stream(self, turn: Turn[R]) -> StreamFormat: ...
     def error(self, err: SessionError) -> Response: ...  # an error before the first byte, in the API's shape
     def wants_logprobs(self, request: R) -> bool: ...  # whether stream deltas carry the new tokens' logprobs
-
-
-class ChatReader(Protocol):
-    """Reads a Chat Completions request object into a TurnRequest carrying the caller's own `api` value: what the
-    Responses and Anthropic front ends map their requests onto, so every API honours a field with the same checks.
-    Chat Completions provides it (openai/chat.py); the routes hand it to the others (a front end imports no other)."""
-
-    def __call__(self, obj: dict[str, Any], family: ModelFamily, api: R) -> TurnRequest[R]: ...
 
 
 ROLLBACK_HEADER = "X-Session-Rollback"

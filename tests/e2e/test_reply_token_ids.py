@@ -1,4 +1,4 @@
-"""Token ids on replies (session_server/turns/token_ids.py), read as the capture-style frameworks read them: through
+"""Token ids on replies (session_server/frontend/token_ids.py), read as the capture-style frameworks read them: through
 the official `openai` SDK's extra fields, vLLM's `prompt_token_ids` / `choices[].token_ids` on Chat Completions and
 NeMo Gym's `prompt_token_ids` / `generation_token_ids` / `generation_log_probs` on the last Responses output item.
 

@@ -183,7 +183,7 @@ def test_a_model_native_tool_grammar_is_decoded_by_sglangs_backend(served: Serve
     admits it without end too)."""
     from transformers import AutoTokenizer
 
-    from session_server.openai.tool_grammar import native_structural_tag
+    from session_server.frontend.tool_grammar import native_structural_tag
     from trajectory.families.xml_tool_calls import parse_calls
 
     tok = AutoTokenizer.from_pretrained(served.checkpoint)

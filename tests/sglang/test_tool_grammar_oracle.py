@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from session_server.openai.fields import RequestOptions, ToolChoice, tool_call_constraint
+from session_server.frontend.fields import RequestOptions, ToolChoice, tool_call_constraint
 from support.families import FAMILIES
 from support.families import SGLANG_PARSERS as PARSERS
 from trajectory.families import registry

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("config",),
     ("state",),
     ("turns",),
+    ("frontend",),  # what the three front ends share: the chat-shaped turn request, reply facts, root sessions
     ("openai", "responses", "anthropic"),  # the front ends, one per API; none imports another
     ("api",),
     ("app",),

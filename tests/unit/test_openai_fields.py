@@ -1,4 +1,4 @@
-"""OpenAI request fields -> SGLang sampling keys, prompt tools and template kwargs (session_server/openai/fields.py).
+"""OpenAI request fields -> SGLang sampling keys, prompt tools and template kwargs (session_server/frontend/fields.py).
 
 The sampling params the server builds are checked against SGLang 0.5.23's own request schema
 (`sglang.api.v1.api_types.SamplingParams`, which rejects unknown keys and wrong types), loaded from the installed
@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from session_server.engine.wire import encode_generate
-from session_server.openai.protocol import ChatRequest, parse_chat_request, turn_tools
+from session_server.frontend.chat_request import ChatRequest, turn_tools
+from session_server.openai.protocol import parse_chat_request
 from support.examples import examples
 from trajectory import GenerateResult, LinearTrajectory
 from trajectory.errors import RequestValidationError
@@ -240,7 +241,7 @@ def test_schema_verdicts_are_remembered_for_valid_and_invalid_schemas(monkeypatc
     once, and a bad one stays a 400 every time."""
     import jsonschema
 
-    from session_server.openai import fields as openai_fields
+    from session_server.frontend import fields as openai_fields
 
     calls: list[object] = []
     real = jsonschema.Draft202012Validator.check_schema
@@ -266,7 +267,7 @@ def test_schema_verdicts_are_remembered_for_valid_and_invalid_schemas(monkeypatc
 
 
 def test_more_tools_than_openai_allows_is_a_400_before_any_schema_is_checked(qwen3: Any, monkeypatch) -> None:
-    from session_server.openai import fields as openai_fields
+    from session_server.frontend import fields as openai_fields
 
     def never(*args: object) -> None:
         raise AssertionError("no schema may be checked for a refused request")
@@ -283,7 +284,7 @@ def test_a_tools_list_is_checked_once_and_its_verdict_bounded(qwen3: Any, monkey
     """An agent resends the same tools every turn: the list is validated once (then one encode and one lookup), a list
     that differs in any byte is validated again, a bad list is refused every time with the same 400, and a list too
     large to remember is validated every time (no client can grow the cache past its bound)."""
-    from session_server.openai import fields as openai_fields
+    from session_server.frontend import fields as openai_fields
 
     checked: list[str] = []
     real = openai_fields._check_schema
@@ -319,7 +320,7 @@ def test_the_tools_list_is_held_to_the_body_rules_once_per_distinct_list(qwen3: 
     """The chat body decode leaves the tools list to its verdict: a list that nests too deep or holds an integer
     beyond 64 bits is still the body's 400, word for word, and a list seen before is not walked again."""
     from session_server.http import body as http_body
-    from session_server.openai import fields as openai_fields
+    from session_server.frontend import fields as openai_fields
 
     openai_fields._tools_verdict.cache_clear()
     deep: Any = "leaf"
@@ -344,7 +345,7 @@ def test_the_tools_list_is_held_to_the_body_rules_once_per_distinct_list(qwen3: 
 def test_a_request_without_option_or_penalty_fields_reads_as_one_with_them_all_null() -> None:
     """parse_options and penalty_params skip their lookups when none of their fields is present: the same result as
     reading every field as null, which goes through each check."""
-    from session_server.openai import fields
+    from session_server.frontend import fields
 
     nulls = {key: None for key in fields._OPTION_FIELDS | fields._PENALTY_FIELDS}
     assert fields.parse_options({"messages": []}) == fields.parse_options(nulls) == fields.RequestOptions()

@@ -1,4 +1,4 @@
-"""sglang-sim reads the model-native structural tags the session server sends (session_server/openai/tool_grammar.py)
+"""sglang-sim reads the model-native structural tags the session server sends (session_server/frontend/tool_grammar.py)
 as the grammar means them: which tools it allows, whether it forces a call, whether it allows only one."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from session_server.openai.tool_grammar import BUILDERS, native_structural_tag
+from session_server.frontend.tool_grammar import BUILDERS, native_structural_tag
 from sglang_sim.constraints import allowed_calls, parse_structural_tag
 from sglang_sim.generation import _NATIVE_NAME
 

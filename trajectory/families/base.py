@@ -387,7 +387,7 @@ class ModelFamily(ABC):
 
     def reasoning_end(self, output_ids: Sequence[int] | Any) -> int | None:
         """How many of the generated ids the reasoning takes, for a family that locates it itself (harmony's analysis
-        messages); None: it ends at `reasoning_markers`' closing token (session_server/turns/reply_facts.py)."""
+        messages); None: it ends at `reasoning_markers`' closing token (session_server/frontend/reply_facts.py)."""
         return None
 
     def stream_settled(self, text: str) -> tuple[int, bool] | None:

@@ -1,7 +1,6 @@
 """The Anthropic Messages API's routes: `POST .../v1/messages` (a turn, on the turn pipeline) and
 `POST .../v1/messages/count_tokens`, under the session URL (Claude Code's ANTHROPIC_BASE_URL) and at the root; errors
-in Anthropic's shape. Query strings (`?beta=true`) are accepted as they are: they change nothing here. Here the
-Messages front end is handed the chat reader it maps its requests onto."""
+in Anthropic's shape. Query strings (`?beta=true`) are accepted as they are: they change nothing here."""
 
 from __future__ import annotations
 
@@ -9,15 +8,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from session_server.anthropic.serving import Messages, parse_body
-from session_server.api.session_header import serve_at_root, serve_root_turn
 from session_server.errors import json_response
-from session_server.openai.chat import read_chat
+from session_server.frontend.root_session import serve_at_root, serve_root_turn
 from session_server.state import server_of
 from session_server.turns.pipeline import read_body, serve_turn
 from trajectory import LinearTrajectory
 from trajectory.errors import SessionError
 
-MESSAGES = Messages(read_chat)
+MESSAGES = Messages()
 
 
 async def create(request: Request) -> Response:
@@ -31,7 +29,7 @@ async def create_at_root(request: Request) -> Response:
 def count_tokens(body: bytes, trajectory: LinearTrajectory) -> int:
     """The length of the prompt the request would get on this trajectory (a snapshot; pure): the stored tokens plus
     the appended messages when it continues the stored history, else the conversation rendered afresh."""
-    turn = parse_body(body, trajectory.family, read_chat, count_only=True)
+    turn = parse_body(body, trajectory.family, count_only=True)
     try:
         plan = trajectory.prepare(turn.messages, turn.tools, turn.template_kwargs)
     except SessionError:  # not a continuation of the stored history

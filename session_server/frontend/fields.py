@@ -33,9 +33,9 @@ from typing import Any, TypeGuard
 
 import msgspec
 
+from session_server.frontend import token_ids
+from session_server.frontend.tool_grammar import native_structural_tag
 from session_server.http.body import check_json_value
-from session_server.openai.tool_grammar import native_structural_tag
-from session_server.turns import token_ids
 from trajectory.errors import RequestValidationError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
@@ -112,7 +112,7 @@ class RequestOptions:
     json_schema: Any = None  # the schema object when response_format == "json_schema"
     chat_template_kwargs: dict[str, Any] | None = None
     include_usage: bool = False
-    return_token_ids: bool | None = None  # None: as the server is configured (turns/token_ids.py)
+    return_token_ids: bool | None = None  # None: as the server is configured (frontend/token_ids.py)
 
     @property
     def parse_tool_calls(self) -> bool:

@@ -18,9 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from session_server.api.sessions import relay
 from session_server.errors import SessionNotFoundError
-from session_server.openai.chat import CHAT
 from session_server.state import ServerState, server_of
 from session_server.turns.pipeline import serve_turn
 from session_server.turns.turn import FrontEnd
@@ -32,7 +30,7 @@ MAX_SESSION_ID_LEN = 128
 _VALID_ID = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_SESSION_ID_LEN}}}")
 
 
-def _header_id(request: Request, keys: bool = False) -> str | None:
+def header_id(request: Request, keys: bool = False) -> str | None:
     """The session id in X-Session-ID, or with `keys` (a turn at the root) in the API key -- `x-api-key` or
     `Authorization: Bearer` -- for harnesses that can set a key but no header (Claude Code, Codex)."""
     sid, where = request.headers.get(SESSION_HEADER), SESSION_HEADER
@@ -51,7 +49,7 @@ def _header_id(request: Request, keys: bool = False) -> str | None:
     return sid
 
 
-def _not_found(server: ServerState, sid: str) -> SessionNotFoundError:
+def not_found(server: ServerState, sid: str) -> SessionNotFoundError:
     how = f"create it with POST /sessions and send the returned session_id in {SESSION_HEADER}"
     if not server.config.create_sessions_on_demand:
         how += ", or start the server with --create-sessions-on-demand to create sessions on first use"
@@ -60,7 +58,7 @@ def _not_found(server: ServerState, sid: str) -> SessionNotFoundError:
 
 def resolve_session(server: ServerState, request: Request, create: bool) -> str:
     """The session id the request addresses; with `create` and on-demand creation on, an unknown id is created."""
-    sid = _header_id(request, keys=True)
+    sid = header_id(request, keys=True)
     if sid is None:
         raise RequestValidationError(
             f"a chat at the root URL needs a {SESSION_HEADER} header (or an API key) naming its session (or use the "
@@ -69,7 +67,7 @@ def resolve_session(server: ServerState, request: Request, create: bool) -> str:
     if server.registry.knows(sid):
         return sid  # the lifecycle's claim answers for it: live, closing (404), deleted (404 "was deleted")
     if not (create and server.config.create_sessions_on_demand):
-        raise _not_found(server, sid)
+        raise not_found(server, sid)
     server.lifecycle.check_accepting()
     # Synchronous from the lookup to the insert: two first requests with one new id cannot both create it.
     server.lifecycle.create(server.new_segments(), session_id=sid)
@@ -92,21 +90,3 @@ async def serve_at_root(
 async def serve_root_turn(request: Request, api: FrontEnd[Any]) -> Response:
     """A turn at the root URL of any API."""
     return await serve_at_root(request, api.error, True, lambda req, sid: serve_turn(req, sid, api))
-
-
-async def chat_completions(request: Request) -> Response:
-    """POST /v1/chat/completions: the chat of the session named by X-Session-ID (created on first use if allowed)."""
-    return await serve_root_turn(request, CHAT)
-
-
-async def list_models(request: Request) -> Response:
-    """GET /v1/models: the engine's model list. A harness asks before any episode exists, so the header is
-    optional here; when given it must name a live session (nothing is created by a read)."""
-    server = server_of(request)
-    sid = _header_id(request)
-    if sid is not None:
-        if not server.registry.knows(sid):
-            raise _not_found(server, sid)
-        server.registry.require(sid)
-    reply = await server.engine.models()
-    return relay(reply)

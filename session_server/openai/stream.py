@@ -1,7 +1,7 @@
 """`stream: true` chats as OpenAI writes them: chat.completion.chunk events, then `finish_reason`, a usage chunk with
 empty `choices` when `stream_options.include_usage`, and `[DONE]`; an error after the first byte is an error event.
 
-With token ids asked for (turns/token_ids.py) the first chunk carries `prompt_token_ids`, as vLLM's does, and the
+With token ids asked for (frontend/token_ids.py) the first chunk carries `prompt_token_ids`, as vLLM's does, and the
 finishing chunk carries them again with the choice's `token_ids`: every token of the reply at once, as it is
 committed (the chunks before carry none, so a client that joins the chunks' `token_ids` gets the reply's too).
 
@@ -17,10 +17,12 @@ from typing import Any
 import msgspec
 
 from session_server.errors import SessionPausedError
+from session_server.frontend.chat_request import ChatRequest
+from session_server.frontend.reply_facts import reply_facts
+from session_server.frontend.token_ids import turn_tokens
 from session_server.openai.logprobs import openai_logprobs
-from session_server.openai.protocol import ChatRequest, finish_reason, system_fingerprint, usage
+from session_server.openai.protocol import finish_reason, system_fingerprint, usage
 from session_server.turns.output import TurnOutput
-from session_server.turns.token_ids import turn_tokens
 from session_server.turns.turn import NewTokens, Turn
 from trajectory.errors import SessionError
 
@@ -79,14 +81,15 @@ class ChatStream:
             events.append(self._chunk(rest, logprobs=logprobs, fingerprint=fingerprint))
             logprobs = None
         ids = turn_tokens(self.turn.return_token_ids, self.turn.plan, out)
-        events.append(self._chunk({}, finish=finish_reason(result, out.message), logprobs=logprobs,
+        facts = reply_facts(self.turn.family, result, out.message)
+        events.append(self._chunk({}, finish=finish_reason(facts), logprobs=logprobs,
                                   fingerprint=fingerprint,
                                   prompt_ids=None if ids is None else ids.prompt_token_ids,
                                   token_ids=None if ids is None else ids.token_ids))
         if self.options.include_usage:
             events.append(_event({"id": self.id, "object": "chat.completion.chunk", "created": self.turn.created,
                                   "model": self.turn.model, "system_fingerprint": fingerprint, "choices": [],
-                                  "usage": usage(out, self.turn.family)}))
+                                  "usage": usage(facts)}))
         return events
 
     def end(self) -> bytes:

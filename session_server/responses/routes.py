@@ -1,21 +1,20 @@
 """The Responses API's routes: `POST .../v1/responses` (a turn, on the turn pipeline) and
 `GET .../v1/responses/{response_id}` (a committed turn's response), under the session URL and at the root; errors
-in the Responses shape. Here the Responses front end is handed the chat reader it maps its requests onto."""
+in the Responses shape."""
 
 from __future__ import annotations
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from session_server.api.session_header import serve_at_root, serve_root_turn
 from session_server.errors import json_response
-from session_server.openai.chat import read_chat
+from session_server.frontend.root_session import serve_at_root, serve_root_turn
 from session_server.responses.serving import Responses, stored_response
 from session_server.state import server_of
 from session_server.turns.pipeline import serve_turn
 from trajectory.errors import SessionError
 
-RESPONSES = Responses(read_chat)
+RESPONSES = Responses()
 
 
 async def create(request: Request) -> Response:
