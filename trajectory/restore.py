@@ -115,10 +115,12 @@ def load_turn(stored: StoredTurn, trajectory: LinearTrajectory) -> TurnDelta:
 
 
 def restore_trajectory(
-    family: ModelFamily, turns: list[StoredTurn], *, max_rollback: int = 1, matcher: str = "loose_tool_call"
+    family: ModelFamily, turns: list[StoredTurn], *, max_rollback: int = 1, matcher: str = "loose_tool_call",
+    special_tokens: str = "text",
 ) -> LinearTrajectory:
-    """Rebuild a trajectory by replaying its stored turns in order; raises InvariantError if they do not chain."""
-    trajectory = LinearTrajectory(family, max_rollback=max_rollback, matcher=matcher)
+    """Rebuild a trajectory by replaying its stored turns in order; raises InvariantError if they do not chain.
+    `special_tokens` is the serving trajectory's mode (LinearTrajectory), which its later turns keep using."""
+    trajectory = LinearTrajectory(family, max_rollback=max_rollback, matcher=matcher, special_tokens=special_tokens)
     for stored in turns:
         trajectory.apply(load_turn(stored, trajectory))
     return trajectory

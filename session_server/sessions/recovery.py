@@ -30,9 +30,13 @@ def restore_sessions(registry: Registry, family: ModelFamily, restored: Restored
                 f"{family.name!r}: start with the journal's family or another --journal"
             )
         segments = new_segments()
+        # The server's way with control-token spellings in message text (--special-tokens-in-content), as a fresh
+        # trajectory of this server has it: not journaled, so a restart that changed it applies the new one.
+        special_tokens = "text" if segments.get(0).trajectory.text_only else "engine"
         try:
             for segment, turns in [(0, saved.turns), *sorted(saved.segment_turns.items())]:
-                trajectory = restore_trajectory(family, turns, max_rollback=saved.max_rollback, matcher=saved.matcher)
+                trajectory = restore_trajectory(family, turns, max_rollback=saved.max_rollback, matcher=saved.matcher,
+                                                special_tokens=special_tokens)
                 if segment == 0:
                     segments.get(0).trajectory = trajectory
                     continue

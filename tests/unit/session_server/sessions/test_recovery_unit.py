@@ -105,12 +105,9 @@ def test_a_restored_session_takes_its_next_turn_as_the_live_one_would(family: Mo
     assert side.start is not None and side.segment == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "recovery.py replays each segment with trajectory.restore.restore_trajectory, which builds "
-    "LinearTrajectory(family, max_rollback, matcher) with the default special_tokens='text'; the server's "
-    "--special-tokens-in-content (kept by new_segments) is neither journaled nor applied, so under 'engine' a "
-    "restored session tokenizes control-token spellings in later turns as text, unlike before the restart"))
 def test_a_restored_session_keeps_the_servers_special_token_mode(family: ModelFamily) -> None:
+    """Under --special-tokens-in-content engine, a control token's spelling in a later turn is the control token,
+    after a restart as before it (the mode comes from the server's fresh trajectories: it is not journaled)."""
     live, saved = live_episode(family, special_tokens="engine")
     registry = Registry()
     restore_sessions(registry, family, Restored(sessions=[saved], tombstones=[]),
