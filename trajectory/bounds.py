@@ -10,7 +10,8 @@ counting once past the limit), and is never above the real count, so a prompt it
   or forms whitespace-only pre-tokens), and every pre-token is at least one token.
 
 Only text a template always renders verbatim is counted: user, system and tool message content (an assistant's
-content may be cut by the template, e.g. Qwen3 drops earlier reasoning). tests/unit/test_bounds.py checks the bound
+content may be cut by the template, e.g. Qwen3 drops earlier reasoning). tests/unit/trajectory/test_bounds.py checks
+the bound
 against the real tokenizers with hypothesis.
 """
 

@@ -4,7 +4,8 @@
 (their `tool_use_id` is the stored tool call's id) and its text blocks a user message, in block order; an assistant
 message's `thinking` block is its `reasoning_content`, its text blocks its content and its `tool_use` blocks its
 `tool_calls` (`input` as JSON arguments, matched as JSON against the stored ones). So a turn carried by Messages
-matches and renders exactly like the same turn carried by Chat Completions (tests/unit/test_api_mapping.py).
+matches and renders exactly like the same turn carried by Chat Completions
+(tests/unit/session_server/frontend/test_api_mapping.py).
 
 The result is a Chat Completions request object (`MessagesTurn.chat`), validated further by the chat front end's
 own parser. Checked here with Anthropic's field names: tools (`input_schema`), `tool_choice` (auto / any / tool /

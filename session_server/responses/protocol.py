@@ -5,7 +5,7 @@ items are system messages, `message` items user or assistant messages, and one a
 `reasoning`, an assistant `message`, `function_call`s -- which becomes one assistant message with `reasoning_content`
 and `tool_calls`, exactly as the turn was stored (the tool call's `call_id` is the stored tool call's id). So the
 matcher sees the same history whichever API carried it, and the appended messages render to the same template
-tokens (tests/unit/test_api_mapping.py proves it against the chat form).
+tokens (tests/unit/session_server/frontend/test_api_mapping.py proves it against the chat form).
 
 The result is a Chat Completions request object (`ResponsesTurn.chat`), validated further by the chat front end's
 own parser (sampling bounds, tool schemas, tool_choice against the tools), so every API honours a field the same

@@ -25,7 +25,8 @@ The same function when:
 - no truncation or padding is set.
 The checks that read every merge cost about a second, so scripts/build_tokenizers.py records their verdict in
 tokenizer_config.json (`VERDICT_KEY`) with the sha256 of the definition it judged; a verdict for another definition
-is ignored and the checks run at bind. tests/unit/test_fast_encoder.py holds the ids to the Hugging Face encoder's.
+is ignored and the checks run at bind. tests/unit/trajectory/families/test_fast_encoder.py holds the ids to the
+Hugging Face encoder's.
 """
 
 from __future__ import annotations

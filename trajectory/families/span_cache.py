@@ -6,7 +6,8 @@ tokenizer splits its input at the spellings of its non-normalized added tokens (
 before anything else, and tokenizes the text between them independently -- the same fact TITO's appended turns rely
 on. So a long span between two such spellings (or the text's ends) has the same ids wherever it appears, and its
 ids can be reused: the text is cut at those boundaries, long spans seen before come from the cache, and the rest
-is tokenized in as few calls as possible. Exactness is a property test (tests/unit/test_span_cache.py).
+is tokenized in as few calls as possible. Exactness is a property test
+(tests/unit/trajectory/families/test_span_cache.py).
 
 Only spans seen twice are kept (a unique user prompt never evicts the shared preamble), their size is bounded, and
 the cache holds a bounded number of them, least recently used out first.

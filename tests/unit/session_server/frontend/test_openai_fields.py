@@ -319,8 +319,8 @@ def test_a_tools_list_is_checked_once_and_its_verdict_bounded(qwen3: Any, monkey
 def test_the_tools_list_is_held_to_the_body_rules_once_per_distinct_list(qwen3: Any, monkeypatch) -> None:
     """The chat body decode leaves the tools list to its verdict: a list that nests too deep or holds an integer
     beyond 64 bits is still the body's 400, word for word, and a list seen before is not walked again."""
-    from session_server.http import body as http_body
     from session_server.frontend import fields as openai_fields
+    from session_server.http import body as http_body
 
     openai_fields._tools_verdict.cache_clear()
     deep: Any = "leaf"

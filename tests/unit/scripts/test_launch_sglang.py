@@ -9,7 +9,7 @@ from pathlib import Path
 
 from support.sglang_real import sglang_root
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _sglang_fields() -> set[str]:
