@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
     p.add_argument("--out", type=Path, default=ROOT / "out", help="output folder, git-ignored (default out/)")
     p.add_argument("--journal", type=Path, default=None,
-                   help="run the session server with --journal PATH (SQLite; inspect it with sqlite3, see README)")
+                   help="run the session server with --journal PATH (SQLite, read with sqlite3: docs/operating.md)")
     return p.parse_args(argv)
 
 
