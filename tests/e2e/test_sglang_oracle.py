@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -122,12 +123,12 @@ def test_every_engine_request_passes_sglangs_own_schema(stack: Stack, mode: str)
         assert all(g.get("return_routed_experts") for g in gens)
 
 
-def test_the_oracle_refuses_what_sglang_refuses() -> None:
-    """The checks above can fail: SGLang's schema rejects what its HTTP server answers with 400."""
-    from conftest import TOKENIZER_CACHE
+def test_the_oracle_refuses_what_sglang_refuses(tokenizer_dirs: dict[str, Path]) -> None:
+    """The checks above can fail: SGLang's schema rejects what its HTTP server answers with 400. (The tokenizer
+    comes by fixture: `conftest` is not a module to import from, as every test folder may have its own.)"""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_CACHE / FAMILY)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dirs[FAMILY])
     good = {"input_ids": [1, 2], "rid": "r", "sampling_params": {"max_new_tokens": None}}
     _check("/generate", good, len(tokenizer), tokenizer)
     with pytest.raises(TypeError):  # an unknown sampling key
