@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 
@@ -20,11 +19,6 @@ from session_server.sessions.lifecycle import Lifecycle
 from session_server.sessions.registry import Registry
 from session_server.state import ServerState, server_of
 from trajectory import ModelFamily
-
-
-@pytest.fixture(scope="module")
-def family(families: dict[str, ModelFamily]) -> ModelFamily:
-    return families["qwen3"]
 
 
 def state(family: ModelFamily, **config: object) -> ServerState:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Callable
 
 import pytest
 
@@ -20,16 +19,11 @@ from session_server.errors import AbortReason, SessionPausedError
 from session_server.sessions.journal import JournalUnavailableError
 from session_server.sessions.session import Claim
 from session_server.state import ServerState
+from support.bounded import BOUND, bounded
 from support.inprocess_app import StubEngine, client_of, in_process_app
 from trajectory import ModelFamily
 
-T = TypeVar("T")
-BOUND = 10.0
 LONG = 60.0  # a drain deadline the test must never reach
-
-
-async def bounded(awaitable: Awaitable[T]) -> T:
-    return await asyncio.wait_for(awaitable, BOUND)
 
 
 async def until(condition: Callable[[], bool]) -> None:
@@ -38,11 +32,6 @@ async def until(condition: Callable[[], bool]) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition never held"
         await asyncio.sleep(0.001)
-
-
-@pytest.fixture(scope="module")
-def family(families: dict[str, ModelFamily]) -> ModelFamily:
-    return families["qwen3"]
 
 
 class PauseJournal:

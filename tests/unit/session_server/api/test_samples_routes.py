@@ -8,34 +8,17 @@ snapshot must wait for it, never see half a turn).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
-import pytest
 
 from session_server.api.samples import OCTET_STREAM
 from session_server.errors import AbortReason
 from session_server.sessions.session import Session
+from support.bounded import bounded, user
 from support.inprocess_app import client_of, in_process_app
 from support.tito import Reply, generate
 from trajectory import ModelFamily, samples_from_json, samples_from_safetensors
-
-T = TypeVar("T")
-BOUND = 10.0
-
-
-async def bounded(awaitable: Awaitable[T]) -> T:
-    return await asyncio.wait_for(awaitable, BOUND)
-
-
-@pytest.fixture(scope="module")
-def family(families: dict[str, ModelFamily]) -> ModelFamily:
-    return families["qwen3"]
-
-
-def user(text: str) -> dict[str, str]:
-    return {"role": "user", "content": text}
 
 
 def turn(session: Session, request: list[dict[str, Any]], text: str) -> None:

@@ -9,34 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable
-from typing import Any, TypeVar
-
-import pytest
+from typing import Any
 
 from session_server.engine.client import EngineReply
 from session_server.errors import AbortReason
 from session_server.sessions.journal import JournalUnavailableError, SessionInfo
 from session_server.sessions.session import Session
+from support.bounded import bounded, user
 from support.inprocess_app import StubEngine, client_of, in_process_app
 from support.tito import Reply, generate
 from trajectory import ModelFamily
-
-T = TypeVar("T")
-BOUND = 10.0
-
-
-async def bounded(awaitable: Awaitable[T]) -> T:
-    return await asyncio.wait_for(awaitable, BOUND)
-
-
-@pytest.fixture(scope="module")
-def family(families: dict[str, ModelFamily]) -> ModelFamily:
-    return families["qwen3"]
-
-
-def user(text: str) -> dict[str, str]:
-    return {"role": "user", "content": text}
 
 
 def turn(session: Session, request: list[dict[str, Any]], text: str) -> int:

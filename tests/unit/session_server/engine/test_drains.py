@@ -11,22 +11,16 @@ of 10 s on the whole test step, so no verdict depends on the machine's speed.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 from session_server.engine.client import Answer
 from session_server.engine.drains import EngineDrains
 from session_server.metrics import Metrics
+from support.bounded import BOUND, bounded
 
-T = TypeVar("T")
-BOUND = 10.0
 LONG = 60.0  # a grace the code must never wait out (six times BOUND)
-
-
-async def bounded(awaitable: Awaitable[T]) -> T:
-    return await asyncio.wait_for(awaitable, BOUND)
 
 
 class Engine:

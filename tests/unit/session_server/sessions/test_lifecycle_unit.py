@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -28,24 +28,9 @@ from session_server.sessions.journal import JournalUnavailableError, SessionInfo
 from session_server.sessions.lifecycle import Lifecycle
 from session_server.sessions.registry import Registry
 from session_server.sessions.session import Claim
+from support.bounded import bounded, user
 from support.tito import Reply, generate
 from trajectory import LinearTrajectory, ModelFamily, SegmentSet
-
-T = TypeVar("T")
-BOUND = 10.0  # seconds: only turns a hang into a failure; every wait here ends in milliseconds when the code is right
-
-
-async def bounded(awaitable: Awaitable[T]) -> T:
-    return await asyncio.wait_for(awaitable, BOUND)
-
-
-@pytest.fixture(scope="module")
-def family(families: dict[str, ModelFamily]) -> ModelFamily:
-    return families["qwen3"]
-
-
-def user(text: str) -> dict[str, str]:
-    return {"role": "user", "content": text}
 
 
 class Book:

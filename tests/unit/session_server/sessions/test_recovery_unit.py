@@ -16,18 +16,10 @@ import pytest
 from session_server.sessions.journal import JournalError, Restored, RestoredSession
 from session_server.sessions.recovery import restore_sessions
 from session_server.sessions.registry import Registry
+from support.bounded import user
 from support.tito import Reply, generate
 from trajectory import LinearTrajectory, ModelFamily, SegmentSet
 from trajectory.restore import StoredTurn, store_turn
-
-
-@pytest.fixture(scope="module")
-def family(families: dict[str, ModelFamily]) -> ModelFamily:
-    return families["qwen3"]
-
-
-def user(text: str) -> dict[str, str]:
-    return {"role": "user", "content": text}
 
 
 def factory(family: ModelFamily, **kw: Any) -> Any:

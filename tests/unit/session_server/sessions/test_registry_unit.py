@@ -19,11 +19,6 @@ from session_server.sessions.session import Session
 from trajectory import LinearTrajectory, ModelFamily, SegmentSet
 
 
-@pytest.fixture(scope="module")
-def family(families: dict[str, ModelFamily]) -> ModelFamily:
-    return families["qwen3"]
-
-
 def segments(family: ModelFamily) -> SegmentSet:
     return SegmentSet(lambda: LinearTrajectory(family))
 

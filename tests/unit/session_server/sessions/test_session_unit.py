@@ -13,16 +13,8 @@ import pytest
 
 from session_server.errors import AbortReason, SessionNotFoundError, SessionPausedError
 from session_server.sessions.session import Claim, Session
+from support.bounded import user
 from trajectory import LinearTrajectory, ModelFamily, SegmentSet
-
-
-@pytest.fixture(scope="module")
-def family(families: dict[str, ModelFamily]) -> ModelFamily:
-    return families["qwen3"]
-
-
-def user(text: str) -> dict[str, str]:
-    return {"role": "user", "content": text}
 
 
 def new_session(family: ModelFamily, sid: str = "s1") -> Session:

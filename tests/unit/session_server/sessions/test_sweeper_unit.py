@@ -20,14 +20,8 @@ from session_server.sessions.lifecycle import Lifecycle
 from session_server.sessions.registry import Registry
 from session_server.sessions.session import Session
 from session_server.sessions.sweeper import Sweeper, idle_sessions, sweep_interval
+from support.bounded import BOUND
 from trajectory import LinearTrajectory, ModelFamily, SegmentSet
-
-BOUND = 10.0  # seconds: only turns a hang into a failure
-
-
-@pytest.fixture(scope="module")
-def family(families: dict[str, ModelFamily]) -> ModelFamily:
-    return families["qwen3"]
 
 
 def lifecycle() -> tuple[Lifecycle, Metrics]:

@@ -1,0 +1,22 @@
+"""What the server's in-process unit tests share: a bound on every wait, and the message they append.
+
+BOUND only turns a hang into a failure: every wait in those tests ends in milliseconds when the code is right, and
+whatever the code must not wait out is made far longer than BOUND by construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+T = TypeVar("T")
+BOUND = 10.0  # seconds
+
+
+async def bounded(awaitable: Awaitable[T]) -> T:
+    return await asyncio.wait_for(awaitable, BOUND)
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
