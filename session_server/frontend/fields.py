@@ -252,7 +252,7 @@ def parse_options(obj: Mapping[str, Any]) -> RequestOptions:
         logprobs=bool(logprobs), top_logprobs=top or 0, tool_choice=_tool_choice(obj.get("tool_choice")),
         parallel_tool_calls=parallel is not False, response_format=fmt, json_schema=schema,
         chat_template_kwargs=_template_kwargs(obj.get("chat_template_kwargs")), include_usage=include_usage,
-        return_token_ids=token_ids.requested(obj),
+        return_token_ids=_optional_bool(obj, token_ids.FIELD),
     )
 
 

@@ -15,13 +15,10 @@ trajectory holds once the turn is committed. The logprobs are the engine's, as t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from session_server.turns.output import TurnOutput
 from trajectory import TurnPlan
-from trajectory.errors import RequestValidationError
 
 FIELD = "return_token_ids"
 
@@ -33,14 +30,6 @@ class TurnTokens:
     prompt_token_ids: list[int]
     token_ids: list[int]
     log_probs: list[float]
-
-
-def requested(obj: Mapping[str, Any]) -> bool | None:
-    """The request's own `return_token_ids`: True, False, or None when it does not say (the server decides)."""
-    value = obj.get(FIELD)
-    if value is None or isinstance(value, bool):
-        return value
-    raise RequestValidationError(f"'{FIELD}' must be a boolean")
 
 
 def turn_tokens(wanted: bool, plan: TurnPlan, out: TurnOutput) -> TurnTokens | None:
