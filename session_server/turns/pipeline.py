@@ -188,9 +188,9 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
     claim.raise_if_aborted()
     matched = await _bind(server, claim, matched)
     # The rid has a fixed length: no rid is a prefix of another (abort matches by prefix).
-    turn = Turn(parsed, matched.turn, new_rid(), parsed.model or server.family.name, server.family, matched)
-    turn.return_token_ids = server.config.return_token_ids if parsed.return_token_ids is None \
-        else parsed.return_token_ids
+    wants_ids = server.config.return_token_ids if parsed.return_token_ids is None else parsed.return_token_ids
+    turn = Turn(parsed, matched.turn, new_rid(), parsed.model or server.family.name, server.family, matched,
+                return_token_ids=wants_ids)
     server.engine.place(session.id)  # its worker, or a healthy one if its worker failed (placement.py)
     call = EngineCall(server, claim, turn, api)
     await call.open()
