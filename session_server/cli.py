@@ -242,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
              "(default %(default)s)",
     )
     p.add_argument(
+        "--abort-grace", type=float, default=_default("abort_grace"),
+        help="seconds an acknowledged abort may take to end the engine request before the server closes its connection "
+             "(default %(default)s)",
+    )
+    p.add_argument(
         "--journal", default=None, metavar="PATH",
         help="keep every session, committed turn and deletion in this SQLite file (WAL); a restart on the same file "
         "restores the sessions. A turn is on disk before its reply is sent. Default: memory only",
