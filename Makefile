@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml requirements-lock.txt
 	$(PY) -m pip install -q --no-deps "sglang==0.5.23"
 	touch $(STAMP)
 
-$(TOKENIZERS)/.built: $(STAMP) scripts/build_tokenizers.py $(wildcard scripts/chat_templates/*.jinja)
+$(TOKENIZERS)/.built: $(STAMP) scripts/build_tokenizers.py $(wildcard trajectory/families/templates/*.jinja)
 	$(PY) -m scripts.build_tokenizers --out $(TOKENIZERS)
 	touch $@
 

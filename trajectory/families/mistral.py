@@ -3,7 +3,7 @@
 mistral-common's request encoder is the model's template, and it re-renders a conversation rather than appending to
 it: it merges consecutive messages of a role, takes every system message out and puts them, joined, at the start of
 the *last* user message, and writes the tools (`[AVAILABLE_TOOLS]...`) right before that message. `render` normalizes
-the messages as mistral-common does (`instruct_messages`) and the template (scripts/chat_templates/mistral_nemo.jinja)
+the messages as mistral-common does (`instruct_messages`) and the template (templates/mistral_nemo.jinja)
 writes them. There is no assistant header: the model answers right after `[/INST]` or `[/TOOL_RESULTS]`, and it stops
 on `</s>`, which the template writes after every assistant message.
 
