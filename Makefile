@@ -123,7 +123,7 @@ bench: $(STAMP) $(TOKENIZERS)/.built
 		--json-out $(BENCH_OUT)/pooled.json --plot $(BENCH_OUT)/pooled.png $(BENCH_ARGS)
 
 bench-overhead: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) -m scripts.bench_turn_overhead --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/overhead.json $(BENCH_ARGS)
+	$(PY) -m benchmarks.bench_turn_overhead --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/overhead.json $(BENCH_ARGS)
 
 # Streamed vs unstreamed server CPU per reply (1k/4k/16k/32k tokens, an engine configured for one event per token,
 # cumulative and delta engine events; the server asks for its stream interval, engine/pacing.py), the floor beside.
@@ -132,7 +132,7 @@ bench-stream: $(STAMP) $(TOKENIZERS)/.built
 
 # One process at scale: 10k live sessions of 4k tokens; RSS, CPU per turn, /health p99 while 64 chat; the floor beside.
 bench-scale: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) -m scripts.bench_scale --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/scale.json $(BENCH_ARGS)
+	$(PY) -m benchmarks.bench_scale --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/scale.json $(BENCH_ARGS)
 
 # What the CPU pool and the lean engine client buy: the same run with the engine-response decode on the event loop,
 # and with httpx as the /generate client, each diffed against the default run.

@@ -11,8 +11,8 @@ stall, not the load generator's connection pool. CPU and memory come from /proc,
     python bench_session_responsiveness.py --inline-decode --json-out out/inline.json
     python bench_session_responsiveness.py --compare out/inline.json out/pooled.json
 
-The children are launched by rollout.processes; the helpers shared with scripts/bench_turn_overhead.py (pinning,
-/proc readers, percentiles, JSON report and --compare, py-spy) live in scripts/benchlib.py.
+The children are launched by rollout.processes; the helpers shared with benchmarks/bench_turn_overhead.py (pinning,
+/proc readers, percentiles, JSON report and --compare, py-spy) live in benchmarks/benchlib.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -35,8 +34,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from scripts.benchlib import (
+from benchmarks.benchlib import (
     Figures,
+    HealthPoller,
     affinity,
     all_cpus,
     compare,
@@ -64,61 +64,6 @@ from scripts.benchlib import (
 from sglang_sim import directives
 
 ROOT = Path(__file__).resolve().parent
-
-# ---------------------------------------------------------------------------------------------------------------
-# /health poller (its own process, its own connection)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def poll_health(url: str, interval_s: float, cpu: int | None, stop: Any, conn: Any) -> None:
-    """Hit GET /health every interval; send back (start, latency, ok, lateness) rows.
-
-    Runs in its own process so the load generator's event loop and GIL cannot delay it. After a stall the next
-    poll starts at once (no burst to catch up), so a long stall is one long sample, as an agent would see it.
-    """
-    os.sched_setaffinity(0, {cpu} if cpu is not None else all_cpus())  # not the load generator's pinning
-    rows: list[tuple[float, float, bool, float]] = []
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    with httpx.Client(base_url=url, limits=limits, timeout=60.0) as client:
-        conn.send("ready")
-        next_t = time.monotonic()
-        while not stop.is_set():
-            now = time.monotonic()
-            if next_t > now:
-                time.sleep(next_t - now)
-            t0 = time.monotonic()
-            try:
-                ok = client.get("/health").status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            t1 = time.monotonic()
-            rows.append((t0, t1 - t0, ok, max(0.0, t0 - next_t)))
-            next_t = max(next_t + interval_s, t1)
-    conn.send(rows)
-
-
-class HealthPoller:
-    def __init__(self, url: str, interval_s: float, cpu: int | None) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._stop = ctx.Event()
-        self._recv, send = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=poll_health, args=(url, interval_s, cpu, self._stop, send), daemon=True)
-
-    def start(self) -> None:
-        self.proc.start()
-        if not self._recv.poll(60) or self._recv.recv() != "ready":
-            raise RuntimeError("health poller did not start")
-
-    def cpu_seconds(self) -> float:
-        return proc_cpu_seconds(self.proc.pid) if self.proc.pid else 0.0
-
-    def finish(self) -> np.ndarray:
-        """Rows as an array of shape (n, 4): start, latency, ok, lateness (seconds)."""
-        self._stop.set()
-        rows = self._recv.recv() if self._recv.poll(60) else []
-        self.proc.join(10)
-        return np.asarray(rows, dtype=np.float64).reshape(-1, 4)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Load generator
@@ -398,7 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-src", default=None,
                    help="run session-server from this source tree (PYTHONPATH first), e.g. a patched copy")
     p.add_argument("--no-floor", action="store_true",
-                   help="skip the floor (scripts/floor_proxy.py in the server's place, same engine, same load), "
+                   help="skip the floor (benchmarks/floor_proxy.py in the server's place, same engine, same load), "
                    "which is otherwise measured first and reported beside every CPU figure")
     p.add_argument("--pairs", type=int, default=1,
                    help="measure the floor and the server alternately this many times (floor, server, floor, ...) "

@@ -6,7 +6,7 @@ emulated engine streams one event per token (`--stream-interval 1`, SGLang's def
 server for the same one-turn reply with `stream: false` and with `stream: true`, alternately, `--reps` times each. The
 server's CPU per chat is its schedstat runtime across the chat (ns, all threads), so the figure does not depend on the
 benchmark's own speed; the ratio streamed / unstreamed is the goal of docs/design.md 7 (at most 2 at 16k and 32k tokens,
-in both modes). The floor (scripts/floor_proxy.py: uvicorn + Starlette + our engine client relaying the same chats,
+in both modes). The floor (benchmarks/floor_proxy.py: uvicorn + Starlette + our engine client relaying the same chats,
 each engine event decoded and relayed as a chunk) is measured the same way, in the same run, on the same core.
 
 The engine is configured for one event per token; the server asks each streamed request for its own
@@ -33,8 +33,7 @@ from typing import Any
 
 import httpx
 
-from rollout.processes import RunningProcess
-from scripts.benchlib import (
+from benchmarks.benchlib import (
     Figures,
     add_stack_args,
     affinity,
@@ -49,6 +48,7 @@ from scripts.benchlib import (
     start_pair,
     write_report,
 )
+from rollout.processes import RunningProcess
 from session_server.engine.pacing import stream_interval
 from sglang_sim import directives
 

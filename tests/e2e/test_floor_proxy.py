@@ -1,5 +1,5 @@
-"""The benchmarks' floor (scripts/floor_proxy.py) relays real chats to a real engine: plain and streamed replies carry
-the engine's text, so the CPU it is measured at is the cost of a real relay, not of an error path."""
+"""The benchmarks' floor (benchmarks/floor_proxy.py) relays real chats to a real engine: plain and streamed replies
+carry the engine's text, so the CPU it is measured at is the cost of a real relay, not of an error path."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import httpx
 import msgspec
 import pytest
 
+from benchmarks.benchlib import start_floor
 from rollout.processes import start_sim
-from scripts.benchlib import start_floor
 from sglang_sim import directives
 
 

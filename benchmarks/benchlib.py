@@ -1,8 +1,9 @@
 """What the benchmarks share: the engine + server pair pinned to cores, /proc readers, percentiles, the JSON report
 (figures, git state, machine) and its `--compare` table, and the optional py-spy profile.
 
-Used by bench_session_responsiveness.py (top level) and scripts/bench_turn_overhead.py. The child processes are
-launched by rollout.processes, the project's one launcher.
+Used by bench_session_responsiveness.py (top level), the benchmarks beside this module and the soaks (soaks/): a
+benchmark imports what it shares from here, never from another benchmark. The child processes are launched by
+rollout.processes, the project's one launcher.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import platform
+import random
 import re
 import shutil
 import statistics
@@ -24,9 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import numpy as np
 
 from rollout.processes import RunningProcess, start_session_server, start_sim
+from sglang_sim import directives
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -111,8 +116,8 @@ FLOOR_READY = re.compile(r"floor-proxy ready on (http://\S+)")
 
 
 def start_floor(engine_url: str, *args: str, cpu: int | None, log_dir: Path | None) -> RunningProcess:
-    """The floor (scripts/floor_proxy.py) in front of `engine_url`, pinned like the server it stands in for."""
-    cmd = [sys.executable, "-P", "-m", "scripts.floor_proxy", "--engine-url", engine_url, "--port", "0", *args]
+    """The floor (benchmarks/floor_proxy.py) in front of `engine_url`, pinned like the server it stands in for."""
+    cmd = [sys.executable, "-P", "-m", "benchmarks.floor_proxy", "--engine-url", engine_url, "--port", "0", *args]
     return RunningProcess(cmd, ready_pattern=FLOOR_READY, name="floor-proxy", cpus=_cores(cpu), log_dir=log_dir,
                           startup_timeout=60.0, python_path=[ROOT])
 
@@ -387,3 +392,82 @@ def summarize_collapsed(path: str, top: int = 15) -> list[tuple[str, float, floa
     if not samples:
         return []
     return [(f, 100 * c / samples, 100 * total[f] / samples) for f, c in own.most_common(top)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Load: words and user messages
+# ---------------------------------------------------------------------------------------------------------------
+
+_WORD_TEXT = (
+    "alpha beta gamma delta rollout policy gradient token session server engine reward episode agent tool "
+    "search result value model train step batch sample loss mask cache prefix radix memory latency budget "
+    "python numpy tensor kernel thread loop queue worker shard replica weight update pause resume abort"
+)
+WORDS = tuple(_WORD_TEXT.split())
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def user_message(rng: random.Random, session: int, turn: int, user_words: int, reply_tokens: int) -> dict[str, str]:
+    """A user turn of `user_words` words that asks the emulated engine for a `reply_tokens`-token reply."""
+    text = f"Session {session} turn {turn}: {words(rng, user_words)} {directives.tokens(reply_tokens)}"
+    return {"role": "user", "content": text}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# /health poller (its own process, its own connection)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def poll_health(url: str, interval_s: float, cpu: int | None, stop: Any, conn: Any) -> None:
+    """Hit GET /health every interval; send back (start, latency, ok, lateness) rows.
+
+    Runs in its own process so the load generator's event loop and GIL cannot delay it. After a stall the next
+    poll starts at once (no burst to catch up), so a long stall is one long sample, as an agent would see it.
+    """
+    os.sched_setaffinity(0, {cpu} if cpu is not None else all_cpus())  # not the load generator's pinning
+    rows: list[tuple[float, float, bool, float]] = []
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    with httpx.Client(base_url=url, limits=limits, timeout=60.0) as client:
+        conn.send("ready")
+        next_t = time.monotonic()
+        while not stop.is_set():
+            now = time.monotonic()
+            if next_t > now:
+                time.sleep(next_t - now)
+            t0 = time.monotonic()
+            try:
+                ok = client.get("/health").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            t1 = time.monotonic()
+            rows.append((t0, t1 - t0, ok, max(0.0, t0 - next_t)))
+            next_t = max(next_t + interval_s, t1)
+    conn.send(rows)
+
+
+class HealthPoller:
+    """GET /health at a fixed interval from a process of its own, pinned apart from the load generator."""
+
+    def __init__(self, url: str, interval_s: float, cpu: int | None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._recv, send = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=poll_health, args=(url, interval_s, cpu, self._stop, send), daemon=True)
+
+    def start(self) -> None:
+        self.proc.start()
+        if not self._recv.poll(60) or self._recv.recv() != "ready":
+            raise RuntimeError("health poller did not start")
+
+    def cpu_seconds(self) -> float:
+        return proc_cpu_seconds(self.proc.pid) if self.proc.pid else 0.0
+
+    def finish(self) -> np.ndarray:
+        """Rows as an array of shape (n, 4): start, latency, ok, lateness (seconds)."""
+        self._stop.set()
+        rows = self._recv.recv() if self._recv.poll(60) else []
+        self.proc.join(10)
+        return np.asarray(rows, dtype=np.float64).reshape(-1, 4)

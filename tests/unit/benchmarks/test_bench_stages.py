@@ -1,4 +1,4 @@
-"""The per-turn benchmark's stage figures read the server's own stage histograms (scripts/bench_turn_overhead.py):
+"""The per-turn benchmark's stage figures read the server's own stage histograms (benchmarks/bench_turn_overhead.py):
 the exposition text of a real Metrics registry parses back to the sums and counts observed, and the mean per stage
 between two readings counts only what was observed in between."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench_turn_overhead import parse_stage_totals, stage_means
+from benchmarks.bench_turn_overhead import parse_stage_totals, stage_means
 from session_server.metrics import STAGES, Metrics
 
 

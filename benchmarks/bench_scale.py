@@ -7,9 +7,9 @@ do -- run for `--duration` seconds while a separate process polls `GET /health` 
 Reported: the server's RSS before and after the fill (per session and per stored token), its CPU per turn in the
 chat phase (schedstat, all threads, so independent of the load generator's speed), `/health` p50/p99/max while
 idle with every session live and while the 64 chat, and the same chats' CPU per turn through the floor proxy
-(scripts/floor_proxy.py) in the same run on the same pinned core, as a multiple.
+(benchmarks/floor_proxy.py) in the same run on the same pinned core, as a multiple.
 
-    python -m scripts.bench_scale --tokenizer .cache/tokenizers/qwen3 --json-out out/bench/scale.json
+    python -m benchmarks.bench_scale --tokenizer .cache/tokenizers/qwen3 --json-out out/bench/scale.json
 """
 
 from __future__ import annotations
@@ -27,11 +27,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench_session_responsiveness import HealthPoller
-from rollout.processes import RunningProcess
-from scripts.bench_turn_overhead import user_message
-from scripts.benchlib import (
+from benchmarks.benchlib import (
     Figures,
+    HealthPoller,
     add_stack_args,
     all_cpus,
     fmt,
@@ -43,8 +41,10 @@ from scripts.benchlib import (
     run_async,
     start_floor,
     start_pair,
+    user_message,
     write_report,
 )
+from rollout.processes import RunningProcess
 
 
 def fill_message(rng: random.Random, index: int, args: argparse.Namespace) -> dict[str, str]:

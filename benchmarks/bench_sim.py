@@ -3,7 +3,7 @@
 Starts a real `sglang-sim` process, drives it with concurrent httpx clients over loopback, and reports wall-clock
 rates plus the engine process's CPU seconds (so the figure is not just the load generator's limit).
 
-    python scripts/bench_sim.py --tokenizer .cache/tokenizers/qwen3 --family qwen3 --requests 3000 --concurrency 32
+    python -m benchmarks.bench_sim --tokenizer .cache/tokenizers/qwen3 --family qwen3 --requests 3000 --concurrency 32
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 import httpx
 import msgspec
 
+from benchmarks.benchlib import proc_cpu_seconds
 from rollout.processes import start_sim
-from scripts.benchlib import proc_cpu_seconds
 from sglang_sim import directives
 
 

@@ -9,7 +9,7 @@ tool or field handling. Engine replies are decoded as the server does (the route
 rest by a typed msgspec decode), and answered as an OpenAI chat completion; `stream: true` relays the engine's SSE
 events as OpenAI chunks of the new text.
 
-    python -m scripts.floor_proxy --engine-url http://127.0.0.1:30000 --port 0
+    python -m benchmarks.floor_proxy --engine-url http://127.0.0.1:30000 --port 0
 
 Routes: the session server's chat routes and the few a benchmark needs around them (`POST /sessions`, `DELETE
 /sessions/{id}`, `GET /health`).

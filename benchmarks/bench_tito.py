@@ -5,7 +5,7 @@
 - `commit` per turn and bytes per stored token (int32 ids + float32 logprobs + uint8 mask, with slack).
 - strict decode of a /generate body carrying a ~1.5 MiB structured routed-experts payload.
 
-    python scripts/bench_tito.py --tokenizers .cache/tokenizers
+    python -m benchmarks.bench_tito --tokenizers .cache/tokenizers
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from scripts.benchlib import median_seconds
+from benchmarks.benchlib import median_seconds
 from trajectory import LinearTrajectory, ModelFamily, decode_generate_response, get_family
 
 ROOT = Path(__file__).resolve().parent.parent

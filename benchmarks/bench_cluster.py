@@ -9,7 +9,7 @@ Each replica's CPU (schedstat, all threads) and nginx's (master and workers) are
 are chats per replica-CPU-second (should not drop from 1 to N: no cross-replica work) and nginx's CPU per
 chat (the balancer's own price, paid once per request whatever N is).
 
-    python -m scripts.bench_cluster --tokenizer .cache/tokenizers/qwen3 --replicas 3 --sessions 48 --turns 8
+    python -m benchmarks.bench_cluster --tokenizer .cache/tokenizers/qwen3 --replicas 3 --sessions 48 --turns 8
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 
+from benchmarks.benchlib import Figures, proc_runtime_ns, write_report
 from rollout.cluster import LocalCluster
 from rollout.processes import RunningProcess, start_sim
-from scripts.benchlib import Figures, proc_runtime_ns, write_report
 from sglang_sim.directives import tokens
 
 

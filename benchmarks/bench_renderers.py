@@ -1,14 +1,14 @@
 """PrimeIntellect's `renderers` as a family backend, measured against ours (exactness and time per turn).
 
-For each family both cover, a tool loop is played turn by turn through our `LinearTrajectory` (the emulated
-engine's reply format, tests/support/tito.py's rules), and at every turn the same step is asked of `renderers`:
-`bridge_to_next_turn(previous prompt, previous completion, appended messages)`, its incremental rule, falling back
-to its full `render_ids` when it declines to bridge (it does after a new user query when thinking is on). Reported
-per family: turns where its ids equal ours, turns where it bridged, and the median and mean time per turn of each
-step (ours: `prepare`, which also matches the request against the stored history; theirs: bridge or full render),
-over histories growing to about 1k and 8k tokens.
+For each family both cover, a tool loop is played turn by turn through our `LinearTrajectory` (each reply in the
+emulated engine's format: the family's formatted completion, tokenized, then its stop token), and at every turn the
+same step is asked of `renderers`: `bridge_to_next_turn(previous prompt, previous completion, appended messages)`,
+its incremental rule, falling back to its full `render_ids` when it declines to bridge (it does after a new user
+query when thinking is on). Reported per family: turns where its ids equal ours, turns where it bridged, and the
+median and mean time per turn of each step (ours: `prepare`, which also matches the request against the stored
+history; theirs: bridge or full render), over histories growing to about 1k and 8k tokens.
 
-    python -m scripts.bench_renderers --tokenizers .cache/tokenizers
+    python -m benchmarks.bench_renderers --tokenizers .cache/tokenizers
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from trajectory import LinearTrajectory, get_family
+from trajectory import GenerateResult, LinearTrajectory, ModelFamily, TurnPlan, decode_generate_response, get_family
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a key up.", "parameters": {
@@ -37,11 +37,27 @@ def _configs() -> dict[str, Any]:
     return {"qwen3.5": Qwen35RendererConfig(), "qwen3.6": Qwen36RendererConfig()}
 
 
+def engine_reply(family: ModelFamily, plan: TurnPlan, content: str, reasoning: str, calls: tuple[tuple[str, str], ...],
+                 rid: str) -> tuple[GenerateResult, dict[str, Any]]:
+    """One engine call for `plan` as the emulated engine answers it: the family's formatted completion, tokenized,
+    then the stop token the family writes after it, in a native /generate body through the strict decoder; returns
+    the result and the reply message the agent sends back. A prompt that opened the reply (Qwen3.5's `<think>\n`)
+    is continued, not opened again."""
+    opened = family.opened_reply(plan.prompt_ids)
+    text = family.format_completion(content, reasoning, list(calls)).removeprefix(opened)
+    ids = family.encode(text)
+    stop = family.stop_token_after(text)
+    ids.append(stop)
+    body = {"text": text, "output_ids": ids, "meta_info": {
+        "id": rid, "finish_reason": {"type": "stop", "matched": stop}, "prompt_tokens": len(plan.prompt_ids),
+        "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": "w0", "e2e_latency": 0.01,
+        "output_token_logprobs": [[-0.25, t, None] for t in ids]}}
+    result = decode_generate_response(json.dumps(body).encode(), family.vocab_size)
+    return result, family.parse_completion(opened + text).to_message(f"call_{rid}")
+
+
 def play(name: str, tokenizer: Any, history_tokens: int) -> dict[str, Any]:
     import renderers
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from support.tito import Reply, generate
 
     family = get_family(name, tokenizer)
     oracle = renderers.create_renderer(tokenizer, _configs()[name])
@@ -67,7 +83,7 @@ def play(name: str, tokenizer: Any, history_tokens: int) -> dict[str, Any]:
             equal += ids == plan.prompt_ids.tolist()
         words = " ".join(WORDS[(k + i) % len(WORDS)] for i in range(120))
         calls = (("lookup", json.dumps({"key": f"k{k}", "n": k})),) if k % 3 != 2 else ()
-        result, reply = generate(family, plan, Reply(words, f"step {k}", calls), rid=f"r{k}")
+        result, reply = engine_reply(family, plan, words, f"step {k}", calls, rid=f"r{k}")
         traj.commit(plan, result, reply)
         previous = (plan.prompt_ids.tolist(), result.output_ids.tolist())
         appended = ([{"role": "tool", "tool_call_id": f"call_r{k}_0", "content": f"value {k}"}] if calls

@@ -9,7 +9,7 @@ the same `/generate` call straight to the engine: added latency = server turn - 
 turn is its schedstat runtime (ns, all threads) across the chat; its memory per stored token is the RSS delta over
 the run divided by the stored tokens.
 
-The floor (scripts/floor_proxy.py) runs in the same part 1, on the server's core, and every turn goes through it and
+The floor (benchmarks/floor_proxy.py) runs in the same part 1, on the server's core, and every turn goes through it and
 the server alternately (the order rotating from turn to turn), so a drift of the machine lands on both alike and the
 ratio compares the same moments. `--baseline-src DIR` (repeatable) adds session servers run from other source trees
 (e.g. `git archive COMMIT | tar -x -C DIR`) to the same rotation: a before/after table from one run.
@@ -18,7 +18,7 @@ Part 2 (in process, the real tokenizer): TITO `prepare()` of one appended user m
 1k/4k/8k/32k tokens against a full re-render + re-tokenize of the same conversation (what TITO avoids), and the
 trajectory's own bytes per stored token (`nbytes`, and everything it retains, traced with tracemalloc).
 
-    python scripts/bench_turn_overhead.py --tokenizer .cache/tokenizers/qwen3 --json-out out/overhead.json
+    python -m benchmarks.bench_turn_overhead --tokenizer .cache/tokenizers/qwen3 --json-out out/overhead.json
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollout.processes import start_session_server, start_sim
-from scripts.benchlib import (
+from benchmarks.benchlib import (
     Figures,
     add_stack_args,
     affinity,
@@ -64,26 +63,11 @@ from scripts.benchlib import (
     start_profiler,
     summarize_collapsed,
     tool_schemas,
+    user_message,
+    words,
     write_report,
 )
-from sglang_sim import directives
-
-_WORD_TEXT = (
-    "alpha beta gamma delta rollout policy gradient token session server engine reward episode agent tool "
-    "search result value model train step batch sample loss mask cache prefix radix memory latency budget "
-    "python numpy tensor kernel thread loop queue worker shard replica weight update pause resume abort"
-)
-WORDS = tuple(_WORD_TEXT.split())
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-def user_message(rng: random.Random, session: int, turn: int, user_words: int, reply_tokens: int) -> dict[str, str]:
-    text = f"Session {session} turn {turn}: {words(rng, user_words)} {directives.tokens(reply_tokens)}"
-    return {"role": "user", "content": text}
-
+from rollout.processes import start_session_server, start_sim
 
 # ---------------------------------------------------------------------------------------------------------------
 # Part 1: through the server vs straight to the engine
@@ -379,7 +363,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "one invocation, and report the journal's per-turn cost (default off)",
     )
     p.add_argument("--no-floor", action="store_true",
-                   help="skip the floor (scripts/floor_proxy.py beside the server, the same turns to the same engine, "
+                   help="skip the floor (floor_proxy.py beside the server, the same turns to the same engine, "
                    "alternately with the server), which part 1 otherwise reports beside the server's CPU per turn")
     p.add_argument("--baseline-src", action="append", default=[], metavar="DIR",
                    help="also run a session server from this source tree in part 1, taking every turn alternately "
