@@ -1,0 +1,152 @@
+"""trajectory/image_grid.py agrees with transformers' Qwen2VLImageProcessor (what SGLang runs) on every image size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from tokenizers import Tokenizer
+from transformers import AutoImageProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+
+from trajectory import image_grid
+from trajectory.image_grid import (
+    IMAGE_PAD_ID,
+    QWEN3_VL,
+    ImageGeometry,
+    VisionTokens,
+    collapse_pads,
+    expand_pads,
+    grid_thw,
+    image_token_count,
+    pad_runs,
+    placeholder_count,
+    smart_resize,
+)
+
+TOKENIZERS = Path(__file__).resolve().parents[3] / ".cache" / "tokenizers"
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """The processor transformers builds from the preprocessor_config.json the tiny checkpoint ships."""
+    directory = tmp_path_factory.mktemp("processor")
+    (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_VL.preprocessor_config()))
+    return AutoImageProcessor.from_pretrained(str(directory))
+
+
+def test_the_issue_example_320x240_is_16x20_patches_80_pads(processor: object) -> None:
+    assert smart_resize(240, 320) == (256, 320)
+    assert grid_thw(240, 320) == (1, 16, 20)
+    assert placeholder_count((1, 16, 20)) == 80
+    assert image_token_count(240, 320) == 80
+    out = processor(images=[Image.new("RGB", (320, 240))], return_tensors="np")  # type: ignore[operator]
+    assert out["image_grid_thw"].tolist() == [[1, 16, 20]]
+    assert out["pixel_values"].shape == (320, 3 * 2 * 16 * 16)
+
+
+def test_the_shipped_config_is_the_published_qwen3_vl_one(processor: object) -> None:
+    size = processor.size  # type: ignore[attr-defined]
+    assert (size.shortest_edge, size.longest_edge) == (65536, 16777216)
+    assert (processor.patch_size, processor.merge_size, processor.temporal_patch_size) == (16, 2, 2)  # type: ignore[attr-defined]
+    assert list(processor.image_mean) == [0.5, 0.5, 0.5] and list(processor.image_std) == [0.5, 0.5, 0.5]  # type: ignore[attr-defined]
+    assert ImageGeometry.from_preprocessor_config(QWEN3_VL.preprocessor_config()) == QWEN3_VL
+    legacy = {"min_pixels": 3136, "max_pixels": 1003520, "patch_size": 14}
+    assert ImageGeometry.from_preprocessor_config(legacy) == ImageGeometry(
+        patch_size=14, min_pixels=3136, max_pixels=1003520
+    )
+
+
+sides = st.integers(min_value=1, max_value=20000)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(height=sides, width=sides)
+def test_smart_resize_is_transformers_smart_resize(height: int, width: int) -> None:
+    try:
+        expected = hf_smart_resize(height, width, factor=32, min_pixels=65536, max_pixels=16777216)
+    except ValueError:
+        with pytest.raises(ValueError, match="aspect ratio"):
+            smart_resize(height, width)
+        return
+    assert smart_resize(height, width) == expected
+    h, w = expected
+    assert h % 32 == 0 and w % 32 == 0 and 65536 <= h * w <= 16777216
+
+
+LEGACY = ImageGeometry(patch_size=14, min_pixels=3136, max_pixels=1003520)  # Qwen2-VL's numbers
+
+
+@pytest.fixture(scope="module")
+def processors(tmp_path_factory: pytest.TempPathFactory) -> dict[ImageGeometry, object]:
+    """transformers' processor for each geometry, built from the config this module writes."""
+    out: dict[ImageGeometry, object] = {}
+    for geometry in (QWEN3_VL, LEGACY):
+        directory = tmp_path_factory.mktemp(f"p{geometry.patch_size}")
+        (directory / "preprocessor_config.json").write_text(json.dumps(geometry.preprocessor_config()))
+        out[geometry] = AutoImageProcessor.from_pretrained(str(directory))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(height=sides, width=sides, geometry=st.sampled_from([QWEN3_VL, LEGACY]))
+def test_the_pad_count_is_the_processors_patch_count_over_merge_squared(
+    processors: dict[ImageGeometry, object], height: int, width: int, geometry: ImageGeometry
+) -> None:
+    if max(height, width) / min(height, width) > 200:
+        return
+    patches = processors[geometry].get_number_of_image_patches(height, width)  # type: ignore[attr-defined]
+    assert image_token_count(height, width, geometry) * 4 == patches
+    assert placeholder_count(grid_thw(height, width, geometry)) == patches // 4
+
+
+@settings(max_examples=25, deadline=None)
+@given(height=st.integers(min_value=1, max_value=700), width=st.integers(min_value=1, max_value=700))
+def test_grid_matches_the_processor_on_real_images(processor: object, height: int, width: int) -> None:
+    if max(height, width) / min(height, width) > 200:
+        return
+    out = processor(images=[Image.new("RGB", (width, height), (200, 30, 60))], return_tensors="np")  # type: ignore[operator]
+    grid = tuple(out["image_grid_thw"][0].tolist())
+    assert grid == grid_thw(height, width)
+    assert out["pixel_values"].shape[0] == grid[0] * grid[1] * grid[2]
+
+
+def test_refusals() -> None:
+    for height, width in [(0, 10), (10, 0), (-3, 5)]:
+        with pytest.raises(ValueError, match="positive"):
+            smart_resize(height, width)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        smart_resize(1, 201)
+    assert (
+        smart_resize(1, 200) == hf_smart_resize(1, 200, factor=32, min_pixels=65536, max_pixels=16777216) == (32, 3648)
+    )
+
+
+def test_vision_tokens_are_read_from_the_qwen3_tokenizer_by_name() -> None:
+    tokenizer = Tokenizer.from_file(str(TOKENIZERS / "qwen3" / "tokenizer.json"))
+    tokens = VisionTokens.from_tokenizer(tokenizer)
+    assert tokens == image_grid.QWEN3_VISION_TOKENS == VisionTokens(151652, 151653, 151655)
+    assert tokenizer.id_to_token(tokens.pad) == "<|image_pad|>"
+
+    class NoVision:
+        def token_to_id(self, token: str) -> int | None:
+            return None
+
+    with pytest.raises(ValueError, match="vision_start"):
+        VisionTokens.from_tokenizer(NoVision())
+
+
+def test_collapse_expand_and_runs_round_trip() -> None:
+    p = IMAGE_PAD_ID
+    single = [1, 151652, p, 151653, 2, 151652, p, 151653, 3]
+    expanded = expand_pads(single, [3, 2])
+    assert expanded == [1, 151652, p, p, p, 151653, 2, 151652, p, p, 151653, 3]
+    assert pad_runs(expanded) == [(2, 3), (8, 2)]
+    assert collapse_pads(expanded) == single
+    assert expand_pads([1, 2], []) == [1, 2]
+    with pytest.raises(ValueError, match="2 image pads for 1 images"):
+        expand_pads(single, [80])
