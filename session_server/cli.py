@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-request-bytes", type=int, default=_default("max_request_bytes"),
         help="largest accepted request body in bytes; larger ones get 413 (default %(default)s)",
     )
-    p.add_argument("--max-images", type=int, default=_default("max_images"), help="images per request (default %(default)s)")
+    p.add_argument("--max-images", type=int, default=_default("max_images"), help="images per request")
     p.add_argument("--max-image-bytes", type=int, default=_default("max_image_bytes"), help="bytes per encoded image")
     p.add_argument("--max-image-pixels", type=int, default=_default("max_image_pixels"), help="pixels per image")
     p.add_argument("--fetch-images", action="store_true", help="fetch http(s) image URLs (else data URLs only)")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from session_server.cpu_pool import DEFAULT_INLINE_BELOW_BYTES
 from session_server.engine.client import ENGINE_CLIENTS
+from session_server.frontend.images import ImageLimits
 from session_server.sessions.journal import SYNC_MODES
 from trajectory import first_turns
 from trajectory.linear import SPECIAL_TOKEN_MODES
@@ -90,6 +91,13 @@ class ServerConfig:
     engine_urls: tuple[str, ...] = ()
     engine_health_interval: float = 5.0  # seconds between readiness/load probes of each engine; 0 = only on demand
     replica_name: str | None = None  # behind a load balancer: minted ids are `NAME.<hex>` (deploy/nginx.py)
+    # Images in requests (frontend/images.py): per request, per encoded image, per image's declared size; http(s)
+    # image URLs are refused unless fetching is allowed, and then read within the byte limit and the timeout.
+    max_images: int = 32
+    max_image_bytes: int = 10 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    fetch_images: bool = False
+    image_fetch_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -152,10 +160,19 @@ class ServerConfig:
             problems.append(f"--message-matcher must be one of {', '.join(MATCHERS)}")
         if self.replica_name is not None and not REPLICA_NAME.fullmatch(self.replica_name):
             problems.append("--replica-name must be 1-32 characters of a-z 0-9 -, starting with a letter")
+        if self.max_images < 0 or self.max_image_bytes < 1 or self.max_image_pixels < 1:
+            problems.append("--max-images must be >= 0, --max-image-bytes and --max-image-pixels >= 1")
+        if self.image_fetch_timeout <= 0:
+            problems.append("--image-fetch-timeout must be > 0")
         if not 0 <= self.port <= 65535:
             problems.append("--port must be in [0, 65535]")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.max_images, self.max_image_bytes, self.max_image_pixels, self.fetch_images,
+                           self.image_fetch_timeout)
 
     @property
     def session_id_prefix(self) -> str:
