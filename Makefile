@@ -145,12 +145,12 @@ bench-compare: bench
 	$(PY) bench_session_responsiveness.py --compare $(BENCH_OUT)/httpx.json $(BENCH_OUT)/pooled.json
 
 soak: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) -m scripts.soak $(SOAK_ARGS)
+	$(PY) -m soaks.soak $(SOAK_ARGS)
 
 # The journal's crash soak: chats and DELETEs with SIGKILLs of the server at random points, restarts on the same
 # journal, every received turn checked exactly. make soak-crash SOAK_ARGS="--chats 10000 --kills 20"
 soak-crash: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) -m scripts.crash_soak $(SOAK_ARGS)
+	$(PY) -m soaks.crash_soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .cache out

@@ -1,5 +1,5 @@
 """What "the engine is back at its baseline" means, in one place for everyone who checks it: the soaks
-(scripts/soak.py, scripts/crash_soak.py) and the session-server tests (tests/support/server.py).
+(soaks/soak.py, soaks/crash_soak.py) and the session-server tests (tests/support/server.py).
 
 Once every session is deleted nothing may be left behind: no request running or waiting, no engine session open, no
 KV slot in use after `POST /flush_cache` (only the radix cache may still hold KV before the flush), and the engine's

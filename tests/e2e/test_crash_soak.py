@@ -1,4 +1,4 @@
-"""The journal's crash soak (scripts/crash_soak.py) in a small configuration: real processes, SIGKILLs at random
+"""The journal's crash soak (soaks/crash_soak.py) in a small configuration: real processes, SIGKILLs at random
 points, restarts on the same journal; every turn a client received is restored exactly, deleted ids stay deleted,
 un-received turns are repaired by the retry's rollback, the engine's books return to baseline and every deleted
 session's rows are compacted away."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.crash_soak import CrashSoak, parse_args
+from soaks.crash_soak import CrashSoak, parse_args
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The reliability soak of docs/design.md 7 in a small configuration (scripts/soak.py has the harness and the full run).
+"""The reliability soak of docs/design.md 7 in a small configuration (soaks/soak.py has the harness and the full run).
 
 Real sglang-sim and session-server processes; agents chat with random disconnects, contenders, DELETEs, server
 pauses and engine faults, and the harness checks every reply, every session state and, at the end, that the engine
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.soak import SoakConfig, run_soak
+from soaks.soak import SoakConfig, run_soak
 
 
 @pytest.mark.slow

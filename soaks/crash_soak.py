@@ -16,7 +16,7 @@ At the end every session is deleted: the engine's books return to baseline (noth
 flush, /sim/books ok) and the journal holds no session or turn rows. Reports kills survived, turns checked, turns
 repaired, and the journal's size (largest seen during the run and at the end: compaction keeps it bounded).
 
-    python -m scripts.crash_soak --chats 10000 --sessions 32 --kills 20 [--journal-sync full] [--json-out FILE]
+    python -m soaks.crash_soak --chats 10000 --sessions 32 --kills 20 [--journal-sync full] [--json-out FILE]
     make soak-crash SOAK_ARGS="--chats 10000 --kills 20"
 
 Exits 1 when any check failed.

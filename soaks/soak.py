@@ -21,7 +21,7 @@ Invariants, checked as the soak runs:
 At the end (every session deleted, faults off, `POST /flush_cache`): engine running/waiting 0, open sessions 0,
 kv_used_tokens 0, `/sim/books` ok; server in-flight 0 and sessions 0; server RSS growth after warm-up bounded.
 
-    python scripts/soak.py --chats 3000 --sessions 64 [--engine-sessions] [--json-out out/soak.json]
+    python -m soaks.soak --chats 3000 --sessions 64 [--engine-sessions] [--json-out out/soak.json]
 
 Exits 1 when any invariant was violated. tests/e2e/test_soak.py runs the same harness in a smaller configuration.
 """
@@ -43,8 +43,8 @@ from typing import Any
 
 import httpx
 
+from benchmarks.benchlib import proc_kib, start_pair
 from rollout.processes import RunningProcess
-from scripts.benchlib import proc_kib, start_pair
 from sglang_sim import directives
 from sglang_sim.baseline import baseline_problems, engine_idle
 from sglang_sim.faults import FAILING_FAULTS
