@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import time
 from collections.abc import Iterator
@@ -27,10 +28,12 @@ from trajectory import samples_from_json
 
 FAMILY = "qwen3"
 TOKEN_MS = 10
-LONG = 200  # tokens: 2 s at the engine; cut once after 20, it leaves 1.8 s for the one call that cuts it
+LONG = 200  # tokens: 2 s at the engine, unpaced
 CHAT = {"messages": [{"role": "user", "content": f"go on [[sim: tokens {LONG}]]"}]}
-# Cut twice: the second cut needs 20 tokens of the continuation and a call, after however long the first cut took on
-# a loaded machine (every token emitted meanwhile comes off the continuation): 5 s at the engine leaves seconds.
+# While a test cuts a reply, the engine is paced (SGLang's /slow_down) at PACE seconds a token and the cut comes after
+# CUT_AFTER tokens: the call that cuts has (LONG - CUT_AFTER) * PACE = 98 s to land, on any machine.
+PACE = 0.5
+CUT_AFTER = 3
 LONG_TWICE = 500
 CHAT_TWICE = {"messages": [{"role": "user", "content": f"go on and on [[sim: tokens {LONG_TWICE}]]"}]}
 CONTINUED = 'session_server_turn_continuations_total{result="continued"}'
@@ -62,6 +65,18 @@ def _wait(predicate: Any, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.005)
 
 
+@contextlib.contextmanager
+def _paced(engine: str) -> Iterator[None]:
+    """Hold the engine at PACE seconds a token (its requests, and their continuations, stay running) and lift it on
+    the way out, also on failure."""
+    r = httpx.post(f"{engine}/slow_down", json={"forward_sleep_time": PACE}, timeout=10)
+    assert r.status_code == 200, r.text
+    try:
+        yield
+    finally:
+        httpx.post(f"{engine}/slow_down", json={"forward_sleep_time": None}, timeout=10)
+
+
 def _emitted(engine: str, at_least: int) -> None:
     """Wait until the engine's live request has emitted `at_least` tokens."""
     _wait(lambda: engine_info(engine)["output_tokens_in_flight"] >= at_least, f"{at_least} tokens emitted")
@@ -87,12 +102,13 @@ def _cut(stack: Stack, server: str, versions: list[str], body: dict[str, Any],
     sid = new_session(server)
     base = _continued(server)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(httpx.post, chat_url(server, sid), json=body, timeout=60)
-        for i, version in enumerate(versions):
-            _emitted(stack.engine, 20)
-            _update(stack.engine, version, route)
-            if i + 1 < len(versions):  # the next cut is for the continuation, once it runs
-                _wait(lambda n=i: _continued(server) >= base + n + 1 or fut.done(), "the turn continued")
+        with _paced(stack.engine):
+            fut = pool.submit(httpx.post, chat_url(server, sid), json=body, timeout=120)
+            for i, version in enumerate(versions):
+                _emitted(stack.engine, CUT_AFTER)
+                _update(stack.engine, version, route)
+                if i + 1 < len(versions):  # the next cut is for the continuation, once it runs
+                    _wait(lambda n=i: _continued(server) >= base + n + 1 or fut.done(), "the turn continued")
         resp = fut.result()
     resp.extensions["sid"] = sid
     return resp
@@ -250,9 +266,10 @@ def test_an_engine_pause_abort_is_continued_after_the_engine_continues(stack: St
     sid = new_session(server)
     before = _continued(server)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(httpx.post, chat_url(server, sid), json=CHAT, timeout=60)
-        _emitted(engine, 20)
-        assert httpx.post(f"{engine}/pause_generation", json={"mode": "abort"}, timeout=10).status_code == 200
+        with _paced(engine):
+            fut = pool.submit(httpx.post, chat_url(server, sid), json=CHAT, timeout=120)
+            _emitted(engine, CUT_AFTER)
+            assert httpx.post(f"{engine}/pause_generation", json={"mode": "abort"}, timeout=10).status_code == 200
         _wait(lambda: _continued(server) == before + 1 and engine_info(engine)["waiting_requests"] == 1,
               "the continuation queued in the paused engine")
         assert not fut.done()
@@ -275,9 +292,10 @@ def test_delete_while_the_continuation_waits(stack: Stack, versions: None, strea
 
     async def main() -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as http:
-            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json={**CHAT, "stream": stream}))
-            await asyncio.to_thread(_emitted, engine, 20)
-            assert (await http.post(f"{engine}/pause_generation", json={"mode": "abort"})).status_code == 200
+            with _paced(engine):
+                chat = asyncio.ensure_future(http.post(chat_url(server, sid), json={**CHAT, "stream": stream}))
+                await asyncio.to_thread(_emitted, engine, CUT_AFTER)
+                assert (await http.post(f"{engine}/pause_generation", json={"mode": "abort"})).status_code == 200
             await asyncio.to_thread(_wait, lambda: _continued(server) == before + 1
                                     and engine_info(engine)["waiting_requests"] == 1, "the continuation queued")
             assert (await http.delete(f"{server}/sessions/{sid}")).status_code == 204
@@ -307,9 +325,10 @@ def test_a_continuation_in_an_engine_session_sends_only_what_the_session_lacks(s
     stack.proxy.clear()
     before = _continued(server)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(httpx.post, chat_url(server, sid), json={"messages": history}, timeout=60)
-        _emitted(engine, 20)
-        _update(engine, "step-2")
+        with _paced(engine):
+            fut = pool.submit(httpx.post, chat_url(server, sid), json={"messages": history}, timeout=120)
+            _emitted(engine, CUT_AFTER)
+            _update(engine, "step-2")
         resp = fut.result()
     assert resp.status_code == 200, resp.text
     assert _continued(server) == before + 1
