@@ -1,0 +1,197 @@
+"""`make demo-gui`: GUI-agent episodes on the toy desktop, screenshots through the session server, samples out.
+
+Starts `sglang-sim` and `session-server` on free loopback ports (as `make demo` does), runs `--episodes` episodes
+(alternating Chat Completions and Anthropic Messages with `--api both`), prints each episode's reward and, per sample,
+where its images' placeholder ids sit, writes the samples and the first episode's screenshots under `--out`, and stops
+both processes. Against the emulated engine each observation carries the desktop expert's next action as a sim
+directive, so every episode must reach reward 1; against a real engine (`--engine-url`) they are left out.
+
+    python -m examples.gui_agent --tokenizers .cache/tokenizers
+    python -m examples.gui_agent --engine-url http://127.0.0.1:30000 --tokenizer DIR --model-family qwen3-vl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from examples.gui_agent.agent import Api, GuiConfig, GuiEpisode, pad_runs, run_gui_episodes
+from rollout.client import SessionClient
+from rollout.processes import LOOPBACK, ProcessCrashed, RunningProcess, free_port, start_session_server, start_sim
+from trajectory import samples_to_json
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE_PAD = "<|image_pad|>"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m examples.gui_agent", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--episodes", type=int, default=8, help="number of episodes (default 8)")
+    p.add_argument("--concurrency", type=int, default=4, help="episodes in flight at once (default 4)")
+    p.add_argument("--api", choices=("chat", "messages", "both"), default="both",
+                   help="Chat Completions (openai SDK), Anthropic Messages (anthropic SDK), or alternate (default)")
+    p.add_argument("--observation", choices=("image", "text"), default="image",
+                   help="screenshots (default), or the screen described in text for a text-only model")
+    p.add_argument("--model-family", default="qwen3-vl", metavar="NAME", help="model family (default %(default)s)")
+    p.add_argument("--tokenizers", type=Path, default=ROOT / ".cache" / "tokenizers",
+                   help="directory with one tokenizer directory per family (`make tokenizers` builds it)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer directory of the served model (default: TOKENIZERS/MODEL_FAMILY)")
+    p.add_argument("--engine-url", default=None,
+                   help="a real SGLang server instead of the emulated engine (observations then carry no directives)")
+    p.add_argument("--model", default="default", help="model name sent in requests (default 'default')")
+    p.add_argument("--max-turns", type=int, default=12, help="turn limit per episode (default 12)")
+    p.add_argument("--max-tokens", type=int, default=256, help="max tokens per reply (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="the first episode's desktop seed; episode i gets seed+i")
+    p.add_argument("--out", type=Path, default=ROOT / "out" / "gui",
+                   help="output folder (default out/gui/): samples.jsonl, episodes.jsonl, frames/ of episode 0")
+    return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def services(args: argparse.Namespace, tokenizer: Path, log_dir: Path) -> Iterator[str]:
+    """The engine (unless --engine-url) and the session server, started at once; stopped in reverse order."""
+    started: list[RunningProcess] = []
+    try:
+        engine_url = args.engine_url
+        if engine_url is None:
+            port = free_port()
+            started.append(start_sim(tokenizer, args.model_family, "--port", str(port), log_dir=log_dir, wait=False))
+            engine_url = f"http://{LOOPBACK}:{port}"
+        started.append(start_session_server(engine_url, tokenizer, args.model_family, log_dir=log_dir, wait=False))
+        for proc in started:
+            proc.wait_ready()
+            print(f"{proc.name:<20} {proc.url}")
+        yield started[-1].url
+    finally:
+        for proc in reversed(started):
+            code = proc.stop()
+            how = "killed after the SIGTERM grace period" if proc.killed else "stopped on SIGTERM"
+            print(f"{how}: {proc.name} (exit code {code})")
+
+
+def image_pad_id(tokenizer: Path) -> int | None:
+    """The id of the image placeholder token in the served tokenizer; None when it has none (a text-only model)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    pad = tok.convert_tokens_to_ids(IMAGE_PAD)
+    return int(pad) if isinstance(pad, int) and pad != tok.unk_token_id else None
+
+
+def episode_lines(result: GuiEpisode, pad_id: int | None) -> list[str]:
+    """One line for the episode, one per sample (its tokens and the (start, length) of each image's pad ids)."""
+    head = (f"episode {result.index:>3}  seed {result.seed:>4}  {result.api:<8}  word {result.word!r:<10} "
+            f"reward {result.reward:.1f}  turns {result.turns:>2}  actions {result.actions:>2}  "
+            f"screenshots {result.screenshots:>2}  {result.stop_reason}")
+    lines = [head + (f"  ERROR {result.error}" if result.error else "")]
+    for k, sample in enumerate(result.samples):
+        spans = pad_runs(sample.tokens.tolist(), pad_id) if pad_id is not None else []
+        lines.append(f"    sample {k}: {len(sample.tokens)} tokens, {int(sample.loss_mask.sum())} sampled, "
+                     f"{len(spans)} image spans (start, length): {spans}")
+    return lines
+
+
+def summarize(results: list[GuiEpisode], pad_id: int | None, seconds: float) -> dict[str, Any]:
+    samples = [s for r in results for s in r.samples]
+    image_tokens = sum(n for s in samples for _, n in (pad_runs(s.tokens.tolist(), pad_id) if pad_id else []))
+    return {
+        "episodes": len(results),
+        "errors": sum(not r.ok for r in results),
+        "reward 1.0": sum(r.reward == 1.0 for r in results),
+        "mean reward": round(sum(r.reward for r in results) / max(1, len(results)), 3),
+        "turns": sum(r.turns for r in results),
+        "actions": sum(r.actions for r in results),
+        "screenshots": sum(r.screenshots for r in results),
+        "samples": len(samples),
+        "tokens": sum(len(s.tokens) for s in samples),
+        "sampled tokens": sum(int(s.loss_mask.sum()) for s in samples),
+        "image placeholder tokens": image_tokens,
+        "seconds": round(seconds, 2),
+    }
+
+
+def write_outputs(out: Path, results: list[GuiEpisode]) -> list[Path]:
+    """samples.jsonl (one sample a line), episodes.jsonl (what each action did), frames/ (episode 0's screens)."""
+    out.mkdir(parents=True, exist_ok=True)
+    samples_path, episodes_path, frames = out / "samples.jsonl", out / "episodes.jsonl", out / "frames"
+    with samples_path.open("w") as f:
+        for r in results:
+            for line in samples_to_json(r.samples):
+                f.write(json.dumps({"episode": r.index, "seed": r.seed, **line}) + "\n")
+    with episodes_path.open("w") as f:
+        for r in results:
+            f.write(json.dumps({"episode": r.index, "seed": r.seed, "api": r.api, "word": r.word, "reward": r.reward,
+                                "turns": r.turns, "actions": r.actions, "stop_reason": r.stop_reason,
+                                "final_answer": r.final_answer, "events": r.events, "error": r.error}) + "\n")
+    written = [samples_path, episodes_path]
+    if results and results[0].frames:
+        frames.mkdir(exist_ok=True)
+        for old in frames.glob("*.png"):
+            old.unlink()
+        for i, png in enumerate(results[0].frames):
+            (frames / f"{i:02d}.png").write_bytes(png)
+        written.append(frames)
+    return written
+
+
+async def run(args: argparse.Namespace, server_url: str) -> tuple[list[GuiEpisode], float]:
+    seeds = [args.seed + i for i in range(args.episodes)]
+    apis: list[Api] = ["chat", "messages"] if args.api == "both" else [args.api]
+    configs = [GuiConfig(api=apis[i % len(apis)], observation=args.observation, scripted=args.engine_url is None,
+                         model=args.model, max_turns=args.max_turns, max_tokens=args.max_tokens, keep_frames=i == 0)
+               for i in range(args.episodes)]
+    async with SessionClient(server_url) as client:
+        await client.health()
+        started = time.perf_counter()
+        results = await run_gui_episodes(client, seeds, concurrency=args.concurrency, config=configs)
+        elapsed = time.perf_counter() - started
+    return results, elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tokenizer = args.tokenizer or args.tokenizers / args.model_family
+    if not (tokenizer / "tokenizer_config.json").exists():
+        print(f"error: no tokenizer in {tokenizer} (run `make tokenizers`, or pass --tokenizer DIR)", file=sys.stderr)
+        return 2
+    if args.episodes < 1 or args.concurrency < 1:
+        print("error: --episodes and --concurrency must be >= 1", file=sys.stderr)
+        return 2
+    pad_id = image_pad_id(tokenizer)
+    try:
+        with services(args, tokenizer, args.out / "logs") as server_url:
+            results, elapsed = asyncio.run(run(args, server_url))
+    except (ProcessCrashed, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for r in results:
+        print("\n".join(episode_lines(r, pad_id)))
+    summary = summarize(results, pad_id, elapsed)
+    width = max(map(len, summary))
+    print("-" * (width + 14))
+    for key, value in summary.items():
+        print(f"{key:<{width}}  {value:>11}")
+    print("-" * (width + 14))
+    written = write_outputs(args.out, results)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print("wrote " + ", ".join(str(p.relative_to(Path.cwd()) if p.is_relative_to(Path.cwd()) else p) for p in written))
+    failed = [r for r in results if not r.ok]
+    short = [r for r in results if r.ok and r.reward < 1.0] if args.engine_url is None else []
+    for r in failed[:5]:
+        print(f"episode {r.index} failed: {r.error}", file=sys.stderr)
+    for r in short[:5]:
+        print(f"episode {r.index} (scripted) ended with reward {r.reward}: {r.events[-1:]}", file=sys.stderr)
+    return 1 if failed or short else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
