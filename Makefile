@@ -40,13 +40,13 @@ harnesses: $(HARNESSES)/.installed
 # Extra flags: make demo DEMO_ARGS="--journal out/journal.sqlite" (the server keeps a SQLite journal; docs/operating.md).
 DEMO_ARGS ?=
 demo: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) -m scripts.demo --tokenizers $(TOKENIZERS) $(DEMO_ARGS)
+	$(PY) -m examples.demo --tokenizers $(TOKENIZERS) $(DEMO_ARGS)
 
-# The demo through nginx in front of 3 session-server replicas over 2 emulated engines (deploy/, scripts/demo_cluster.py);
+# The demo through nginx in front of 3 session-server replicas over 2 emulated engines (deploy/, examples/demo_cluster.py);
 # prints per-replica sessions and chats. Extra flags: make demo-cluster CLUSTER_ARGS="--replicas 2 --episodes 128".
 CLUSTER_ARGS ?=
 demo-cluster: $(STAMP) $(TOKENIZERS)/.built nginx
-	$(PY) -m scripts.demo_cluster --tokenizers $(TOKENIZERS) $(CLUSTER_ARGS)
+	$(PY) -m examples.demo_cluster --tokenizers $(TOKENIZERS) $(CLUSTER_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = sglang_command(args, extra)
     print("engine:         " + _shell(cmd))
     print("session server: " + _shell(session_server_command(args)))
-    print(f"demo:           python scripts/demo.py --engine-url http://{args.host}:{args.port} "
+    print(f"demo:           python -m examples.demo --engine-url http://{args.host}:{args.port} "
           f"--tokenizer {shlex.quote(args.model_path)} --model-family {args.model_family}")
     if args.dry_run:
         return 0

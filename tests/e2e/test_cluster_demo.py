@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_demo_cluster_runs_clean(tokenizer_dirs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "scripts.demo_cluster", "--tokenizers", str(tokenizer_dirs["qwen3"].parent)]
+    cmd = [sys.executable, "-m", "examples.demo_cluster", "--tokenizers", str(tokenizer_dirs["qwen3"].parent)]
     cmd += ["--episodes", "12", "--concurrency", "6", "--replicas", "3", "--engines", "2", "--out", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_demo_writes_samples_and_batch(tokenizer_dirs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     tokenizers = tokenizer_dirs["qwen3"].parent
-    cmd = [sys.executable, "-m", "scripts.demo", "--tokenizers", str(tokenizers)]  # as `make demo` runs it
+    cmd = [sys.executable, "-m", "examples.demo", "--tokenizers", str(tokenizers)]  # as `make demo` runs it
     cmd += ["--episodes", "4", "--concurrency", "2", "--out", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr

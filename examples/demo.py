@@ -5,8 +5,8 @@ episodes with the official `openai` client (one session each; tools run locally)
 trajectories under `--out` (JSONL of samples, a padded safetensors batch, the episode transcripts), and stops both
 processes.
 
-    python scripts/demo.py --tokenizers .cache/tokenizers
-    python scripts/demo.py --engine-url http://gpu-host:30000 --tokenizer /models/Qwen3-8B   # a real SGLang
+    python -m examples.demo --tokenizers .cache/tokenizers
+    python -m examples.demo --engine-url http://gpu-host:30000 --tokenizer /models/Qwen3-8B   # a real SGLang
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ episodes against the balancer's one URL (the client never learns which replica s
 demo's summary and, per replica, the sessions and chats it served and its errors, read from each replica's own
 /metrics beside what the clients saw (the replica named in each session id). Exit 1 on any error.
 
-    python -m scripts.demo_cluster --tokenizers .cache/tokenizers --replicas 3 --engines 2
+    python -m examples.demo_cluster --tokenizers .cache/tokenizers --replicas 3 --engines 2
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any
 
 from deploy.admin import METRICS_TEXT
 from deploy.admin import run as admin_run
+from examples.demo import pad_id_of, print_table, run, summarize, write_outputs
 from rollout.cluster import LocalCluster
 from rollout.episodes import EpisodeResult
 from rollout.processes import ProcessCrashed, RunningProcess, start_sim
-from scripts.demo import pad_id_of, print_table, run, summarize, write_outputs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-journal", action="store_true", help="replicas without --journal")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "cluster", help="output folder (default out/cluster)")
     args = p.parse_args(argv)
-    # What scripts.demo.run reads: emulated engines, scripted tasks, each its own prompt.
+    # What examples.demo.run reads: emulated engines, scripted tasks, each its own prompt.
     args.engine_url, args.model, args.group_size = None, "default", 1
     return args
 
