@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test test-sglang test-fast lint harnesses bench bench-overhead bench-stream bench-scale bench-compare soak soak-crash tokenizers clean nginx demo-cluster demo-rl test-trainers
+.PHONY: demo test test-sglang test-fast lint harnesses bench bench-overhead bench-stream bench-scale bench-compare soak soak-crash tokenizers clean nginx demo-cluster demo-rl demo-gui test-trainers
 
 $(STAMP): pyproject.toml requirements-lock.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,13 @@ demo: $(STAMP) $(TOKENIZERS)/.built
 CLUSTER_ARGS ?=
 demo-cluster: $(STAMP) $(TOKENIZERS)/.built nginx
 	$(PY) -m examples.demo_cluster --tokenizers $(TOKENIZERS) $(CLUSTER_ARGS)
+
+# GUI-agent episodes (examples/gui_agent/, docs/gui-agent.md): screenshots of a toy desktop through the server with the
+# openai and anthropic SDKs; prints each episode's reward and each sample's image spans. Extra flags:
+# make demo-gui GUI_ARGS="--episodes 32 --api chat".
+GUI_ARGS ?=
+demo-gui: $(STAMP) $(TOKENIZERS)/.built
+	$(PY) -m examples.gui_agent --tokenizers $(TOKENIZERS) $(GUI_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
