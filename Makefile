@@ -81,7 +81,7 @@ $(SGLANG_STAMP): tests/sglang/engine-lock.txt
 	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r tests/sglang/engine-lock.txt
 	touch $(SGLANG_STAMP)
 
-$(CHECKPOINTS)/.built: $(SGLANG_STAMP) $(TOKENIZERS)/.built scripts/build_tiny_checkpoints.py
+$(CHECKPOINTS)/.built: $(SGLANG_STAMP) $(TOKENIZERS)/.built scripts/build_tiny_checkpoints.py trajectory/image_grid.py
 	$(SGLANG_VENV)/bin/python -m scripts.build_tiny_checkpoints --tokenizer $(TOKENIZERS)/qwen3 --out $(CHECKPOINTS)
 	touch $@
 

@@ -49,6 +49,8 @@ SPECS = {
     "dense": EngineSpec("qwen3-dense", (*CONSTRAINED, *REASONING)),
     "moe": MOE,
     "moe-b": MOE,  # a second worker of the same model, behind a router with "moe" (tests/sglang/test_real_routers.py)
+    # The tiny random Qwen3-VL (issue 34): SGLang's default vision attention wants a GPU kernel; sdpa runs on the CPU.
+    "vl": EngineSpec("qwen3-vl", ("--mm-attention-backend", "sdpa", "--dtype", "float32")),
 }
 
 
