@@ -337,6 +337,7 @@ def _torch_hidden() -> Iterator[None]:
 def load_family(tokenizer_dir: str, family_name: str, *, without_torch: bool = False) -> ModelFamily:
     """The family over the tokenizer in `tokenizer_dir`; exits 2 with a one-line error if either is unusable.
     `without_torch`: load transformers in its tokenizer-only mode (`_torch_hidden`; the CLI's start-up)."""
+    from session_server.frontend.images import with_processor_config
     from trajectory import get_family
 
     if family_name not in family_names():
@@ -352,7 +353,7 @@ def load_family(tokenizer_dir: str, family_name: str, *, without_torch: bool = F
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             _fail(f"cannot load tokenizer from {tokenizer_dir!r}: {type(exc).__name__}: {first_line}")
     try:
-        return get_family(family_name, tokenizer)
+        return with_processor_config(get_family(family_name, tokenizer), tokenizer_dir)  # images: the checkpoint's
     except Exception as exc:
         _fail(f"tokenizer {tokenizer_dir!r} does not fit family {family_name!r}: {exc}")
 

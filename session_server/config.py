@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from session_server.cpu_pool import DEFAULT_INLINE_BELOW_BYTES
 from session_server.engine.client import ENGINE_CLIENTS
-from session_server.frontend.images import ImageLimits
 from session_server.sessions.journal import SYNC_MODES
 from trajectory import first_turns
+from trajectory.images import ImageLimits
 from trajectory.linear import SPECIAL_TOKEN_MODES
 from trajectory.messages import MATCHER_NAMES as MATCHERS
 from trajectory.session_segments import DIVERGENCE_POLICIES

@@ -58,6 +58,21 @@ class Image:
         return f"data:{self.mime};base64,{base64.b64encode(self.data).decode('ascii')}"
 
 
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """The operator's bounds on a request's images (session_server/config.py; checked by
+    session_server/frontend/images.py)."""
+
+    max_images: int = 32                 # per request, the resent history's included
+    max_bytes: int = 10 * 1024 * 1024    # per encoded image
+    max_pixels: int = 4096 * 4096        # per image, width x height as the file declares it
+    fetch: bool = False                  # http(s) URLs allowed (else only data URLs)
+    fetch_timeout: float = 5.0           # seconds for one fetch, connect to last byte
+
+
+NO_IMAGE_LIMITS = ImageLimits()  # the defaults: where no operator set any
+
+
 def image_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 

@@ -21,8 +21,9 @@ import xxhash
 
 from .buffer import TokenBuffer
 from .engine_output import GenerateResult
-from .errors import InvariantError, RequestValidationError, RollbackLimitError, SessionError
+from .errors import InvariantError, RequestValidationError, RollbackLimitError, SessionError, UpstreamError
 from .families.base import ModelFamily
+from .images import Image, check_runs, collect_images, expand, has_images, prompt_images
 from .messages import Message, MessageMatcher, normalize_message, normalize_tools
 from .mismatch import diff_tokens
 from .tito import continuation_ids, first_turn_ids
@@ -56,6 +57,9 @@ class TurnPlan:
     merged: bool = False            # a full render that extends every stored token (`merge_plan`)
     reply_opening: str = ""         # the part of the reply the prompt already wrote: parse it + the engine's text
     messages_json: bytes | None = None  # the request's messages array as the client sent it (see `SentHistory`)
+    # Every image of the prompt in order (trajectory/images.py): the engine's `image_data`; their runs of pads in
+    # `prompt_ids` are expanded, the engine gets each collapsed to one pad.
+    images: tuple[Image, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -137,6 +141,7 @@ class TurnDelta:
     tools: list[dict[str, Any]] | None
     record: TurnRecord
     messages_json: bytes | None = None  # the turn's request messages as sent (TurnPlan.messages_json)
+    images: tuple[Image, ...] = ()  # the prompt's images (TurnPlan.images): kept in the content-addressed store
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +222,9 @@ class LinearTrajectory:
         self.frozen = 0
         # The last turn's request messages as sent, when its front end kept them (None: read every message).
         self.sent: SentHistory | None = None
+        # Every image the stored messages name, by content hash (trajectory/images.py): what a later turn sends the
+        # engine again for them, and what samples carry.
+        self.images: dict[str, Image] = {}
         self._buffer = TokenBuffer()
 
     # -- stored tokens ---------------------------------------------------------------------------------
@@ -280,24 +288,50 @@ class LinearTrajectory:
                                                        if self.frozen else "")
             )
         dropped = len(self.checkpoints) - keep
+        images = self._prompt_images(msgs, messages)
         if keep == 0:
-            prompt = first_turn_ids(self.family, msgs, tools, template_kwargs, self.text_only)
+            prompt = self._expanded(first_turn_ids(self.family, msgs, tools, template_kwargs, self.text_only), images)
             trim = reused = 0
         else:
             base = self.checkpoints[keep - 1]
+            appended = self.family.appended_messages(msgs, base.num_messages)
             trim, new_ids = continuation_ids(
-                self.family, self.records[keep - 1].last_completion_token,
-                self.family.appended_messages(msgs, base.num_messages), tools,
+                self.family, self.records[keep - 1].last_completion_token, appended, tools,
                 template_kwargs, self.text_only, self.records[keep - 1].message,
             )
+            if images:  # the stored head holds the earlier images' runs already
+                new_ids = self._expanded(new_ids, images[len(images) - len(prompt_images(appended)):])
             reused = base.num_tokens - trim
             prompt = np.concatenate([self._buffer.ids[:reused], new_ids])
+        if images and self.family.vision is not None:  # a stray pad (one the model generated) would shift them all
+            check_runs(prompt, self.family.vision, images)
         prompt.flags.writeable = False
         return TurnPlan(prompt_ids=prompt, messages=msgs, tools=tools, base_checkpoints=keep, rolled_back=dropped,
                         new_token_start=reused, trimmed=trim, version=version,
                         rollback_reason=reason if dropped else None,
                         routed_experts_start=min(self.routed_experts_covered(keep), reused),
-                        reply_opening=self.family.opened_reply(prompt), messages_json=messages_json)
+                        reply_opening=self.family.opened_reply(prompt), messages_json=messages_json,
+                        images=images)
+
+    def _prompt_images(self, msgs: list[Message], raw: Any) -> tuple[Image, ...]:
+        """The prompt's images in order: the request's own (`raw` as a front end read it) or, for those it names but
+        does not carry (a Responses history), the ones stored; () without images."""
+        if not has_images(msgs):
+            return ()
+        if self.family.vision is None:
+            raise RequestValidationError(f"family {self.family.name} takes text only: a message holds an image")
+        known = {**self.images, **collect_images(raw)}
+        try:
+            return tuple(known[digest] for digest in prompt_images(msgs))
+        except KeyError as exc:
+            raise RequestValidationError(f"image {exc.args[0]} is neither in the request nor in the session") from None
+
+    def _expanded(self, ids: np.ndarray, images: Sequence[Image]) -> np.ndarray:
+        """Rendered ids (one pad per image) with each image's pad expanded to its run, as the engine expands it."""
+        vision = self.family.vision
+        if vision is None:
+            return ids
+        return expand(ids, vision.tokens.pad, [vision.count(image) for image in images])
 
     def _last_checkpoint_within(self, matched: int) -> int:
         return bisect.bisect_right(self.checkpoints, matched, lo=self.frozen, key=lambda c: c.num_messages)
@@ -332,7 +366,7 @@ class LinearTrajectory:
         return TurnPlan(prompt_ids=prompt, messages=full.messages, tools=full.tools,
                         base_checkpoints=len(self.checkpoints), rolled_back=0, new_token_start=keep, trimmed=trim,
                         version=version, routed_experts_start=min(self.routed_experts_covered(), keep), merged=True,
-                        reply_opening=full.reply_opening, messages_json=full.messages_json)
+                        reply_opening=full.reply_opening, messages_json=full.messages_json, images=full.images)
 
     def routed_experts_covered(self, turns: int | None = None) -> int:
         """How many leading positions the first `turns` records' routed experts cover without a gap."""
@@ -358,6 +392,9 @@ class LinearTrajectory:
             raise InvariantError(f"stored ids[:{keep}] are not a prefix of the prompt ({len(prompt)} tokens)")
         if len(result.output_ids) != len(result.logprobs):
             raise InvariantError("engine result has misaligned output ids and logprobs")
+        if plan.images and result.prompt_tokens != len(prompt):  # the engine's grid differs from ours
+            raise UpstreamError(f"the engine expanded the prompt's {len(plan.images)} images to "
+                                f"{result.prompt_tokens} prompt tokens, expected {len(prompt)}", rule="image_tokens")
         return keep
 
     def commit(self, plan: TurnPlan, result: GenerateResult, reply_message: dict[str, Any]) -> TurnRecord:
@@ -395,6 +432,7 @@ class LinearTrajectory:
             version=self.version, base_checkpoints=plan.base_checkpoints, keep=keep,
             prompt_tail=plan.prompt_ids[keep:], output_ids=result.output_ids, logprobs=result.logprobs,
             messages=[*plan.messages, reply], tools=plan.tools, record=record, messages_json=plan.messages_json,
+            images=plan.images,
         )
 
     def apply(self, delta: TurnDelta) -> TurnRecord:
@@ -409,6 +447,8 @@ class LinearTrajectory:
         del self.checkpoints[delta.base_checkpoints:]
         del self.records[delta.base_checkpoints:]
         self.messages = delta.messages
+        if delta.images:
+            self.images = {**self.images, **{image.digest: image for image in delta.images}}  # replaced, not mutated
         self.sent = None if delta.messages_json is None else SentHistory.of(delta.messages_json,
                                                                              delta.messages[:-1])
         self.tools = delta.tools
@@ -438,6 +478,7 @@ class LinearTrajectory:
         snap.text_only, snap.frozen, snap.sent = self.text_only, self.frozen, self.sent
         snap.version, snap.tools, snap.prompt_tools = self.version, self.tools, self.prompt_tools
         snap.rollbacks = self.rollbacks  # replaced, never mutated, on commit
+        snap.images = self.images  # likewise
         snap.messages, snap.checkpoints, snap.records = list(self.messages), list(self.checkpoints), list(self.records)
         snap._buffer = self._buffer.copy()
         return snap

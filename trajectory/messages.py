@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
 from .errors import RequestValidationError
+from .images import IMAGE_MARK, Image
 
 Message = dict[str, Any]
 MatcherName = Literal["strict", "loose_tool_call"]
@@ -22,19 +23,32 @@ ROLES = frozenset({"system", "user", "assistant", "tool"})
 _ROLE_ALIASES = {"developer": "system"}
 
 
-def _content_text(index: int, content: Any) -> str:
+def _content_text(index: int, content: Any, images: list[str] | None = None) -> str:
+    """The text of a string or a list of parts; with `images` (a role that may carry images), each `image` part a
+    front end read (session_server/frontend/images.py) becomes `IMAGE_MARK` in the text and its hash in `images`
+    (a message without images keeps any U+FDD0 of its text as text: only a message with images is rendered with
+    its marks replaced, trajectory/images.py)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
+            if images is not None and isinstance(part, dict) and part.get("type") == "image" \
+                    and isinstance(image := part.get("image"), Image):
+                parts.append(IMAGE_MARK)
+                images.append(image.digest)
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise RequestValidationError(
                     f"messages[{index}].content[{j}]: only text parts are supported, got {kind!r}"
                 )
             parts.append(part["text"])
-        return "".join(parts)
+        text = "".join(parts)
+        if images and text.count(IMAGE_MARK) != len(images):  # a mark in the text would move an image
+            raise RequestValidationError(f"messages[{index}].content: text beside an image holds U+FDD0, a reserved "
+                                         "noncharacter")
+        return text
     raise RequestValidationError(
         f"messages[{index}].content must be a string or a list of text parts, got {type(content).__name__}"
     )
@@ -96,7 +110,10 @@ def normalize_message(index: int, message: Any) -> Message:
         return out
     if content is None:
         raise RequestValidationError(f"messages[{index}] ({role}) has no content")
-    out["content"] = _content_text(index, content)
+    images: list[str] = []
+    out["content"] = _content_text(index, content, images)
+    if images:
+        out["images"] = images
     if role == "tool":
         _copy_optional_string(index, message, out, "tool_call_id")
     name = message.get("name")
@@ -185,7 +202,7 @@ class MessageMatcher:
         """None if `request` repeats `stored`, else what differs first (a rollback reason)."""
         if stored["role"] != request["role"]:
             return "role"
-        if stored.get("content", "") != request.get("content", ""):
+        if stored.get("content", "") != request.get("content", "") or stored.get("images") != request.get("images"):
             return "content"
         reasoning = request.get("reasoning_content")
         if reasoning is not None and reasoning != (stored.get("reasoning_content") or ""):

@@ -19,12 +19,14 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from .images import prompt_images, runs
 from .linear import LinearTrajectory
 from .session_segments import Segment
 
 STATUSES = ("completed", "truncated", "aborted")
 _FORMAT = "trajectory-samples/v1"
 _ARRAYS = (("tokens", np.int32), ("loss_mask", np.uint8), ("rollout_log_probs", np.float32))
+_OPTIONAL = ("routed_experts", "pixel_values", "image_grid_thw")  # tensors a sample may carry
 
 
 @dataclass(eq=False, slots=True)
@@ -38,6 +40,11 @@ class Sample:
     # int32 [len(tokens), values per token]: SGLang's routed experts of each token fed to the model (its layers x
     # top_k expert ids, flattened), -1 where the engine reported none (the last token, turns without them).
     routed_experts: np.ndarray | None = None
+    # Images (trajectory/images.py): `metadata["images"]` says per image its span of pad ids in `tokens`, content hash
+    # and grid; these are what the model's vision tower takes, as transformers' image processor makes them for all of
+    # them at once: float32 [patches of every image, channels x temporal patch x patch x patch] and int64 [images, 3].
+    pixel_values: np.ndarray | None = None
+    image_grid_thw: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = None
@@ -62,6 +69,13 @@ class Sample:
         if r is not None and (not isinstance(r, np.ndarray) or r.dtype != np.int32 or r.ndim != 2
                               or len(r) != len(self.tokens)):
             raise ValueError("sample.routed_experts must be an int32 [len(tokens), k] array")
+        p, g = self.pixel_values, self.image_grid_thw
+        if (p is None) != (g is None) or (g is not None and (
+                not isinstance(g, np.ndarray) or g.dtype != np.int64 or g.ndim != 2 or g.shape[1] != 3
+                or not isinstance(p, np.ndarray) or p.dtype != np.float32 or p.ndim != 2
+                or len(p) != int(g.prod(axis=1).sum()))):
+            raise ValueError("sample.pixel_values (float32 [patches, dim]) and image_grid_thw (int64 [images, 3]) "
+                             "come together, one row of pixels per patch of the grids")
 
 
 def assemble_routed_experts(traj: LinearTrajectory) -> np.ndarray | None:
@@ -121,6 +135,20 @@ def build_turn_samples(traj: LinearTrajectory, max_seq_len: int | None = None) -
     return samples
 
 
+def sample_images(traj: LinearTrajectory) -> list[dict[str, Any]]:
+    """Per image of the stored tokens, in order: its span [start, end) of pad ids, content hash and `image_grid_thw`
+    (the trainer's model expands the same pads with the same grid)."""
+    vision = traj.family.vision
+    if vision is None or not traj.images:
+        return []
+    digests = prompt_images(traj.messages)
+    spans = runs(traj.token_ids, vision.tokens.pad)
+    if len(spans) != len(digests):
+        raise ValueError(f"{len(spans)} image runs in the stored tokens for {len(digests)} images")
+    return [{"span": [start, end], "digest": digest, "image_grid_thw": list(vision.grid(traj.images[digest]))}
+            for (start, end), digest in zip(spans, digests, strict=True)]
+
+
 def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) -> Sample:
     """The last turn's tokens with every sampled token masked in; tool results and glue masked out."""
     if not traj.records:
@@ -135,6 +163,8 @@ def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) 
                   "weight_version_spans": weight_version_spans(traj)},
         routed_experts=assemble_routed_experts(traj),
     )
+    if images := sample_images(traj):
+        sample.metadata["images"] = images
     return truncate_sample(sample, max_seq_len) if max_seq_len is not None else sample
 
 
@@ -171,12 +201,25 @@ def truncate_sample(sample: Sample, max_seq_len: int) -> Sample:
         sampled = np.flatnonzero(sample.loss_mask[:cut])
         if sampled.size:
             cut = int(sampled[-1]) + 1
+    images = sample.metadata.get("images") or []
+    for image in images:  # an image is kept whole or not at all: cut before a run the cut lands in
+        if image["span"][0] < cut < image["span"][1]:
+            cut = image["span"][0]
+    kept = [image for image in images if image["span"][1] <= cut]
     prompt_len = n - sample.response_length
+    metadata = {**sample.metadata, "truncated_from": n}
+    if images:
+        metadata["images"] = kept
+    pixels, grids = sample.pixel_values, sample.image_grid_thw
+    if grids is not None and pixels is not None:
+        grids = grids[:len(kept)].copy()
+        pixels = pixels[:int(grids.prod(axis=1).sum())].copy()
     return Sample(
         tokens=sample.tokens[:cut].copy(), loss_mask=sample.loss_mask[:cut].copy(),
         rollout_log_probs=sample.rollout_log_probs[:cut].copy(), response_length=max(0, cut - prompt_len),
-        status="truncated", metadata={**sample.metadata, "truncated_from": n},
+        status="truncated", metadata=metadata,
         routed_experts=None if sample.routed_experts is None else sample.routed_experts[:cut].copy(),
+        pixel_values=pixels, image_grid_thw=grids,
     )
 
 
@@ -186,7 +229,9 @@ def samples_to_json(samples: Sequence[Sample]) -> list[dict[str, Any]]:
         {"tokens": s.tokens.tolist(), "loss_mask": s.loss_mask.tolist(),
          "rollout_log_probs": s.rollout_log_probs.tolist(), "response_length": s.response_length,
          "status": s.status, "metadata": s.metadata,
-         **({} if s.routed_experts is None else {"routed_experts": s.routed_experts.tolist()})}
+         **({} if s.routed_experts is None else {"routed_experts": s.routed_experts.tolist()}),
+         **({} if s.pixel_values is None or s.image_grid_thw is None else {
+             "pixel_values": s.pixel_values.tolist(), "image_grid_thw": s.image_grid_thw.tolist()})}
         for s in samples
     ]
 
@@ -223,8 +268,15 @@ def samples_from_json(data: Any) -> list[Sample]:
             if routed.ndim != 2 or (routed.size and (routed.min() < -(2**31) or routed.max() >= 2**31)):
                 raise ValueError(f"samples[{i}].routed_experts must be rows of int32 values")
             routed = routed.astype(np.int32)
+        pixels, grids = item.get("pixel_values"), item.get("image_grid_thw")
+        if pixels is not None or grids is not None:
+            try:
+                pixels, grids = np.asarray(pixels, dtype=np.float32), np.asarray(grids, dtype=np.int64)
+            except (TypeError, ValueError):
+                raise ValueError(f"samples[{i}].pixel_values / image_grid_thw must be rows of numbers") from None
         out.append(Sample(**arrays, response_length=item["response_length"], status=item["status"],
-                          metadata=item.get("metadata") or {}, routed_experts=routed))
+                          metadata=item.get("metadata") or {}, routed_experts=routed, pixel_values=pixels,
+                          image_grid_thw=grids))
     return out
 
 
@@ -232,8 +284,10 @@ def samples_from_json(data: Any) -> list[Sample]:
 def samples_to_safetensors(samples: Sequence[Sample]) -> bytes:
     """One payload: `{i}.tokens` int32, `{i}.loss_mask` uint8, `{i}.rollout_log_probs` float32 + JSON metadata."""
     tensors = {f"{i}.{name}": getattr(s, name) for i, s in enumerate(samples) for name, _ in _ARRAYS}
-    tensors.update({f"{i}.routed_experts": s.routed_experts for i, s in enumerate(samples)
-                    if s.routed_experts is not None})
+    for i, s in enumerate(samples):
+        for name in _OPTIONAL:
+            if (value := getattr(s, name)) is not None:
+                tensors[f"{i}.{name}"] = value
     meta = [{"response_length": s.response_length, "status": s.status, "metadata": s.metadata} for s in samples]
     return st_save(tensors, metadata={"format": _FORMAT, "samples": json.dumps(meta, ensure_ascii=False)})
 
@@ -257,13 +311,14 @@ def samples_from_safetensors(data: bytes) -> list[Sample]:
         raise ValueError(f"safetensors payload format is {meta.get('format')!r}, expected {_FORMAT!r}")
     entries = json.loads(meta.get("samples", "[]"))
     expected = {f"{i}.{name}" for i in range(len(entries)) for name, _ in _ARRAYS}
-    expected |= {k for k in tensors if k.endswith(".routed_experts") and k.split(".", 1)[0].isdigit()
+    expected |= {k for k in tensors if k.split(".", 1)[-1] in _OPTIONAL and k.split(".", 1)[0].isdigit()
                  and int(k.split(".", 1)[0]) < len(entries)}
     if set(tensors) != expected:
         raise ValueError(f"safetensors tensors {sorted(set(tensors) ^ expected)[:4]} do not match the metadata")
     return [
         Sample(**{name: tensors[f"{i}.{name}"] for name, _ in _ARRAYS}, response_length=entry["response_length"],
                status=entry["status"], metadata=entry.get("metadata") or {},
-               routed_experts=tensors.get(f"{i}.routed_experts"))
+               routed_experts=tensors.get(f"{i}.routed_experts"), pixel_values=tensors.get(f"{i}.pixel_values"),
+               image_grid_thw=tensors.get(f"{i}.image_grid_thw"))
         for i, entry in enumerate(entries)
     ]

@@ -16,6 +16,7 @@ import numpy as np
 
 from .families.base import ModelFamily
 from .first_turns import refuse_render
+from .images import has_images, spelled
 
 Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
 
@@ -27,6 +28,8 @@ def _render_ids(family: ModelFamily, messages: Sequence[dict[str, Any]], tools: 
     marker = None
     if text_only:
         (messages, tools), marker = family.control.protect((list(messages), tools))
+    if family.vision is not None and has_images(messages):  # after protecting: the marker blocks are the template's
+        messages = spelled(messages)
     text = render(list(messages), tools)
     ids = family.encode(text) if marker is None else family.control.encode(text, marker)
     return np.asarray(ids, dtype=np.int32)

@@ -12,7 +12,8 @@ own parser. Checked here with Anthropic's field names: tools (`input_schema`), `
 none, `disable_parallel_tool_use`), `thinking` (the family's switch), `stop_sequences`, `max_tokens`,
 `output_config.format`. What does not change the tokens -- `cache_control` anywhere, `context_management`,
 `metadata`, betas, `thinking.budget_tokens`, `output_config.effort` -- is accepted and reported in `ignored` (Claude
-Code sends all of it and answers a 400 by retrying without features), never a 400; images, documents,
+Code sends all of it and answers a 400 by retrying without features), never a 400; `image` blocks (in a user message
+or a tool result) become the chat image parts every API's images become (frontend/images.py); documents,
 `redacted_thinking` (encrypted reasoning no local template can render) and server tools are a 400 naming the
 block or field. Pure: no I/O.
 """
@@ -35,7 +36,6 @@ _KNOWN = frozenset({
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict", "cache_control", "defer_loading",
                         "eager_input_streaming", "input_examples"})
 _UNSUPPORTED_BLOCKS = {
-    "image": "image blocks are not supported: this server's model takes text only",
     "document": "document blocks are not supported: this server's model takes text only",
     "redacted_thinking": "redacted_thinking blocks hold encrypted reasoning that this model's template cannot render",
 }
@@ -68,13 +68,39 @@ def _text(where: str, block: dict[str, Any]) -> str:
     return text
 
 
-def _text_blocks(where: str, content: Any, ignored: list[str]) -> Any:
-    """A string, or text blocks as chat text parts (the chat normaliser joins them, as it does for any chat)."""
+def _image(where: str, block: dict[str, Any]) -> dict[str, Any]:
+    """An `image` block as the chat `image_url` part every API's images become (frontend/images.py reads and checks
+    it, naming `where`): a base64 source as a data URL, a url source as it is (fetched only if the operator allows)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        assert isinstance(source, dict)
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not isinstance(data, str):
+            raise bad(f"{where}.source", "must have 'media_type' and 'data' strings")
+        url = f"data:{media};base64,{data}"
+    elif kind == "url":
+        assert isinstance(source, dict)
+        link = source.get("url")
+        if not isinstance(link, str):
+            raise bad(f"{where}.source.url", "must be a string")
+        url = link
+    else:
+        raise bad(f"{where}.source.type", "must be 'base64' or 'url'")
+    return {"type": "image_url", "image_url": {"url": url}, "where": where}
+
+
+def _text_blocks(where: str, content: Any, ignored: list[str], images: bool = False) -> Any:
+    """A string, or text blocks as chat text parts (the chat normaliser joins them, as it does for any chat); with
+    `images` (a tool result's content) image blocks as well."""
     if isinstance(content, str):
         return content
     parts = []
     for here, block in objects(content, where):
         kind = _block_kind(here, block, ignored)
+        if kind == "image" and images:
+            parts.append(_image(here, block))
+            continue
         if kind != "text":
             raise bad(f"{here}.type", f"must be 'text' here, got {kind!r}")
         parts.append({"type": "text", "text": _text(here, block)})
@@ -93,6 +119,8 @@ def _user(out: list[dict[str, Any]], where: str, content: list[Any], ignored: li
         kind = _block_kind(here, block, ignored)
         if kind == "text":
             parts.append({"type": "text", "text": _text(here, block)})
+        elif kind == "image":
+            parts.append(_image(here, block))
         elif kind == "tool_result":
             call_id = non_empty_string(block, "tool_use_id", here)
             if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
@@ -100,7 +128,8 @@ def _user(out: list[dict[str, Any]], where: str, content: list[Any], ignored: li
             flush()
             result = block.get("content", "")
             out.append({"role": "tool", "tool_call_id": call_id,
-                        "content": _text_blocks(f"{here}.content", "" if result is None else result, ignored)})
+                        "content": _text_blocks(f"{here}.content", "" if result is None else result, ignored,
+                                                images=True)})
         else:
             raise bad(f"{here}.type", f"{kind!r} blocks are not supported in a user message")
     flush()

@@ -14,6 +14,7 @@ from session_server.state import server_of
 from session_server.turns.pipeline import read_body, serve_turn
 from trajectory import LinearTrajectory
 from trajectory.errors import SessionError
+from trajectory.images import NO_IMAGE_LIMITS, ImageLimits
 
 MESSAGES = Messages()
 
@@ -26,10 +27,10 @@ async def create_at_root(request: Request) -> Response:
     return await serve_root_turn(request, MESSAGES)
 
 
-def count_tokens(body: bytes, trajectory: LinearTrajectory) -> int:
+def count_tokens(body: bytes, trajectory: LinearTrajectory, images: ImageLimits = NO_IMAGE_LIMITS) -> int:
     """The length of the prompt the request would get on this trajectory (a snapshot; pure): the stored tokens plus
     the appended messages when it continues the stored history, else the conversation rendered afresh."""
-    turn = parse_body(body, trajectory.family, count_only=True)
+    turn = parse_body(body, trajectory.family, count_only=True, images=images, known=trajectory.images)
     try:
         plan = trajectory.prepare(turn.messages, turn.tools, turn.template_kwargs)
     except SessionError:  # not a continuation of the stored history
@@ -47,7 +48,7 @@ async def _count(request: Request, session_id: str) -> Response:
         body = await read_body(request, config.max_request_bytes, config.body_timeout)
         async with session.lock:
             snapshot = session.trajectory.snapshot()
-        tokens = await server.pool.run_sized(len(body), count_tokens, body, snapshot)
+        tokens = await server.pool.run_sized(len(body), count_tokens, body, snapshot, config.image_limits)
     except SessionError as err:
         return MESSAGES.error(err)
     return json_response({"input_tokens": tokens})

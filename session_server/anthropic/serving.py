@@ -9,6 +9,7 @@ names the refused field (Claude Code answers a 400 by retrying without beta feat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import Response
@@ -29,6 +30,7 @@ from session_server.turns.output import TurnOutput
 from session_server.turns.turn import NewTokens, Turn, TurnRequest
 from trajectory import LinearTrajectory, ModelFamily
 from trajectory.errors import SessionError
+from trajectory.images import NO_IMAGE_LIMITS, Image, ImageLimits
 
 OVERLOADED = 529
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -72,10 +74,11 @@ class MessagesStream:
         return [sse_event("error", error_payload(err)[1])]
 
 
-def parse_body(body: bytes, family: ModelFamily, count_only: bool = False) -> TurnRequest[MessagesTurn]:
-    """A Messages (or count_tokens) request body as the turn's request."""
+def parse_body(body: bytes, family: ModelFamily, count_only: bool = False, images: ImageLimits = NO_IMAGE_LIMITS,
+               known: Mapping[str, Image] | None = None) -> TurnRequest[MessagesTurn]:
+    """A Messages (or count_tokens) request body as the turn's request; `known`: the session's images."""
     mapped = parse_messages(decode_object(body), family.thinking_switch, count_only)
-    request = read_chat(mapped.chat, family, mapped)
+    request = read_chat(mapped.chat, family, mapped, images, known)
     request.ignored = mapped.ignored
     return request
 
@@ -86,8 +89,9 @@ class Messages:
 
     name = "messages"
 
-    def parse(self, body: bytes, trajectory: LinearTrajectory) -> TurnRequest[MessagesTurn]:
-        return parse_body(body, trajectory.family)
+    def parse(self, body: bytes, trajectory: LinearTrajectory,
+              images: ImageLimits = NO_IMAGE_LIMITS) -> TurnRequest[MessagesTurn]:
+        return parse_body(body, trajectory.family, images=images, known=trajectory.images)
 
     def reply(self, turn: Turn[MessagesTurn], out: TurnOutput) -> bytes:
         facts = reply_facts(turn.family, out.result, out.message, turn.request.api.stop_sequences)

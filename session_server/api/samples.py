@@ -9,6 +9,8 @@ trajectory.samples_from_json / samples_from_safetensors.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -17,10 +19,12 @@ from starlette.responses import Response
 
 from session_server.api.sessions import lookup
 from session_server.frontend.fields import MAX_INT32, is_int
+from session_server.frontend.images import pixel_values
 from session_server.http.body import read_object
 from session_server.state import server_of
 from trajectory import Sample, build_segment_samples, samples_to_json, samples_to_safetensors, truncate_sample
 from trajectory.errors import RequestValidationError
+from trajectory.images import Image, Vision
 
 OCTET_STREAM = "application/octet-stream"
 _encoder = msgspec.json.Encoder()
@@ -35,7 +39,16 @@ def _max_seq_len(obj: dict[str, Any]) -> int | None:
     return value
 
 
-def _encode(samples: list[Sample], max_seq_len: int | None, binary: bool) -> bytes:
+def _with_pixels(sample: Sample, images: Mapping[str, Image], vision: Vision) -> Sample:
+    """`sample` with the pixel values of the images its metadata names (frontend/images.py `pixel_values`)."""
+    pixels, grids = pixel_values([images[image["digest"]] for image in sample.metadata["images"]], vision)
+    return dataclasses.replace(sample, pixel_values=pixels, image_grid_thw=grids)
+
+
+def _encode(samples: list[Sample], max_seq_len: int | None, binary: bool, images: Mapping[str, Image],
+            vision: Vision | None) -> bytes:
+    if vision is not None:
+        samples = [_with_pixels(s, images, vision) if s.metadata.get("images") else s for s in samples]
     if max_seq_len is not None:
         samples = [truncate_sample(s, max_seq_len) for s in samples]
     return samples_to_safetensors(samples) if binary else _encoder.encode(samples_to_json(samples))
@@ -47,7 +60,9 @@ async def collect_samples(request: Request) -> Response:
     config = server.config
     max_seq_len = _max_seq_len(await read_object(request, config.max_request_bytes, config.body_timeout))
     async with session.lock:
-        samples = build_segment_samples([(s, s.trajectory) for s in sorted(session.segments, key=lambda s: s.id)])
+        segments = sorted(session.segments, key=lambda s: s.id)
+        samples = build_segment_samples([(s, s.trajectory) for s in segments])
+        images = {d: i for s in segments for d, i in s.trajectory.images.items()}  # stores are replaced, not mutated
     binary = OCTET_STREAM in request.headers.get("accept", "")
-    body = await server.pool.run(_encode, samples, max_seq_len, binary)
+    body = await server.pool.run(_encode, samples, max_seq_len, binary, images, server.family.vision)
     return Response(body, media_type=OCTET_STREAM if binary else "application/json")

@@ -8,12 +8,14 @@ the routed-experts payload out of the raw bytes, so megabytes of replay data are
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
 from trajectory import GenerateResult, decode_generate_response
 from trajectory.errors import UpstreamError
+from trajectory.images import Image, collapse
 
 # Sampling keys of constrained decoding (docs/design.md 5.1): each installs a grammar on the engine's request.
 CONSTRAINED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
@@ -31,6 +33,8 @@ def encode_generate(
     routed_experts_start: int = 0,
     stream_interval: int | None = None,
     thinking: bool = False,
+    images: Sequence[Image] = (),
+    image_pad: int = -1,
 ) -> bytes:
     """The /generate body of docs/design.md 5.1. `start` > 0 sends only the tokens an engine session does not hold;
     `stream_interval`: tokens per stream event (engine/pacing.py), for a streamed request.
@@ -40,19 +44,26 @@ def encode_generate(
     ends (ReasonerGrammarBackend), so the model thinks before a forced tool call or a JSON answer. We send it where
     it has that effect, with a grammar: without one the flag only changes the engine's reasoning-token count.
 
+    `images`: every image of the prompt in order (trajectory/images.py). The engine gets each stored run of
+    `image_pad` ids collapsed to one pad and `image_data` with all of them, on every turn: SGLang expands the pads
+    itself (a pre-expanded run is a 500 in 0.5.23) and keys its radix cache by image content, so earlier images are
+    neither re-sent as runs nor re-computed. A prompt with images is sent whole (`start` 0: no engine session).
+
     orjson writes the int32 id array straight from numpy: the prompt is the one part of the body that grows with the
     history, and going through a Python list first costs ~5x more per token.
     """
     if stream and stream_interval is not None:
         sp = {**sp, "stream_interval": stream_interval}
     payload: dict[str, Any] = {
-        "input_ids": prompt_ids[start:],
+        "input_ids": collapse(prompt_ids, image_pad) if images else prompt_ids[start:],
         "sampling_params": sp,
         "return_logprob": True,
         "logprob_start_len": -1,
         "rid": rid,
         "stream": stream,
     }
+    if images:
+        payload["image_data"] = [image.data_url() for image in images]
     if session_params is not None:
         payload["session_params"] = session_params
     if routed_experts:

@@ -11,6 +11,7 @@ never a silent 200: `n` other than 1, for one, would change the meaning of the r
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,8 +27,10 @@ from session_server.frontend.fields import (
     penalty_params,
     prompt_tools,
 )
+from session_server.frontend.images import read_images
 from session_server.turns.turn import TurnRequest
 from trajectory import ModelFamily
+from trajectory.images import NO_IMAGE_LIMITS, Image, ImageLimits
 from trajectory.messages import normalize_tools
 
 R = TypeVar("R")
@@ -123,17 +126,21 @@ def sampling_params(obj: dict[str, Any], stop_token_ids: tuple[int, ...]) -> dic
     return sp
 
 
-def turn_request(chat: ChatRequest, family: ModelFamily, api: R) -> TurnRequest[R]:
-    """The turn the pipeline runs for a chat request; `api` is the front end's own reading of it, for its reply."""
+def turn_request(chat: ChatRequest, family: ModelFamily, api: R, images: ImageLimits = NO_IMAGE_LIMITS,
+                 known: Mapping[str, Image] | None = None) -> TurnRequest[R]:
+    """The turn the pipeline runs for a chat request; `api` is the front end's own reading of it, for its reply.
+    Its images are read and checked here, for every API (frontend/images.py; `known`: the session's own)."""
     options = chat.options
+    messages = read_images(chat.messages, images, family.vision is not None, family.name, known)
     return TurnRequest(
-        messages=chat.messages, tools=turn_tools(chat, family), sampling_params=chat.sampling_params, api=api,
+        messages=messages, tools=turn_tools(chat, family), sampling_params=chat.sampling_params, api=api,
         template_kwargs=options.chat_template_kwargs, stream=chat.stream, model=chat.model,
         top_logprobs=options.top_logprobs, parse_tool_calls=options.parse_tool_calls,
         messages_json=chat.messages_json, return_token_ids=options.return_token_ids,
     )
 
 
-def read_chat(obj: dict[str, Any], family: ModelFamily, api: R) -> TurnRequest[R]:
+def read_chat(obj: dict[str, Any], family: ModelFamily, api: R, images: ImageLimits = NO_IMAGE_LIMITS,
+              known: Mapping[str, Image] | None = None) -> TurnRequest[R]:
     """The turn of a chat request object that a Responses or Anthropic request was mapped onto."""
-    return turn_request(chat_request(obj, family.stop_token_ids, family.vocab_size), family, api)
+    return turn_request(chat_request(obj, family.stop_token_ids, family.vocab_size), family, api, images, known)

@@ -21,31 +21,26 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
+import json
 import urllib.error
 import urllib.request
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from trajectory import ModelFamily
 from trajectory.errors import RequestValidationError
-from trajectory.images import Image, image_digest
+from trajectory.image_grid import ImageGeometry
+from trajectory.images import Image, ImageLimits, Vision, image_digest
 
 # Formats SGLang's loader (PIL) and transformers' processor both read; the reply's MIME type is the file's, not the
 # client's word for it.
 _FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif", "BMP": "image/bmp"}
-
-
-@dataclass(frozen=True, slots=True)
-class ImageLimits:
-    """The operator's bounds on a request's images (session_server/config.py)."""
-
-    max_images: int = 32                 # per request, the resent history's included
-    max_bytes: int = 10 * 1024 * 1024    # per encoded image
-    max_pixels: int = 4096 * 4096        # per image, width x height as the file declares it
-    fetch: bool = False                  # http(s) URLs allowed (else only data URLs)
-    fetch_timeout: float = 5.0           # seconds for one fetch, connect to last byte
 
 
 def _refuse(where: str, why: str) -> RequestValidationError:
@@ -114,14 +109,54 @@ def _decode(where: str, data: bytes, digest: str, limits: ImageLimits) -> Image:
                 image.load()  # the whole file: a truncated or corrupt image is refused here, not by the engine
     except RequestValidationError:
         raise
+    except PILImage.DecompressionBombError:  # Pillow's own bound, far above ours, refused it at the header
+        raise _refuse(where, f"declares more pixels than the {limits.max_pixels} allowed") from None
     except UnidentifiedImageError:
         raise _refuse(where, "is not an image (PNG, JPEG, WebP, GIF or BMP)") from None
-    except (OSError, ValueError, SyntaxError, PILImage.DecompressionBombError,
-            PILImage.DecompressionBombWarning) as exc:
+    except (OSError, ValueError, SyntaxError, PILImage.DecompressionBombWarning) as exc:
         raise _refuse(where, f"is not a readable image: {exc}") from None
     if width < 1 or height < 1:
         raise _refuse(where, "has no pixels")
     return Image(digest=digest, data=data, width=width, height=height, mime=_FORMATS[kind])
+
+
+def with_processor_config(family: ModelFamily, directory: str) -> ModelFamily:
+    """`family` with the image settings of the `preprocessor_config.json` in `directory` (the checkpoint's, beside its
+    tokenizer), when it is a vision family and the file is there: SGLang resizes by the checkpoint's processor, so the
+    pad counts must come from the same file. Else `family` as it is (the published Qwen3-VL settings)."""
+    path = Path(directory, "preprocessor_config.json")
+    if family.vision is not None and path.is_file():
+        geometry = ImageGeometry.from_preprocessor_config(json.loads(path.read_text()))
+        family.vision = Vision(family.vision.tokens, geometry)
+    return family
+
+
+@functools.lru_cache(maxsize=4)
+def _processor(geometry: ImageGeometry) -> Any:
+    """transformers' Qwen2-VL image processor (the PIL one: no torch in the server) with the family's settings."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        patch_size=geometry.patch_size, merge_size=geometry.merge_size,
+        temporal_patch_size=geometry.temporal_patch_size, image_mean=list(geometry.image_mean),
+        image_std=list(geometry.image_std), size={"shortest_edge": geometry.min_pixels,
+                                                  "longest_edge": geometry.max_pixels})
+
+
+def pixel_values(images: Sequence[Image], vision: Vision) -> tuple[np.ndarray, np.ndarray]:
+    """What the model's vision tower takes for `images`: (float32 [patches, dim], int64 [images, 3] grids), as
+    transformers' processor makes them. CPU-heavy (a screenshot is a few milliseconds): run it on the pool."""
+    from PIL import Image as PILImage
+
+    if not images:
+        return np.zeros((0, 0), np.float32), np.zeros((0, 3), np.int64)
+    opened = [PILImage.open(io.BytesIO(image.data)) for image in images]
+    out = _processor(vision.geometry)(images=opened, return_tensors="np")
+    pixels, grids = np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"], np.int64)
+    expected = [list(vision.grid(image)) for image in images]
+    if grids.tolist() != expected:  # our pad counts and the processor's must agree (they are the same arithmetic)
+        raise RuntimeError(f"image processor grids {grids.tolist()} differ from the family's {expected}")
+    return pixels, grids
 
 
 def _image_url(part: dict[str, Any]) -> Any:

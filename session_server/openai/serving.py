@@ -19,6 +19,7 @@ from session_server.turns.output import TurnOutput
 from session_server.turns.turn import Turn, TurnRequest
 from trajectory import LinearTrajectory
 from trajectory.errors import SessionError
+from trajectory.images import NO_IMAGE_LIMITS, ImageLimits
 
 
 class ChatCompletions:
@@ -26,10 +27,11 @@ class ChatCompletions:
 
     name = "chat"
 
-    def parse(self, body: bytes, trajectory: LinearTrajectory) -> TurnRequest[ChatRequest]:
+    def parse(self, body: bytes, trajectory: LinearTrajectory,
+              images: ImageLimits = NO_IMAGE_LIMITS) -> TurnRequest[ChatRequest]:
         family = trajectory.family
         chat = parse_chat_request(body, family.stop_token_ids, family.vocab_size, trajectory.sent)
-        return turn_request(chat, family, chat)
+        return turn_request(chat, family, chat, images, trajectory.images)
 
     def reply(self, turn: Turn[ChatRequest], out: TurnOutput) -> bytes:
         return chat_completion(out, turn.family, turn.rid, turn.model, turn.created, turn.request.api.options,

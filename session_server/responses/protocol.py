@@ -63,21 +63,43 @@ class ResponsesTurn:
     ignored: list[str] = field(default_factory=list)   # accepted fields without effect on the tokens
 
 
-def _text_parts(where: str, content: Any, kinds: tuple[str, ...]) -> str:
-    """The text of a string or a list of text parts (`input_text`, `output_text`, ...); images and files are 400."""
+def _image_part(where: str, part: dict[str, Any]) -> dict[str, Any]:
+    """An `input_image` as the chat `image_url` part every API's images become (frontend/images.py reads it, naming
+    `where`); a `file_id` needs the Files API, which this server does not have."""
+    url = part.get("image_url")
+    if part.get("file_id") is not None or not isinstance(url, str):
+        raise bad(where, "must be an input_image with an 'image_url' (a base64 data URL); file_id is not supported")
+    return {"type": "image_url", "image_url": {"url": url}, "where": where}
+
+
+def _text_parts(where: str, content: Any, kinds: tuple[str, ...], images: bool = False) -> str | list[dict[str, Any]]:
+    """The text of a string or a list of text parts (`input_text`, `output_text`, ...); with `images` (a user
+    message, a function call's output) the chat parts, images included, when there is an `input_image`. Files and
+    audio are 400."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad(f"{where}.content", "must be a string or a list of content parts")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            parts.append(_image_part(f"{where}.content[{j}]", part))
+            continue
         if kind in ("input_image", "input_file", "input_audio"):
-            raise bad(f"{where}.content[{j}]", f"is {kind}: this server's model takes text only")
+            raise bad(f"{where}.content[{j}]", f"is {kind}: not supported here")
         if kind not in kinds or not isinstance(part.get("text"), str):
             raise bad(f"{where}.content[{j}]", f"must be one of {', '.join(kinds)} with a 'text' string")
-        texts.append(part["text"])
-    return "".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
+
+
+def _text(where: str, content: Any, kinds: tuple[str, ...]) -> str:
+    text = _text_parts(where, content, kinds)
+    assert isinstance(text, str)  # no images asked for: text
+    return text
 
 
 class _Turns:
@@ -126,10 +148,10 @@ def _item(turns: _Turns, where: str, item: dict[str, Any]) -> None:
     if kind == "message":
         role = item.get("role")
         if role in ("user", "system", "developer"):
-            text = _text_parts(where, item.get("content"), ("input_text",))
-            turns.add({"role": "user" if role == "user" else "system", "content": text})
+            content = _text_parts(where, item.get("content"), ("input_text",), images=role == "user")
+            turns.add({"role": "user" if role == "user" else "system", "content": content})
         elif role == "assistant":
-            text = _text_parts(where, item.get("content"), ("output_text", "refusal", "input_text"))
+            text = _text(where, item.get("content"), ("output_text", "refusal", "input_text"))
             message = turns.open_assistant()
             message["content"] += text
         else:
@@ -144,7 +166,7 @@ def _item(turns: _Turns, where: str, item: dict[str, Any]) -> None:
             {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     elif kind == "function_call_output":
         call_id = non_empty_string(item, "call_id", where)
-        output = _text_parts(where, item.get("output"), ("input_text", "output_text"))
+        output = _text_parts(where, item.get("output"), ("input_text", "output_text"), images=True)
         turns.add({"role": "tool", "tool_call_id": call_id, "content": output})
     elif kind == "reasoning":
         reasoning = _reasoning_text(where, item)

@@ -32,6 +32,7 @@ from session_server.turns.output import TurnOutput
 from session_server.turns.turn import NewTokens, Turn, TurnRequest
 from trajectory import LinearTrajectory
 from trajectory.errors import SessionError
+from trajectory.images import NO_IMAGE_LIMITS, ImageLimits
 
 RESPONSE_PREFIX = "resp_"
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -98,7 +99,8 @@ class Responses:
 
     name = "responses"
 
-    def parse(self, body: bytes, trajectory: LinearTrajectory) -> TurnRequest[ResponsesTurn]:
+    def parse(self, body: bytes, trajectory: LinearTrajectory,
+              images: ImageLimits = NO_IMAGE_LIMITS) -> TurnRequest[ResponsesTurn]:
         obj = decode_object(body)
         previous = obj.get("previous_response_id")
         history = None
@@ -106,7 +108,7 @@ class Responses:
             turn = turn_of_response(trajectory, previous)
             history = trajectory.messages[: trajectory.checkpoints[turn].num_messages]
         mapped = parse_responses(obj, trajectory.family.thinking_switch, history)
-        request = read_chat(mapped.chat, trajectory.family, mapped)
+        request = read_chat(mapped.chat, trajectory.family, mapped, images, trajectory.images)
         request.ignored = mapped.ignored
         return request
 

@@ -49,7 +49,7 @@ from session_server.turns.race import Ending, race
 from session_server.turns.resume import Continuation
 from session_server.turns.turn import FrontEnd, Turn, new_rid
 from trajectory import GenerateResult, TurnRecord
-from trajectory.errors import InvariantError, SessionError, UpstreamError
+from trajectory.errors import InvariantError, RequestValidationError, SessionError, UpstreamError
 
 logger = logging.getLogger("session_server.turns.engine_call")
 
@@ -184,6 +184,9 @@ class EngineCall(Generic[R]):
         """Everything before the turn's first byte reaches the engine: the session's previous, aborted engine request
         has ended (so the engine never runs two of one session at once, and a streaming session is free again), the
         engine session is opened or reused, and the payload is encoded."""
+        if self.turn.plan.images and self.sessions is not None:  # an append-only engine session takes no image_data
+            raise RequestValidationError("images need the whole prompt sent each turn: this server runs with "
+                                         "--engine-sessions, which sends only new tokens")
         drains = self.server.drains
         if drains is not None and drains.pending(self.claim.lane) is not None:
             if not await drains.settle(self.claim.lane, self.remaining()):
@@ -206,10 +209,13 @@ class EngineCall(Generic[R]):
         prompt, params = self.continuation.request(self.turn.plan.prompt_ids, request.sampling_params)
         interval = stream_interval(config.engine_stream_interval, config.engine_incremental_streaming,
                                    params.get("max_new_tokens"), server.prompt_token_limit)
+        images = self.turn.plan.images
+        size = 4 * (len(prompt) - self.start) + sum(len(image.data) for image in images)
         return await server.pool.run_sized(
-            4 * (len(prompt) - self.start), encode_generate, prompt, self.start, params, self.rid,
+            size, encode_generate, prompt, self.start, params, self.rid,
             self.session_params, config.return_routed_experts, request.top_logprobs, request.stream,
             self.turn.plan.routed_experts_start, interval, server.family.thinking_mode(request.template_kwargs),
+            images, server.family.vision.tokens.pad if server.family.vision is not None else -1,
         )
 
     # -- the engine requests ----------------------------------------------------------------------------------------

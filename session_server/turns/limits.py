@@ -21,6 +21,7 @@ from session_server.engine.reasoning import ungated_grammar_warning
 from session_server.errors import LimitExceededError
 from trajectory import ModelFamily, TurnPlan
 from trajectory.bounds import min_prompt_tokens
+from trajectory.images import NO_IMAGE_LIMITS, ImageLimits
 
 if TYPE_CHECKING:
     from session_server.state import ServerState
@@ -32,6 +33,7 @@ logger = logging.getLogger("session_server")
 class TurnLimits:
     prompt_tokens: int | None = None  # the engine's largest input; None: not known (yet)
     session_tokens: int = 0  # --max-session-tokens; 0: none
+    images: ImageLimits = NO_IMAGE_LIMITS  # a request's images (frontend/images.py)
 
     def before_render(self, messages: Any, family: ModelFamily, body_bytes: int) -> None:
         """`body_bytes`: the size of the request body the messages came from. The bound counts at most one token per

@@ -151,7 +151,7 @@ def prepare_turn(
     expensive steps of a turn; on the loop they would delay every other request, /health included.
     """
     family = segments.main.family
-    turn = api.parse(body, segments.main)  # previous_response_id: resolved on the session's first segment
+    turn = api.parse(body, segments.main, limits.images)  # previous_response_id: on the session's first segment
     limits.before_render(turn.messages, family, len(body))
     plan = segments.prepare(turn.messages, turn.tools, turn.template_kwargs, busy, turn.messages_json)
     limits.after_render(plan.turn, turn.sampling_params)
@@ -173,14 +173,16 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
     t0 = time.perf_counter()
     prepare = functools.partial(
         prepare_turn, body, session.segments, api,
-        TurnLimits(server.prompt_token_limit, server.config.max_session_tokens), session.busy_segments(),
+        TurnLimits(server.prompt_token_limit, server.config.max_session_tokens, server.config.image_limits),
+        session.busy_segments(),
     )
     # A GRPO group's repeated first request with its ids kept: prepared here, no pool hop (repeated_first_turns.py),
     # if its parse is as small as what runs here anyway.
     on_loop = first and len(body) < server.pool.inline_below_bytes and server.family.first_turns.active
     prepared = server.first_turn_repeats.prepare(body, prepare) if on_loop else None
     if prepared is None:
-        prepared = await server.pool.run_sized(cost, prepare)
+        # A fetched image is read where the parse runs: never on the loop (frontend/images.py).
+        prepared = await server.pool.run_sized(cost if not server.config.fetch_images else 1 << 62, prepare)
     parsed, matched = prepared
     metrics.stage("prepare", time.perf_counter() - t0)
     if parsed.ignored:

@@ -23,6 +23,7 @@ from starlette.responses import Response
 from session_server.turns.output import TurnOutput
 from trajectory import LinearTrajectory, ModelFamily, SegmentPlan, TurnPlan
 from trajectory.errors import SessionError
+from trajectory.images import NO_IMAGE_LIMITS, ImageLimits
 
 R = TypeVar("R")
 
@@ -107,7 +108,9 @@ class FrontEnd(Protocol[R]):
 
     name: str  # the `api` label of its metrics
 
-    def parse(self, body: bytes, trajectory: LinearTrajectory) -> TurnRequest[R]: ...
+    # `images`: the bounds on the request's images (frontend/images.py reads them as the request is parsed).
+    def parse(self, body: bytes, trajectory: LinearTrajectory,
+              images: ImageLimits = NO_IMAGE_LIMITS) -> TurnRequest[R]: ...
     def reply(self, turn: Turn[R], out: TurnOutput) -> bytes: ...  # a plain reply (runs on the CPU pool)
     def stream(self, turn: Turn[R]) -> StreamFormat: ...
     def error(self, err: SessionError) -> Response: ...  # an error before the first byte, in the API's shape

@@ -7,6 +7,7 @@ from .gpt_oss import GptOssFamily
 from .llama3 import Llama31Family
 from .mistral import MistralNemoFamily
 from .qwen3 import Qwen3Family
+from .qwen3_vl import Qwen3VLFamily
 from .qwen35 import Qwen35Family, Qwen36Family
 from .registry import family_class, family_names, get_family, register_family
 
@@ -19,6 +20,7 @@ __all__ = [
     "ModelFamily",
     "ParsedCompletion",
     "Qwen3Family",
+    "Qwen3VLFamily",
     "Qwen35Family",
     "Qwen36Family",
     "ToolCall",

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from ..errors import RequestValidationError, TemplateError, TokenizationError
 from ..first_turns import FirstTurnCache
+from ..images import Vision
 from .control import ControlTokens, trie_pattern
 from .fast_encoder import FastEncoder, fast_encoder
 from .span_cache import MIN_SPAN_CHARS, SpanCache
@@ -141,6 +142,8 @@ class ModelFamily(ABC):
     # naming them, and a tokenizer that carries any other template (a fine-tune's edit, an operator's override) has
     # every turn rendered by that template.
     mirrored_templates: ClassVar[frozenset[str]] = frozenset()
+    # Image facts of a vision-language family (trajectory/images.py); None: the model takes text only.
+    vision: Vision | None = None
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from .base import ParsedCompletion
 from .qwen3 import THINK_CLOSE, THINK_OPEN, Qwen3Family
 from .qwen3 import split_reasoning as split_closed_reasoning
+from .qwen3_vl import vision_of
 from .xml_tool_calls import CALL_CLOSE, CALL_OPEN, format_call, parse_calls
 
 _TOOL_PROBE: dict[str, str] = {"role": "tool", "content": "anchor probe"}
@@ -75,6 +76,10 @@ class Qwen35Family(Qwen3Family):
     structural_tag_format = "qwen_3_coder"
     reply_opening = THINK_OPEN + "\n"
     json_scalars: ClassVar[bool] = False
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        self.vision = vision_of(tokenizer)  # natively multimodal: images like Qwen3-VL's (qwen3_vl.py)
 
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> str:

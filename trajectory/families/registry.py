@@ -11,11 +11,12 @@ from .gpt_oss import GptOssFamily
 from .llama3 import Llama31Family
 from .mistral import MistralNemoFamily
 from .qwen3 import Qwen3Family
+from .qwen3_vl import Qwen3VLFamily
 from .qwen35 import Qwen35Family, Qwen36Family
 
 _FAMILIES: dict[str, type[ModelFamily]] = {
     cls.name: cls for cls in (Qwen3Family, DeepSeekFamily, Qwen35Family, Qwen36Family, DeepSeekV4Family, GptOssFamily,
-                                    Llama31Family, MistralNemoFamily)
+                                    Llama31Family, MistralNemoFamily, Qwen3VLFamily)
 }
 
 

@@ -301,7 +301,9 @@ def test_tool_results_and_text_keep_their_order():
 
 @pytest.mark.parametrize(("body", "field"), [
     ({"input": 3}, "'input'"),
-    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "file_id": "x"}]}]},
+     "'input[0].content[0]'"),
+    ({"input": [{"type": "message", "role": "system", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "'input[0].content[0]'"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "'input[0].type'"),
     ({"input": "x", "tools": [{"type": "custom", "name": "apply_patch"}]}, "'tools[0].type'"),
@@ -325,6 +327,8 @@ def test_responses_refusals_name_the_field(body, field):
     ({"messages": [{"role": "user", "content": "x"}]}, "'max_tokens'"),
     ({"max_tokens": 1, "messages": []}, "'messages'"),
     ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "'messages[0].content[0].source.type'"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
      "'messages[0].content[0].type'"),
     ({"max_tokens": 1, "messages": [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
      "'messages[0].content[0].type'"),
