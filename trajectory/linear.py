@@ -23,7 +23,7 @@ from .buffer import TokenBuffer
 from .engine_output import GenerateResult
 from .errors import InvariantError, RequestValidationError, RollbackLimitError, SessionError, UpstreamError
 from .families.base import ModelFamily
-from .images import Image, check_runs, collect_images, expand, has_images, prompt_images
+from .images import Image, check_runs, collect_images, expand, has_images, prompt_images, spelled
 from .messages import Message, MessageMatcher, normalize_message, normalize_tools
 from .mismatch import diff_tokens
 from .tito import continuation_ids, first_turn_ids
@@ -493,11 +493,14 @@ class LinearTrajectory:
         canonical: list[int] = []
         if self.messages:
             try:
-                text = self.family.render(self.messages, self.prompt_tools, add_generation_prompt=False)
+                text = self.family.render(spelled(self.messages), self.prompt_tools, add_generation_prompt=False)
+                # The stored ids end at the last generated token; the template's trailer after it is not ours yet.
+                canonical = self.family.encode(text.removesuffix(self.family.message_trailer))
+                if has_images(self.messages):  # each image's run as the engine expanded it
+                    canonical = self._expanded(np.asarray(canonical, np.int32), [
+                        self.images[d] for d in prompt_images(self.messages)]).tolist()
             except SessionError as exc:
                 return {"error": exc.message}
-            # The stored ids end at the last generated token; the template's trailer after it is not ours yet.
-            canonical = self.family.encode(text.removesuffix(self.family.message_trailer))
         opcodes = diff_tokens(stored, canonical, self.family.special_token_ids)
         in_assistant = [self._in_completion(a0, a1) for _, a0, a1, _, _ in opcodes]
 

@@ -175,3 +175,19 @@ def test_samples_carry_each_image_span_hash_and_grid(vl: Qwen3VLFamily) -> None:
     assert np.array_equal(cut.image_grid_thw, grids[:1]) and len(cut.pixel_values) == 320
     with pytest.raises(ValueError, match="come together"):
         dataclasses.replace(sample, image_grid_thw=None)
+
+
+def test_the_mismatch_report_sees_images_as_the_engine_expanded_them(vl: Qwen3VLFamily) -> None:
+    """A canonical re-render of an image episode differs from the stored ids only inside assistant messages: its
+    runs are expanded like the stored ones (collapsed, every run would be a template-glue difference)."""
+    traj = LinearTrajectory(vl)
+    history: list[dict[str, Any]] = [user("a", picture(320, 240))]
+    for image in (picture(200, 300, (4, 4, 4)), None):
+        plan = traj.prepare(history)
+        done = reply(len(plan.prompt_ids), vl.encode("ok<|im_end|>"))
+        traj.commit(plan, done, {"role": "assistant", "content": "ok"})
+        if image is not None:
+            history += [{"role": "assistant", "content": "ok"}, user("b", image)]
+    report = traj.mismatch_report()
+    assert "error" not in report and report["assistant_only"], report
+    assert report["canonical_tokens"] - report["stored_tokens"] < 10
