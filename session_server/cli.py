@@ -17,7 +17,8 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Iterator
+import typing
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -59,215 +60,166 @@ class _EngineUrls(argparse.Action):
         namespace.engine_url = urls[0]
 
 
+# Each ServerConfig field's type, evaluated (config.py's annotations are strings): what a flag of that name parses to.
+_FIELD_TYPES: dict[str, Any] = typing.get_type_hints(ServerConfig)
+_FROM_CONFIG: Any = object()  # a Flag's default: the ServerConfig field's
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One row of the flag table: the option and its help, as `--help` prints them, plus what argparse needs that the
+    configuration cannot say (choices, a metavar, an action). The rest comes from the ServerConfig field of the same
+    name (dashes for underscores), so it is written once, in config.py: the default, the type (int and float fields
+    parse as such, a bool field is a switch), and required when the field has no default. `default` is for a flag
+    with no field (--log-level) or one whose default is read elsewhere (a key from the environment)."""
+
+    option: str
+    help: str
+    choices: Sequence[str] | None = None
+    metavar: str | None = None
+    action: type[argparse.Action] | None = None
+    default: Any = _FROM_CONFIG
+
+    @property
+    def dest(self) -> str:
+        return self.option.removeprefix("--").replace("-", "_")
+
+    def argparse_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"help": self.help}
+        for name in ("choices", "metavar", "action"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        field = ServerConfig.__dataclass_fields__.get(self.dest)
+        if self.default is not _FROM_CONFIG or field is None:
+            kw["default"] = None if self.default is _FROM_CONFIG else self.default
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            kw["required"] = True
+        else:
+            kw["default"] = _default(self.dest)
+        kind = _FIELD_TYPES.get(self.dest)
+        if kind is bool:
+            kw["action"] = "store_true"
+        elif kind in (int, float):
+            kw["type"] = kind
+        return kw
+
+
+def flags() -> tuple[Flag, ...]:
+    """The flags in `--help` order. Built per call: help lists the families registered now, and the engine keys'
+    defaults are read from the environment when the parser is built."""
+    return (
+        Flag("--engine-url", "SGLang engine base URL (native API), e.g. http://127.0.0.1:30000; repeat it for "
+             "data-parallel workers (the server places each session on one; give the engines themselves, not a router "
+             "in front of them)", action=_EngineUrls),
+        Flag("--engine-health-interval", "seconds between readiness/load probes of each engine (GET /ready, "
+             "/v1/loads); an engine that fails takes no new sessions and its sessions move on their next turn; 0 = "
+             "probe only on /ready and failures (default %(default)s)"),
+        Flag("--tokenizer", "Hugging Face tokenizer directory (loaded with AutoTokenizer)"),
+        Flag("--model-family", f"model family, one of: {', '.join(family_names())}", metavar="NAME"),
+        Flag("--host", "address to listen on (default %(default)s)"),
+        Flag("--port", "port to listen on; 0 picks a free one (default %(default)s)"),
+        Flag("--cpu-workers", "threads for stateless CPU work (decode/encode/serialize); default min(16, cores)"),
+        Flag("--max-rollback", "checkpoints a diverging request may drop (default %(default)s)"),
+        Flag("--on-divergence", "a request whose history extends no segment of its session within --max-rollback (a "
+             "compaction, a sub-agent, a side request): 'segment' starts a new segment of the session, 'reject' is a "
+             "400 (default %(default)s)", choices=DIVERGENCE_POLICIES),
+        Flag("--max-segments", "segments one session may hold; a request that would start one more gets 400 (default "
+             "%(default)s)"),
+        Flag("--merge-segments", "continue a segment instead of starting one when the new history's full render "
+             "extends every token of it (one sample per episode where the tokens allow it)"),
+        Flag("--engine-sessions", "one SGLang streaming session per trajectory; turns send only new tokens (engine: "
+             "streaming sessions on)"),
+        Flag("--request-timeout", "seconds an engine call may take before it is aborted and the chat gets 504 "
+             "(default %(default)s)"),
+        Flag("--max-turn-continuations", "times a turn goes on after the engine aborted every in-flight request (a "
+             "weight update): prompt + the tokens sampled so far are resubmitted and the agent sees one reply; past it "
+             "the turn is a 503 to retry; 0 never continues (default %(default)s)"),
+        Flag("--max-request-bytes", "largest accepted request body in bytes; larger ones get 413 (default "
+             "%(default)s)"),
+        Flag("--max-images", "images per request"),
+        Flag("--max-image-bytes", "bytes per encoded image"),
+        Flag("--max-image-pixels", "pixels per image"),
+        Flag("--fetch-images", "fetch http(s) image URLs (else data URLs only)"),
+        Flag("--image-fetch-timeout", "seconds a fetch"),
+        Flag("--max-metadata-bytes", "largest session metadata (POST /sessions, JSON-encoded bytes); larger gets 413 "
+             "(default %(default)s)"),
+        Flag("--body-timeout", "seconds a request body may take to arrive in full, on every route; slower uploads get "
+             "408 (default %(default)s)"),
+        Flag("--max-header-bytes", "largest request line + headers of one request; larger gets 431 and the connection "
+             "is closed (default %(default)s)"),
+        Flag("--max-sessions", "live sessions the server holds; POST /sessions (and on-demand creation) beyond gets "
+             "503 with Retry-After; 0 = unbounded (default %(default)s)"),
+        Flag("--max-session-tokens", "tokens one session may hold (prompt + completion): a turn whose prompt reaches "
+             "it is a 400, and generation is capped to what is left; 0 = unbounded (default %(default)s)"),
+        Flag("--drain-timeout", "POST /admin/pause (drain) waits this many seconds for running chats, then aborts the "
+             "rest (they get 503 + Retry-After), so a weight update can always proceed (default %(default)s)"),
+        Flag("--shutdown-timeout", "on SIGTERM, seconds to wait for open connections (e.g. a half-sent body) before "
+             "closing them (default %(default)s)"),
+        Flag("--special-tokens-in-content", "text (default): spellings of control tokens inside message text, tool "
+             "arguments and schemas are tokenized as plain text, so no message can forge chat structure; engine: they "
+             "become the control tokens, as the engine's own chat endpoint does", choices=SPECIAL_TOKEN_MODES),
+        Flag("--message-matcher", "how history is matched: loose_tool_call (default: tool-call arguments that are "
+             "equal as JSON match, as agents re-serialise them) or strict (argument text byte for byte; any "
+             "re-serialisation rolls back)", choices=MATCHERS),
+        Flag("--engine-incremental-streaming", "the engine runs with SGLang's --incremental-streaming-output (stream "
+             "events are deltas); default: SGLang's cumulative events"),
+        Flag("--stream-coalesce-ms", "a streamed chat reads the engine at most once per this many milliseconds after "
+             "its first chunk, and sends what arrived meanwhile as one chunk: with one engine event per token "
+             "(SGLang's stream_interval 1), each event on its own costs ~20 us of server CPU, 30x an unstreamed token; "
+             "0 = every event as it arrives (default %(default)s)"),
+        Flag("--engine-stream-interval",
+             "tokens per engine stream event asked for (SGLang's per-request stream_interval; the first token always "
+             f"comes at once). 0 (default) chooses: {pacing.DELTA_INTERVAL} when the engine streams deltas; with "
+             "cumulative events (each holds the whole reply so far) one per "
+             f"max_tokens/{pacing.CUMULATIVE_EVENTS} tokens, so a streamed reply stays linear (engine/pacing.py)"),
+        Flag("--create-sessions-on-demand", "a chat at the root URL (POST /v1/chat/completions) whose X-Session-ID "
+             "names no session creates it (ids: 1-128 characters of A-Z a-z 0-9 . _ : -); the client then chooses the "
+             "id, so it is not a secret"),
+        Flag("--session-idle-timeout", "delete a session (like DELETE) after this many seconds without a request; a "
+             "chat in flight counts as activity until it outlives --request-timeout; 0 = never (default %(default)s)"),
+        Flag("--tombstones", "ids of deleted sessions remembered so late requests get 'was deleted'; oldest forgotten "
+             "first (default %(default)s, about 200 bytes each)"),
+        Flag("--admin-token", "if set, /admin/* requires 'Authorization: Bearer TOKEN'"),
+        Flag("--inline-below-bytes", "bodies smaller than this are parsed on the event loop, larger ones on the CPU "
+             "pool (a pool hop costs more than a small decode); 0 pools everything (default %(default)s)"),
+        Flag("--first-turn-cache-tokens", "token ids of first turns kept by their exact request (messages, tools, "
+             "template kwargs), so the G samples of a GRPO group render their shared first request once; least "
+             "recently used out first, 0 keeps none (default %(default)s, 4 bytes each)"),
+        Flag("--inline-decode", "decode engine responses on the event loop instead of the CPU pool (for benchmarks)"),
+        Flag("--return-routed-experts", "ask the engine for routed experts (MoE routing replay); kept raw in the "
+             "records, never sent to agents"),
+        Flag("--return-token-ids", "put the turn's token ids on every Chat and Responses reply (vLLM's "
+             "prompt_token_ids and token_ids; NeMo Gym's fields on Responses items), as a request's own "
+             "`return_token_ids: true` does"),
+        Flag("--engine-client", "client for the hot POST /generate: the lean httptools pool (default) or httpx, to "
+             "measure against it", choices=ENGINE_CLIENTS),
+        Flag("--engine-api-key",
+             f"the engine's --api-key, sent as a Bearer token on /generate and session calls "
+             f"(default: ${ENGINE_API_KEY_ENV}; never logged)", default=os.environ.get(ENGINE_API_KEY_ENV) or None),
+        Flag("--engine-admin-api-key",
+             f"the engine's --admin-api-key, sent on abort/pause/flush calls (default: ${ENGINE_ADMIN_API_KEY_ENV}; "
+             "never logged)", default=os.environ.get(ENGINE_ADMIN_API_KEY_ENV) or None),
+        Flag("--engine-control-timeout", "deadline in seconds of each engine control call (abort, open/close session, "
+             "ready) (default %(default)s)"),
+        Flag("--abort-grace", "seconds an acknowledged abort may take to end the engine request before the server "
+             "closes its connection (default %(default)s)"),
+        Flag("--journal", "keep every session, committed turn and deletion in this SQLite file (WAL); a restart on "
+             "the same file restores the sessions. A turn is on disk before its reply is sent. Default: memory only",
+             metavar="PATH"),
+        Flag("--journal-sync", "normal: a replied turn survives the server process being killed (SIGKILL, OOM), not a "
+             "power loss or kernel crash; full: fsync on every group commit, survives those too, at more latency per "
+             "turn (default normal)", choices=SYNC_MODES),
+        Flag("--replica-name", "this replica's name behind a load balancer (a-z 0-9 -): the session ids it mints "
+             "start with 'NAME.', and the balancer's config (python -m deploy.nginx) routes them back to it; keep it "
+             "across restarts", metavar="NAME"),
+        Flag("--log-level", "log level", choices=("debug", "info", "warning", "error"), default="warning"),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Token-in-token-out session server between OpenAI-chat agents and SGLang.")
-    p.add_argument(
-        "--engine-url", required=True, action=_EngineUrls,
-        help="SGLang engine base URL (native API), e.g. http://127.0.0.1:30000; repeat it for data-parallel workers "
-        "(the server places each session on one; give the engines themselves, not a router in front of them)",
-    )
-    p.add_argument(
-        "--engine-health-interval", type=float, default=_default("engine_health_interval"),
-        help="seconds between readiness/load probes of each engine (GET /ready, /v1/loads); an engine that fails "
-        "takes no new sessions and its sessions move on their next turn; 0 = probe only on /ready and failures "
-        "(default %(default)s)",
-    )
-    p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory (loaded with AutoTokenizer)")
-    p.add_argument("--model-family", required=True, metavar="NAME",
-                   help=f"model family, one of: {', '.join(family_names())}")
-    p.add_argument("--host", default=_default("host"), help="address to listen on (default %(default)s)")
-    p.add_argument(
-        "--port", type=int, default=_default("port"), help="port to listen on; 0 picks a free one (default %(default)s)"
-    )
-    p.add_argument(
-        "--cpu-workers", type=int, default=_default("cpu_workers"),
-        help="threads for stateless CPU work (decode/encode/serialize); default min(16, cores)",
-    )
-    p.add_argument("--max-rollback", type=int, default=_default("max_rollback"),
-        help="checkpoints a diverging request may drop (default %(default)s)")
-    p.add_argument(
-        "--on-divergence", choices=DIVERGENCE_POLICIES, default=_default("on_divergence"),
-        help="a request whose history extends no segment of its session within --max-rollback (a compaction, a "
-             "sub-agent, a side request): 'segment' starts a new segment of the session, 'reject' is a 400 "
-             "(default %(default)s)",
-    )
-    p.add_argument("--max-segments", type=int, default=_default("max_segments"),
-        help="segments one session may hold; a request that would start one more gets 400 (default %(default)s)")
-    p.add_argument(
-        "--merge-segments", action="store_true",
-        help="continue a segment instead of starting one when the new history's full render extends every token "
-             "of it (one sample per episode where the tokens allow it)",
-    )
-    p.add_argument(
-        "--engine-sessions", action="store_true",
-        help="one SGLang streaming session per trajectory; turns send only new tokens (engine: streaming sessions on)",
-    )
-    p.add_argument(
-        "--request-timeout", type=float, default=_default("request_timeout"),
-        help="seconds an engine call may take before it is aborted and the chat gets 504 (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-turn-continuations", type=int, default=_default("max_turn_continuations"),
-        help="times a turn goes on after the engine aborted every in-flight request (a weight update): prompt + the "
-             "tokens sampled so far are resubmitted and the agent sees one reply; past it the turn is a 503 to retry; "
-             "0 never continues (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-request-bytes", type=int, default=_default("max_request_bytes"),
-        help="largest accepted request body in bytes; larger ones get 413 (default %(default)s)",
-    )
-    p.add_argument("--max-images", type=int, default=_default("max_images"), help="images per request")
-    p.add_argument("--max-image-bytes", type=int, default=_default("max_image_bytes"), help="bytes per encoded image")
-    p.add_argument("--max-image-pixels", type=int, default=_default("max_image_pixels"), help="pixels per image")
-    p.add_argument("--fetch-images", action="store_true", help="fetch http(s) image URLs (else data URLs only)")
-    p.add_argument("--image-fetch-timeout", type=float, default=_default("image_fetch_timeout"), help="seconds a fetch")
-    p.add_argument(
-        "--max-metadata-bytes", type=int, default=_default("max_metadata_bytes"),
-        help="largest session metadata (POST /sessions, JSON-encoded bytes); larger gets 413 (default %(default)s)",
-    )
-    p.add_argument(
-        "--body-timeout", type=float, default=_default("body_timeout"),
-        help="seconds a request body may take to arrive in full, on every route; slower uploads get 408 "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--max-header-bytes", type=int, default=_default("max_header_bytes"),
-        help="largest request line + headers of one request; larger gets 431 and the connection is closed "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--max-sessions", type=int, default=_default("max_sessions"),
-        help="live sessions the server holds; POST /sessions (and on-demand creation) beyond gets 503 with "
-        "Retry-After; 0 = unbounded (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-session-tokens", type=int, default=_default("max_session_tokens"),
-        help="tokens one session may hold (prompt + completion): a turn whose prompt reaches it is a 400, and "
-        "generation is capped to what is left; 0 = unbounded (default %(default)s)",
-    )
-    p.add_argument(
-        "--drain-timeout", type=float, default=_default("drain_timeout"),
-        help="POST /admin/pause (drain) waits this many seconds for running chats, then aborts the rest (they get "
-        "503 + Retry-After), so a weight update can always proceed (default %(default)s)",
-    )
-    p.add_argument(
-        "--shutdown-timeout", type=float, default=_default("shutdown_timeout"),
-        help="on SIGTERM, seconds to wait for open connections (e.g. a half-sent body) before closing them "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--special-tokens-in-content", choices=SPECIAL_TOKEN_MODES, default=_default("special_tokens_in_content"),
-        help="text (default): spellings of control tokens inside message text, tool arguments and schemas are "
-        "tokenized as plain text, so no message can forge chat structure; engine: they become the control tokens, "
-        "as the engine's own chat endpoint does",
-    )
-    p.add_argument(
-        "--message-matcher", choices=MATCHERS, default=_default("message_matcher"),
-        help="how history is matched: loose_tool_call (default: tool-call arguments that are equal as JSON match, "
-        "as agents re-serialise them) or strict (argument text byte for byte; any re-serialisation rolls back)",
-    )
-    p.add_argument(
-        "--engine-incremental-streaming", action="store_true",
-        help="the engine runs with SGLang's --incremental-streaming-output (stream events are deltas); default: "
-        "SGLang's cumulative events",
-    )
-    p.add_argument(
-        "--stream-coalesce-ms", type=float, default=_default("stream_coalesce_ms"),
-        help="a streamed chat reads the engine at most once per this many milliseconds after its first chunk, and "
-        "sends what arrived meanwhile as one chunk: with one engine event per token (SGLang's stream_interval 1), "
-        "each event on its own costs ~20 us of server CPU, 30x an unstreamed token; 0 = every event as it arrives "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--engine-stream-interval", type=int, default=_default("engine_stream_interval"),
-        help="tokens per engine stream event asked for (SGLang's per-request stream_interval; the first token "
-        f"always comes at once). 0 (default) chooses: {pacing.DELTA_INTERVAL} when the engine streams deltas; with "
-        f"cumulative events (each holds the whole reply so far) one per max_tokens/{pacing.CUMULATIVE_EVENTS} tokens, "
-        "so a streamed reply stays linear (engine/pacing.py)",
-    )
-    p.add_argument(
-        "--create-sessions-on-demand", action="store_true",
-        help="a chat at the root URL (POST /v1/chat/completions) whose X-Session-ID names no session creates it "
-        "(ids: 1-128 characters of A-Z a-z 0-9 . _ : -); the client then chooses the id, so it is not a secret",
-    )
-    p.add_argument(
-        "--session-idle-timeout", type=float, default=_default("session_idle_timeout"),
-        help="delete a session (like DELETE) after this many seconds without a request; a chat in flight counts as "
-        "activity until it outlives --request-timeout; 0 = never (default %(default)s)",
-    )
-    p.add_argument(
-        "--tombstones", type=int, default=_default("tombstones"),
-        help="ids of deleted sessions remembered so late requests get 'was deleted'; oldest forgotten first "
-        "(default %(default)s, about 200 bytes each)",
-    )
-    p.add_argument(
-        "--admin-token", default=_default("admin_token"), help="if set, /admin/* requires 'Authorization: Bearer TOKEN'"
-    )
-    p.add_argument(
-        "--inline-below-bytes", type=int, default=_default("inline_below_bytes"),
-        help="bodies smaller than this are parsed on the event loop, larger ones on the CPU pool "
-             "(a pool hop costs more than a small decode); 0 pools everything (default %(default)s)",
-    )
-    p.add_argument(
-        "--first-turn-cache-tokens", type=int, default=_default("first_turn_cache_tokens"),
-        help="token ids of first turns kept by their exact request (messages, tools, template kwargs), so the G "
-             "samples of a GRPO group render their shared first request once; least recently used out first, "
-             "0 keeps none (default %(default)s, 4 bytes each)",
-    )
-    p.add_argument(
-        "--inline-decode", action="store_true",
-        help="decode engine responses on the event loop instead of the CPU pool (for benchmarks)",
-    )
-    p.add_argument(
-        "--return-routed-experts", action="store_true",
-        help="ask the engine for routed experts (MoE routing replay); kept raw in the records, never sent to agents",
-    )
-    p.add_argument(
-        "--return-token-ids", action="store_true",
-        help="put the turn's token ids on every Chat and Responses reply (vLLM's prompt_token_ids and token_ids; "
-             "NeMo Gym's fields on Responses items), as a request's own `return_token_ids: true` does",
-    )
-    p.add_argument(
-        "--engine-client", choices=ENGINE_CLIENTS, default=_default("engine_client"),
-        help="client for the hot POST /generate: the lean httptools pool (default) or httpx, to measure against it",
-    )
-    p.add_argument(
-        "--engine-api-key", default=os.environ.get(ENGINE_API_KEY_ENV) or None,
-        help=f"the engine's --api-key, sent as a Bearer token on /generate and session calls "
-             f"(default: ${ENGINE_API_KEY_ENV}; never logged)",
-    )
-    p.add_argument(
-        "--engine-admin-api-key", default=os.environ.get(ENGINE_ADMIN_API_KEY_ENV) or None,
-        help=f"the engine's --admin-api-key, sent on abort/pause/flush calls (default: ${ENGINE_ADMIN_API_KEY_ENV}; "
-             "never logged)",
-    )
-    p.add_argument(
-        "--engine-control-timeout", type=float, default=_default("engine_control_timeout"),
-        help="deadline in seconds of each engine control call (abort, open/close session, ready) "
-             "(default %(default)s)",
-    )
-    p.add_argument(
-        "--abort-grace", type=float, default=_default("abort_grace"),
-        help="seconds an acknowledged abort may take to end the engine request before the server closes its connection "
-             "(default %(default)s)",
-    )
-    p.add_argument(
-        "--journal", default=None, metavar="PATH",
-        help="keep every session, committed turn and deletion in this SQLite file (WAL); a restart on the same file "
-        "restores the sessions. A turn is on disk before its reply is sent. Default: memory only",
-    )
-    p.add_argument(
-        "--journal-sync", choices=SYNC_MODES, default=_default("journal_sync"),
-        help="normal: a replied turn survives the server process being killed (SIGKILL, OOM), not a power loss or "
-        "kernel crash; full: fsync on every group commit, survives those too, at more latency per turn "
-        "(default normal)",
-    )
-    p.add_argument(
-        "--replica-name", default=None, metavar="NAME",
-        help="this replica's name behind a load balancer (a-z 0-9 -): the session ids it mints start with 'NAME.', "
-        "and the balancer's config (python -m deploy.nginx) routes them back to it; keep it across restarts",
-    )
-    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="log level")
+    for flag in flags():
+        p.add_argument(flag.option, **flag.argparse_kwargs())
     return p
 
 
