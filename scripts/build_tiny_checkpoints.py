@@ -95,7 +95,6 @@ def build(name: str, tokenizer_dir: Path, tokenizer: Any, out: Path) -> Path:
 
 def _image_processor_config() -> dict[str, Any]:
     """The published Qwen3-VL image processor config (patch 16, merge 2, 256^2..4096^2 pixels, mean/std 0.5)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from trajectory.image_grid import QWEN3_VL
 
     return QWEN3_VL.preprocessor_config()
