@@ -28,6 +28,7 @@ from sglang_sim import wire
 from sglang_sim.auth import ApiKeyMiddleware
 from sglang_sim.engine import Engine
 from sglang_sim.faults import BODY_FAULTS, Fault, FaultInjector, corrupt
+from sglang_sim.images import EngineCrash, ImageRefusal
 from sglang_sim.requests import (
     BadRequest,
     ContractError,
@@ -50,6 +51,11 @@ def json_response(obj: Any, status: int = 200) -> Response:
 
 def error_response(message: str, status: int = 400) -> Response:
     return json_response(wire.native_error(message), status)
+
+
+def crash_response() -> Response:
+    """What SGLang's HTTP server answers when a handler raises (Starlette's ServerErrorMiddleware)."""
+    return Response("Internal Server Error", status_code=500, media_type="text/plain")
 
 
 class _DroppedResponse(Response):
@@ -175,8 +181,10 @@ class SimServer:
                 return Response(status_code=499)
             try:
                 req = self.engine.submit(inp)
-            except BadRequest as exc:
+            except (BadRequest, ImageRefusal) as exc:
                 return error_response(str(exc))
+            except EngineCrash:
+                return crash_response()
             holder.append(req)
             await req.done.wait()
         finally:
@@ -209,10 +217,12 @@ class SimServer:
                 await asyncio.sleep(fault.delay)
             try:
                 req = self.engine.submit(inp)
-            except BadRequest as exc:
+            except (BadRequest, ImageRefusal) as exc:
                 async for chunk in _refusal_stream(str(exc)):
                     yield chunk
                 return
+            except EngineCrash as exc:  # SGLang's stream dies with the exception: headers sent, then a hang-up
+                raise _DropStream(f"sglang-sim emulates SGLang's crash: {exc}") from None
             deltas = self.engine.config.incremental_streaming_output
             events = wire.StreamEvents(self.engine, req, deltas)
             interval = inp.sampling.stream_interval or self.engine.config.stream_interval

@@ -7,6 +7,7 @@ launchers (rollout/processes.py) wait for `sglang-sim ready on http://HOST:PORT`
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import socket
@@ -21,6 +22,7 @@ from sglang_sim.engine import Engine, EngineConfig
 from sglang_sim.faults import FaultInjector
 from sglang_sim.routed_experts import layers_for_bytes
 from trajectory import family_names
+from trajectory.image_grid import QWEN3_VL, ImageGeometry
 
 READY_PREFIX = "sglang-sim ready on "
 
@@ -113,6 +115,15 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
+def image_geometry(directory: Path) -> ImageGeometry:
+    """The checkpoint's image processor settings (its preprocessor_config.json), else the published Qwen3-VL ones:
+    how `image_data` is resized and expanded."""
+    config = directory / "preprocessor_config.json"
+    if not config.is_file():
+        return QWEN3_VL
+    return ImageGeometry.from_preprocessor_config(json.loads(config.read_text()))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     # The fast-tokenizer class loads the same tokenizer.json/config as AutoTokenizer but without importing the
@@ -122,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     from sglang_sim.family import EngineFamily
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
-    family = EngineFamily.create(args.model_family, tokenizer)
+    family = EngineFamily.create(args.model_family, tokenizer, image_geometry(Path(args.tokenizer)))
     config = EngineConfig(kv_capacity_tokens=args.kv_capacity_tokens, context_length=args.context_length,
                           token_latency_ms=args.token_latency_ms, prefill_latency_ms=args.prefill_latency_ms,
                           seed=args.seed,

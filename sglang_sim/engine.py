@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from sglang_sim.family import EngineFamily
-from sglang_sim.generation import ReplyPlan, SamplingParams, plan_reply
+from sglang_sim.generation import ReplyPlan, SamplingParams, derive_seed, plan_reply
+from sglang_sim.images import Expanded, expand, load_image
 from sglang_sim.kv_pool import KVPool
 from sglang_sim.radix_cache import Node, RadixCache
 from sglang_sim.requests import BadRequest, GenerateInput, SimRequest
@@ -89,8 +90,9 @@ class Engine:
             ids = inp.input_ids
         else:
             ids = np.asarray(self.family.tokenizer.encode(inp.text or ""), dtype=np.int32)
+        expanded = self._expand_images(inp, ids)
         session = None
-        prompt = ids
+        prompt = expanded.prompt
         if inp.session_params is not None:
             session = self.sessions.get(inp.session_params.id)
             if session is None:
@@ -112,11 +114,14 @@ class Engine:
             room = min(self.config.context_length, self.pool.capacity) - len(prompt) - 2
             inp = dataclasses.replace(inp, sampling=dataclasses.replace(inp.sampling, max_new_tokens=max(0, room)))
         self._check_context(len(prompt), inp.sampling.max_new_tokens)
+        key = expanded.key if expanded.images else prompt
         try:
-            plan = self._plan(prompt, inp.sampling, inp.require_reasoning and self.config.reasoning_parser is not None)
+            plan = self._plan(prompt, key, inp.sampling,
+                              inp.require_reasoning and self.config.reasoning_parser is not None)
         except ValueError as exc:  # a constraint the sim cannot satisfy (ConstraintError) or a bias banning every word
             raise BadRequest(str(exc)) from exc
-        req = SimRequest(inp=inp, prompt=prompt, plan=plan, session=session)
+        req = SimRequest(inp=inp, prompt=prompt, plan=plan, session=session,
+                         key=key if expanded.images else None, images=expanded.images)
         if len(req.kv_tokens) > self.pool.capacity:
             raise BadRequest(f"Input length ({len(prompt)} tokens) plus the reply exceeds the maximum number of "
                              f"KV tokens ({self.pool.capacity}).")
@@ -134,14 +139,30 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
         return req
 
-    def _plan(self, prompt: np.ndarray, params: SamplingParams, reasoning_gate: bool) -> ReplyPlan:
-        """The reply to `prompt`. A prompt that is an aborted request's prompt + the tokens it had emitted gets the
-        rest of that request's reply (within this request's max_new_tokens), as a model continues its own text: a
-        reply continued after an abort (a weight update) is then the reply an uninterrupted run gives.
-        `reasoning_gate`: a grammar waits for the end of the reasoning (generation.py `grammar_first`)."""
-        cut = self._cut.get(prompt.astype(np.int32, copy=False).tobytes())
+    def _expand_images(self, inp: GenerateInput, ids: np.ndarray) -> Expanded:
+        """The prompt with its images expanded (sglang_sim/images.py has SGLang's rules). Raises ImageRefusal (a 400)
+        for an image SGLang cannot load, EngineCrash (a 500) for more pads than images."""
+        if not inp.image_data:
+            return Expanded(prompt=ids, key=ids, images=())
+        vision = self.family.vision
+        if vision is None:
+            raise BadRequest("sglang-sim: this model's vocabulary has no <|image_pad|> token; it takes no images")
+        images = [load_image(source, self.family.geometry) for source in inp.image_data]
+        expanded = expand(ids, images, vision.pad, self.family.vocab_size)
+        if expanded.images and inp.session_params is not None:
+            raise BadRequest("sglang-sim does not emulate image_data on engine sessions")
+        return expanded
+
+    def _plan(self, prompt: np.ndarray, key: np.ndarray, params: SamplingParams, reasoning_gate: bool) -> ReplyPlan:
+        """The reply to `prompt` (its images are in `key`: another image, another reply). A prompt that is an aborted
+        request's prompt + the tokens it had emitted gets the rest of that request's reply (within this request's
+        max_new_tokens), as a model continues its own text: a reply continued after an abort (a weight update) is
+        then the reply an uninterrupted run gives. `reasoning_gate`: a grammar waits for the end of the reasoning
+        (generation.py `grammar_first`)."""
+        cut = self._cut.get(key.astype(np.int32, copy=False).tobytes())
         if cut is None:
-            return plan_reply(self.family, prompt, params, self.config.seed, reasoning_gate)
+            seed = self.config.seed if key is prompt else derive_seed(self.config.seed, key, None) % 2**63
+            return plan_reply(self.family, prompt, params, seed, reasoning_gate)
         whole, emitted = cut
         ids, logprobs, finish = whole.output_ids[emitted:], whole.logprobs[emitted:], whole.finish_reason
         limit = params.max_new_tokens
@@ -152,7 +173,7 @@ class Engine:
     def _remember_cut(self, req: SimRequest) -> None:
         if not 0 < req.generated < len(req.plan.output_ids):
             return
-        key = np.concatenate([req.prompt, req.output_ids]).astype(np.int32, copy=False).tobytes()
+        key = np.concatenate([req.cache_key, req.output_ids]).astype(np.int32, copy=False).tobytes()
         self._cut.pop(key, None)
         self._cut[key] = (req.plan, req.generated)
         if len(self._cut) > _MAX_CUT_REPLIES:
@@ -213,7 +234,7 @@ class Engine:
             req.private = np.concatenate([hold.private, slots])
             self._reused(req, hold.length)
             return True
-        match = self.cache.match_prefix(req.prompt[: len(req.prompt) - 1])
+        match = self.cache.match_prefix(req.cache_key[: len(req.prompt) - 1])
         self.cache.lock(match.node)  # pin the prefix before eviction can run
         slots = self._alloc(len(kv) - match.length)
         if slots is None:

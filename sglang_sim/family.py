@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from trajectory import get_family
+from trajectory.image_grid import QWEN3_VL, ImageGeometry, VisionTokens
 
 _SEGMENT_CACHE = 16384
 
@@ -48,19 +49,26 @@ class EngineFamily:
     boundary_ids: np.ndarray  # added-token ids: they separate chat messages in a rendered prompt
     bos_token_id: int | None
     backend: Any = None  # the Rust tokenizer, used directly when it decodes exactly like the HF wrapper
+    vision: VisionTokens | None = None  # the vocabulary's image markers (None: images are refused)
+    geometry: ImageGeometry = QWEN3_VL  # the image processor's resize (the checkpoint's preprocessor_config.json)
     _encoded: dict[str, list[int]] = field(default_factory=dict)
     _segments: dict[bytes, str] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, name: str, tokenizer: Any) -> EngineFamily:
+    def create(cls, name: str, tokenizer: Any, geometry: ImageGeometry = QWEN3_VL) -> EngineFamily:
         family: FamilyLike = get_family(name, tokenizer)
         boundary = np.array(sorted(int(i) for i in tokenizer.added_tokens_decoder), dtype=np.int32)
         bos = tokenizer.bos_token_id
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if getattr(tokenizer, "clean_up_tokenization_spaces", False):
             backend = None  # the wrapper post-processes decoded text; keep its exact behaviour
+        try:
+            vision: VisionTokens | None = VisionTokens.from_tokenizer(tokenizer)
+        except ValueError:
+            vision = None
         return cls(family=family, tokenizer=tokenizer, boundary_ids=boundary,
-                   bos_token_id=int(bos) if bos is not None else None, backend=backend)
+                   bos_token_id=int(bos) if bos is not None else None, backend=backend, vision=vision,
+                   geometry=geometry)
 
     @property
     def name(self) -> str:

@@ -18,6 +18,7 @@ import numpy as np
 
 from sglang_sim.constraints import ConstraintError, parse_json_schema, parse_structural_tag
 from sglang_sim.generation import ReplyPlan, SamplingParams
+from sglang_sim.images import SimImage, image_sources
 from sglang_sim.radix_cache import Node
 from sglang_sim.sessions import EngineSession, SessionParams
 
@@ -76,6 +77,8 @@ class GenerateInput:
     routed_experts_start_len: int = 0
     routing_key: str | None = None
     require_reasoning: bool = False  # hold a grammar back until the reasoning ends (with --reasoning-parser)
+    image_data: tuple[str, ...] = ()  # the images (data URLs, base64), decoded at submission (sglang_sim/images.py)
+    return_prompt_token_ids: bool = False  # the reply carries `prompt_token_ids`: the prompt with images expanded
 
 
 def _is_int(v: Any) -> bool:
@@ -224,6 +227,10 @@ def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> Gener
         rid = uuid.uuid4().hex
     elif not isinstance(rid, str):
         raise BadRequest("rid must be a string")
+    try:
+        images = image_sources(body.get("image_data"))
+    except TypeError as exc:
+        raise ContractError(str(exc)) from None
     sp = body.get("session_params")
     session = None
     if sp is not None:
@@ -247,7 +254,8 @@ def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> Gener
         stream=bool(body.get("stream", False)), session_params=session,
         return_routed_experts=bool(body.get("return_routed_experts", False)),
         routed_experts_start_len=_opt(body, "routed_experts_start_len", int, 0), routing_key=routing_key,
-        require_reasoning=_request_bool(body, "require_reasoning"))
+        require_reasoning=_request_bool(body, "require_reasoning"), image_data=images,
+        return_prompt_token_ids=_request_bool(body, "return_prompt_token_ids"))
 
 
 # pydantic's lax booleans: the strings (any case) FastAPI's parse of a `bool` field takes for true or false.
@@ -281,6 +289,10 @@ class SimRequest:
     prompt: np.ndarray
     plan: ReplyPlan
     session: EngineSession | None
+    # The radix-cache key of the prompt: the prompt itself, except that each image's pads are one value derived from
+    # the image's bytes (sglang_sim/images.py), so the cache tells images apart as SGLang's does.
+    key: np.ndarray | None = None
+    images: tuple[SimImage, ...] = ()  # the images the prompt's pads expanded to
     created: float = field(default_factory=time.perf_counter)
     state: str = "waiting"  # waiting | running | finished
     generated: int = 0
@@ -309,10 +321,21 @@ class SimRequest:
         return self.inp.sampling
 
     @property
+    def cache_key(self) -> np.ndarray:
+        """The prompt as the radix cache keys it."""
+        return self.prompt if self.key is None else self.key
+
+    @property
     def kv_tokens(self) -> np.ndarray:
-        """Tokens whose KV the request computes: prompt + output, minus the last token (never fed back)."""
-        full = np.concatenate([self.prompt, self.plan.output_ids])
+        """Tokens whose KV the request computes, as the cache keys them: prompt + output, minus the last token (never
+        fed back)."""
+        full = np.concatenate([self.cache_key, self.plan.output_ids])
         return full[:-1] if len(full) else full
+
+    @property
+    def image_tokens(self) -> int:
+        """The prompt's pads that are images (SGLang's meta_info `image_tokens`)."""
+        return sum(image.tokens for image in self.images)
 
     @property
     def output_ids(self) -> np.ndarray:

@@ -44,7 +44,10 @@ def _input_logprobs(req: SimRequest, start: int) -> list[list[Any]]:
     """Input-token logprobs from `logprob_start_len` on (the first prompt token has none, as in SGLang)."""
     if start < 0:
         return []
-    ids = req.prompt[start:].tolist()
+    ids = req.prompt[start:]
+    if req.images:  # SGLang reports an image's pads by the id 0 (their key in its cache is no vocabulary id)
+        ids = np.where(req.cache_key[start:] != ids, 0, ids)
+    ids = ids.tolist()
     rng = np.random.default_rng(len(req.prompt))
     values = np.log(rng.uniform(0.05, 0.95, size=len(ids))).tolist()
     out: list[list[Any]] = [[v, t, None] for v, t in zip(values, ids, strict=True)]
@@ -86,7 +89,14 @@ def queued_abort_body(engine: Engine, req: SimRequest) -> dict[str, Any]:
         meta["output_token_logprobs"] = []
         meta["output_token_logprobs_length"] = 0
     meta["completion_tokens"] = 0
-    return {"text": "", "output_ids": [], "meta_info": meta}
+    return _with_prompt_ids({"text": "", "output_ids": [], "meta_info": meta}, req)
+
+
+def _with_prompt_ids(body: dict[str, Any], req: SimRequest) -> dict[str, Any]:
+    """`return_prompt_token_ids`: the prompt as the engine ran it (images expanded), beside the reply's other keys."""
+    if req.inp.return_prompt_token_ids:
+        body["prompt_token_ids"] = req.prompt.tolist()
+    return body
 
 
 def _output_logprobs(engine: Engine, req: SimRequest, start: int, end: int) -> dict[str, list[Any]]:
@@ -115,8 +125,11 @@ def _counts(req: SimRequest, completion: int) -> dict[str, Any]:
 
 def _cache_and_rank(req: SimRequest) -> dict[str, Any]:
     """output_streamer.py `get_cached_tokens_details`: None without a cache hit, else where the hit came from (all
-    from the device here: the sim has no host or storage tier); the DP rank is None without data parallelism."""
+    from the device here: the sim has no host or storage tier); then `image_tokens` (tokenizer_manager.py, when the
+    prompt has images); the DP rank is None without data parallelism."""
     details = {"device": req.cached_tokens, "host": 0} if req.cached_tokens > 0 else None
+    if req.images:  # the prompt tokens that are image pads, only when the prompt has images
+        return {"cached_tokens_details": details, "image_tokens": req.image_tokens, "dp_rank": None}
     return {"cached_tokens_details": details, "dp_rank": None}
 
 
@@ -151,7 +164,7 @@ def generate_body(engine: Engine, req: SimRequest, final: bool, routed: str | No
     if final and routed is not None:
         meta["routed_experts"] = routed  # base64 of int32 [rows, layers, top_k] (routed_experts.py)
     text = output_text(engine.family, out_ids, finish, inp.sampling)
-    return {"text": text, "output_ids": out_ids.tolist(), "meta_info": meta}
+    return _with_prompt_ids({"text": text, "output_ids": out_ids.tolist(), "meta_info": meta}, req)
 
 
 _SLICED_META = ("output_token_logprobs", "output_top_logprobs")  # tokenizer_manager's incremental keys we emit
@@ -182,6 +195,10 @@ class StreamEvents:
         self.text_sent = 0  # characters already sent (deltas)
         self.sent = False  # whether an event went out (only the first carries response_sent_to_client_ts)
         inp = req.inp
+        # Every event of a stream that asked for them carries the prompt ids (encoded once).
+        self.prompt_ids = b""
+        if inp.return_prompt_token_ids:
+            self.prompt_ids = b',"prompt_token_ids":' + encode(req.prompt.tolist())
         self.head: dict[str, Any] = {}
         if inp.return_logprob:
             self.head["input_token_logprobs"] = _input_logprobs(req, inp.logprob_start_len)
@@ -229,7 +246,7 @@ class StreamEvents:
         if not self.sent:  # the first event carries the time the response started (tokenizer_manager.py)
             tail["response_sent_to_client_ts"] = time.time()
             self.sent = True
-        parts += [b",", encode(tail)[1:], b"}"]
+        parts += [b",", encode(tail)[1:], self.prompt_ids, b"}"]
         return b"".join(parts)
 
 
@@ -245,7 +262,10 @@ def incremental(body: dict[str, Any], tokens_sent: int, text_sent: int) -> dict[
     for key in _SLICED_META:
         if isinstance(meta.get(key), list):
             meta[key] = meta[key][tokens_sent:]
-    return {"text": body["text"][text_sent:], "output_ids": body["output_ids"][tokens_sent:], "meta_info": meta}
+    out = {"text": body["text"][text_sent:], "output_ids": body["output_ids"][tokens_sent:], "meta_info": meta}
+    if "prompt_token_ids" in body:
+        out["prompt_token_ids"] = body["prompt_token_ids"]
+    return out
 
 
 # The prefill batch sizes SGLang 0.5.23 lists for a 2048-token capture budget (its default chunked prefill here).
