@@ -10,6 +10,7 @@ Modules, one concept each:
 - `generation`    deterministic reply planning from (seed, prompt ids, sampling_seed) and `[[sim: ...]]` directives
 - `family`        the trajectory model family plus tokenizer facts the engine needs
 - `requests`      `/generate` validation and the request record
+- `images`        `image_data`: decoding, pad expansion (trajectory/image_grid.py), image-keyed radix keys
 - `sessions`      streaming and non-streaming engine sessions (SGLang's session-controller rules)
 - `engine`        the scheduler: admission against KV, timed emission, abort/pause/retract, one exit path
 - `faults`        fault injection (`X-Sim-Fault` header, `POST /sim/faults`)
