@@ -1,0 +1,154 @@
+"""Images through the session server against the emulated engine: every API, plain and streamed, token-exact.
+
+A multi-turn episode with a new screenshot per turn goes through Chat Completions (`image_url` data URLs), Responses
+(`input_image`, later turns by `previous_response_id`, so earlier images come from the session's store) and Anthropic
+Messages (base64 `image` blocks). `check_exact` (tests/support/image_episodes.py) holds each turn to what the engine
+got: the stored prompt with every run collapsed to one pad, `image_data` with every image so far in order, and the
+engine's own expansion of that input equal to the stored prompt. A bad image is a 400 in each API's own error shape
+naming its field; a history with another picture rolls back, and the mismatch report still sees only assistant
+differences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from support.image_episodes import APIS, check_exact, data_url, episode, screenshot
+from support.server import RecordingProxy, new_session
+from support.stack import Stack, launch_stack
+
+VISION = "qwen3-vl"
+
+
+@pytest.fixture(scope="module")
+def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The sim and a server on the Qwen3 vocabulary as the qwen3-vl family (its tokenizer carries the vision
+    markers; no preprocessor_config.json: the published Qwen3-VL image settings)."""
+    servers = {"server": ("--max-images", "4", "--max-image-pixels", str(1024 * 1024))}
+    with launch_stack({VISION: tokenizer_dirs["qwen3"]}, tmp_path_factory.mktemp("stack"), family=VISION,
+                      sim_args=["--token-latency-ms", "1"], servers=servers, proxied={"server"}) as s:
+        yield s
+
+
+def base(stack: Stack, sid: str) -> str:
+    return f"{stack.server}/sessions/{sid}/v1"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("api", APIS)
+def test_an_image_episode_is_token_exact(stack: Stack, proxy: RecordingProxy, api: str, stream: bool) -> None:
+    sid = new_session(stack.server)
+    images = [screenshot(i) for i in range(3)]
+    replies = asyncio.run(episode(api, base(stack, sid), images, stream))
+    assert replies == [f"seen {i}" for i in range(3)]
+    calls = [c for c in proxy.settled() if c["path"] == "/generate" and c["routing_key"] == sid]
+    assert all(c["request"]["stream"] is stream for c in calls)
+    report = check_exact(stack.server, stack.engine, calls, sid, images)
+    assert [i["span"][1] - i["span"][0] for i in report["images"]] == [80, 80, 80]
+    assert report["pixel_values"] == [3 * 320, 1536]
+
+
+def _bad(api: str, url: str, count: int = 1) -> dict[str, Any]:
+    """A request body of `api` whose user message carries `count` copies of the image at `url`."""
+    if api == "chat":
+        return {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "x"}, *[{"type": "image_url", "image_url": {"url": url}}] * count]}]}
+    if api == "responses":
+        return {"model": "m", "max_output_tokens": 4, "input": [{"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "x"}, *[{"type": "input_image", "image_url": url}] * count]}]}
+    if url.startswith("data:"):
+        source = {"type": "base64", "media_type": url[5:url.index(";")], "data": url.split(",", 1)[1]}
+    else:
+        source = {"type": "url", "url": url}
+    return {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"}, *[{"type": "image", "source": source}] * count]}]}
+
+
+def _png(width: int, height: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (5, 5, 5)).save(out, "PNG")
+    return out.getvalue()
+
+
+_ROUTE = {"chat": "chat/completions", "responses": "responses", "messages": "messages"}
+_BAD = [
+    ("not an image", data_url(b"plain text, no picture"), 1, "is not an image"),
+    ("too many pixels", data_url(_png(1100, 1000)), 1, "1100x1000 pixels, more than the 1048576 allowed"),
+    ("too many images", data_url(_png(64, 64)), 5, "a request may carry at most 4 images"),
+    ("remote", "http://127.0.0.1:9/a.png", 1, "remote URL"),
+]
+
+
+@pytest.mark.parametrize(("what", "url", "count", "why"), _BAD, ids=[b[0] for b in _BAD])
+@pytest.mark.parametrize("api", APIS)
+def test_a_bad_image_is_a_400_in_the_apis_shape(stack: Stack, proxy: RecordingProxy, api: str, what: str,
+                                                 url: str, count: int, why: str) -> None:
+    sid = new_session(stack.server)
+    answer = httpx.post(f"{base(stack, sid)}/{_ROUTE[api]}", json=_bad(api, url, count), timeout=60)
+    assert answer.status_code == 400, answer.text
+    body = answer.json()
+    field = {"chat": "messages[0].content[", "responses": "input[0].content[", "messages": "messages[0].content["}
+    if api == "messages":  # Anthropic's shape
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    elif api == "responses":  # OpenAI's, as the Responses API writes it
+        assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "invalid_request"
+    else:  # the server's chat shape (as miles' session server writes it)
+        assert body["error"]["type"] == "invalid_request" and body["error"]["code"] == 400
+    message = body["error"]["message"]
+    assert why in message and field[api] in message, message
+    assert not [c for c in proxy.calls if c["path"] == "/generate" and c["routing_key"] == sid]
+
+
+def test_sdk_errors_are_the_apis_own(stack: Stack) -> None:
+    """What an agent's SDK raises for a bad image: openai.BadRequestError, anthropic.BadRequestError."""
+    sid = new_session(stack.server)
+
+    async def run() -> None:
+        chat = openai.AsyncOpenAI(base_url=base(stack, sid), api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="is not an image"):
+            await chat.chat.completions.create(**_bad("chat", data_url(b"nope")))
+        claude = anthropic.AsyncAnthropic(base_url=f"{stack.server}/sessions/{sid}", api_key="unused", max_retries=0)
+        with pytest.raises(anthropic.BadRequestError, match="is not an image"):
+            await claude.messages.create(**_bad("messages", data_url(b"nope")))
+
+    asyncio.run(run())
+
+
+def test_another_picture_in_the_history_rolls_back(stack: Stack, proxy: RecordingProxy) -> None:
+    """The agent resends turn 2 with a different screenshot: turn 2 is rolled back, the new prompt is turn 1's stored
+    tokens plus the new messages, and image_data has the first picture and the new one."""
+    sid = new_session(stack.server)
+    first, second, other = screenshot(0), screenshot(1), screenshot(7)
+    asyncio.run(episode("chat", base(stack, sid), [first, second], stream=False))
+    before = httpx.get(f"{stack.server}/sessions/{sid}", timeout=60).json()
+    client = openai.OpenAI(base_url=base(stack, sid), api_key="unused", max_retries=0)
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "Screen 0: what do you see? [[sim: reply seen 0]]"},
+                                     {"type": "image_url", "image_url": {"url": data_url(first)}}]},
+        {"role": "assistant", "content": "seen 0"},
+        {"role": "user", "content": [{"type": "text", "text": "Screen 1: what do you see? [[sim: reply again]]"},
+                                     {"type": "image_url", "image_url": {"url": data_url(other)}}]}]
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=messages, max_tokens=4)
+    assert raw.parse().choices[0].message.content == "again"
+    assert raw.headers["x-session-rollback"] == "1; reason=content"
+    after = httpx.get(f"{stack.server}/sessions/{sid}", timeout=60).json()
+    assert after["rollbacks"] == 1 and len(after["records"]) == 2
+    turn_one = before["records"][0]["prompt_len"] + before["records"][0]["completion_len"]
+    assert after["token_ids"][:turn_one] == before["token_ids"][:turn_one]
+    last = [c for c in proxy.settled() if c["path"] == "/generate" and c["routing_key"] == sid][-1]
+    assert [base64.b64decode(u.split(",", 1)[1]) for u in last["request"]["image_data"]] == [first, other]
+    report = after["mismatch_report"]
+    assert "error" not in report and report["assistant_only"], report
