@@ -25,10 +25,11 @@ from typing import Any
 from examples.gui_agent.agent import Api, GuiConfig, GuiEpisode, pad_runs, run_gui_episodes
 from rollout.client import SessionClient
 from rollout.processes import LOOPBACK, ProcessCrashed, RunningProcess, free_port, start_session_server, start_sim
-from trajectory import samples_to_json
+from trajectory import Sample, samples_to_json, samples_to_safetensors
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE_PAD = "<|image_pad|>"
+TEXT_TOKENIZER = {"qwen3-vl": "qwen3"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,6 +79,15 @@ def services(args: argparse.Namespace, tokenizer: Path, log_dir: Path) -> Iterat
             print(f"{how}: {proc.name} (exit code {code})")
 
 
+def default_tokenizer(tokenizers: Path, family: str) -> Path:
+    """TOKENIZERS/FAMILY; a vision family without a directory of its own uses its text family's (the tiny Qwen3-VL
+    carries Qwen3's tokenizer, whose vocabulary has the image markers)."""
+    own = tokenizers / family
+    if (own / "tokenizer_config.json").exists() or family not in TEXT_TOKENIZER:
+        return own
+    return tokenizers / TEXT_TOKENIZER[family]
+
+
 def image_pad_id(tokenizer: Path) -> int | None:
     """The id of the image placeholder token in the served tokenizer; None when it has none (a text-only model)."""
     from transformers import AutoTokenizer
@@ -87,16 +97,37 @@ def image_pad_id(tokenizer: Path) -> int | None:
     return int(pad) if isinstance(pad, int) and pad != tok.unk_token_id else None
 
 
+def image_spans(sample: Sample, pad_id: int | None) -> tuple[list[dict[str, Any]], bool]:
+    """The sample's own image records (span, hash, grid: `metadata["images"]`) and whether their spans are exactly
+    the runs of image pads in its tokens (read from the ids, trusting nothing)."""
+    records = list(sample.metadata.get("images") or [])
+    runs = pad_runs(sample.tokens.tolist(), pad_id) if pad_id is not None else []
+    return records, [r["span"] for r in records] == [[start, start + n] for start, n in runs]
+
+
+def payload_bytes(sample: Sample) -> int:
+    """The sample's size as the server sends it (safetensors: tokens, masks, logprobs, pixel values, metadata)."""
+    return len(samples_to_safetensors([sample]))
+
+
 def episode_lines(result: GuiEpisode, pad_id: int | None) -> list[str]:
-    """One line for the episode, one per sample (its tokens and the (start, length) of each image's pad ids)."""
+    """One line for the episode; per sample its sizes, then its images' spans [start, end) in the token ids with
+    each image's content hash and grid."""
     head = (f"episode {result.index:>3}  seed {result.seed:>4}  {result.api:<8}  word {result.word!r:<10} "
             f"reward {result.reward:.1f}  turns {result.turns:>2}  actions {result.actions:>2}  "
             f"screenshots {result.screenshots:>2}  {result.stop_reason}")
     lines = [head + (f"  ERROR {result.error}" if result.error else "")]
     for k, sample in enumerate(result.samples):
-        spans = pad_runs(sample.tokens.tolist(), pad_id) if pad_id is not None else []
+        records, agree = image_spans(sample, pad_id)
+        pixels = sample.pixel_values
+        shape = "" if pixels is None else f" (pixel_values {'x'.join(map(str, pixels.shape))} {pixels.dtype})"
         lines.append(f"    sample {k}: {len(sample.tokens)} tokens, {int(sample.loss_mask.sum())} sampled, "
-                     f"{len(spans)} image spans (start, length): {spans}")
+                     f"{len(records)} images, payload {payload_bytes(sample) / 2**20:.1f} MiB{shape}"
+                     + ("" if agree else "  MISMATCH: the image records are not the pad runs of the tokens"))
+        if records:
+            lines.append("      spans " + ", ".join(
+                f"[{r['span'][0]}, {r['span'][1]}) {r['digest'][7:15]} {'x'.join(map(str, r['image_grid_thw']))}"
+                for r in records))
     return lines
 
 
@@ -112,20 +143,25 @@ def summarize(results: list[GuiEpisode], pad_id: int | None, seconds: float) -> 
         "actions": sum(r.actions for r in results),
         "screenshots": sum(r.screenshots for r in results),
         "samples": len(samples),
+        "images in samples": sum(len(s.metadata.get("images") or []) for s in samples),
+        "spans off the pad runs": sum(not image_spans(s, pad_id)[1] for s in samples),
         "tokens": sum(len(s.tokens) for s in samples),
         "sampled tokens": sum(int(s.loss_mask.sum()) for s in samples),
         "image placeholder tokens": image_tokens,
+        "payload MiB": round(sum(payload_bytes(s) for s in samples) / 2**20, 1),
         "seconds": round(seconds, 2),
     }
 
 
 def write_outputs(out: Path, results: list[GuiEpisode]) -> list[Path]:
-    """samples.jsonl (one sample a line), episodes.jsonl (what each action did), frames/ (episode 0's screens)."""
+    """samples.jsonl (one sample a line, image records in its metadata, without the pixel values: frames/ and each
+    record's grid rebuild them), episodes.jsonl (what each action did), frames/ (episode 0's screens)."""
     out.mkdir(parents=True, exist_ok=True)
     samples_path, episodes_path, frames = out / "samples.jsonl", out / "episodes.jsonl", out / "frames"
     with samples_path.open("w") as f:
         for r in results:
-            for line in samples_to_json(r.samples):
+            for line in samples_to_json(r.samples):  # the pixel values (megabytes) stay in the payload
+                line = {k: v for k, v in line.items() if k not in ("pixel_values", "image_grid_thw")}
                 f.write(json.dumps({"episode": r.index, "seed": r.seed, **line}) + "\n")
     with episodes_path.open("w") as f:
         for r in results:
@@ -159,7 +195,7 @@ async def run(args: argparse.Namespace, server_url: str) -> tuple[list[GuiEpisod
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tokenizer = args.tokenizer or args.tokenizers / args.model_family
+    tokenizer = args.tokenizer or default_tokenizer(args.tokenizers, args.model_family)
     if not (tokenizer / "tokenizer_config.json").exists():
         print(f"error: no tokenizer in {tokenizer} (run `make tokenizers`, or pass --tokenizer DIR)", file=sys.stderr)
         return 2
@@ -190,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"episode {r.index} failed: {r.error}", file=sys.stderr)
     for r in short[:5]:
         print(f"episode {r.index} (scripted) ended with reward {r.reward}: {r.events[-1:]}", file=sys.stderr)
-    return 1 if failed or short else 0
+    off = summary["spans off the pad runs"]
+    if off:
+        print(f"{off} samples' image records disagree with their tokens' pad runs", file=sys.stderr)
+    return 1 if failed or short or off else 0
 
 
 if __name__ == "__main__":

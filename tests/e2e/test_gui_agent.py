@@ -12,43 +12,49 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.util
 import json
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from examples.gui_agent import desktop as gui
 from examples.gui_agent.agent import GuiConfig, GuiEpisode, pad_runs, run_gui_episodes
 from rollout.client import SessionClient
-from support.families import FAMILIES
-from support.stack import Stack, StackFactory
+from support.stack import Stack, StackFactory, launch_stack
 from trajectory import family_names
 
 ROOT = Path(__file__).resolve().parents[2]
 VISION = "qwen3-vl"
 TEXT = "qwen3"
-PADS_PER_SCREENSHOT = 80  # 320x240 -> a 16x20 patch grid, 2x2 merged (trajectory/image_grid.py)
+GRID = (1, 16, 20)  # 320x240 resized to 320x256: a 16x20 grid of 16-pixel patches, one frame
+PADS_PER_SCREENSHOT = 80  # the grid's patches 2x2 merged (trajectory/image_grid.py)
 SEEDS = [0, 1, 2, 3]
 
 
 def _missing_vision() -> str | None:
+    """Why the image tests cannot run on this tree (None: they run)."""
     if VISION not in family_names():
         return f"no {VISION} model family in trajectory yet (issue 34's image support has not landed)"
-    if VISION not in FAMILIES:
-        return f"scripts/build_tokenizers.py builds no {VISION} tokenizer yet (issue 34's image support)"
+    if importlib.util.find_spec("sglang_sim.images") is None:
+        return "the emulated engine takes no image_data yet (issue 34's sglang_sim/images.py has not landed)"
     return None
 
 
 needs_vision = pytest.mark.skipif(_missing_vision() is not None, reason=str(_missing_vision()))
 
 
+def vision_tokenizers(tokenizer_dirs: dict[str, Path]) -> dict[str, Path]:
+    """The vision family's tokenizer: its own directory, else Qwen3's (the tiny Qwen3-VL carries Qwen3's)."""
+    return {VISION: tokenizer_dirs.get(VISION, tokenizer_dirs[TEXT])}
+
+
 @pytest.fixture(scope="module")
-def vision(stack_factory: StackFactory) -> Iterator[Stack]:
-    with stack_factory(family=VISION) as stack:
+def vision(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with launch_stack(vision_tokenizers(tokenizer_dirs), tmp_path_factory.mktemp("gui"), family=VISION) as stack:
         yield stack
 
 
@@ -88,15 +94,6 @@ def assert_solved(result: GuiEpisode) -> None:
     assert len(result.samples) == 1  # one segment: every turn extended the stored history
 
 
-def sample_image_records(sample: Any) -> list[Any] | None:
-    """The sample's own image records (span, hash, grid), when the sample carries them."""
-    for name in ("images", "image_spans"):
-        records = getattr(sample, name, None)
-        if records is not None:
-            return list(records)
-    return None
-
-
 @needs_vision
 @pytest.mark.parametrize("api", ["chat", "messages"])
 def test_screenshot_episodes_reach_the_goal_and_come_out_with_their_image_spans(vision: Stack, api: str) -> None:
@@ -113,11 +110,15 @@ def test_screenshot_episodes_reach_the_goal_and_come_out_with_their_image_spans(
         for start, n in runs:
             assert int(mask[start:start + n].sum()) == 0  # the model saw the image, it did not sample it
             assert tokens[start - 1] == pad - 3 and tokens[start + n] == pad - 2  # <|vision_start|> .. <|vision_end|>
-        records = sample_image_records(sample)
-        if records is not None:
-            assert len(records) == result.screenshots
-            digests = [getattr(r, "digest", None) or getattr(r, "hash", None) for r in records]
-            assert digests == ["sha256:" + hashlib.sha256(png).hexdigest() for png in result.frames]
+        # The sample's own records: each image's span, its content hash (the PNG the agent sent) and its grid; the
+        # pixels a trainer's vision tower takes, one row per patch of each grid.
+        records = sample.metadata["images"]
+        assert [r["span"] for r in records] == [[start, start + n] for start, n in runs]
+        assert [r["digest"] for r in records] == ["sha256:" + hashlib.sha256(png).hexdigest() for png in result.frames]
+        assert all(r["image_grid_thw"] == list(GRID) for r in records)
+        assert sample.image_grid_thw is not None and sample.pixel_values is not None
+        assert sample.image_grid_thw.tolist() == [list(GRID)] * result.screenshots
+        assert sample.pixel_values.shape == (result.screenshots * GRID[1] * GRID[2], 3 * 2 * 16 * 16)
 
 
 @needs_vision
@@ -144,14 +145,16 @@ def test_text_observations_drive_a_text_only_model(stack_factory: StackFactory) 
 def test_make_demo_gui_runs_its_episodes_and_prints_the_spans(tokenizer_dirs: dict[str, Path],
                                                               tmp_path: Path) -> None:
     out = tmp_path / "gui"
-    cmd = [sys.executable, "-m", "examples.gui_agent", "--tokenizers", str(tokenizer_dirs[VISION].parent),
+    cmd = [sys.executable, "-m", "examples.gui_agent", "--tokenizers", str(tokenizer_dirs[TEXT].parent),
            "--episodes", "2", "--concurrency", "2", "--out", str(out)]  # as `make demo-gui` runs it
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["episodes"] == summary["reward 1.0"] == summary["samples"] == 2 and summary["errors"] == 0
     assert summary["image placeholder tokens"] == PADS_PER_SCREENSHOT * summary["screenshots"]
-    assert done.stdout.count(f", {PADS_PER_SCREENSHOT})") == summary["screenshots"]  # each span printed
+    assert summary["images in samples"] == summary["screenshots"] and summary["spans off the pad runs"] == 0
+    assert done.stdout.count(" 1x16x20") == summary["screenshots"]  # each image's span, hash and grid printed
+    assert "MISMATCH" not in done.stdout
     episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
     assert [e["api"] for e in episodes] == ["chat", "messages"]
     assert len(list((out / "frames").glob("*.png"))) == episodes[0]["turns"]
