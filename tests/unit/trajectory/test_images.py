@@ -191,3 +191,13 @@ def test_the_mismatch_report_sees_images_as_the_engine_expanded_them(vl: Qwen3VL
     report = traj.mismatch_report()
     assert "error" not in report and report["assistant_only"], report
     assert report["canonical_tokens"] - report["stored_tokens"] < 10
+
+
+def test_qwen35_takes_images_in_its_own_vocabulary(families: dict[str, Any]) -> None:
+    """Qwen3.5 is natively multimodal: its markers are its own ids, and its template renders the block in place."""
+    family = families["qwen3.5"]
+    assert family.vision is not None and (family.vision.tokens.start, family.vision.tokens.pad) == (248053, 248056)
+    plan = LinearTrajectory(family).prepare([user("look ", picture(320, 240))])
+    ((start, end),) = runs(plan.prompt_ids, 248056)
+    assert end - start == 80 and plan.prompt_ids[start - 1] == 248053 and plan.prompt_ids[end] == 248054
+    assert families["deepseek"].vision is None
