@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from .base import ModelFamily, ParsedCompletion, ToolCall, tool_call_from_json
+from .completion_parts import cut_calls, join_think, split_think
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -39,14 +40,21 @@ def _parse_call(kind: str, name: str, arguments: str) -> ToolCall | None:
     return tool_call_from_json(name, obj)
 
 
+def _read_one(match: re.Match[str]) -> tuple[list[ToolCall], str] | None:
+    call = _parse_call(*match.groups())
+    return None if call is None else ([call], "")
+
+
+def _read_section(section: re.Match[str]) -> tuple[list[ToolCall], str] | None:
+    """A call section's calls, and its malformed calls and stray text, which stay in the content verbatim; a section
+    with no well-formed call is left whole."""
+    leftover, calls = cut_calls(section.group(1), _CALL, _read_one)
+    return (calls, leftover) if calls else None
+
+
 def split_reasoning(text: str) -> tuple[str | None, str]:
     """`<think>R</think>C` -> (R, C); an unterminated block (cut by length) is all reasoning."""
-    if not text.startswith(THINK_OPEN):
-        return None, text
-    end = text.find(THINK_CLOSE)
-    if end < 0:
-        return text[len(THINK_OPEN):], ""
-    return text[len(THINK_OPEN):end], text[end + len(THINK_CLOSE):]
+    return split_think(text, THINK_OPEN, THINK_CLOSE, padded=False)
 
 
 class DeepSeekFamily(ModelFamily):
@@ -70,35 +78,12 @@ class DeepSeekFamily(ModelFamily):
 
     def parse_completion(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedCompletion:
         reasoning, rest = split_reasoning(text)
-        pieces: list[str] = []
-        calls: list[ToolCall] = []
-        pos = 0
-        for section in _SECTION.finditer(rest):
-            inner = section.group(1)
-            found: list[ToolCall] = []
-            leftovers: list[str] = []  # malformed calls and stray text stay in the content verbatim
-            inner_pos = 0
-            for match in _CALL.finditer(inner):
-                call = _parse_call(*match.groups())
-                if call is None:
-                    continue
-                leftovers.append(inner[inner_pos:match.start()])
-                found.append(call)
-                inner_pos = match.end()
-            if not found:
-                continue
-            leftovers.append(inner[inner_pos:])
-            pieces.append(rest[pos:section.start()])
-            pieces.extend(leftovers)
-            calls.extend(found)
-            pos = section.end()
-        pieces.append(rest[pos:])
-        return ParsedCompletion(content="".join(pieces), reasoning_content=reasoning, tool_calls=calls)
+        content, calls = cut_calls(rest, _SECTION, _read_section)
+        return ParsedCompletion(content=content, reasoning_content=reasoning, tool_calls=calls)
 
     def format_completion(self, content: str, reasoning_content: str | None,
                           tool_calls: Sequence[tuple[str, str]]) -> str:
-        parts = [] if reasoning_content is None else [f"{THINK_OPEN}{reasoning_content}{THINK_CLOSE}"]
-        parts.append(content)
+        parts = [join_think(reasoning_content, THINK_OPEN, THINK_CLOSE, padded=False), content]
         if tool_calls:
             parts.append(CALLS_BEGIN)
             for name, arguments in tool_calls:

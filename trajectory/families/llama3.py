@@ -15,10 +15,11 @@ JSON answer that starts the reply, or a malformed call after the tag).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from .base import ModelFamily, ParsedCompletion, ToolCall, tool_call_from_json
+from .base import ToolCall, tool_call_from_json
+from .completion_parts import TrailingCallsFamily
 from .qwen35 import _arguments_as_objects
 
 PYTHON_TAG = "<|python_tag|>"
@@ -52,18 +53,7 @@ def _calls(text: str) -> list[ToolCall] | None:
         pos = text.index(SEPARATOR, pos) + 1
 
 
-def parse(text: str) -> ParsedCompletion:
-    if PYTHON_TAG in text:
-        content, action = text.split(PYTHON_TAG, 1)
-    elif text.startswith("{"):
-        content, action = "", text
-    else:
-        return ParsedCompletion(content=text)
-    calls = _calls(action)
-    return ParsedCompletion(content=text) if calls is None else ParsedCompletion(content=content, tool_calls=calls)
-
-
-class Llama31Family(ModelFamily):
+class Llama31Family(TrailingCallsFamily):
     name = "llama-3.1"
     eos_token = "<|eot_id|>"
     extra_stop_tokens = ("<|eom_id|>", "<|end_of_text|>")
@@ -80,12 +70,16 @@ class Llama31Family(ModelFamily):
                add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> str:
         return super().render(_arguments_as_objects(messages), tools, add_generation_prompt, template_kwargs)
 
-    def parse_completion(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedCompletion:
-        return parse(text)
+    def split_calls(self, text: str) -> tuple[str, str] | None:
+        """Calls follow `<|python_tag|>`, or are the whole reply when it starts with an object."""
+        if PYTHON_TAG in text:
+            content, action = text.split(PYTHON_TAG, 1)
+            return content, action
+        return ("", text) if text.startswith("{") else None
 
-    def format_completion(self, content: str, reasoning_content: str | None,
-                          tool_calls: Sequence[tuple[str, str]]) -> str:
-        if not tool_calls:
-            return content
+    def read_calls(self, text: str) -> list[ToolCall] | None:
+        return _calls(text)
+
+    def write_calls(self, content: str, tool_calls: Sequence[tuple[str, str]]) -> str:
         calls = SEPARATOR.join(f'{{"name": "{name}", "parameters": {arguments}}}' for name, arguments in tool_calls)
         return f"{content}{PYTHON_TAG}{calls}" if content else calls

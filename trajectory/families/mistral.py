@@ -27,7 +27,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .base import ModelFamily, ParsedCompletion, ToolCall, tool_call_from_json
+from .base import ToolCall, tool_call_from_json
+from .completion_parts import TrailingCallsFamily
 
 TOOL_CALLS = "[TOOL_CALLS]"
 EOS = "</s>"
@@ -130,14 +131,7 @@ def _calls(text: str) -> list[ToolCall] | None:
     return calls
 
 
-def parse(text: str) -> ParsedCompletion:
-    marker = text.find(TOOL_CALLS)
-    calls = _calls(text[marker + len(TOOL_CALLS):]) if marker >= 0 else None
-    return ParsedCompletion(content=text) if calls is None else ParsedCompletion(content=text[:marker],
-                                                                                 tool_calls=calls)
-
-
-class MistralNemoFamily(ModelFamily):
+class MistralNemoFamily(TrailingCallsFamily):
     name = "mistral-nemo"
     eos_token = EOS
     message_trailer = ""
@@ -166,12 +160,14 @@ class MistralNemoFamily(ModelFamily):
             appended = [dict(m) for m in messages[:start] if m.get("role") == "system"] + appended
         return appended
 
-    def parse_completion(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedCompletion:
-        return parse(text)
+    def split_calls(self, text: str) -> tuple[str, str] | None:
+        """The call list is the rest of the reply after the first `[TOOL_CALLS]`."""
+        marker = text.find(TOOL_CALLS)
+        return None if marker < 0 else (text[:marker], text[marker + len(TOOL_CALLS):])
 
-    def format_completion(self, content: str, reasoning_content: str | None,
-                          tool_calls: Sequence[tuple[str, str]]) -> str:
-        if not tool_calls:
-            return content
+    def read_calls(self, text: str) -> list[ToolCall] | None:
+        return _calls(text)
+
+    def write_calls(self, content: str, tool_calls: Sequence[tuple[str, str]]) -> str:
         calls = [{"name": name, "arguments": json.loads(arguments)} for name, arguments in tool_calls]
         return content + TOOL_CALLS + json.dumps(calls, ensure_ascii=False)

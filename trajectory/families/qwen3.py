@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from .base import ModelFamily, ParsedCompletion, ToolCall, tool_call_from_json
+from .completion_parts import cut_calls, join_think, split_think
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -29,17 +30,14 @@ def _parse_call(body: str) -> ToolCall | None:
     return tool_call_from_json(obj.get("name"), obj.get("arguments"))
 
 
+def _read_call(match: re.Match[str]) -> tuple[list[ToolCall], str] | None:
+    call = _parse_call(match.group(1))
+    return None if call is None else ([call], "")  # malformed: stays in the content verbatim
+
+
 def split_reasoning(text: str) -> tuple[str | None, str]:
     """`<think>\\nR\\n</think>\\n\\nC` -> (R, C); an unterminated block (cut by length) is all reasoning."""
-    if not text.startswith(THINK_OPEN):
-        return None, text
-    end = text.find(THINK_CLOSE)
-    if end < 0:
-        return text[len(THINK_OPEN):].removeprefix("\n"), ""
-    reasoning = text[len(THINK_OPEN):end].removeprefix("\n").removesuffix("\n")
-    rest = text[end + len(THINK_CLOSE):]
-    rest = rest[2:] if rest.startswith("\n\n") else rest.removeprefix("\n")
-    return reasoning, rest
+    return split_think(text, THINK_OPEN, THINK_CLOSE, padded=True)
 
 
 class Qwen3Family(ModelFamily):
@@ -101,24 +99,13 @@ class Qwen3Family(ModelFamily):
 
     def parse_completion(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedCompletion:
         reasoning, rest = split_reasoning(text)
-        pieces: list[str] = []
-        calls: list[ToolCall] = []
-        pos = 0
-        for match in _TOOL_CALL.finditer(rest):
-            call = _parse_call(match.group(1))
-            if call is None:  # malformed: stays in the content verbatim
-                continue
-            pieces.append(rest[pos:match.start()].removesuffix("\n"))  # the separator the template writes
-            calls.append(call)
-            pos = match.end()
-        pieces.append(rest[pos:])
-        return ParsedCompletion(content="".join(pieces), reasoning_content=reasoning, tool_calls=calls)
+        content, calls = cut_calls(rest, _TOOL_CALL, _read_call, separator="\n")  # the newline the template writes
+        return ParsedCompletion(content=content, reasoning_content=reasoning, tool_calls=calls)
 
     def format_completion(self, content: str, reasoning_content: str | None,
                           tool_calls: Sequence[tuple[str, str]]) -> str:
         # Mirrors the template's assistant rendering byte for byte, so a generated turn is append-stable.
-        parts = [] if reasoning_content is None else [f"{THINK_OPEN}\n{reasoning_content}\n{THINK_CLOSE}\n\n"]
-        parts.append(content)
+        parts = [join_think(reasoning_content, THINK_OPEN, THINK_CLOSE, padded=True), content]
         for i, (name, arguments) in enumerate(tool_calls):
             if i or content:
                 parts.append("\n")
