@@ -4,10 +4,18 @@ named like a config field reaches the config (nothing is parsed and then dropped
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
-from session_server.cli import _default, build_parser, config_from_args
+from session_server.cli import (
+    ENGINE_ADMIN_API_KEY_ENV,
+    ENGINE_API_KEY_ENV,
+    _default,
+    build_parser,
+    config_from_args,
+    flags,
+)
 from session_server.config import ServerConfig
 
 REQUIRED = ["--engine-url", "http://127.0.0.1:1", "--tokenizer", "T", "--model-family", "qwen3"]
@@ -55,3 +63,33 @@ def test_first_turn_cache_budget() -> None:
     assert config.first_turn_cache_tokens == 0  # keeps none
     with pytest.raises(ValueError, match="--first-turn-cache-tokens"):
         config_from_args(build_parser().parse_args([*REQUIRED, "--first-turn-cache-tokens", "-1"]))
+
+
+def test_each_flag_parses_to_its_fields_type() -> None:
+    """The flag table gives no types: an int or float field's flag parses numbers as such, a bool field's is a switch,
+    a field without a default is a required flag."""
+    fields = {f.name: f for f in dataclasses.fields(ServerConfig)}
+    hints = typing.get_type_hints(ServerConfig)
+    checked = set()
+    for flag in flags():
+        if flag.dest not in fields:
+            continue
+        kind = hints[flag.dest]
+        if kind is bool:
+            assert getattr(build_parser().parse_args([*REQUIRED, flag.option]), flag.dest) is True, flag.option
+        elif kind in (int, float):
+            value = getattr(build_parser().parse_args([*REQUIRED, flag.option, "7"]), flag.dest)
+            assert type(value) is kind and value == 7, flag.option
+        checked.add(kind)
+    assert checked >= {bool, int, float}
+    for option in ("--engine-url", "--tokenizer", "--model-family"):
+        i = REQUIRED.index(option)
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(REQUIRED[:i] + REQUIRED[i + 2:])
+
+
+def test_engine_keys_default_to_the_environment_when_the_parser_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENGINE_API_KEY_ENV, "k-from-env")
+    monkeypatch.delenv(ENGINE_ADMIN_API_KEY_ENV, raising=False)
+    config = config_from_args(build_parser().parse_args(REQUIRED))
+    assert (config.engine_api_key, config.engine_admin_api_key) == ("k-from-env", None)
