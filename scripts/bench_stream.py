@@ -23,6 +23,8 @@ chunks the agent got.
 from __future__ import annotations
 
 import argparse
+import bisect
+import json
 import os
 import statistics
 import sys
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tokenizers import Tokenizer
 
 from benchmarks.benchlib import (
     Figures,
@@ -62,7 +65,8 @@ def chat_body(tokens: int, stream: bool, rep: int) -> dict[str, Any]:
 
 async def one_chat(client: httpx.AsyncClient, pid: int, engine_pid: int, body: dict[str, Any],
                    limit_s: float) -> dict[str, Any]:
-    """One chat on a fresh session: the server's CPU across it, the engine's bytes written, what came back."""
+    """One chat on a fresh session: the server's CPU across it, the engine's bytes written, what came back (for a
+    stream: when each chunk that carried text arrived and how many characters of text it carried)."""
     sid = (await client.post("/sessions", json={})).json()["session_id"]
     url = f"/sessions/{sid}/v1/chat/completions"
     wchar0 = proc_io(engine_pid).get("wchar", 0)
@@ -71,12 +75,24 @@ async def one_chat(client: httpx.AsyncClient, pid: int, engine_pid: int, body: d
     chunks = 0
     status = 0
     error = None
+    arrivals: list[tuple[float, int]] = []  # (seconds since the request, characters of text) per text chunk
+    text = ""
     try:
         if body["stream"]:
             async with client.stream("POST", url, json=body, timeout=limit_s) as r:
                 status = r.status_code
                 async for line in r.aiter_lines():
-                    chunks += line.startswith("data: ")
+                    if not line.startswith("data: "):
+                        continue
+                    chunks += 1
+                    if line.startswith("data: [DONE]"):
+                        continue
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    delta = choices[0].get("delta") or {}
+                    piece = (delta.get("reasoning_content") or "") + (delta.get("content") or "")
+                    if piece:
+                        arrivals.append((time.perf_counter() - t0, len(piece)))
+                        text += piece
         else:
             r = await client.post(url, json=body, timeout=limit_s)
             status = r.status_code
@@ -88,11 +104,34 @@ async def one_chat(client: httpx.AsyncClient, pid: int, engine_pid: int, body: d
     if error is None and status != 200:
         error = f"HTTP {status}"
     return {"cpu_ms": cpu_ns / 1e6, "wall_s": wall, "chunks": chunks, "error": error,
-            "engine_bytes": proc_io(engine_pid).get("wchar", 0) - wchar0}
+            "engine_bytes": proc_io(engine_pid).get("wchar", 0) - wchar0, "arrivals": arrivals, "text": text}
+
+
+def gaps(arrivals: list[tuple[float, int]], text: str, tokenizer: Any) -> dict[str, Any]:
+    """The largest gap between two text chunks the agent got, in tokens and in ms, and the text chunks. Tokens are
+    counted by the reply's text retokenized (a chunk ends at a character offset; the tokens that end there or
+    before it are the ones the agent has seen), which is the engine's own tokenization for the sim's words."""
+    if not arrivals:
+        return {"text_chunks": 0, "max_gap_tokens": None, "max_gap_ms": None}
+    ends = [end for _, end in tokenizer.encode(text, add_special_tokens=False).offsets]
+    seen = 0
+    chars = 0
+    worst_tokens = 0
+    worst_ms = 0.0
+    previous = arrivals[0][0]
+    for t, n in arrivals:
+        chars += n
+        now = bisect.bisect_right(ends, chars)
+        worst_tokens = max(worst_tokens, now - seen)
+        worst_ms = max(worst_ms, (t - previous) * 1000)
+        seen, previous = now, t
+    return {"text_chunks": len(arrivals), "max_gap_tokens": worst_tokens, "max_gap_ms": worst_ms,
+            "first_chunk_tokens": bisect.bisect_right(ends, arrivals[0][1])}
 
 
 async def measure(url: str, pid: int, engine_pid: int, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
+    tokenizer = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
     async with httpx.AsyncClient(base_url=url, timeout=args.chat_timeout) as client:
         await one_chat(client, pid, engine_pid, chat_body(64, True, -1), args.chat_timeout)  # warm-up
         await one_chat(client, pid, engine_pid, chat_body(64, False, -1), args.chat_timeout)
@@ -102,9 +141,12 @@ async def measure(url: str, pid: int, engine_pid: int, args: argparse.Namespace)
                 for kind in ("plain", "streamed"):
                     row = await one_chat(client, pid, engine_pid, chat_body(tokens, kind == "streamed", rep),
                                          args.chat_timeout)
+                    row.update(gaps(row.pop("arrivals"), row.pop("text"), tokenizer))
                     rows[kind].append(row)
                     print(f"[stream] {tokens} tokens {kind}: {row['cpu_ms']:.1f} ms CPU, {row['wall_s']:.2f} s, "
                           f"engine wrote {row['engine_bytes'] / 2**20:.1f} MiB"
+                          + (f", {row['text_chunks']} text chunks, largest gap {row['max_gap_tokens']} tokens "
+                             f"{row['max_gap_ms']:.1f} ms" if row["text_chunks"] else "")
                           + (f" ERROR {row['error']}" if row["error"] else ""), file=sys.stderr, flush=True)
                 if any(r["error"] for r in rows["streamed"]):
                     break  # a stream that times out will not finish faster the second time
@@ -113,6 +155,9 @@ async def measure(url: str, pid: int, engine_pid: int, args: argparse.Namespace)
                 "wall_s": statistics.median(r["wall_s"] for r in rs),
                 "engine_mib": statistics.median(r["engine_bytes"] for r in rs) / 2**20,
                 "chunks": rs[-1]["chunks"], "errors": [r["error"] for r in rs if r["error"]],
+                "text_chunks": rs[-1]["text_chunks"],
+                "max_gap_tokens": max((r["max_gap_tokens"] or 0 for r in rs), default=None),
+                "max_gap_ms": max((r["max_gap_ms"] or 0.0 for r in rs), default=None),
             } for kind, rs in rows.items()}
     return out
 
@@ -185,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"streamed vs unstreamed server CPU per chat, the engine configured for one event per token ({pin_note})")
     print("| mode | reply tokens | unstreamed ms | streamed ms | streamed / unstreamed | floor unstreamed ms | "
           "floor streamed ms | streamed x floor streamed | engine MiB streamed | tokens per engine event | "
-          "agent chunks |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "agent chunks | largest gap, tokens | largest gap, ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in args.modes:
         for tokens, row in results[mode].items():
             base = results.get(f"{mode}_floor", {}).get(tokens)
@@ -210,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{fmt(base and base['plain']['cpu_ms'])} | {fmt(base and base['streamed']['cpu_ms'])} | "
                   f"{fmt(x_floor)} | {streamed['engine_mib']:.1f} | "
                   f"{asked} | "
-                  f"{streamed['chunks']} |")
+                  f"{streamed['chunks']} | {streamed['max_gap_tokens']} | {fmt(streamed['max_gap_ms'])} |")
+            if streamed["max_gap_tokens"] is not None:
+                figs.add(f"{k}_max_gap_tokens", streamed["max_gap_tokens"], "tokens", "lower", floor=1.0)
+                figs.add(f"{k}_max_gap_ms", streamed["max_gap_ms"], "ms", "lower", floor=1.0)
     print("target: streamed / unstreamed <= 2 at 16k and 32k tokens, in both modes (docs/design.md 7)")
     if args.json_out:
         write_report(args.json_out, "stream", {**vars(args), "pinning": pin_note}, figs, results=results)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections import deque
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -117,6 +118,12 @@ class EngineStream(_Parsed):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        # The parser's per-chunk callbacks are C calls (at one event per token a Python callback per chunk is a
+        # good part of what a stream costs): a chunk's bytes and a None at its end go to `_fed`, sorted out once
+        # per socket read (data_received).
+        self._fed: list[bytes | None] = []
+        self.on_body = self._fed.append
+        self.on_chunk_complete = functools.partial(self._fed.append, None)
         self._parser = httptools.HttpResponseParser(self)
         self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._wake = asyncio.Event()
@@ -144,16 +151,19 @@ class EngineStream(_Parsed):
         if not self._head.done():
             self._head.set_result(None)
 
-    def on_body(self, body: bytes) -> None:
-        if self._open and self._chunks:  # the rest of a chunk a socket read cut: one piece with its start
-            self._chunks[-1] += body
-        else:
-            self._chunks.append(body)
-        self._open = self._chunked
-        self._wake.set()
-
-    def on_chunk_complete(self) -> None:
-        self._open = False
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        fed = self._fed
+        if not fed:
+            return
+        pieces: list[bytes] = list(filter(None, fed))  # C: the chunks' bytes, without the ends and empty bodies
+        if self._open and fed[0] is not None and self._chunks and pieces:
+            self._chunks[-1] += pieces.pop(0)  # the rest of a chunk a socket read cut: one piece with its start
+        self._open = self._chunked and fed[-1] is not None
+        fed.clear()
+        if pieces:
+            self._chunks += pieces
+            self._wake.set()
 
     def on_message_complete(self) -> None:
         self._done = True

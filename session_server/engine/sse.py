@@ -22,6 +22,7 @@ summed body, encoded once).
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,11 +81,15 @@ _decode_list = msgspec.json.Decoder(list[Any]).decode
 @dataclass(slots=True)
 class Progress:
     """What one batch of intermediate events adds: the new text, and the new tokens' logprob entries (SGLang's
-    `[logprob, id, text]` and top-logprob rows, unvalidated) when they were asked for."""
+    `[logprob, id, text]` and top-logprob rows, unvalidated) when they were asked for. `cuts` (delta events): where
+    the agent's chunks end, as (characters of `text`, tokens) from its start, the last one at its end; a chunk
+    holds at most engine_events' `chunk_tokens` tokens where the engine's events are that fine. None (cumulative
+    events): one chunk of unknown tokens."""
 
     text: str
     logprobs: list[Any] | None = None
     top_logprobs: list[Any] | None = None
+    cuts: list[tuple[int, int]] | None = None
 
 
 @dataclass(slots=True)
@@ -122,6 +127,14 @@ class _Reader:
         self._first_count: int | None = None
         self.texts: list[str] = []  # deltas: every event's text, and its raw ids and per-token lists
         self.raws: dict[str, list[msgspec.Raw]] = {"output_ids": [], **{k: [] for k in _PER_TOKEN_META}}
+        # deltas: the events not yet handed on, one unit each (engine_events cuts the agent's chunks between them):
+        # their texts, the tokens of the reply at each one's end, their logprob entries and top rows
+        self.held_texts: list[str] = []
+        self.held_counts: list[int] = []
+        self.held_logprobs: list[Any] = []
+        self.held_tops: list[Any] = []
+        self.tokens = 0  # deltas: the reply's tokens in the events read so far
+        self.handed = 0  # deltas: ... and in those handed on
 
     def block(self, data: bytes, end: int) -> tuple[Progress | None, Final | None]:
         """Progress and maybe the final event of the whole events in `data[:end]` (`data: ...` lines; no `[DONE]`).
@@ -212,7 +225,10 @@ class _Reader:
     def _judge(self, events: Sequence[_Event | _Delta],
                payloads: Callable[[], list[bytes]]) -> tuple[Progress | None, Final | None]:
         """What the events add, up to an error or final event (whose raw payload is then looked up)."""
-        stop = next((i for i, e in enumerate(events) if _stops(e)), len(events))
+        # one comprehension, not a call per event (an error or final event is the last but in a broken stream)
+        stops = [e.error is not None or (e.meta_info is not None and e.meta_info.finish_reason is not None)
+                 for e in events]
+        stop = stops.index(True) if True in stops else len(events)
         progress = self._progress(events[:stop])
         if stop == len(events):
             return progress, None
@@ -242,24 +258,80 @@ class _Reader:
         if not self.incremental:
             last = events[-1]
             return self._cumulative_progress(last) if isinstance(last, _Event) else None
-        deltas = [e for e in events if isinstance(e, _Delta)]
+        self._hold([e for e in events if isinstance(e, _Delta)])
+        return None  # engine_events takes what is held (take), when the chunk rules say so
+
+    def _hold(self, deltas: list[_Delta]) -> None:
+        """Delta events' pieces kept for the final body, and their text held for the agent, one unit per event.
+        Python steps per event are list comprehensions only: at one event per token they are most of the cost."""
         texts = [e.text for e in deltas]
         self.texts += texts
         self.raws["output_ids"] += [e.output_ids for e in deltas if e.output_ids]
         metas = [e.meta_info for e in deltas if e.meta_info is not None]
         self.raws["output_token_logprobs"] += [m.output_token_logprobs for m in metas if m.output_token_logprobs]
         self.raws["output_top_logprobs"] += [m.output_top_logprobs for m in metas if m.output_top_logprobs]
-        entries = tops = None
+        # The reply's tokens at each event's end: SGLang's meta_info.completion_tokens counts the whole reply in
+        # both modes. Only where the chunks are cut depends on it (an engine without it: one token per event).
+        counts: list[Any] = [e.meta_info.completion_tokens if e.meta_info is not None else None for e in deltas]
+        try:
+            if counts and (counts != sorted(counts) or counts[0] < self.tokens):
+                raise TypeError
+        except TypeError:  # missing, not numbers, or not growing
+            counts = list(range(self.tokens + 1, self.tokens + 1 + len(deltas)))
+        if counts:
+            self.tokens = counts[-1]
+        self.held_texts += texts
+        self.held_counts += counts
         if self.logprobs:  # unvalidated; the consumer checks them
             try:
-                entries = [x for m in metas if m.output_token_logprobs for x in _decode_list(m.output_token_logprobs)]
-                tops = [x for m in metas if m.output_top_logprobs for x in _decode_list(m.output_top_logprobs)]
+                self.held_logprobs += [x for m in metas if m.output_token_logprobs
+                                       for x in _decode_list(m.output_token_logprobs)]
+                self.held_tops += [x for m in metas if m.output_top_logprobs
+                                   for x in _decode_list(m.output_top_logprobs)]
             except msgspec.DecodeError:
-                entries = tops = None
-        text = "".join(texts)
-        if not text and not entries:
+                pass
+
+    def take(self, chunk_tokens: int, everything: bool) -> Progress | None:
+        """What is held, cut into the agent's chunks of at most `chunk_tokens` tokens each (an event is never cut:
+        an engine that sends more tokens per event gets a chunk per event); with `everything` false a last chunk
+        that is not full stays held. None: nothing to hand on."""
+        counts = self.held_counts
+        if not counts:
             return None
-        return Progress(text, entries or None, tops or None)
+        base = self.handed
+        cuts: list[tuple[int, int]] = []
+        chars = 0
+        at = 0
+        texts = self.held_texts
+        while at < len(counts):
+            end = bisect.bisect_right(counts, base + chunk_tokens, at)
+            if end == at:
+                end = at + 1  # one event of more tokens than a chunk holds
+            full = end < len(counts) or counts[end - 1] - base >= chunk_tokens
+            if not full and not everything:
+                break
+            chars += sum(map(len, texts[at:end]))
+            cuts.append((chars, counts[end - 1] - self.handed))
+            base = counts[end - 1]
+            at = end
+        if not cuts:
+            return None
+        text = "".join(texts[:at])
+        tokens = base - self.handed
+        logprobs = tops = None
+        if self.held_logprobs or self.held_tops:
+            # entries of the tokens handed on; if their number is not the tokens' (an odd engine), the chunks are
+            # not cut (the consumer validates the entries and leaves unsound ones to the final event)
+            logprobs, self.held_logprobs = self.held_logprobs[:tokens], self.held_logprobs[tokens:]
+            tops, self.held_tops = self.held_tops[:tokens], self.held_tops[tokens:]
+            if len(logprobs) != tokens:
+                cuts = [(len(text), tokens)]
+        del self.held_texts[:at]
+        del self.held_counts[:at]
+        self.handed = base
+        if not text and not logprobs:
+            return None
+        return Progress(text, logprobs or None, tops or None, cuts)
 
     def _cumulative_progress(self, event: _Event) -> Progress | None:
         """The last cumulative event of a batch: its tail beyond what was seen; the counts checked."""
@@ -319,11 +391,39 @@ class _Reader:
 
 def _spliced(raws: Sequence[Any], last: list[Any]) -> msgspec.Raw:
     """One JSON list of the items of raw JSON lists (the events' deltas) and `last`. A raw piece that is not a list
-    becomes an object item, which the strict decode then refuses (nothing goes missing unnoticed). The pieces are
-    read through views (a Raw is a buffer), not copied out one by one."""
-    items: list[Any] = [v[1:-1] if (v := memoryview(raw))[0] == 91 else b"{}" for raw in raws]  # 91: `[`
-    items.append(_encoder.encode(last)[1:-1])
-    return msgspec.Raw(_array([item for item in items if item]))
+    becomes an object item, which the strict decode then refuses (nothing goes missing unnoticed).
+
+    Why not piece by piece: a Python step per piece (even reading a Raw's bytes) costs ~1-3 us, and at one event
+    per token there are tens of thousands of pieces. The pieces are written out by one encode of the list of them
+    (msgspec copies a Raw as it is), and the inner brackets removed by byte replaces where the shape allows it
+    (_flattened); any other shape goes piece by piece."""
+    joined = _flattened(_encoder.encode(list(raws)), len(raws)) if raws else b""
+    if joined is None:
+        items = [bytes(raw) for raw in raws]
+        joined = b",".join([item[1:-1] if item[:1] == b"[" else b"{}" for item in items if item != b"[]"])
+    tail = _encoder.encode(last)[1:-1]
+    return msgspec.Raw(b"[" + joined + (b"," if joined and tail else b"") + tail + b"]")
+
+
+def _flattened(joined: bytes, n: int) -> bytes | None:
+    """The items of the n raw lists written out in `joined` (`[r1,r2,...]`), comma-separated, when the lists are
+    all of one depth d <= 3 (d brackets open each and close each: output ids `[1,2]`, logprob entries
+    `[[-0.5,1,null]]`, top-logprob rows `[[[-0.1,2,null]]]`) with no strings or objects in them (a string could
+    hold a bracket); None otherwise. Found with no step per item: n lists of depth d are joined by exactly n-1
+    `]..],[..[` (d brackets each side), which become d-1 brackets each side. Flat lists are then checked to hold
+    no bracket; deeper ones are left to the strict decode, which refuses an entry that is not SGLang's."""
+    inner = joined[1:-1]
+    depth = len(inner) - len(inner.lstrip(b"["))
+    if not 1 <= depth <= 3 or b'"' in inner or b"{" in inner:
+        return None
+    closes, opens = b"]" * depth, b"[" * depth
+    if not inner.endswith(closes) or inner.count(closes + b"," + opens) != n - 1:
+        return None
+    flat = inner[depth:-depth].replace(closes + b"," + opens, closes[1:] + b"," + opens[1:])
+    if depth == 1 and (b"[" in flat or b"]" in flat or b",," in flat or flat.startswith(b",")
+                       or flat.endswith(b",")):
+        return None  # a list in a list, or an empty one
+    return opens[1:] + flat + closes[1:]
 
 
 def _array(items: Sequence[Any]) -> bytes:
@@ -335,57 +435,94 @@ def _array(items: Sequence[Any]) -> bytes:
 
 
 async def engine_events(reads: AsyncIterator[list[bytes]], incremental: bool, logprobs: bool = False,
-                        coalesce: float = 0.0) -> AsyncIterator[Progress | Final]:
-    """What an engine stream adds, one Progress per read that completes events, then the Final. `reads`: the body
-    as it arrives, each read as the pieces the HTTP parser handed over (for a chunked body, its chunks: SGLang's
-    events). `logprobs`: the new tokens' logprob entries are wanted. `coalesce`: seconds to leave between reads
-    after a Progress (the events that arrive meanwhile wait in the socket and become one batch). An `{"error": ...}`
-    event raises EngineError; a stream that is not SGLang's (bad JSON, no final event) raises UpstreamError (502)."""
+                        coalesce: float = 0.0, chunk_tokens: int = 64,
+                        chunk_seconds: float = 0.1) -> AsyncIterator[Progress | Final]:
+    """What an engine stream adds, as Progress for the agent's chunks, then the Final. `reads`: the body as it
+    arrives, each read as the pieces the HTTP parser handed over (for a chunked body, its chunks: SGLang's events).
+    `logprobs`: the new tokens' logprob entries are wanted. `coalesce`: seconds to leave between reads (the events
+    that arrive meanwhile wait in the socket and become one batch). An `{"error": ...}` event raises EngineError; a
+    stream that is not SGLang's (bad JSON, no final event) raises UpstreamError (502).
+
+    The agent's chunks (delta events): the first text is handed on at once, and then what is held goes on as soon as
+    it fills a chunk of `chunk_tokens` tokens or `chunk_seconds` after the last hand-on, whichever comes first, and
+    all of it before the Final (a Progress may carry several chunks, `cuts`, to be sent in one write). So the agent
+    gets new text at least every `chunk_tokens` tokens (where the engine's events hold no more) or `chunk_seconds`
+    (plus a read's pacing), and never more chunks than the reply has chunks of tokens or of time. A cumulative
+    event's text cannot be cut by tokens: each read's is handed on as one chunk."""
     reader = _Reader(incremental, logprobs)
     loop = asyncio.get_running_loop()
     source = reads.__aiter__()
     pending: list[bytes] = []  # what arrived since the last complete event, joined only once an event completes
     next_read = 0.0
+    handed: float | None = None  # loop time of the last hand-on (None: none yet)
+    texted = False  # some text was handed on: until then, everything read goes on at once
+    reading: asyncio.Future[list[bytes]] | None = None  # a read raced against the hand-on deadline
     done = False
-    while not done:
-        if coalesce > 0 and (delay := next_read - loop.time()) > 0:
-            await asyncio.sleep(delay)
-        data: bytes | None = None  # the events to read as bytes, up to `end`, when they are not one piece each
-        try:
-            read = await source.__anext__()
-        except StopAsyncIteration:
-            data, done = b"".join(pending), True  # whole lines left, however they are framed; not a cut-off one
-            end = _trimmed(data, data.rfind(b"\n") + 1)
-        else:
-            carried = len(pending)  # the start of an event an earlier read cut short
-            pending += read
-            whole = _whole_pieces(pending)
-            if whole > carried > 0:  # the read's first piece is its rest (as the HTTP parser hands it over): one piece
-                pending[:carried + 1] = [b"".join(pending[:carried + 1])]
-                whole -= carried
-            ends = whole > 0 and pending[whole - 1] == _DONE_PIECE  # SGLang's `[DONE]`: nothing after it is read
-            if whole and (result := reader.pieces(pending[:whole - ends])) is not None:
-                del pending[:whole]
-                progress, final = result
-                done = ends
-            elif any(b"\n" in piece for piece in read):  # memchr: an event ends at a line break
-                data = b"".join(pending)
-                end, rest = _whole_events(data)
-                pending[:] = [data[rest:]] if rest < len(data) else []
+    try:
+        while not done:
+            if handed is not None and reader.held_counts:  # text held back: it goes on by the deadline at the latest
+                deadline = handed + chunk_seconds
+                if coalesce > 0 and (delay := min(next_read, deadline) - loop.time()) > 0:
+                    await asyncio.sleep(delay)
+                if loop.time() < deadline:
+                    if reading is None:
+                        reading = asyncio.ensure_future(source.__anext__())
+                    await asyncio.wait((reading,), timeout=deadline - loop.time())
+                if loop.time() >= deadline and (late := reader.take(chunk_tokens, True)) is not None:
+                    handed = loop.time()
+                    texted = texted or bool(late.text)
+                    yield late
+                    continue
+            elif coalesce > 0 and (delay := next_read - loop.time()) > 0:
+                await asyncio.sleep(delay)
+            data: bytes | None = None  # the events to read as bytes, up to `end`, when they are not one piece each
+            progress: Progress | None = None
+            final: Final | None = None
+            try:
+                if reading is not None:
+                    read, reading = await reading, None
+                else:
+                    read = await source.__anext__()
+            except StopAsyncIteration:
+                data, done = b"".join(pending), True  # whole lines left, however they are framed; not a cut-off one
+                end = _trimmed(data, data.rfind(b"\n") + 1)
             else:
-                continue
-        if data is not None:
-            if data.endswith(_DONE, 0, end):
-                end, done = _trimmed(data, end - len(_DONE)), True
-            if end <= 0:
-                continue
-            progress, final = reader.block(data, end)
-        if progress is not None:
-            yield progress
-            next_read = loop.time() + coalesce
-        if final is not None:
-            yield final
-            return
+                next_read = loop.time() + coalesce
+                carried = len(pending)  # the start of an event an earlier read cut short
+                pending += read
+                whole = _whole_pieces(pending)
+                if whole > carried > 0:  # the read's first piece is its rest (as the HTTP parser hands it over)
+                    pending[:carried + 1] = [b"".join(pending[:carried + 1])]
+                    whole -= carried
+                ends = whole > 0 and pending[whole - 1] == _DONE_PIECE  # SGLang's `[DONE]`: nothing after it is read
+                if whole and (result := reader.pieces(pending[:whole - ends])) is not None:
+                    del pending[:whole]
+                    progress, final = result
+                    done = ends
+                elif any(b"\n" in piece for piece in read):  # memchr: an event ends at a line break
+                    data = b"".join(pending)
+                    end, rest = _whole_events(data)
+                    pending[:] = [data[rest:]] if rest < len(data) else []
+                else:
+                    continue
+            if data is not None:
+                if data.endswith(_DONE, 0, end):
+                    end, done = _trimmed(data, end - len(_DONE)), True
+                if end > 0:
+                    progress, final = reader.block(data, end)
+            if incremental:
+                progress = reader.take(chunk_tokens, not texted or final is not None or done
+                                       or handed is None or loop.time() >= handed + chunk_seconds)
+            if progress is not None:
+                handed = loop.time()
+                texted = texted or bool(progress.text)
+                yield progress
+            if final is not None:
+                yield final
+                return
+    finally:
+        if reading is not None:
+            reading.cancel()
     raise UpstreamError("engine stream ended without a final event", rule="stream_incomplete")
 
 

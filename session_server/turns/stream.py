@@ -175,10 +175,29 @@ class StreamedTurn(Generic[R]):
     # -- the engine call's events (engine_call.Listener) ------------------------------------------------------------
 
     async def progress(self, progress: Progress) -> None:
-        """What a batch of intermediate events adds: send whatever it settles, as one chunk. Not yet validated, so
-        only what the final, validated event is later checked against (text deltas, logprobs of new tokens) is taken
-        from it."""
-        await self._send_new(progress.text, self._new_tokens(progress.logprobs, progress.top_logprobs))
+        """What a batch of intermediate events adds: whatever it settles, one front-end chunk per chunk of it
+        (`progress.cuts`, engine_events' chunk rules), all in one write. Not yet validated, so only what the final,
+        validated event is later checked against (text deltas, logprobs of new tokens) is taken from it."""
+        tokens = self._new_tokens(progress.logprobs, progress.top_logprobs)
+        if progress.cuts is None or len(progress.cuts) == 1:
+            await self._send_new(progress.text, tokens)
+            return
+        events: list[bytes] = []
+        chars = count = 0
+        for end, upto in progress.cuts:
+            piece = progress.text[chars:end]
+            delta = self.tracker.extend(piece)
+            self._text_seen += len(piece)
+            some = None
+            if tokens is not None and upto > count:
+                some = NewTokens(tokens.ids[count:upto], tokens.logprobs[count:upto],
+                                 tokens.top[count:upto] if tokens.top is not None else None)
+            if delta is not None or some is not None:
+                events += self.format.delta(delta, some)
+            chars, count = end, upto
+        if events:
+            await self._start()
+            await self._events(events)
 
     async def resumed(self, before: GenerateResult) -> None:
         """Before a continuation's events: what the aborted request's last event added (its text and tokens were

@@ -213,7 +213,9 @@ def test_delta_events_one_per_piece_are_read_without_a_search() -> None:
     ends = _chunk_ends(raw, "sglang")
     chunks = [raw[a:b] for a, b in itertools.pairwise([0, *ends])]
     assert chunks[-1] == b"data: [DONE]\n\n"
-    progress, final = sse._Reader(True, True).pieces(chunks[:-1]) or (None, None)
+    reader = sse._Reader(True, True)
+    _, final = reader.pieces(chunks[:-1]) or (None, None)
+    progress = reader.take(64, True)  # what the intermediate events add is held for engine_events to hand on
     assert progress is not None and progress.text == "ab" and final is not None
     assert json.loads(final.raw)["output_ids"] == whole["output_ids"]
     two = [chunks[0] + chunks[1], chunks[2]]
@@ -301,3 +303,109 @@ def test_stream_interval_by_mode_and_reply_size() -> None:
     assert pacing.stream_interval(0, False, None, 65_536) == -(-65_536 // events)  # no max_tokens: the context
     assert pacing.stream_interval(0, False, None, None) == -(-pacing.UNKNOWN_REPLY_TOKENS // events)
     assert pacing.stream_interval(0, False, 10, None) == pacing.DELTA_INTERVAL  # never finer than a delta engine's
+
+
+async def _progresses(raw: bytes, cuts: list[int], chunk_tokens: int, logprobs: bool,
+                      piece_ends: list[int] | None) -> tuple[list[Progress], Final | None]:
+    """Every Progress of a delta stream read in reads that end at `cuts`, no time rule (the chunks by tokens only)."""
+    bounds = [0, *sorted(c % (len(raw) + 1) for c in cuts), len(raw)]
+    ends = sorted({e % (len(raw) + 1) for e in piece_ends or ()})
+
+    async def reads() -> AsyncIterator[list[bytes]]:
+        for a, b in itertools.pairwise(bounds):
+            if b > a:
+                edges = [a, *(e for e in ends if a < e < b), b]
+                yield [raw[x:y] for x, y in itertools.pairwise(edges)]
+
+    out: list[Progress] = []
+    final = None
+    async for event in engine_events(reads(), True, logprobs=logprobs, chunk_tokens=chunk_tokens,
+                                     chunk_seconds=1e9):
+        if isinstance(event, Progress):
+            out.append(event)
+        else:
+            final = event
+    return out, final
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(pieces=_pieces, cuts=st.lists(st.integers(0, 10_000), max_size=8), chunk_tokens=st.integers(3, 8),
+       logprobs=st.booleans(), one_per_token=st.booleans(), chunked=st.booleans())
+def test_the_agent_gets_text_at_least_every_chunk_of_tokens(
+        pieces: list[tuple[str, list[int]]], cuts: list[int], chunk_tokens: int, logprobs: bool,
+        one_per_token: bool, chunked: bool) -> None:
+    """Delta events of at most 3 tokens (or one each), read in any reads: the agent's chunks (each Progress's `cuts`)
+    hold at most `chunk_tokens` tokens, their text and logprob entries are the reply's in order and nothing is held
+    when the Final comes; and with one token per event, every chunk but the first hand-on's and the last is full
+    (no more chunks than the tokens need). When the first text goes on: the test after this one."""
+    if one_per_token:
+        pieces = [(text, ids[:1]) for text, ids in pieces]
+    raw, _ = _stream(pieces, incremental=True)
+    progresses, final = asyncio.run(_progresses(raw, cuts, chunk_tokens, logprobs,
+                                                _chunk_ends(raw, "sglang") if chunked else None))
+    assert final is not None
+    chunks: list[list[tuple[str, int]]] = []  # (text, tokens) of each chunk the agent gets, per Progress
+    entries: list[Any] = []
+    for progress in progresses:
+        assert progress.cuts is not None and progress.cuts[-1][0] == len(progress.text)
+        start = count = 0
+        chunks.append([])
+        for end, upto in progress.cuts:
+            chunks[-1].append((progress.text[start:end], upto - count))
+            start, count = end, upto
+        entries += progress.logprobs or []
+    every = [chunk for batch in chunks for chunk in batch]
+    intermediate = pieces[:-1]  # the final event's own piece comes with the Final
+    assert "".join(text for text, _ in every) == "".join(text for text, _ in intermediate)  # in order, all of it
+    wordy = all(text for text, _ in intermediate)  # else a chunk of no text and no logprobs is not sent at all
+    if wordy or logprobs:
+        assert sum(tokens for _, tokens in every) == sum(len(ids) for _, ids in intermediate)
+    if logprobs:
+        assert [e[1] for e in entries] == [i for _, ids in intermediate for i in ids]
+    assert all(0 < tokens <= chunk_tokens for _, tokens in every)
+    if one_per_token and chunks and (wordy or logprobs):
+        # full: all but the last of each hand-on up to the first with text (everything read goes on until then),
+        # and the very last
+        first = next((n for n, progress in enumerate(progresses) if progress.text), len(progresses))
+        held = [tokens for b, batch in enumerate(chunks) for i, (_, tokens) in enumerate(batch)
+                if not (b <= first and i == len(batch) - 1)]
+        assert all(tokens == chunk_tokens for tokens in held[:-1])
+
+
+def test_the_first_text_goes_on_at_once_and_held_text_by_the_deadline() -> None:
+    """The first event's text is handed on before the next read is asked for; a second event's text, held (it fills
+    no chunk), is handed on by the time rule while the engine sends nothing more. Built so that a reader that held
+    either one would wait forever for a read that never comes (the bound is only there to fail, not to time)."""
+    raw, _ = _stream([("a", [1]), ("b", [2]), ("c", [3])], incremental=True)
+    chunks = [raw[a:b] for a, b in itertools.pairwise([0, *_chunk_ends(raw, "sglang")])]
+    got: list[str] = []
+    seen = [asyncio.Event(), asyncio.Event()]
+
+    async def reads() -> AsyncIterator[list[bytes]]:
+        yield [chunks[0]]
+        await seen[0].wait()  # the first text must be out before the engine sends more
+        yield [chunks[1]]
+        await seen[1].wait()  # ... and the second before the engine sends its last event
+        yield chunks[2:]
+
+    async def run() -> None:
+        async for event in engine_events(reads(), True, chunk_tokens=64, chunk_seconds=0.05):
+            if isinstance(event, Progress):
+                got.append(event.text)
+                seen[len(got) - 1].set()
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    assert got == ["a", "b"]
+
+
+@given(lists=st.lists(st.one_of(
+    st.lists(st.integers(0, 99), min_size=1, max_size=3),
+    st.lists(st.tuples(st.floats(-9, 0), st.integers(0, 99), st.none() | st.sampled_from(["]],[[", "x"])).map(list),
+             max_size=3),
+    st.lists(st.lists(st.tuples(st.floats(-9, 0), st.integers(0, 99), st.none()).map(list), max_size=2),
+             max_size=2)), max_size=6))
+def test_spliced_lists_of_any_depth_are_the_concatenation(lists: list[list[Any]]) -> None:
+    """The byte-level flattening (_flattened) and the piece-by-piece one agree with the concatenation, whatever
+    depth the pieces have, empty ones and strings holding brackets included."""
+    raws = [msgspec.Raw(json.dumps(x, separators=(",", ":")).encode()) for x in lists]
+    assert json.loads(bytes(sse._spliced(raws, []))) == [i for x in lists for i in x]
