@@ -10,7 +10,9 @@ hangs up mid-stream gets its engine request aborted and its slot back.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -398,5 +400,48 @@ def test_gpt_oss_streams_its_analysis_and_answer_as_they_arrive(gpt_oss: Stack) 
             model="m", messages=messages[:1])
         assert plain.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
         assert_engine_baseline(gpt_oss.engine)
+
+    asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def fast_deltas(stack_factory: StackFactory) -> Iterator[Stack]:
+    """An unpaced engine streaming deltas, one event per token: a reply's events arrive faster than any reader reads,
+    so what the agent gets is decided by the server's chunk rules alone."""
+    with stack_factory(family=FAMILY, sim_args=["--incremental-streaming-output", "--context-length", "4096"],
+                       servers={"server": ["--engine-incremental-streaming", *PER_TOKEN]}) as stack:
+        yield stack
+
+
+def test_a_delta_stream_reaches_the_agent_at_least_every_64_tokens_or_100_ms(fast_deltas: Stack) -> None:
+    """2000 tokens at one engine event per token, read a few hundred events at a time: every chunk the agent gets
+    holds at most 64 tokens (its logprob entries), all but a few hold exactly 64 (coalesced, not relayed one by one),
+    and they add up to the committed reply. Then paced at 50 ms a token (/slow_down), the agent gets new text at
+    least every second -- 10x the 100 ms rule; a server that waited for 64 tokens would leave 3.2 s between chunks."""
+    async def run() -> None:
+        server = fast_deltas.server
+        chunks = await _stream(session_client(server, new_session(server)), max_tokens=2000, logprobs=True,
+                               messages=[{"role": "user", "content": "Go on. [[sim: tokens 2000]]"}],
+                               stream_options={"include_usage": True})
+        message, _, usage, logprobs = assemble(chunks)
+        sizes = [len(c.choices[0].logprobs.content) for c in chunks
+                 if c.choices and c.choices[0].logprobs is not None and c.choices[0].logprobs.content]
+        assert usage.completion_tokens == len(logprobs) == 2000 and message["content"]
+        assert max(sizes[:-1]) <= 64  # the last: the final event's rest, whole, with the closing chunk
+        assert sum(size == 64 for size in sizes) >= len(sizes) - 3
+
+        async with httpx.AsyncClient(base_url=fast_deltas.engine, timeout=30) as engine:
+            await engine.post("/slow_down", json={"forward_sleep_time": 0.05})
+            try:
+                client = session_client(server, new_session(server))
+                stream = await client.chat.completions.create(model="m", stream=True, max_tokens=60, messages=[
+                    {"role": "user", "content": "Go. [[sim: tokens 60]]"}])
+                arrivals = [time.monotonic() async for chunk in stream
+                            if chunk.choices and chunk.choices[0].delta.content]
+            finally:
+                await engine.post("/slow_down", json={"forward_sleep_time": None})
+        assert arrivals[-1] - arrivals[0] >= 2.0  # paced: 60 tokens at 50 ms
+        assert max(b - a for a, b in itertools.pairwise(arrivals)) < 1.0
+        assert_engine_baseline(fast_deltas.engine)
 
     asyncio.run(run())
