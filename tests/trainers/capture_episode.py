@@ -9,7 +9,8 @@ message it got back), runs the framework's own reader on what came back, and han
 first sampled token, its completion is that turn's sampled run, its logprobs the sample's there, so every prompt is a
 prefix of the stored tokens and extends the previous call's prompt + completion.
 
-The episode: three calls on one session, two tool calls whose results are fed back, then a plain reply.
+The episode: three calls on one session, two tool calls whose results are fed back, then a plain reply
+(`run_episode`). A compacted one (`run_compacted_episode`) holds two segments, whose calls read back per segment.
 """
 
 from __future__ import annotations
@@ -45,11 +46,17 @@ class CallIds:
 
 @dataclass
 class Stored:
-    """The session's own record of the episode: its sample and, per call, the ids the sample says it had."""
+    """The session's own record of the episode: its samples (one per segment) and, per call in order, the ids the
+    samples say it had."""
 
     session_id: str
-    sample: Sample
+    samples: list[Sample]
     calls: list[CallIds]
+
+    @property
+    def sample(self) -> Sample:
+        (one,) = self.samples
+        return one
 
 
 def session_base(server: str, session_id: str) -> str:
@@ -76,24 +83,47 @@ def run_episode(server: str, call_for: Callable[[str], Call]) -> Stored:
     return stored(server, sid)
 
 
+def run_compacted_episode(server: str, call_for: Callable[[str], Call]) -> Stored:
+    """Five calls whose history the agent compacts before the fourth (a new system prompt + summary), so the session
+    holds two segments: calls 1-3 in the first sample, 4-5 in the second."""
+    sid = new_session(server)
+    call = call_for(sid)
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": f"fix it {tool_call('run', cmd='ls')}"}]
+    for k in range(5):
+        if k == 3:
+            messages = [SYSTEM, {"role": "user", "content": "Summary: listed, built and tested. Continue. "
+                                                            f"{tool_call('run', cmd='ship')}"}]
+        message = call(messages)
+        messages.append(message)
+        if message.get("tool_calls"):
+            nxt = tool_call("run", cmd=f"step {k}") if k < 2 else reply("All done.")
+            messages.append({"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
+                             "content": f"output {k} {nxt}"})
+    result = stored(server, sid)
+    assert [len(sampled_runs(s)) for s in result.samples] == [3, 2]
+    return result
+
+
 def stored(server: str, session_id: str) -> Stored:
-    """The session's trajectory (GET /sessions/{id}) and its one sample, cut into the calls' expected ids."""
-    held = httpx.get(f"{server}/sessions/{session_id}", timeout=30).json()["token_ids"]
-    (sample,) = samples_from_json(
-        httpx.post(f"{server}/sessions/{session_id}/samples", json={}, timeout=30).json())
-    assert sample.tokens.tolist() == list(held)
-    runs = sampled_runs(sample)
-    assert len(runs) == CALLS, runs
-    tokens_ = sample.tokens.tolist()
-    calls = [CallIds(tokens_[:start], tokens_[start:end], sample.rollout_log_probs[start:end].astype(float).tolist())
-             for start, end in runs]
-    return Stored(session_id, sample, calls)
+    """The session's samples, cut into the calls' expected ids; a one-segment session's sample is its trajectory
+    (GET /sessions/{id})."""
+    samples = samples_from_json(httpx.post(f"{server}/sessions/{session_id}/samples", json={}, timeout=30).json())
+    if len(samples) == 1:
+        held = httpx.get(f"{server}/sessions/{session_id}", timeout=30).json()["token_ids"]
+        assert samples[0].tokens.tolist() == list(held)
+    calls = []
+    for sample in samples:
+        tokens_ = sample.tokens.tolist()
+        calls += [CallIds(tokens_[:start], tokens_[start:end],
+                          sample.rollout_log_probs[start:end].astype(float).tolist())
+                  for start, end in sampled_runs(sample)]
+    return Stored(session_id, samples, calls)
 
 
 def assert_recovered(stored_: Stored, recovered: Sequence[CallIds], *, logprobs: bool = True) -> None:
     """The ids a framework read off the replies are the session's, call by call, exactly; with `logprobs`, so are its
     logprobs. Across calls each prompt extends the previous prompt + completion (never a re-render)."""
-    assert len(recovered) == CALLS
+    assert len(stored_.calls) == CALLS and len(recovered) == CALLS
     tokens_ = stored_.sample.tokens.tolist()
     previous: list[int] = []
     for got, want in zip(recovered, stored_.calls, strict=True):

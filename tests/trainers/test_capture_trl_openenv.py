@@ -24,22 +24,33 @@ against the sim it would read "raw" whatever the server did.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import numpy as np
 import openai
-from capture_episode import TOOLS, Call, CallIds, assert_recovered, run_episode, session_base
+from capture_episode import (
+    TOOLS,
+    Call,
+    CallIds,
+    Stored,
+    assert_recovered,
+    run_compacted_episode,
+    run_episode,
+    session_base,
+)
 from openenv.core.harness import TrainingTrace
 from openenv.core.harness.capture.server import create_app
 from openenv.core.harness.capture.validate_llm import validate_llm
+from sample_checks import sampled_runs
 from starlette.testclient import TestClient
 from trl.experimental.async_grpo.async_rollout_worker import _chain_to_sequences
 from trl.experimental.async_grpo.openenv_harness import _turns_from_training_trace
 
 from support.server import new_session
 from support.stack import Stack
+from trajectory import Sample
 
 
 @contextlib.contextmanager
@@ -49,12 +60,15 @@ def capture_proxy(llm_url: str) -> Iterator[TestClient]:
         yield client
 
 
-def test_trl_reads_the_openenv_trace_as_the_sessions_ids(trainer_stack: Stack) -> None:
+def openenv_episode(server: str, runner: Callable[[str, Callable[[str], Call]], Stored]) -> tuple[Stored, Any]:
+    """Run an episode (`runner`) through OpenEnv's capture proxy in front of a session; return what the session
+    stored and TRL's turn records of the proxy's training trace. The proxy must have recorded no finding against any
+    turn and worked around no parameter of its requests."""
     with contextlib.ExitStack() as stack:
         state: dict[str, Any] = {}
 
         def call_for(sid: str) -> Call:
-            http = state["proxy"] = stack.enter_context(capture_proxy(session_base(trainer_stack.server, sid)))
+            http = state["proxy"] = stack.enter_context(capture_proxy(session_base(server, sid)))
             created = http.post("/sessions", json={})
             assert created.status_code == 200, created.text
             state["capture_id"] = created.json()["session_id"]
@@ -67,7 +81,7 @@ def test_trl_reads_the_openenv_trace_as_the_sessions_ids(trainer_stack: Stack) -
 
             return call
 
-        stored = run_episode(trainer_stack.server, call_for)
+        stored = runner(server, call_for)
         proxy: TestClient = state["proxy"]
         session = proxy.app.state.registry.get(state["capture_id"])  # type: ignore[attr-defined]
         assert proxy.app.state.inference.param_fixes == []  # type: ignore[attr-defined]
@@ -75,19 +89,39 @@ def test_trl_reads_the_openenv_trace_as_the_sessions_ids(trainer_stack: Stack) -
         fetched = proxy.get(f"/sessions/{state['capture_id']}/trace_entries")
         assert fetched.status_code == 200, fetched.text
         trace = TrainingTrace.from_entries(fetched.json()["entries"])
-
     turns = _turns_from_training_trace(trace)
-    assert_recovered(stored, [CallIds(t.prompt_ids, t.output_ids, t.output_log_probs) for t in turns])
     assert all(t.output_mask == [1] * len(t.output_ids) for t in turns)
+    return stored, turns
 
-    (row,), tally = _chain_to_sequences(turns, "rollout", 0)
-    assert tally["clean"] == len(turns) - 1 and tally["fork"] == tally["realign"] == 0
-    sample = stored.sample
+
+def assert_row_is_sample(row: Any, sample: Sample) -> None:
+    """TRL's training row is the sample: its tokens, its mask past the first prompt (nothing trained before), its
+    logprobs (0 off the mask)."""
+    first = sampled_runs(sample)[0][0]
     assert row.input_ids == sample.tokens.tolist()
-    first = len(stored.calls[0].prompt)
     assert row.completion_mask[first:] == sample.loss_mask[first:].tolist()
     assert not any(row.completion_mask[:first])
     assert np.array_equal(np.asarray(row.old_log_probs, np.float32), sample.rollout_log_probs)
+
+
+def test_trl_reads_the_openenv_trace_as_the_sessions_ids(trainer_stack: Stack) -> None:
+    stored, turns = openenv_episode(trainer_stack.server, run_episode)
+    assert_recovered(stored, [CallIds(t.prompt_ids, t.output_ids, t.output_log_probs) for t in turns])
+    (row,), tally = _chain_to_sequences(turns, "rollout", 0)
+    assert tally["clean"] == len(turns) - 1 and tally["fork"] == tally["realign"] == 0
+    assert_row_is_sample(row, stored.sample)
+
+
+def test_a_compacted_session_is_a_row_per_segment(trainer_stack: Stack) -> None:
+    """After the agent compacts its history, the next call's prompt is the new segment's, not an extension: TRL forks
+    there (lossless capture: fork threshold 0), and its two rows are the session's two samples."""
+    stored, turns = openenv_episode(trainer_stack.server, run_compacted_episode)
+    assert [CallIds(t.prompt_ids, t.output_ids, t.output_log_probs) for t in turns] == stored.calls
+    rows, tally = _chain_to_sequences(turns, "rollout", 0)
+    assert tally["fork"] == 1 and tally["clean"] == 3 and tally["realign"] == 0
+    assert len(rows) == len(stored.samples) == 2
+    for row, sample in zip(rows, stored.samples, strict=True):
+        assert_row_is_sample(row, sample)
 
 
 def test_openenv_probe_grades_a_session_trainable(trainer_stack: Stack) -> None:
