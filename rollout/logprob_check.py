@@ -188,7 +188,7 @@ def check_logprobs(samples: Sequence[Sample], policy: Policy, *, replay_routing:
                                              "to replay them into")
                         replay = None
                 with _routing(replay, rows, replay_routing):
-                    trainer[chosen] = _score(model, sample.tokens, chosen, scale)
+                    trainer[chosen] = _score(model, sample.tokens, chosen, scale, sample)
                 if replay is not None:
                     routing_rows += replay.compared
                     routing_mismatched += replay.mismatched
@@ -258,8 +258,30 @@ def _by_model(resolve: Callable[[Any], torch.nn.Module], positions: np.ndarray, 
 
 
 # -- the forward pass -----------------------------------------------------------------------------------------
-def _score(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray, temperature: float) -> np.ndarray:
-    """log p(tokens[p] | tokens[:p]) for each p in `positions`, in fp32, from one forward pass over the sample."""
+def _images(sample: Sample | None, end: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The vision inputs of a sample's images that lie inside its first `end` tokens (trajectory/samples.py:
+    `metadata["images"]` spans, `pixel_values`, `image_grid_thw`), as a Qwen-VL model's forward takes them, with
+    `mm_token_type_ids` (1 over each image's run); it rebuilds the mRoPE positions from those and the grids, as the
+    engine did. {} for a sample without images."""
+    if sample is None or sample.pixel_values is None or sample.image_grid_thw is None:
+        return {}
+    spans = [image["span"] for image in sample.metadata.get("images") or ()]
+    keep = sum(1 for _, stop in spans if stop <= end)
+    if not keep:
+        return {}
+    grids = sample.image_grid_thw[:keep]
+    rows = int(grids.prod(axis=1).sum())
+    kinds = torch.zeros((1, end), dtype=torch.int32, device=device)  # text 0, image 1 (transformers' mRoPE input)
+    for start, stop in spans[:keep]:
+        kinds[0, start:stop] = 1
+    return {"pixel_values": torch.as_tensor(sample.pixel_values[:rows], device=device, dtype=dtype),
+            "image_grid_thw": torch.as_tensor(grids, device=device), "mm_token_type_ids": kinds}
+
+
+def _score(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray, temperature: float,
+           sample: Sample | None = None) -> np.ndarray:
+    """log p(tokens[p] | tokens[:p]) for each p in `positions`, in fp32, from one forward pass over the sample (with
+    its images, when it has some)."""
     if not len(positions):
         return np.zeros(0, dtype=np.float32)
     parameter = next(model.parameters(), None)
@@ -267,7 +289,7 @@ def _score(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray, te
     end = int(positions.max())  # nothing after the last scored token's context is needed
     ids = torch.as_tensor(tokens[:end].astype(np.int64), device=device).unsqueeze(0)
     before = torch.as_tensor(positions - 1, dtype=torch.long, device=device)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = _images(sample, end, device, parameter.dtype if parameter is not None else torch.float32)
     if _accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = before  # only the rows scored: a full [len, vocab] block can be GBs
     was_training = model.training
