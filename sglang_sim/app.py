@@ -53,9 +53,21 @@ def error_response(message: str, status: int = 400) -> Response:
     return json_response(wire.native_error(message), status)
 
 
+class _CrashResponse(Response):
+    """What SGLang's HTTP server answers when a handler raises: Starlette's ServerErrorMiddleware sends a plain 500
+    (no `Connection: close`) and re-raises, and uvicorn, the response being started, closes the connection, so a
+    request pipelined or pooled behind it on that connection is never answered."""
+
+    def __init__(self) -> None:
+        super().__init__("Internal Server Error", status_code=500, media_type="text/plain")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(scope, receive, send)
+        raise _DropStream("sglang-sim emulates SGLang's unhandled exception: the connection closes after the 500")
+
+
 def crash_response() -> Response:
-    """What SGLang's HTTP server answers when a handler raises (Starlette's ServerErrorMiddleware)."""
-    return Response("Internal Server Error", status_code=500, media_type="text/plain")
+    return _CrashResponse()
 
 
 class _DroppedResponse(Response):
