@@ -10,12 +10,14 @@ in both modes). The floor (benchmarks/floor_proxy.py: uvicorn + Starlette + our 
 each engine event decoded and relayed as a chunk) is measured the same way, in the same run, on the same core.
 
 The engine is configured for one event per token; the server asks each streamed request for its own
-`stream_interval` (session_server/engine/pacing.py: 32 tokens per delta event, max_tokens/8 per cumulative event,
-since a cumulative stream of n tokens at one event per token puts about n^2/2 tokens on the wire, ~21 GB for 32k
-tokens), and the floor asks the same. `--engine-stream-interval 1` makes both ask for every token (the run then
-measures the per-token stream; cumulative replies of 16k tokens and more do not finish in reasonable time). A chat
-that does not finish within `--chat-timeout` is reported as such; the table gives the interval asked for and the
-chunks the agent got.
+`stream_interval` (session_server/engine/pacing.py: DELTA_INTERVAL tokens per delta event, max_tokens/8 but at least
+64 per cumulative event, since a cumulative stream of n tokens at one event per token puts about n^2/2 tokens on the
+wire, ~21 GB for 32k tokens), and the floor asks the same. `--engine-stream-interval N` makes both ask for N tokens
+per event (1: every token, the per-token stream; cumulative replies of 16k tokens and more then do not finish in
+reasonable time). A chat that does not finish within `--chat-timeout` is reported as such; the table gives the
+interval asked for, the chunks the agent got and the largest gap between two of its text chunks, in tokens (the
+reply retokenized) and in ms (with an unpaced engine the ms say how fast the server relays, not how fast a GPU
+decodes; `--engine-arg=--token-latency-ms --engine-arg=20` paces it).
 
     python -m scripts.bench_stream --tokenizer .cache/tokenizers/qwen3 --json-out out/bench/stream.json
 """

@@ -10,13 +10,16 @@ names the flag.
 Why batches: at SGLang's default `stream_interval` 1 there is one event per token, and handling each on its own
 (a line, a JSON decode, a delta, a chunk to the agent) costs tens of microseconds -- far more than the token costs
 in an unstreamed reply. So everything that arrived in one read is handled at once: the events are split and decoded
-by msgspec in one call, and one `Progress` says what they add (the agent gets one chunk for them: when the agent or
-the server is slower than the engine, chunks coalesce instead of queueing). SGLang's framing is split with bytes
-operations, never a Python step per event. Nothing is re-read: a delta event adds its pieces; of a batch of
+by msgspec in one call, with a Python step per event only inside list comprehensions. SGLang's framing is split with
+bytes operations, never a Python step per event. Nothing is re-read: a delta event adds its pieces; of a batch of
 cumulative events only the last one is decoded at all (its big fields skipped unparsed but its text), and the new
-text is its tail. How many events there are is asked of the engine per request (engine/pacing.py). The final
-event is returned as the raw bytes of a complete /generate body for the strict decoder (for delta engines: the
-summed body, encoded once).
+text is its tail. How many events there are is asked of the engine per request (engine/pacing.py). The final event
+is returned as the raw bytes of a complete /generate body for the strict decoder (for delta engines: the summed
+body, its per-event lists spliced by one encode and byte replaces, encoded once).
+
+What reaches the agent (engine_events): a delta stream's text is held per event and handed on in chunks of at most
+pacing.CHUNK_TOKENS tokens, as soon as a chunk is full or pacing.CHUNK_SECONDS after the last one, the first text at
+once and everything before the final event; a cumulative stream's new text goes on per read.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from session_server.engine import pacing
 from trajectory.errors import UpstreamError
 
 _encoder = msgspec.json.Encoder()
@@ -435,8 +439,8 @@ def _array(items: Sequence[Any]) -> bytes:
 
 
 async def engine_events(reads: AsyncIterator[list[bytes]], incremental: bool, logprobs: bool = False,
-                        coalesce: float = 0.0, chunk_tokens: int = 64,
-                        chunk_seconds: float = 0.1) -> AsyncIterator[Progress | Final]:
+                        coalesce: float = 0.0, chunk_tokens: int = pacing.CHUNK_TOKENS,
+                        chunk_seconds: float = pacing.CHUNK_SECONDS) -> AsyncIterator[Progress | Final]:
     """What an engine stream adds, as Progress for the agent's chunks, then the Final. `reads`: the body as it
     arrives, each read as the pieces the HTTP parser handed over (for a chunked body, its chunks: SGLang's events).
     `logprobs`: the new tokens' logprob entries are wanted. `coalesce`: seconds to leave between reads (the events

@@ -302,7 +302,8 @@ def test_stream_interval_by_mode_and_reply_size() -> None:
     assert pacing.stream_interval(0, False, 32_768, None) == -(-32_768 // events)
     assert pacing.stream_interval(0, False, None, 65_536) == -(-65_536 // events)  # no max_tokens: the context
     assert pacing.stream_interval(0, False, None, None) == -(-pacing.UNKNOWN_REPLY_TOKENS // events)
-    assert pacing.stream_interval(0, False, 10, None) == pacing.DELTA_INTERVAL  # never finer than a delta engine's
+    assert pacing.stream_interval(0, False, 10, None) == pacing.CHUNK_TOKENS  # never finer than the agent's chunks
+    assert pacing.DELTA_INTERVAL <= pacing.CHUNK_TOKENS  # a delta engine's events are finer than the chunks
 
 
 async def _progresses(raw: bytes, cuts: list[int], chunk_tokens: int, logprobs: bool,
