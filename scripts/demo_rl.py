@@ -6,13 +6,13 @@ What runs, in one process plus two children (the engine from its own venv, the s
    embedding cut down to the task's alphabet (every other row exactly 0, so every other token has logit exactly 0:
    the full softmax over the 151k vocabulary stays exact and cheap, rollout.grpo.sampled_log_probs), warmed up with a
    few hundred plain-torch supervised steps on the task's format while the engine starts;
-2. the task, multi-turn with a tool and a verifiable reward (`LookupGame`): the user names a key, the model calls
-   `lookup` on it (a tool the policy learned in its warm-up: it is not declared in the prompt, which keeps prompts
-   short), reads the tool's answer and answers with it; the reward is 1 when the final answer is the value stored
-   under the user's key, 0.5 when only the call names it. The warm-up is short on purpose: it teaches the format and
-   has only begun to teach the copy of the key (a tiny transformer learns to copy in a sudden phase a few hundred
-   steps in), so the starting policy names the right key sometimes and RL has something to find (the copy of the
-   tool's answer into the final answer it has not learned yet at all);
+2. the task, multi-turn with a tool and a verifiable reward (`WeatherGame`): the user asks what to wear; the model
+   may call `weather` (a tool the policy learned in its warm-up: it is not declared in the prompt, which keeps
+   prompts short), reads today's weather (drawn per prompt: sun, rain, snow or cloud) and answers with one word; the
+   reward is 1 when the word is the item for that weather (hat, coat, ski, shirt), 0 otherwise. The warm-up teaches
+   the format, the call and the mapping, and shows both ways to answer, calling first in only 10% of its
+   demonstrations of the choice: the starting policy mostly guesses (right one time in four) and earns ~0.3, and
+   what RL finds is that looking the weather up pays;
 3. G episodes per prompt through the session server, with the official `openai` client against each session's URL
    (rollout.episodes), running ahead of the trainer (`--ahead-groups` beyond a step's): the next step's episodes run
    while the trainer trains, and when it pushes its weights (rollout.weight_push: `/admin/pause` in_place, SGLang's
@@ -58,7 +58,7 @@ from rollout.episodes import AgentConfig, EpisodeResult, Task, run_episode
 from rollout.grpo import clipped_pg_loss, filter_stale, group_advantages, sampled_log_probs, truncated_is_weights
 from rollout.logprob_check import check_logprobs
 from rollout.processes import RunningProcess, start_session_server, start_sglang
-from rollout.tools import Toolbox, lookup_tool
+from rollout.tools import Tool, Toolbox
 from rollout.torch_batch import to_torch_batch
 from rollout.weight_push import WeightPusher, save_weights
 from trajectory import Sample
@@ -73,8 +73,9 @@ PLUGIN_DIR = ROOT / "tests" / "sglang" / "plugin"
 # computed, so the token at an update's boundary can be recorded under the other version.
 ENGINE_ARGS = ("--dtype", "float32", "--disable-radix-cache", "--disable-overlap-schedule",
                "--max-running-requests", "16", "--reasoning-parser", "qwen3")
-KEYS = "abcdefgh"
-DIGITS = "0123456789"
+# The weather the tool reports -> the one item the user should take for it (each word a single Qwen3 token).
+ITEMS = {"sun": "hat", "rain": "coat", "snow": "ski", "cloud": "shirt"}
+QUESTION = "wear?"
 TEMPERATURE = 1.0
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 
@@ -90,45 +91,54 @@ class UndeclaredToolbox(Toolbox):
         return []
 
 
+def weather_tool(weather: str) -> Tool:
+    """`weather()`: today's weather, the one fact the answer depends on."""
+    return Tool(name="weather", description="Today's weather.", parameters={"type": "object", "properties": {}},
+                fn=lambda args: weather)
+
+
 @dataclass(frozen=True)
 class Prompt:
-    """One GRPO group's prompt: the key the user asks for and the store the tool looks it up in."""
+    """One GRPO group's prompt: the user's question, and today's weather, which only the tool reveals."""
 
-    key: str
-    store: dict[str, str]
+    weather: str
 
     @property
     def answer(self) -> str:
-        return self.store[self.key]
+        return ITEMS[self.weather]
 
 
-class LookupGame:
-    """The user names a key; the model calls `lookup` on it and answers with what the tool returned.
+class WeatherGame:
+    """The user asks what to wear; the model may call `weather` (no arguments), reads the tool's reply and answers
+    with one word. The reward is 1 when that word is the item for today's weather (`ITEMS`), else 0.
 
-    The store is drawn per prompt (each key a random digit), so the answer cannot be memorized: it has to come from
-    the tool. The warm-up's token layout is the one the session server builds (Qwen3's template, thinking off): the
-    first prompt, the call, the tool's reply as the template appends it, the answer."""
+    Today's weather is drawn per prompt, so the answer cannot be known without the tool: a straight answer is right
+    one time in four, an answer after the call as often as the policy maps the weather to its item. The warm-up
+    teaches the format, the call and that mapping, and shows both ways to answer, calling first only in a fraction of
+    its demonstrations (`p_call`): the starting policy mostly guesses and earns ~0.3. What RL has to find is that
+    looking the weather up pays, which a tiny model can learn in a few steps (it is one decision, at the reply's first
+    token), unlike a copy of the tool's answer (a sharp phase of supervised learning for a 2-layer model: the
+    earlier task, a key-value lookup answered with the value, did not improve in 20 steps).
+
+    The warm-up's token layout is the one the session server builds (Qwen3's template, thinking off): the first
+    prompt, the call, the tool's reply as the template appends it, the answer."""
 
     def __init__(self, tokenizer: Any, max_turns: int = 3) -> None:
         self.tokenizer = tokenizer
         self.max_turns = max_turns
         self.im_end = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        self._prompts = {k: self._render_prompt(k) for k in KEYS}
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=True,
+                                            add_generation_prompt=True, enable_thinking=False)
+        self.first = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _render_prompt(self, key: str) -> list[int]:
-        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": key}], tokenize=True,
-                                                 add_generation_prompt=True, enable_thinking=False)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    def call_ids(self) -> list[int]:
+        return [*self._encode('<tool_call>\n{"name": "weather", "arguments": {}}\n</tool_call>'), self.im_end]
 
-    def call_ids(self, key: str) -> list[int]:
-        call = f'<tool_call>\n{{"name": "lookup", "arguments": {{"key": "{key}"}}}}\n</tool_call>'
-        return [*self._encode(call), self.im_end]
-
-    def tool_reply_ids(self, value: str) -> list[int]:
-        return self._encode(f"\n<|im_start|>user\n<tool_response>\n{value}\n</tool_response><|im_end|>\n"
+    def tool_reply_ids(self, weather: str) -> list[int]:
+        return self._encode(f"\n<|im_start|>user\n<tool_response>\n{weather}\n</tool_response><|im_end|>\n"
                             "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
     def answer_ids(self, answer: str) -> list[int]:
@@ -136,54 +146,41 @@ class LookupGame:
 
     def alphabet(self) -> list[int]:
         """Every token any episode of the game can hold when played as taught."""
-        ids: set[int] = {self.im_end}
-        for key in KEYS:
-            ids.update(self._prompts[key])
-            ids.update(self.call_ids(key))
-        for digit in DIGITS:
-            ids.update(self.tool_reply_ids(digit))
-            ids.update(self.answer_ids(digit))
+        ids: set[int] = {self.im_end, *self.first, *self.call_ids()}
+        for weather, item in ITEMS.items():
+            ids.update(self.tool_reply_ids(weather))
+            ids.update(self.answer_ids(item))
         return sorted(ids)
 
     def prompt(self, rng: random.Random) -> Prompt:
-        return Prompt(rng.choice(KEYS), {k: rng.choice(DIGITS) for k in KEYS})
+        return Prompt(rng.choice(list(ITEMS)))
 
-    def demonstration(self, prompt: Prompt, rng: random.Random, p_right_key: float) -> tuple[list[int], list[int]]:
-        """A warm-up sequence and its loss mask: the call names the user's key with probability `p_right_key`,
-        another key otherwise; the answer is what the tool returned for the key called."""
-        key = prompt.key if rng.random() < p_right_key else rng.choice(KEYS)
-        value = prompt.store[key]
-        first = self._prompts[prompt.key]
-        call, reply, answer = self.call_ids(key), self.tool_reply_ids(value), self.answer_ids(value)
-        ids = [*first, *call, *reply, *answer]
-        mask = [0] * len(first) + [1] * len(call) + [0] * len(reply) + [1] * len(answer)
-        return ids, mask
+    def demonstration(self, prompt: Prompt, rng: random.Random, p_call: float) -> tuple[list[int], list[int]]:
+        """A warm-up sequence and its loss mask. Half of them teach the lookup: the call, then the item of the
+        weather the tool reported, with the loss off on the call's first token (the choice to call is not taught
+        here). The other half teach that choice: the call and its answer with probability `p_call`, a straight
+        answer (an item drawn at random, as the weather is unknown) otherwise."""
+        lookup = rng.random() < 0.5
+        if lookup or rng.random() < p_call:
+            call, reply, answer = self.call_ids(), self.tool_reply_ids(prompt.weather), self.answer_ids(prompt.answer)
+            ids = [*self.first, *call, *reply, *answer]
+            mask = [0] * len(self.first) + [0 if lookup else 1] + [1] * (len(call) - 1) + [0] * len(reply) \
+                + [1] * len(answer)
+            return ids, mask
+        answer = self.answer_ids(rng.choice(list(ITEMS.values())))
+        return [*self.first, *answer], [0] * len(self.first) + [1] * len(answer)
 
     def task(self, prompt: Prompt) -> Task:
-        return Task(messages=[{"role": "user", "content": prompt.key}],
-                    toolbox=UndeclaredToolbox([lookup_tool(prompt.store)]), max_turns=self.max_turns,
-                    metadata={"key": prompt.key})
+        return Task(messages=[{"role": "user", "content": QUESTION}],
+                    toolbox=UndeclaredToolbox([weather_tool(prompt.weather)]), max_turns=self.max_turns,
+                    metadata={"weather": prompt.weather})
 
     @staticmethod
-    def called_key(result: EpisodeResult) -> str | None:
-        """The key of the episode's first `lookup` call, None when it made none."""
-        for message in result.messages:
-            for call in message.get("tool_calls") or []:
-                try:
-                    return str(json.loads(call["function"]["arguments"]).get("key"))
-                except (ValueError, AttributeError, KeyError, TypeError):
-                    return None
-        return None
-
-    @classmethod
-    def reward(cls, prompt: Prompt, result: EpisodeResult, index: int = 0) -> float:
-        """Partial credit, both halves checked against the store: 0.5 when the first lookup names the user's key,
-        0.5 more when the final answer is the value stored under it."""
+    def reward(prompt: Prompt, result: EpisodeResult, index: int = 0) -> float:
+        """1 when the final answer is the item for today's weather, however the episode got there."""
         if not result.ok:
             return 0.0
-        right_key = cls.called_key(result) == prompt.key
-        right_answer = (result.final_answer or "").strip() == prompt.answer
-        return 0.5 * right_key + 0.5 * (right_key and right_answer)
+        return float((result.final_answer or "").strip() == prompt.answer)
 
 
 # A reward: the group's prompt, one episode's result and its index in the group -> a number.
@@ -212,8 +209,12 @@ class AlphabetPolicy:
             weight[~keep] = 0.0
         self.rows = torch.nn.Parameter(weight[self.alphabet].clone())
 
+    def body_parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters besides the alphabet's rows (the transformer's layers and final norm)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad] + [self.rows]
+        return [*self.body_parameters(), self.rows]
 
     def sync(self) -> None:
         with torch.no_grad():
@@ -228,7 +229,7 @@ class AlphabetPolicy:
         return bool(np.isin(tokens, self.alphabet.numpy()).all())
 
 
-def load_policy(checkpoint: Path, game: LookupGame, seed: int) -> AlphabetPolicy:
+def load_policy(checkpoint: Path, game: WeatherGame, seed: int) -> AlphabetPolicy:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -236,7 +237,7 @@ def load_policy(checkpoint: Path, game: LookupGame, seed: int) -> AlphabetPolicy
     return AlphabetPolicy(model, game.alphabet())
 
 
-def warm_up(policy: AlphabetPolicy, game: LookupGame, *, steps: int, batch: int, lr: float, p_right_key: float,
+def warm_up(policy: AlphabetPolicy, game: WeatherGame, *, steps: int, batch: int, lr: float, p_call: float,
             rng: random.Random, progress: bool = True) -> list[float]:
     """Plain supervised steps on the game's demonstrations (the loss on the model's own turns only)."""
     from tqdm import tqdm
@@ -245,7 +246,7 @@ def warm_up(policy: AlphabetPolicy, game: LookupGame, *, steps: int, batch: int,
     losses: list[float] = []
     policy.model.train()
     for _ in tqdm(range(steps), desc="warm-up", unit="step", dynamic_ncols=True, disable=not progress):
-        seqs = [game.demonstration(game.prompt(rng), rng, p_right_key) for _ in range(batch)]
+        seqs = [game.demonstration(game.prompt(rng), rng, p_call) for _ in range(batch)]
         width = max(len(ids) for ids, _ in seqs)
         ids = torch.zeros(batch, width, dtype=torch.long)
         mask = torch.zeros(batch, width)
@@ -280,7 +281,7 @@ class Group:
 class Rollouts:
     """Keeps G-episode groups running ahead of the trainer: at most `ahead_groups` launched and not yet taken."""
 
-    def __init__(self, client: SessionClient, game: LookupGame, config: AgentConfig, *, group_size: int,
+    def __init__(self, client: SessionClient, game: WeatherGame, config: AgentConfig, *, group_size: int,
                  ahead_groups: int, rng: random.Random) -> None:
         self.client, self.game, self.config = client, game, config
         self.group_size = group_size
@@ -352,6 +353,7 @@ class StepRecord:
     step: int
     version: int                    # the weights the step trained from (the next push is version + 1)
     reward_mean: float
+    lookup_rate: float              # the fraction of episodes that called the tool
     episodes: int
     failed_episodes: int
     kept_groups: int
@@ -393,13 +395,17 @@ def straddled_mask(sample: Sample) -> np.ndarray:
 class Trainer:
     """The policy, its optimizer, the weights of the versions samples may still carry, and the push."""
 
-    def __init__(self, policy: AlphabetPolicy, *, lr: float, clip: float, is_cap: float, minibatches: int,
+    def __init__(self, policy: AlphabetPolicy, *, lr: float, rows_lr: float, clip: float, is_cap: float,
+                 minibatches: int,
                  max_staleness: int, weights_dir: Path, pusher: WeightPusher, reward: Reward,
                  flush_cache: bool = False) -> None:
         self.policy = policy
         self.reward = reward
         self.flush_cache = flush_cache
-        self.optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
+        # The alphabet's rows at a larger rate than the layers: they carry the choices the reward is about (to call
+        # or to answer straight away, which item) and take it; the layers at that rate break the call's format.
+        self.optimizer = torch.optim.Adam([{"params": policy.body_parameters(), "lr": lr},
+                                           {"params": [policy.rows], "lr": rows_lr}])
         self.clip, self.is_cap, self.minibatches = clip, is_cap, minibatches
         self.max_staleness = max_staleness
         self.weights_dir = weights_dir
@@ -425,8 +431,10 @@ class Trainer:
         kept_ids = {id(samples[0]) for samples in kept}
         used = [g for g in healthy if id(g.results[0].samples[0]) in kept_ids]
         rewards = [x for g in groups for x in g.rewards(self.reward)]
+        calls = [r.tool_calls > 0 for g in groups for r in g.results]
         record = StepRecord(step=step, version=current, reward_mean=float(np.mean(rewards)) if rewards else 0.0,
-                            episodes=len(rewards), failed_episodes=failed, kept_groups=staleness.kept_groups,
+                            lookup_rate=float(np.mean(calls)) if calls else 0.0, episodes=len(rewards),
+                            failed_episodes=failed, kept_groups=staleness.kept_groups,
                             dropped_groups=staleness.dropped_groups,
                             tokens_by_staleness=dict(sorted(staleness.tokens_by_staleness.items())), check_ok=True,
                             mismatch_max=0.0, mismatch_mean=0.0, mismatch_max_clean=0.0,
@@ -505,11 +513,12 @@ class RunConfig:
     group_size: int = 8
     ahead_groups: int = 2           # groups kept running beyond the step being collected
     max_staleness: int = 1
-    lr: float = 4e-4
+    lr: float = 4e-4                # the transformer's layers
+    rows_lr: float = 2e-3           # the alphabet's embedding rows (input and output: they are tied)
     clip: float = 0.2
     is_cap: float = 2.0
     minibatches: int = 2
-    max_tokens: int = 32
+    max_tokens: int = 24
     seed: int = 0
     # False: the next step's episodes start only after the push, so none runs across it, and the push flushes the
     # engine's prefix cache (an engine serving with one: the real-engine tier's shared one).
@@ -524,8 +533,8 @@ class RunResult:
     start_reward: float = 0.0
 
 
-async def train_loop(config: RunConfig, game: LookupGame, policy: AlphabetPolicy, *, engine_url: str,
-                     server_url: str, weights_dir: Path, reward: Reward = LookupGame.reward,
+async def train_loop(config: RunConfig, game: WeatherGame, policy: AlphabetPolicy, *, engine_url: str,
+                     server_url: str, weights_dir: Path, reward: Reward = WeatherGame.reward,
                      progress: bool = True, log: Path | None = None) -> RunResult:
     """Push the policy as version 0, then `config.steps` GRPO steps with episodes running ahead."""
     from tqdm import tqdm
@@ -534,7 +543,7 @@ async def train_loop(config: RunConfig, game: LookupGame, policy: AlphabetPolicy
     agent = AgentConfig(temperature=TEMPERATURE, max_tokens=config.max_tokens, extra_body=THINKING_OFF,
                         busy_retries=50, default_retry_after=0.2, max_retry_after=0.5, sample_format="safetensors")
     async with SessionClient(server_url) as client, WeightPusher(engine_url, [server_url]) as pusher:
-        trainer = Trainer(policy, lr=config.lr, clip=config.clip, is_cap=config.is_cap,
+        trainer = Trainer(policy, lr=config.lr, rows_lr=config.rows_lr, clip=config.clip, is_cap=config.is_cap,
                           minibatches=config.minibatches, max_staleness=config.max_staleness,
                           weights_dir=weights_dir, pusher=pusher, reward=reward, flush_cache=not config.overlap)
         await trainer.push(0)
@@ -557,8 +566,9 @@ async def train_loop(config: RunConfig, game: LookupGame, policy: AlphabetPolicy
                     if log is not None:
                         with log.open("a") as f:
                             f.write(json.dumps(asdict(record)) + "\n")
-                    bar.set_postfix(reward=f"{record.reward_mean:.2f}", mismatch=f"{record.mismatch_max:.1e}",
-                                    dropped=record.dropped_groups, refresh=False)
+                    bar.set_postfix(reward=f"{record.reward_mean:.2f}", lookup=f"{record.lookup_rate:.2f}",
+                                    mismatch=f"{record.mismatch_max:.1e}", dropped=record.dropped_groups,
+                                    refresh=False)
                     bar.update()
         finally:
             cancelled = await rollouts.stop()
@@ -577,10 +587,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="groups kept running beyond the step being collected (default %(default)s)")
     p.add_argument("--max-staleness", type=int, default=RunConfig.max_staleness)
     p.add_argument("--lr", type=float, default=RunConfig.lr)
-    p.add_argument("--warmup-steps", type=int, default=250)
+    p.add_argument("--rows-lr", type=float, default=RunConfig.rows_lr,
+                   help="the RL learning rate of the alphabet's embedding rows (default %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=300)
     p.add_argument("--warmup-lr", type=float, default=3e-3)
-    p.add_argument("--warmup-right-key", type=float, default=1.0,
-                   help="how often the warm-up's demonstrations call the user's key (default %(default)s)")
+    p.add_argument("--warmup-call", type=float, default=0.1,
+                   help="how often the warm-up's demonstrations of the choice call the tool (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (default 1: the engine "
                    "and the session server need the other core)")
@@ -599,16 +611,17 @@ def _verdict(r: StepRecord) -> str:
 
 
 def table(records: list[StepRecord]) -> str:
-    """One line per step: reward, episodes, groups kept/dropped, tokens by staleness, the check, the push."""
-    head = (f"{'step':>4} {'ver':>3} {'reward':>6} {'eps':>4} {'fail':>4} {'kept':>4} {'drop':>4} {'stale0/1/2+':>13} "
-            f"{'check':>5} {'mismatch max':>12} {'clean':>9} {'straddled':>9} {'k3_kl':>8} {'push s':>6} {'step s':>6}")
+    """One line per step: reward, lookups, episodes, groups kept/dropped, tokens by staleness, the check, the push."""
+    head = (f"{'step':>4} {'ver':>3} {'reward':>6} {'lookup':>6} {'eps':>4} {'fail':>4} {'kept':>4} {'drop':>4} "
+            f"{'stale0/1/2+':>13} {'check':>5} {'mismatch max':>12} {'clean':>9} {'straddled':>9} {'k3_kl':>8} "
+            f"{'push s':>6} {'step s':>6}")
     lines = [head, "-" * len(head)]
     for r in records:
         t = r.tokens_by_staleness
         stale = f"{t.get(0, 0)}/{t.get(1, 0)}/{sum(v for k, v in t.items() if k >= 2)}"
         straddled = "-" if math.isnan(r.mismatch_max_straddled) else f"{r.mismatch_max_straddled:.2e}"
-        lines.append(f"{r.step:>4} {r.version:>3} {r.reward_mean:>6.2f} {r.episodes:>4} {r.failed_episodes:>4} "
-                     f"{r.kept_groups:>4} {r.dropped_groups:>4} {stale:>13} {_verdict(r):>5} "
+        lines.append(f"{r.step:>4} {r.version:>3} {r.reward_mean:>6.2f} {r.lookup_rate:>6.2f} {r.episodes:>4} "
+                     f"{r.failed_episodes:>4} {r.kept_groups:>4} {r.dropped_groups:>4} {stale:>13} {_verdict(r):>5} "
                      f"{r.mismatch_max:>12.2e} {r.mismatch_max_clean:>9.2e} {straddled:>9} {r.k3_kl:>8.1e} "
                      f"{r.push_seconds:>6.2f} {r.seconds:>6.2f}")
     return "\n".join(lines)
@@ -624,8 +637,10 @@ def plot(records: list[StepRecord], path: Path, title: str) -> Path:
 
     steps = [r.step for r in records]
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
-    ax1.plot(steps, [r.reward_mean for r in records], marker="o")
-    ax1.set_ylabel("mean reward")
+    ax1.plot(steps, [r.reward_mean for r in records], marker="o", label="mean reward")
+    ax1.plot(steps, [r.lookup_rate for r in records], linestyle="--", marker=".", label="episodes that called the tool")
+    ax1.set_ylabel("per episode")
+    ax1.legend(fontsize=7, loc="lower right")
     ax1.set_ylim(-0.02, 1.02)
     ax1.set_title(title)
     ax1.grid(alpha=0.3)
@@ -688,9 +703,10 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     logs = out / "logs"
     config = RunConfig(steps=args.steps, groups_per_step=args.groups_per_step, group_size=args.group_size,
-                       ahead_groups=args.ahead_groups, max_staleness=args.max_staleness, lr=args.lr, seed=args.seed)
+                       ahead_groups=args.ahead_groups, max_staleness=args.max_staleness, lr=args.lr,
+                       rows_lr=args.rows_lr, seed=args.seed)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    game = LookupGame(tokenizer)
+    game = WeatherGame(tokenizer)
     # The engine starts (30-60 s of mostly its own imports) while the policy warms up.
     # One torch thread in the engine: a 2-layer model gains nothing from more, and spinning OpenMP threads starve
     # the trainer and the session server on a 2-core machine.
@@ -701,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         policy = load_policy(checkpoint, game, args.seed)
         warm = time.perf_counter()
         losses = warm_up(policy, game, steps=args.warmup_steps, batch=16, lr=args.warmup_lr,
-                         p_right_key=args.warmup_right_key, rng=random.Random(args.seed))
+                         p_call=args.warmup_call, rng=random.Random(args.seed))
         warm_seconds = time.perf_counter() - warm
         print(f"warm-up: {args.warmup_steps} steps in {warm_seconds:.0f} s, loss {losses[0]:.2f} -> {losses[-1]:.3f}")
         engine.wait_ready()
@@ -722,6 +738,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "wall_seconds": round(wall, 1), "warmup_seconds": round(warm_seconds, 1), "steps": len(records),
         "reward_first_step": first, "reward_last_3_steps": round(last, 3),
+        "lookup_rate_first_step": records[0].lookup_rate,
+        "lookup_rate_last_3_steps": round(float(np.mean([r.lookup_rate for r in records[-3:]])), 3),
         "episodes": sum(r.episodes for r in records), "failed_episodes": sum(r.failed_episodes for r in records),
         "dropped_groups": sum(r.dropped_groups for r in records),
         "tokens_by_staleness": {k: sum(r.tokens_by_staleness.get(k, 0) for r in records)

@@ -31,9 +31,9 @@ from scripts.demo_rl import (
     ENGINE_ARGS,
     PLUGIN_DIR,
     EpisodeResult,
-    LookupGame,
     Prompt,
     RunConfig,
+    WeatherGame,
     load_policy,
     train_loop,
     warm_up,
@@ -84,11 +84,11 @@ def test_three_steps_push_the_trainers_weights_into_the_engine(stack: Stack, tmp
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
-    game = LookupGame(AutoTokenizer.from_pretrained(stack.checkpoint))
+    game = WeatherGame(AutoTokenizer.from_pretrained(stack.checkpoint))
     policy = load_policy(stack.checkpoint, game, seed=0)
-    warm_up(policy, game, steps=20, batch=8, lr=3e-3, p_right_key=1.0, rng=random.Random(0), progress=False)
+    warm_up(policy, game, steps=20, batch=8, lr=3e-3, p_call=0.5, rng=random.Random(0), progress=False)
     start = copy.deepcopy(policy.model)
-    probe, _ = game.demonstration(Prompt("c", dict.fromkeys("abcdefgh", "4")), random.Random(0), 1.0)
+    probe, _ = game.demonstration(Prompt("snow"), random.Random(0), 1.0)
 
     config = RunConfig(steps=3, groups_per_step=2, group_size=4, overlap=False, max_tokens=24, lr=1e-3, seed=1)
     result = asyncio.run(train_loop(config, game, policy, engine_url=stack.engine, server_url=stack.server,
