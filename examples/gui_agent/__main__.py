@@ -51,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="default", help="model name sent in requests (default 'default')")
     p.add_argument("--max-turns", type=int, default=12, help="turn limit per episode (default 12)")
     p.add_argument("--max-tokens", type=int, default=256, help="max tokens per reply (default 256)")
+    p.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
+                   help="'required': every reply must call a tool (an untrained model on a real engine still acts)")
+    p.add_argument("--no-thinking", dest="thinking", action="store_const", const=False, default=None,
+                   help="turn the family's thinking switch off (Qwen3 reasons before it answers by default)")
     p.add_argument("--seed", type=int, default=0, help="the first episode's desktop seed; episode i gets seed+i")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "gui",
                    help="output folder (default out/gui/): samples.jsonl, episodes.jsonl, frames/ of episode 0")
@@ -183,7 +187,8 @@ async def run(args: argparse.Namespace, server_url: str) -> tuple[list[GuiEpisod
     seeds = [args.seed + i for i in range(args.episodes)]
     apis: list[Api] = ["chat", "messages"] if args.api == "both" else [args.api]
     configs = [GuiConfig(api=apis[i % len(apis)], observation=args.observation, scripted=args.engine_url is None,
-                         model=args.model, max_turns=args.max_turns, max_tokens=args.max_tokens, keep_frames=i == 0)
+                         model=args.model, max_turns=args.max_turns, max_tokens=args.max_tokens, keep_frames=i == 0,
+                         tool_choice=args.tool_choice, thinking=args.thinking)
                for i in range(args.episodes)]
     async with SessionClient(server_url) as client:
         await client.health()

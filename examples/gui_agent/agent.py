@@ -40,16 +40,22 @@ SYSTEM = (f"You operate a computer through its screen. Every observation is a {g
           "into the focused text field. When the task is done, answer in one short sentence without calling a tool.")
 CLICK_DOC = "Click the screen at pixel (x, y); x grows to the right, y downwards."
 TYPE_DOC = "Type text into the text field that has the focus (click the field first)."
-_CLICK_SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
-                 "required": ["x", "y"]}
-_TYPE_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+# Strict schemas: a forced call (`tool_choice` required) is then held to them by the engine's grammar, which keeps an
+# untrained model's arguments on the screen
+_CLICK_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["x", "y"], "properties": {
+    "x": {"type": "integer", "minimum": 0, "maximum": gui.WIDTH - 1},
+    "y": {"type": "integer", "minimum": 0, "maximum": gui.HEIGHT - 1}}}
+_TYPE_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["text"], "properties": {
+    "text": {"type": "string", "maxLength": gui.MAX_TEXT}}}
 CHAT_TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {"name": "click", "description": CLICK_DOC, "parameters": _CLICK_SCHEMA}},
-    {"type": "function", "function": {"name": "type", "description": TYPE_DOC, "parameters": _TYPE_SCHEMA}},
+    {"type": "function", "function": {"name": "click", "description": CLICK_DOC, "parameters": _CLICK_SCHEMA,
+                                      "strict": True}},
+    {"type": "function", "function": {"name": "type", "description": TYPE_DOC, "parameters": _TYPE_SCHEMA,
+                                      "strict": True}},
 ]
 ANTHROPIC_TOOLS: list[dict[str, Any]] = [
-    {"name": "click", "description": CLICK_DOC, "input_schema": _CLICK_SCHEMA},
-    {"name": "type", "description": TYPE_DOC, "input_schema": _TYPE_SCHEMA},
+    {"name": "click", "description": CLICK_DOC, "input_schema": _CLICK_SCHEMA, "strict": True},
+    {"name": "type", "description": TYPE_DOC, "input_schema": _TYPE_SCHEMA, "strict": True},
 ]
 
 
@@ -64,6 +70,10 @@ class GuiConfig:
     max_turns: int = 12
     max_tokens: int = 256
     temperature: float | None = None
+    # "required": every reply must call a tool (a grammar on the engine): an untrained model still clicks and types,
+    # so its episodes run to the turn limit with a screenshot a turn
+    tool_choice: Literal["auto", "required"] = "auto"
+    thinking: bool | None = None  # False: the family's thinking switch off (Qwen3 reasons first by default)
     request_timeout: float = 120.0
     keep_frames: bool = False  # keep every screenshot's PNG on the result (to write them out)
 
@@ -218,6 +228,10 @@ async def _chat_loop(episode: _Episode, base_url: str, http_client: Any) -> None
         while result.turns < config.max_turns:
             request: dict[str, Any] = {"model": config.model, "messages": messages, "tools": CHAT_TOOLS,
                                        "max_tokens": config.max_tokens, **_sampling(config)}
+            if config.tool_choice == "required":
+                request["tool_choice"] = "required"
+            if config.thinking is not None:
+                request["extra_body"] = {"chat_template_kwargs": {"enable_thinking": config.thinking}}
             completion = await agent.chat.completions.create(**request)
             result.turns += 1
             choice = completion.choices[0]
@@ -253,6 +267,11 @@ async def _messages_loop(episode: _Episode, base_url: str, http_client: Any) -> 
         while result.turns < config.max_turns:
             request = {"model": config.model, "max_tokens": config.max_tokens, "system": SYSTEM,
                        "messages": messages, "tools": ANTHROPIC_TOOLS, **_sampling(config)}
+            if config.tool_choice == "required":
+                request["tool_choice"] = {"type": "any"}
+            if config.thinking is not None:
+                request["thinking"] = {"type": "enabled", "budget_tokens": 1024} if config.thinking else \
+                    {"type": "disabled"}
             message = await agent.messages.create(**request)
             result.turns += 1
             content = [block.model_dump(exclude_none=True) for block in message.content]
