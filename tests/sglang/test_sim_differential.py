@@ -28,9 +28,11 @@ import pytest
 
 from rollout.processes import RunningProcess, start_sim
 from session_server.engine import sse
+from support.images import IMG, RED, TALL, data_url, pipelined_statuses, png, user_turn
 from support.sglang_engine import Engines, assert_engine_clean, loads, paced
 from trajectory import engine_output
 from trajectory.errors import UpstreamError
+from trajectory.image_grid import IMAGE_PAD_ID, collapse_pads, pad_runs
 
 Probe = Callable[["Target"], dict[str, Any]]
 PROBES: dict[str, Probe] = {}
@@ -49,7 +51,7 @@ class Target:
 
         self.url = url
         self.checkpoint = checkpoint
-        tok = AutoTokenizer.from_pretrained(checkpoint)
+        tok = self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         # The directive makes the sim generate up to the request's limit, as the random model does (which never
         # stops on its own); the real engine reads it as any text.
         text = tok.apply_chat_template([{"role": "user", "content": "Say something. [[sim: tokens 5000]]"}],
@@ -408,6 +410,138 @@ def slow_down(t: Target) -> dict[str, Any]:
     return out
 
 
+# -- image probes (the tiny Qwen3-VL, issue 34) ----------------------------------------------------------------------
+
+IMAGE_PROBES: dict[str, Probe] = {}
+
+
+def image_probe(fn: Probe) -> Probe:
+    IMAGE_PROBES[fn.__name__] = fn
+    return fn
+
+
+class ImageTarget(Target):
+    """An engine serving the tiny Qwen3-VL; its prompt has one image pad (the directive: see Target)."""
+
+    def __init__(self, url: str, checkpoint: Path) -> None:
+        super().__init__(url, checkpoint)
+        self.prompt = self.encode(user_turn(f"{IMG}Describe it. [[sim: tokens 5000]]"))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def generate_alone(self, **body: Any) -> httpx.Response:
+        """`generate` on a connection of its own, for a request SGLang answers 500 and then closes the connection
+        (support/images.py `alone`)."""
+        pooled = self.http
+        with httpx.Client(base_url=self.url, timeout=120) as self.http:
+            try:
+                return self.generate(**body)
+            finally:
+                self.http = pooled
+
+
+def _without_addresses(answer: dict[str, Any]) -> dict[str, Any]:
+    """PIL names the BytesIO it could not read by its address."""
+    answer["body"] = re.sub(r"object at 0x[0-9a-f]+", "object at <address>", answer["body"])
+    return answer
+
+
+@image_probe
+def image_plain(t: Target) -> dict[str, Any]:
+    r = t.generate(image_data=data_url(RED), return_prompt_token_ids=True)
+    body = r.json()
+    meta = body["meta_info"]
+    keys = list(meta)
+    at = keys.index("image_tokens")
+    return {**reply(r), "finish_reason": meta["finish_reason"]["type"], "prompt_tokens": meta["prompt_tokens"],
+            "image_tokens": meta["image_tokens"], "pad_runs": pad_runs(body["prompt_token_ids"]),
+            "collapses_to_the_input": collapse_pads(body["prompt_token_ids"]) == t.prompt,
+            "image_tokens_between": keys[at - 1: at + 2]}
+
+
+@image_probe
+def image_stream(t: Target) -> dict[str, Any]:
+    with t.http.stream("POST", "/generate", json={
+        "input_ids": t.prompt, "image_data": [data_url(RED)], "return_prompt_token_ids": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6}, "return_logprob": True, "logprob_start_len": -1,
+        "rid": t.rid(), "stream": True,
+    }) as r:
+        raw = r.read()
+    events = raw.split(b"\n\n")[:-1]
+    chunks = [msgspec.json.decode(e[len(b"data: "):]) for e in events[:-1]]
+    ids = [c["output_ids"] for c in chunks]
+    return {
+        "status": r.status_code, "content_type": r.headers.get("content-type", "").split(";")[0],
+        "framing": sorted({e[:6].decode() for e in events}), "last": events[-1].decode(),
+        "chunk_shapes": shape(chunks), "cumulative": all(a == b[: len(a)] for a, b in itertools.pairwise(ids)),
+        "final_finish": chunks[-1]["meta_info"]["finish_reason"]["type"], "several_events": len(chunks) > 1,
+        "prompt_ids_per_event": sorted({len(c["prompt_token_ids"]) for c in chunks}),
+        "image_tokens_per_event": sorted({c["meta_info"]["image_tokens"] for c in chunks}),
+    }
+
+
+@image_probe
+def image_cache(t: Target) -> dict[str, Any]:
+    """The radix cache keys images by content: values, not only shapes, must agree."""
+    assert t.http.post("/flush_cache").status_code == 200
+    first = t.generate(image_data=data_url(RED), return_prompt_token_ids=True).json()
+    again = t.generate(image_data=data_url(RED), return_prompt_token_ids=True).json()
+    stored = first["prompt_token_ids"] + first["output_ids"]
+    turn2 = collapse_pads(stored) + t.encode(f"<|im_end|>\n{user_turn(f'{IMG}And this?')}")  # type: ignore[attr-defined]
+    second = t.http.post("/generate", json={"input_ids": turn2, "image_data": [data_url(RED), data_url(TALL)],
+                                            "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+                                            "return_prompt_token_ids": True, "rid": t.rid()}).json()
+    swapped = t.http.post("/generate", json={"input_ids": turn2, "image_data": [data_url(TALL), data_url(RED)],
+                                             "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+                                             "rid": t.rid()}).json()
+    return {"first": first["meta_info"]["cached_tokens"],
+            "again_uncached": len(again["prompt_token_ids"]) - again["meta_info"]["cached_tokens"],
+            "second_starts_with_stored": second["prompt_token_ids"][: len(stored)] == stored,
+            "second_uncached_of_stored": len(stored) - second["meta_info"]["cached_tokens"],
+            "second_image_tokens": second["meta_info"]["image_tokens"],
+            "swapped_cached_before_first_pad": swapped["meta_info"]["cached_tokens"] == turn2.index(IMAGE_PAD_ID)}
+
+
+@image_probe
+def image_refusals(t: Target) -> dict[str, Any]:
+    expanded = t.generate(image_data=data_url(RED), return_prompt_token_ids=True).json()["prompt_token_ids"]
+    out: dict[str, Any] = {
+        "pre_expanded": error(t.generate_alone(input_ids=expanded, image_data=data_url(RED))),  # type: ignore[attr-defined]
+        "two_pads_one_image": error(t.generate_alone(  # type: ignore[attr-defined]
+            input_ids=t.encode(user_turn(f"{IMG}a{IMG}b")), image_data=[data_url(RED)])),  # type: ignore[attr-defined]
+        "bad_base64": error(t.generate(image_data="data:image/png;base64,!!!!")),
+        "not_an_image": _without_addresses(error(t.generate(image_data="aGVsbG8gd29ybGQh"))),
+        "wrong_type": error(t.generate(image_data=5)),
+        "wrong_item_type": error(t.generate(image_data=["x", 5])),
+        "remote": error(t.generate_alone(image_data="http://127.0.0.1:9/x.png")),  # type: ignore[attr-defined]
+        "fewer_pads": reply(t.generate(image_data=[data_url(RED), data_url(png(64, 64, (1, 2, 3)))])),
+    }
+    with t.http.stream("POST", "/generate", json={"input_ids": expanded, "image_data": data_url(RED), "stream": True,
+                                                  "sampling_params": {"max_new_tokens": 4}}) as r:
+        try:
+            r.read()
+            dropped = False
+        except httpx.RemoteProtocolError:
+            dropped = True
+    out["pre_expanded_streamed"] = {"status": r.status_code, "dropped": dropped}
+    crash = {"input_ids": expanded, "image_data": data_url(RED), "sampling_params": {"max_new_tokens": 4}}
+    out["pipelined_after_500"] = pipelined_statuses(t.http, crash)
+    with t.http.stream("POST", "/generate", json={"input_ids": t.prompt, "image_data": "!!!!", "stream": True}) as r:
+        out["bad_base64_streamed"] = {"status": r.status_code, "body": r.read().decode()}
+    return out
+
+
+@image_probe
+def image_input_logprobs(t: Target) -> dict[str, Any]:
+    body = t.generate(image_data=data_url(RED), return_prompt_token_ids=True, logprob_start_len=0).json()
+    reported = [entry[1] for entry in body["meta_info"]["input_token_logprobs"]]
+    at_pads = {r for r, p in zip(reported, body["prompt_token_ids"], strict=True) if p == IMAGE_PAD_ID}
+    return {"entries": len(reported) == len(body["prompt_token_ids"]), "ids_at_pads": sorted(at_pads),
+            "elsewhere_the_prompt": all(r == p for r, p in zip(reported, body["prompt_token_ids"], strict=True)
+                                        if p != IMAGE_PAD_ID)}
+
+
 # -- the test -------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -448,3 +582,28 @@ def test_the_sim_answers_like_real_sglang(engines: Engines, sim: RunningProcess)
     assert not diff, "\n".join(diff)
     assert real["decode_paths"] == {"plain": "fast", "stream_final": "fast", "intermediate_events": ["cut"]}
     assert_engine_clean(engine.url)
+
+
+@pytest.fixture(scope="module")
+def vl_sim(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProcess]:
+    with start_sim(engines.checkpoint("qwen3-vl"), "qwen3", "--context-length", "2048", "--kv-capacity-tokens",
+                   "8192", "--token-latency-ms", "20", log_dir=tmp_path_factory.mktemp("vl-sim")) as proc:
+        yield proc
+
+
+def test_the_sim_answers_image_requests_like_real_sglang(engines: Engines, vl_sim: RunningProcess) -> None:
+    """The same image requests (one pad per image plus `image_data`) to real SGLang serving the tiny Qwen3-VL and to
+    the sim started on its checkpoint: the same shapes, plain and streamed, and the same counts (expanded pads,
+    cached tokens, refusals)."""
+    engine = engines.get("vl")
+    checkpoint = engines.checkpoint("qwen3-vl")
+    try:
+        with paced(engine.url, 0.02):
+            real = {name: fn(ImageTarget(engine.url, checkpoint)) for name, fn in IMAGE_PROBES.items()}
+        emulated = {name: fn(ImageTarget(vl_sim.url, checkpoint)) for name, fn in IMAGE_PROBES.items()}
+        diff = differences(real, emulated)
+        assert not diff, "\n".join(diff)
+        assert real["image_plain"]["image_tokens"] == 80 and real["image_cache"]["second_uncached_of_stored"] == 1
+        assert_engine_clean(engine.url)
+    finally:
+        engines.stop("vl")
