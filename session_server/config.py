@@ -82,7 +82,8 @@ class ServerConfig:
     # The engine runs with SGLang's --incremental-streaming-output: stream events carry deltas, not the reply so far.
     engine_incremental_streaming: bool = False
     # A streamed turn reads the engine at most once per this many milliseconds after its first chunk: the events
-    # that arrived meanwhile are handled (and sent to the agent) as one batch. 0 = every event as it arrives.
+    # that arrived meanwhile are handled as one batch (and reach the agent in its chunks: engine/pacing.py,
+    # 64 tokens or 100 ms, sent in one write). 0 = every event as it arrives.
     stream_coalesce_ms: float = 20.0
     # Tokens per engine stream event asked of the engine (SGLang's per-request stream_interval); 0 chooses by the
     # streaming mode and the reply's size (engine/pacing.py).
