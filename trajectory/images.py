@@ -176,6 +176,30 @@ def expand(ids: np.ndarray, pad: int, counts: Sequence[int]) -> np.ndarray:
     return np.repeat(ids, repeats)
 
 
+def mrope_positions(length: int, spans: Sequence[Sequence[int]], grids: Sequence[Sequence[int]],
+                    merge_size: int) -> np.ndarray:
+    """The multimodal RoPE positions (temporal, height, width) of a `length`-token sequence whose images have these
+    pad-run `spans` and `image_grid_thw` grids, as Qwen3-VL's `get_rope_index` computes them: text counts up on all
+    three axes; an image's run is its merged-patch grid offset by the position where it starts, and the text after it
+    resumes at that position + the grid's larger side. int32 [3, length]."""
+    out = np.empty((3, length), dtype=np.int32)
+    position = cursor = 0
+    for (start, end), (t, h, w) in zip(spans, grids, strict=True):
+        out[:, cursor:start] = np.arange(start - cursor) + position
+        position += start - cursor
+        rows, columns = h // merge_size, w // merge_size
+        if (end - start) != t * rows * columns:
+            raise ValueError(f"an image run of {end - start} pads for a grid of {t}x{rows}x{columns}")
+        grid_t, grid_h, grid_w = np.meshgrid(np.arange(t), np.arange(rows), np.arange(columns), indexing="ij")
+        out[0, start:end] = grid_t.ravel() + position
+        out[1, start:end] = grid_h.ravel() + position
+        out[2, start:end] = grid_w.ravel() + position
+        position += max(h, w) // merge_size
+        cursor = end
+    out[:, cursor:] = np.arange(length - cursor) + position
+    return out
+
+
 def check_runs(ids: np.ndarray, vision: Vision, images: Sequence[Image]) -> list[tuple[int, int]]:
     """The spans of `images` in `ids`, checked: one run per image, of the length its grid gives (else a 400)."""
     spans = runs(ids, vision.tokens.pad)

@@ -19,14 +19,14 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from .images import prompt_images, runs
+from .images import mrope_positions, prompt_images, runs
 from .linear import LinearTrajectory
 from .session_segments import Segment
 
 STATUSES = ("completed", "truncated", "aborted")
 _FORMAT = "trajectory-samples/v1"
 _ARRAYS = (("tokens", np.int32), ("loss_mask", np.uint8), ("rollout_log_probs", np.float32))
-_OPTIONAL = ("routed_experts", "pixel_values", "image_grid_thw")  # tensors a sample may carry
+_OPTIONAL = ("routed_experts", "pixel_values", "image_grid_thw", "mrope_positions")  # tensors a sample may carry
 
 
 @dataclass(eq=False, slots=True)
@@ -45,6 +45,9 @@ class Sample:
     # them at once: float32 [patches of every image, channels x temporal patch x patch x patch] and int64 [images, 3].
     pixel_values: np.ndarray | None = None
     image_grid_thw: np.ndarray | None = None
+    # int32 [3, len(tokens)]: the multimodal RoPE positions (temporal, height, width) the model gives these tokens
+    # (images.mrope_positions, as transformers' get_rope_index), so a trainer need not rebuild them from the ids.
+    mrope_positions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = None
@@ -76,6 +79,9 @@ class Sample:
                 or len(p) != int(g.prod(axis=1).sum()))):
             raise ValueError("sample.pixel_values (float32 [patches, dim]) and image_grid_thw (int64 [images, 3]) "
                              "come together, one row of pixels per patch of the grids")
+        m = self.mrope_positions
+        if m is not None and (not isinstance(m, np.ndarray) or m.dtype != np.int32 or m.shape != (3, len(self.tokens))):
+            raise ValueError("sample.mrope_positions must be an int32 [3, len(tokens)] array")
 
 
 def assemble_routed_experts(traj: LinearTrajectory) -> np.ndarray | None:
@@ -165,6 +171,10 @@ def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) 
     )
     if images := sample_images(traj):
         sample.metadata["images"] = images
+        assert traj.family.vision is not None  # images exist only in a vision family's trajectory
+        sample.mrope_positions = mrope_positions(len(sample.tokens), [i["span"] for i in images],
+                                                 [i["image_grid_thw"] for i in images],
+                                                 traj.family.vision.geometry.merge_size)
     return truncate_sample(sample, max_seq_len) if max_seq_len is not None else sample
 
 
@@ -220,6 +230,7 @@ def truncate_sample(sample: Sample, max_seq_len: int) -> Sample:
         status="truncated", metadata=metadata,
         routed_experts=None if sample.routed_experts is None else sample.routed_experts[:cut].copy(),
         pixel_values=pixels, image_grid_thw=grids,
+        mrope_positions=None if sample.mrope_positions is None else sample.mrope_positions[:, :cut].copy(),
     )
 
 
@@ -231,7 +242,8 @@ def samples_to_json(samples: Sequence[Sample]) -> list[dict[str, Any]]:
          "status": s.status, "metadata": s.metadata,
          **({} if s.routed_experts is None else {"routed_experts": s.routed_experts.tolist()}),
          **({} if s.pixel_values is None or s.image_grid_thw is None else {
-             "pixel_values": s.pixel_values.tolist(), "image_grid_thw": s.image_grid_thw.tolist()})}
+             "pixel_values": s.pixel_values.tolist(), "image_grid_thw": s.image_grid_thw.tolist()}),
+         **({} if s.mrope_positions is None else {"mrope_positions": s.mrope_positions.tolist()})}
         for s in samples
     ]
 
@@ -274,9 +286,18 @@ def samples_from_json(data: Any) -> list[Sample]:
                 pixels, grids = np.asarray(pixels, dtype=np.float32), np.asarray(grids, dtype=np.int64)
             except (TypeError, ValueError):
                 raise ValueError(f"samples[{i}].pixel_values / image_grid_thw must be rows of numbers") from None
+        positions = item.get("mrope_positions")
+        if positions is not None:
+            try:
+                positions = np.asarray(positions, dtype=np.int64)
+            except (TypeError, ValueError):
+                raise ValueError(f"samples[{i}].mrope_positions must be three rows of integers") from None
+            if positions.size and (positions.min() < 0 or positions.max() >= 2**31):
+                raise ValueError(f"samples[{i}].mrope_positions must be int32 values")
+            positions = positions.astype(np.int32)
         out.append(Sample(**arrays, response_length=item["response_length"], status=item["status"],
                           metadata=item.get("metadata") or {}, routed_experts=routed, pixel_values=pixels,
-                          image_grid_thw=grids))
+                          image_grid_thw=grids, mrope_positions=positions))
     return out
 
 
@@ -319,6 +340,6 @@ def samples_from_safetensors(data: bytes) -> list[Sample]:
         Sample(**{name: tensors[f"{i}.{name}"] for name, _ in _ARRAYS}, response_length=entry["response_length"],
                status=entry["status"], metadata=entry.get("metadata") or {},
                routed_experts=tensors.get(f"{i}.routed_experts"), pixel_values=tensors.get(f"{i}.pixel_values"),
-               image_grid_thw=tensors.get(f"{i}.image_grid_thw"))
+               image_grid_thw=tensors.get(f"{i}.image_grid_thw"), mrope_positions=tensors.get(f"{i}.mrope_positions"))
         for i, entry in enumerate(entries)
     ]

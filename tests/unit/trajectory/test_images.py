@@ -28,7 +28,7 @@ from trajectory import (
 from trajectory.errors import RequestValidationError, UpstreamError
 from trajectory.families.qwen3_vl import Qwen3VLFamily
 from trajectory.image_grid import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
-from trajectory.images import IMAGE_MARK, Image, collapse, expand, image_digest, runs
+from trajectory.images import IMAGE_MARK, Image, collapse, expand, image_digest, mrope_positions, runs
 
 PAD = IMAGE_PAD_ID
 
@@ -166,13 +166,16 @@ def test_samples_carry_each_image_span_hash_and_grid(vl: Qwen3VLFamily) -> None:
     grids = np.asarray([[1, 16, 20], [1, 36, 8]], np.int64)
     pixels = np.arange(int(grids.prod(axis=1).sum()) * 4, dtype=np.float32).reshape(-1, 4)
     sample = dataclasses.replace(sample, pixel_values=pixels, image_grid_thw=grids)
+    assert sample.mrope_positions is not None and sample.mrope_positions.shape == (3, len(sample.tokens))
     for back in (samples_from_safetensors(samples_to_safetensors([sample]))[0],
                  samples_from_json(json.loads(json.dumps(samples_to_json([sample]))))[0]):
         assert np.array_equal(back.pixel_values, pixels) and np.array_equal(back.image_grid_thw, grids)
         assert back.metadata["images"] == sample.metadata["images"]
+        assert np.array_equal(back.mrope_positions, sample.mrope_positions)
     cut = truncate_sample(sample, spans[1][0] + 5)  # inside the second run: it goes, with its pixels
     assert len(cut.tokens) <= spans[1][0] and [i["span"] for i in cut.metadata["images"]] == [list(spans[0])]
     assert np.array_equal(cut.image_grid_thw, grids[:1]) and len(cut.pixel_values) == 320
+    assert np.array_equal(cut.mrope_positions, sample.mrope_positions[:, :len(cut.tokens)])
     with pytest.raises(ValueError, match="come together"):
         dataclasses.replace(sample, image_grid_thw=None)
 
@@ -201,3 +204,32 @@ def test_qwen35_takes_images_in_its_own_vocabulary(families: dict[str, Any]) -> 
     ((start, end),) = runs(plan.prompt_ids, 248056)
     assert end - start == 80 and plan.prompt_ids[start - 1] == 248053 and plan.prompt_ids[end] == 248054
     assert families["deepseek"].vision is None
+
+
+@given(st.lists(st.tuples(st.integers(1, 6), st.sampled_from([(1, 16, 20), (1, 36, 8), (1, 16, 16), (1, 4, 6)])),
+                min_size=1, max_size=4), st.integers(0, 6))
+def test_mrope_positions_are_transformers_get_rope_index(layout: list[tuple[int, tuple[int, int, int]]],
+                                                         tail: int) -> None:
+    """The sample's mRoPE positions are those Qwen3-VL's own `get_rope_index` computes from the ids' image runs
+    (runs never touch: each has its own markers around it)."""
+    import types
+
+    import torch
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    spans, grids, cursor = [], [], 0
+    for text, grid in layout:
+        start = cursor + text
+        spans.append((start, start + grid[0] * grid[1] * grid[2] // 4))
+        grids.append(grid)
+        cursor = spans[-1][1]
+    length = cursor + tail
+    model = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=types.SimpleNamespace(
+        spatial_merge_size=2)))
+    model.get_vision_position_ids = lambda *a, **k: Qwen3VLModel.get_vision_position_ids(model, *a, **k)
+    kinds = torch.zeros((1, length), dtype=torch.int32)
+    for start, end in spans:
+        kinds[0, start:end] = 1
+    expected, _ = Qwen3VLModel.get_rope_index(model, torch.zeros((1, length), dtype=torch.long), kinds,
+                                              torch.tensor(grids) if grids else None)
+    assert np.array_equal(mrope_positions(length, spans, grids, 2), expected[:, 0].numpy())
