@@ -1,9 +1,9 @@
 """`make demo-gui`: GUI-agent episodes on the toy desktop, screenshots through the session server, samples out.
 
-Starts `sglang-sim` and `session-server` on free loopback ports (as `make demo` does), runs `--episodes` episodes
-(alternating Chat Completions and Anthropic Messages with `--api both`), prints each episode's reward and, per sample,
-where its images' placeholder ids sit, writes the samples and the first episode's screenshots under `--out`, and stops
-both processes. Against the emulated engine each observation carries the desktop expert's next action as a sim
+Starts `sglang-sim` and `session-server` on free loopback ports (as `make demo` does), runs `--episodes` episodes (Chat
+Completions, Responses and Anthropic Messages in turn with the default `--api all`), prints each episode's reward and,
+per sample, where its images' placeholder ids sit, writes the samples and the first episode's screenshots under `--out`,
+and stops both processes. Against the emulated engine each observation carries the desktop expert's next action as a sim
 directive, so every episode must reach reward 1; against a real engine (`--engine-url`) they are left out.
 
     python -m examples.gui_agent --tokenizers .cache/tokenizers
@@ -37,8 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--episodes", type=int, default=8, help="number of episodes (default 8)")
     p.add_argument("--concurrency", type=int, default=4, help="episodes in flight at once (default 4)")
-    p.add_argument("--api", choices=("chat", "messages", "both"), default="both",
-                   help="Chat Completions (openai SDK), Anthropic Messages (anthropic SDK), or alternate (default)")
+    p.add_argument("--api", choices=("chat", "responses", "messages", "all"), default="all",
+                   help="Chat Completions or Responses (openai SDK), Anthropic Messages (anthropic SDK),\n"
+                        "or all three in turn (default)")
     p.add_argument("--observation", choices=("image", "text"), default="image",
                    help="screenshots (default), or the screen described in text for a text-only model")
     p.add_argument("--model-family", default="qwen3-vl", metavar="NAME", help="model family (default %(default)s)")
@@ -117,7 +118,7 @@ def payload_bytes(sample: Sample) -> int:
 def episode_lines(result: GuiEpisode, pad_id: int | None) -> list[str]:
     """One line for the episode; per sample its sizes, then its images' spans [start, end) in the token ids with
     each image's content hash and grid."""
-    head = (f"episode {result.index:>3}  seed {result.seed:>4}  {result.api:<8}  word {result.word!r:<10} "
+    head = (f"episode {result.index:>3}  seed {result.seed:>4}  {result.api:<9}  word {result.word!r:<10} "
             f"reward {result.reward:.1f}  turns {result.turns:>2}  actions {result.actions:>2}  "
             f"screenshots {result.screenshots:>2}  {result.stop_reason}")
     lines = [head + (f"  ERROR {result.error}" if result.error else "")]
@@ -185,7 +186,7 @@ def write_outputs(out: Path, results: list[GuiEpisode]) -> list[Path]:
 
 async def run(args: argparse.Namespace, server_url: str) -> tuple[list[GuiEpisode], float]:
     seeds = [args.seed + i for i in range(args.episodes)]
-    apis: list[Api] = ["chat", "messages"] if args.api == "both" else [args.api]
+    apis: list[Api] = ["chat", "responses", "messages"] if args.api == "all" else [args.api]
     configs = [GuiConfig(api=apis[i % len(apis)], observation=args.observation, scripted=args.engine_url is None,
                          model=args.model, max_turns=args.max_turns, max_tokens=args.max_tokens, keep_frames=i == 0,
                          tool_choice=args.tool_choice, thinking=args.thinking)

@@ -1,12 +1,12 @@
 """The GUI agent's episode driver: screenshots in, `click` / `type` tool calls out, samples collected at the end.
 
-One episode = one session on the session server. The agent speaks to it with an official SDK exactly as it would to
-a hosted model: the `openai` SDK's Chat Completions (screenshots as data-URL `image_url` parts) or the `anthropic`
-SDK's Messages (screenshots as base64 `image` blocks). Each turn the model answers with tool calls, the driver applies
-them to the desktop (examples/gui_agent/desktop.py) in order, answers each call with a tool result that says what
-happened, and sends the screen after the turn's actions as a new user message with the screenshot; a reply without a
-tool call ends the episode, and so do the token and turn limits. Then the session's samples are collected with
-`rollout.SessionClient` and the reward is read from the desktop's state.
+One episode = one session on the session server. The agent speaks to it with an official SDK exactly as it would to a
+hosted model: the `openai` SDK's Chat Completions (screenshots as data-URL `image_url` parts) or Responses
+(`input_image` parts), or the `anthropic` SDK's Messages (screenshots as base64 `image` blocks). Each turn the model
+answers with tool calls, the driver applies them to the desktop (examples/gui_agent/desktop.py) in order, answers each
+call with a tool result that says what happened, and sends the screen after the turn's actions as a new user message
+with the screenshot; a reply without a tool call ends the episode, and so do the token and turn limits. Then the
+session's samples are collected with `rollout.SessionClient` and the reward is read from the desktop's state.
 
 Nothing here depends on the emulated engine: with `scripted=True` the driver also writes, into each observation's
 text, the `[[sim: ...]]` directive of the desktop's expert action (so that `sglang-sim`, which samples random words,
@@ -32,7 +32,7 @@ from rollout.client import SessionClient
 from sglang_sim import directives
 from trajectory import Sample
 
-Api = Literal["chat", "messages"]
+Api = Literal["chat", "responses", "messages"]
 Observation = Literal["image", "text"]
 
 SYSTEM = (f"You operate a computer through its screen. Every observation is a {gui.WIDTH}x{gui.HEIGHT} screenshot; "
@@ -53,6 +53,7 @@ CHAT_TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "type", "description": TYPE_DOC, "parameters": _TYPE_SCHEMA,
                                       "strict": True}},
 ]
+RESPONSES_TOOLS: list[dict[str, Any]] = [{"type": "function", **tool["function"]} for tool in CHAT_TOOLS]
 ANTHROPIC_TOOLS: list[dict[str, Any]] = [
     {"name": "click", "description": CLICK_DOC, "input_schema": _CLICK_SCHEMA, "strict": True},
     {"name": "type", "description": TYPE_DOC, "input_schema": _TYPE_SCHEMA, "strict": True},
@@ -140,7 +141,7 @@ def data_url(png: bytes) -> str:
 
 
 class _Episode:
-    """One episode's desktop and the observations it sends, shared by both API loops."""
+    """One episode's desktop and the observations it sends, shared by the three API loops."""
 
     def __init__(self, result: GuiEpisode, config: GuiConfig) -> None:
         self.result = result
@@ -181,6 +182,11 @@ class _Episode:
         return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png)}},
                                             {"type": "text", "text": text}]}
 
+    def responses_observation(self, first: bool) -> dict[str, Any]:
+        png = self.screenshot()
+        parts: list[dict[str, Any]] = [{"type": "input_image", "image_url": data_url(png)}] if png is not None else []
+        return {"role": "user", "content": [*parts, {"type": "input_text", "text": self.observation_text(first)}]}
+
     def anthropic_observation(self, first: bool) -> list[dict[str, Any]]:
         png = self.screenshot()
         blocks: list[dict[str, Any]] = []
@@ -204,6 +210,8 @@ async def run_gui_episode(client: SessionClient, seed: int, *, index: int = 0, c
             base_url = client.base_url(session_id)
             if config.api == "chat":
                 await _chat_loop(episode, base_url, http_client)
+            elif config.api == "responses":
+                await _responses_loop(episode, base_url, http_client)
             else:
                 await _messages_loop(episode, base_url.removesuffix("/v1"), http_client)
             result.samples = await client.collect(session_id)
@@ -252,6 +260,42 @@ async def _chat_loop(episode: _Episode, base_url: str, http_client: Any) -> None
         result.stop_reason = "turn_limit"
     finally:
         if http_client is None:  # a shared pool is its owner's to close
+            await agent.close()
+
+
+async def _responses_loop(episode: _Episode, base_url: str, http_client: Any) -> None:
+    """The Responses API with the whole input resent each turn (no `previous_response_id`), as a stateless agent
+    does: the reply's output items appended as received, a `function_call_output` per call, then the screen."""
+    config, result = episode.config, episode.result
+    items: list[dict[str, Any]] = [episode.responses_observation(first=True)]
+    agent = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, timeout=config.request_timeout,
+                               http_client=http_client)
+    try:
+        while result.turns < config.max_turns:
+            request: dict[str, Any] = {"model": config.model, "instructions": SYSTEM, "input": items,
+                                       "tools": RESPONSES_TOOLS, "max_output_tokens": config.max_tokens,
+                                       "store": False, **_sampling(config)}
+            if config.tool_choice == "required":
+                request["tool_choice"] = "required"
+            if config.thinking is not None:
+                request["extra_body"] = {"chat_template_kwargs": {"enable_thinking": config.thinking}}
+            response = await agent.responses.create(**request)
+            result.turns += 1
+            items += [item.model_dump(exclude_none=True) for item in response.output]
+            if response.status == "incomplete":
+                result.stop_reason = "length"
+                return
+            calls = [item for item in response.output if item.type == "function_call"]
+            if not calls:
+                result.final_answer = response.output_text
+                result.stop_reason = "final_answer"
+                return
+            items += [{"type": "function_call_output", "call_id": call.call_id,
+                       "output": episode.apply(call.name, call.arguments)} for call in calls]
+            items.append(episode.responses_observation(first=False))
+        result.stop_reason = "turn_limit"
+    finally:
+        if http_client is None:
             await agent.close()
 
 
@@ -322,7 +366,7 @@ async def run_gui_episodes(client: SessionClient, seeds: Sequence[int], *, concu
 
 def _http_pool(api: Api, timeout: float) -> Any:
     """The connection pool an API's SDK accepts (the `anthropic` SDK's is not `httpx`'s class)."""
-    if api == "chat":
+    if api != "messages":
         return openai.DefaultAsyncHttpxClient(timeout=timeout)
     import anthropic
 
