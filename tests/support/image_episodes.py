@@ -1,5 +1,5 @@
 """Image episodes through each API of the session server and the checks that they ran token-exact: shared by the
-emulated-engine tier (tests/e2e/test_images.py) and the real-engine tier (tests/sglang/test_real_images.py).
+emulated-engine tier (tests/e2e/test_server_images.py) and the real-engine tier (tests/sglang/test_real_images.py).
 
 An episode sends one new screenshot per turn through the official SDK of its API (openai for Chat Completions and
 Responses, anthropic for Messages), plain or streamed. `check_exact` then holds the session to what the engine
