@@ -152,3 +152,13 @@ def test_another_picture_in_the_history_rolls_back(stack: Stack, proxy: Recordin
     assert [base64.b64decode(u.split(",", 1)[1]) for u in last["request"]["image_data"]] == [first, other]
     report = after["mismatch_report"]
     assert "error" not in report and report["assistant_only"], report
+
+
+def test_count_tokens_counts_each_image_as_its_run(stack: Stack) -> None:
+    """Anthropic's count_tokens with an image: the prompt as the engine will expand it (80 pads for 320x240)."""
+    sid = new_session(stack.server)
+    with_image = _bad("messages", data_url(screenshot(0)))
+    without = {**with_image, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}
+    url = f"{stack.server}/sessions/{sid}/v1/messages/count_tokens"
+    counted = [httpx.post(url, json=body, timeout=60).json()["input_tokens"] for body in (with_image, without)]
+    assert counted[0] - counted[1] == 80 + 2  # the run and its two markers
