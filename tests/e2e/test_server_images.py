@@ -33,7 +33,8 @@ VISION = "qwen3-vl"
 def stack(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The sim and a server on the Qwen3 vocabulary as the qwen3-vl family (its tokenizer carries the vision
     markers; no preprocessor_config.json: the published Qwen3-VL image settings)."""
-    servers = {"server": ("--max-images", "4", "--max-image-pixels", str(1024 * 1024))}
+    servers = {"server": ("--max-images", "4", "--max-image-pixels", str(1024 * 1024)),
+               "sessions": ("--engine-sessions",)}
     with launch_stack({VISION: tokenizer_dirs["qwen3"]}, tmp_path_factory.mktemp("stack"), family=VISION,
                       sim_args=["--token-latency-ms", "1"], servers=servers, proxied={"server"}) as s:
         yield s
@@ -162,3 +163,16 @@ def test_count_tokens_counts_each_image_as_its_run(stack: Stack) -> None:
     url = f"{stack.server}/sessions/{sid}/v1/messages/count_tokens"
     counted = [httpx.post(url, json=body, timeout=60).json()["input_tokens"] for body in (with_image, without)]
     assert counted[0] - counted[1] == 80 + 2  # the run and its two markers
+
+
+def test_engine_sessions_refuse_images_and_leave_the_session_usable(stack: Stack) -> None:
+    """Under --engine-sessions (only new tokens are sent) an image turn is a 400, and it holds nothing: the same
+    session answers a text turn at once (no 409 from a slot left behind)."""
+    server = stack.servers["sessions"]
+    sid = new_session(server)
+    url = f"{server}/sessions/{sid}/v1/chat/completions"
+    refused = httpx.post(url, json=_bad("chat", data_url(screenshot(0))), timeout=60)
+    assert refused.status_code == 400 and "--engine-sessions" in refused.json()["error"]["message"]
+    text = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi [[sim: reply ok]]"}]}
+    answer = httpx.post(url, json=text, timeout=60)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "ok"
