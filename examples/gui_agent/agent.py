@@ -277,8 +277,8 @@ async def _responses_loop(episode: _Episode, base_url: str, http_client: Any) ->
                                        "store": False, **_sampling(config)}
             if config.tool_choice == "required":
                 request["tool_choice"] = "required"
-            if config.thinking is not None:
-                request["extra_body"] = {"chat_template_kwargs": {"enable_thinking": config.thinking}}
+            if config.thinking is not None:  # Responses' own switch: effort "none" is thinking off
+                request["reasoning"] = {"effort": "medium" if config.thinking else "none"}
             response = await agent.responses.create(**request)
             result.turns += 1
             items += [item.model_dump(exclude_none=True) for item in response.output]
