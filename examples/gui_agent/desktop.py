@@ -383,7 +383,7 @@ def _draw_window(draw: ImageDraw.ImageDraw, desktop: Desktop, window: Window, ac
 
 
 def screenshot_png(desktop: Desktop) -> bytes:
-    """The screen as PNG bytes (fixed encoder settings: the same state gives the same bytes)."""
+    """The screen as PNG bytes (fixed encoder settings: the same state gives the same bytes with the same zlib)."""
     buffer = io.BytesIO()
     render(desktop).save(buffer, format="PNG", compress_level=6)
     return buffer.getvalue()
