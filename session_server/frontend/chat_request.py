@@ -131,7 +131,9 @@ def turn_request(chat: ChatRequest, family: ModelFamily, api: R, images: ImageLi
     """The turn the pipeline runs for a chat request; `api` is the front end's own reading of it, for its reply.
     Its images are read and checked here, for every API (frontend/images.py; `known`: the session's own)."""
     options = chat.options
-    messages = read_images(chat.messages, images, family.vision is not None, family.name, known)
+    sent = chat.messages_json  # the array's bytes, when read by chat_body.py: no image part without this word in them
+    messages = chat.messages if sent is not None and b'"image_url"' not in sent else read_images(
+        chat.messages, images, family.vision is not None, family.name, known)
     return TurnRequest(
         messages=messages, tools=turn_tools(chat, family), sampling_params=chat.sampling_params, api=api,
         template_kwargs=options.chat_template_kwargs, stream=chat.stream, model=chat.model,

@@ -172,14 +172,15 @@ def read_images(messages: Any, limits: ImageLimits, vision: bool, family: str,
     if not, any image is a 400 naming its field. `known`: the session's images, not decoded again."""
     if not isinstance(messages, list):
         return messages
+    # Only messages with a list content can hold an image part: found in one pass in C-level code, since an agent
+    # resends its whole history every turn (mostly string contents) and this runs on every turn.
+    listed = [i for i, m in enumerate(messages) if type(m) is dict and type(m.get("content")) is list]
     out: list[Any] | None = None
     count = 0
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list) or not any(
-                isinstance(p, dict) and p.get("type") == "image_url" for p in content):
-            if out is not None:
-                out.append(message)
+    for i in listed:
+        message = messages[i]
+        content = message["content"]
+        if not any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
             continue
         parts = []
         for j, part in enumerate(content):
@@ -194,6 +195,6 @@ def read_images(messages: Any, limits: ImageLimits, vision: bool, family: str,
                 raise _refuse(where, f"is image {count}: a request may carry at most {limits.max_images} images")
             parts.append({"type": "image", "image": read_image(where, _image_url(part), limits, known)})
         if out is None:
-            out = list(messages[:i])
-        out.append({**message, "content": parts})
+            out = list(messages)
+        out[i] = {**message, "content": parts}
     return messages if out is None else out
