@@ -288,7 +288,7 @@ class LinearTrajectory:
                                                        if self.frozen else "")
             )
         dropped = len(self.checkpoints) - keep
-        images = self._prompt_images(msgs, messages)
+        images = self._prompt_images(msgs, messages, matched)
         if keep == 0:
             prompt = self._expanded(first_turn_ids(self.family, msgs, tools, template_kwargs, self.text_only), images)
             trim = reused = 0
@@ -313,13 +313,17 @@ class LinearTrajectory:
                         reply_opening=self.family.opened_reply(prompt), messages_json=messages_json,
                         images=images)
 
-    def _prompt_images(self, msgs: list[Message], raw: Any) -> tuple[Image, ...]:
+    def _prompt_images(self, msgs: list[Message], raw: Any, matched: int) -> tuple[Image, ...]:
         """The prompt's images in order: the request's own (`raw` as a front end read it) or, for those it names but
-        does not carry (a Responses history), the ones stored; () without images."""
+        does not carry (a Responses history), the ones stored; () without images. A text family looks only at the
+        messages past the `matched` stored ones (those were looked at when they came): its turn's cost stays with
+        what is new."""
+        if self.family.vision is None:
+            if has_images(msgs[matched:]):
+                raise RequestValidationError(f"family {self.family.name} takes text only: a message holds an image")
+            return ()
         if not has_images(msgs):
             return ()
-        if self.family.vision is None:
-            raise RequestValidationError(f"family {self.family.name} takes text only: a message holds an image")
         known = {**self.images, **collect_images(raw)}
         try:
             return tuple(known[digest] for digest in prompt_images(msgs))
