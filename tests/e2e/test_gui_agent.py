@@ -130,6 +130,20 @@ def test_the_same_seed_gives_the_same_tokens_again(vision: Stack) -> None:
     assert tokens[0] == tokens[1]  # the screens, the prompt and the scripted replies are all functions of the seed
 
 
+@needs_vision
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_forced_calls_without_thinking_reach_the_engine_as_a_grammar(vision: Stack, api: str) -> None:
+    """`--tool-choice required --no-thinking`, the options for real models, in each API's own spelling: every reply is
+    a call held to the tools' strict schemas (the sim writes a schema instance under a forced grammar, not the
+    scripted arguments), so the episode acts on every turn, on the screen, up to the turn limit."""
+    config = GuiConfig(api=api, tool_choice="required", thinking=False, max_turns=6)  # type: ignore[arg-type]
+    (result,) = run(vision.server, [0], config)
+    assert result.ok, result.error
+    assert result.stop_reason == "turn_limit" and result.turns == 6 and result.final_answer is None
+    assert result.actions >= 6 and len(result.samples) == 1
+    assert not [e for e in result.events if e.startswith("error") or "outside" in e], result.events
+
+
 def test_text_observations_drive_a_text_only_model(stack_factory: StackFactory) -> None:
     with stack_factory(family=TEXT) as stack:
         results = [*run(stack.server, [0], GuiConfig(api="chat", observation="text")),
