@@ -13,9 +13,12 @@ twice the unstreamed reply):
 - delta events (`--incremental-streaming-output`) are small, but each is a JSON object of 400-700 bytes, most of it
   meta_info repeated every time: at one event per token a 32k-token reply is ~13 MB of events against the unstreamed
   reply's 1.4 MB, and reading them (the socket, the HTTP chunks, one msgspec pass over every byte) costs ~3-7x the
-  unstreamed reply however they are batched (`make bench-stream`, docs/benchmarks.md). One event per DELTA_INTERVAL
-  tokens keeps a streamed reply near twice the unstreamed one and still finer than the agent's chunks; at a decode
-  speed of 160 tokens/s per request or more that is also an event per 100 ms.
+  unstreamed reply however they are batched (`make bench-stream`, docs/benchmarks.md). An engine that decodes at a
+  GPU's pace costs per event read instead (a wake-up, a read, a decode: measured ~0.6 ms each on a loaded machine),
+  so halving the interval doubles that cost: a paced 2k-token reply cost 2.1x unstreamed at 32 tokens per event and
+  4x at 16. One event per DELTA_INTERVAL tokens keeps a streamed reply near twice the unstreamed one and still finer
+  than the agent's chunks; at a decode speed of 320 tokens/s per request or more it is also an event per 100 ms
+  (`--engine-stream-interval` trades CPU for time granularity on slower decoders).
 - cumulative events (SGLang's default) carry the whole reply so far, so n tokens at one event per token put n^2/2
   tokens on the wire (21 GB for 32k tokens, ~40 bytes each with logprobs): no reader makes that linear, and SGLang
   itself re-encodes the whole reply per event. What is linear is a bounded number of events per reply: one per
@@ -34,7 +37,7 @@ import math
 
 CHUNK_TOKENS = 64  # the agent gets new text at least every this many tokens (where the engine's events allow) ...
 CHUNK_SECONDS = 0.1  # ... or this many seconds after the last chunk, whichever comes first
-DELTA_INTERVAL = 16
+DELTA_INTERVAL = 32
 CUMULATIVE_EVENTS = 8
 UNKNOWN_REPLY_TOKENS = 32_768  # a reply's size when neither max_new_tokens nor the engine's context is known
 
