@@ -234,7 +234,13 @@ class Engine:
             req.private = np.concatenate([hold.private, slots])
             self._reused(req, hold.length)
             return True
-        match = self.cache.match_prefix(req.cache_key[: len(req.prompt) - 1])
+        # schedule_batch.py `_compute_max_prefix_len`: the prompt's last token is always computed, and input logprobs
+        # asked from `logprob_start_len` on are computed, not read from the cache.
+        limit = len(req.prompt) - 1
+        streaming_session = req.session is not None and req.session.streaming  # which ignore logprob_start_len
+        if req.inp.return_logprob and req.inp.logprob_start_len >= 0 and not streaming_session:
+            limit = min(limit, req.inp.logprob_start_len)
+        match = self.cache.match_prefix(req.cache_key[:limit])
         self.cache.lock(match.node)  # pin the prefix before eviction can run
         slots = self._alloc(len(kv) - match.length)
         if slots is None:

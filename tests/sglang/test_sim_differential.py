@@ -538,6 +538,8 @@ def image_input_logprobs(t: Target) -> dict[str, Any]:
     reported = [entry[1] for entry in body["meta_info"]["input_token_logprobs"]]
     at_pads = {r for r, p in zip(reported, body["prompt_token_ids"], strict=True) if p == IMAGE_PAD_ID}
     return {"entries": len(reported) == len(body["prompt_token_ids"]), "ids_at_pads": sorted(at_pads),
+            # the same prompt ran before, but input logprobs from 0 on are computed, not read from the cache
+            "cached_tokens": body["meta_info"]["cached_tokens"],
             "elsewhere_the_prompt": all(r == p for r, p in zip(reported, body["prompt_token_ids"], strict=True)
                                         if p != IMAGE_PAD_ID)}
 
