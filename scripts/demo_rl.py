@@ -395,17 +395,23 @@ def straddled_mask(sample: Sample) -> np.ndarray:
 class Trainer:
     """The policy, its optimizer, the weights of the versions samples may still carry, and the push."""
 
-    def __init__(self, policy: AlphabetPolicy, *, lr: float, rows_lr: float, clip: float, is_cap: float,
-                 minibatches: int,
-                 max_staleness: int, weights_dir: Path, pusher: WeightPusher, reward: Reward,
+    def __init__(self, policy: AlphabetPolicy, *, lr: float, body_lr: float, clip: float, is_cap: float,
+                 minibatches: int, max_staleness: int, weights_dir: Path, pusher: WeightPusher, reward: Reward,
                  flush_cache: bool = False) -> None:
         self.policy = policy
         self.reward = reward
         self.flush_cache = flush_cache
-        # The alphabet's rows at a larger rate than the layers: they carry the choices the reward is about (to call
-        # or to answer straight away, which item) and take it; the layers at that rate break the call's format.
-        self.optimizer = torch.optim.Adam([{"params": policy.body_parameters(), "lr": lr},
-                                           {"params": [policy.rows], "lr": rows_lr}])
+        # RL trains the alphabet's rows (`lr`) and the layers at `body_lr`, by default not at all: the rows carry the
+        # choices the reward is about (to call or to answer straight away, which item), while the layers moving at
+        # 1e-4 and up let the reply's first token turn into the call's second (a newline) within one step in some
+        # runs of the offline prototype, after which every episode fails and no group has an advantage left.
+        groups: list[dict[str, Any]] = [{"params": [policy.rows], "lr": lr}]
+        if body_lr > 0:
+            groups.append({"params": policy.body_parameters(), "lr": body_lr})
+        else:
+            for p in policy.body_parameters():
+                p.requires_grad_(False)
+        self.optimizer = torch.optim.Adam(groups)
         self.clip, self.is_cap, self.minibatches = clip, is_cap, minibatches
         self.max_staleness = max_staleness
         self.weights_dir = weights_dir
@@ -509,12 +515,12 @@ class Trainer:
 @dataclass
 class RunConfig:
     steps: int = 20
-    groups_per_step: int = 8
+    groups_per_step: int = 6
     group_size: int = 8
     ahead_groups: int = 2           # groups kept running beyond the step being collected
     max_staleness: int = 1
-    lr: float = 4e-4                # the transformer's layers
-    rows_lr: float = 2e-3           # the alphabet's embedding rows (input and output: they are tied)
+    lr: float = 2e-3                # the alphabet's embedding rows (input and output: they are tied)
+    body_lr: float = 0.0            # the transformer's layers (0: frozen during RL)
     clip: float = 0.2
     is_cap: float = 2.0
     minibatches: int = 2
@@ -543,7 +549,7 @@ async def train_loop(config: RunConfig, game: WeatherGame, policy: AlphabetPolic
     agent = AgentConfig(temperature=TEMPERATURE, max_tokens=config.max_tokens, extra_body=THINKING_OFF,
                         busy_retries=50, default_retry_after=0.2, max_retry_after=0.5, sample_format="safetensors")
     async with SessionClient(server_url) as client, WeightPusher(engine_url, [server_url]) as pusher:
-        trainer = Trainer(policy, lr=config.lr, rows_lr=config.rows_lr, clip=config.clip, is_cap=config.is_cap,
+        trainer = Trainer(policy, lr=config.lr, body_lr=config.body_lr, clip=config.clip, is_cap=config.is_cap,
                           minibatches=config.minibatches, max_staleness=config.max_staleness,
                           weights_dir=weights_dir, pusher=pusher, reward=reward, flush_cache=not config.overlap)
         await trainer.push(0)
@@ -586,9 +592,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ahead-groups", type=int, default=RunConfig.ahead_groups,
                    help="groups kept running beyond the step being collected (default %(default)s)")
     p.add_argument("--max-staleness", type=int, default=RunConfig.max_staleness)
-    p.add_argument("--lr", type=float, default=RunConfig.lr)
-    p.add_argument("--rows-lr", type=float, default=RunConfig.rows_lr,
+    p.add_argument("--lr", type=float, default=RunConfig.lr,
                    help="the RL learning rate of the alphabet's embedding rows (default %(default)s)")
+    p.add_argument("--body-lr", type=float, default=RunConfig.body_lr,
+                   help="the RL learning rate of the transformer's layers (default %(default)s: frozen)")
     p.add_argument("--warmup-steps", type=int, default=300)
     p.add_argument("--warmup-lr", type=float, default=3e-3)
     p.add_argument("--warmup-call", type=float, default=0.1,
@@ -704,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = out / "logs"
     config = RunConfig(steps=args.steps, groups_per_step=args.groups_per_step, group_size=args.group_size,
                        ahead_groups=args.ahead_groups, max_staleness=args.max_staleness, lr=args.lr,
-                       rows_lr=args.rows_lr, seed=args.seed)
+                       body_lr=args.body_lr, seed=args.seed)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     game = WeatherGame(tokenizer)
     # The engine starts (30-60 s of mostly its own imports) while the policy warms up.
