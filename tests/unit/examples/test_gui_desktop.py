@@ -65,21 +65,28 @@ def test_new_desktop_is_a_function_of_the_seed() -> None:
     assert {len(gui.new_desktop(s).windows) for s in range(50)} == {0, 1, 2}
 
 
-actions = st.one_of(
+random_actions = st.one_of(
     st.builds(Click, st.integers(-5, gui.WIDTH + 5), st.integers(-5, gui.HEIGHT + 5)),
     st.builds(TypeText, st.text(max_size=10)),
 )
 
 
-@given(seed=st.integers(0, 10_000), prefix=st.lists(actions, max_size=25))
-def test_the_expert_finishes_from_any_reachable_state(seed: int, prefix: list[gui.Action]) -> None:
+@given(seed=st.integers(0, 10_000), data=st.data())
+def test_the_expert_finishes_from_any_reachable_state(seed: int, data: st.DataObject) -> None:
+    """Random actions, half of them clicks on what the screen shows (a control or an icon, so the prefix reaches
+    typed, wrong, saved and closed notes), then the expert from wherever they left the desktop."""
     d = gui.new_desktop(seed)
-    for i, action in enumerate(prefix):
-        d = gui.step(d, action)
+    for i in range(data.draw(st.integers(0, 25), label="actions")):
+        targets = [w.rect.center for win in d.windows for w in gui.widgets(d, win)] + [c.center for _, c in d.icons]
+        on_screen = st.sampled_from(targets).map(lambda point: Click(*point))
+        d = gui.step(d, data.draw(st.one_of(random_actions, on_screen, st.builds(TypeText, st.sampled_from(
+            [d.word, d.word[:2], "x"]))), label=f"action {i}"))
         assert d.steps == i + 1 and d.event
         assert len(d.text) <= gui.MAX_TEXT and all(" " <= ch <= "~" for ch in d.text)
         assert [w.kind for w in d.windows].count("update") <= 1
         assert d.window("update") in (None, d.top)  # the dialog is always in front
+        assert d.focused is None or (d.window("notes") is not None and d.top == d.window("notes"))
+        assert d.window("notes") is not None or (d.text == "" and d.status == "")
     assert gui.reward(expert_path(d)[-1]) == 1.0
 
 
