@@ -320,7 +320,9 @@ class EngineHTTP:
         except BaseException:
             conn.close()  # cancelled or failed mid-request: the engine must see the client go away
             raise
-        if conn.keep_alive and not conn.closed and not self._closed:
+        # After a 5xx the engine may close the connection without saying so (SGLang's uvicorn does after an unhandled
+        # exception's 500): reused at once, before its EOF arrives, it would fail the next turn. A fresh one is cheap.
+        if conn.keep_alive and result[0] < 500 and not conn.closed and not self._closed:
             conn.idle_since = asyncio.get_running_loop().time()
             self._idle.append(conn)
         else:

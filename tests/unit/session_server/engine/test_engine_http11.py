@@ -151,6 +151,31 @@ def test_connection_close_response_is_not_reused() -> None:
     run(main())
 
 
+def test_a_connection_that_answered_a_server_error_is_not_reused() -> None:
+    """SGLang 0.5.23 answers an unhandled exception with a 500 that does not say `Connection: close`, then closes the
+    socket: reused before that EOF arrives, the connection would fail the next request. Here the origin keeps it open
+    (the worst case: no EOF ever tells), so only the status can keep the client off it."""
+    async def error_then_echo(o: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (body := await o.read_request(reader)) is not None:
+            if body == b"crash":
+                writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n"
+                             b"Content-Length: 21\r\n\r\nInternal Server Error")
+            else:
+                writer.write(ok(body))
+            await writer.drain()
+
+    async def main() -> None:
+        async with origin(error_then_echo) as o:
+            client = EngineHTTP(o.url, connections=2)
+            assert (await client.post("/generate", b"{}", {}))[0] == 200
+            assert (await client.post("/generate", b"crash", {}))[0] == 500
+            assert (await client.post("/generate", b"{}", {}))[0] == 200
+            client.close()
+            assert o.connections == 2  # the first served 200 and the 500; the third request went on a new one
+
+    run(main())
+
+
 def test_idle_connection_closed_by_the_engine_is_replaced_before_writing() -> None:
     """The engine's keep-alive timeout closes an idle socket: the next request goes on a fresh connection and the
     engine sees it exactly once."""
