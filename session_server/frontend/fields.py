@@ -113,6 +113,7 @@ class RequestOptions:
     chat_template_kwargs: dict[str, Any] | None = None
     include_usage: bool = False
     return_token_ids: bool | None = None  # None: as the server is configured (frontend/token_ids.py)
+    tokens_as_token_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprob tokens named `token_id:<id>`
 
     @property
     def parse_tool_calls(self) -> bool:
@@ -123,7 +124,8 @@ class RequestOptions:
 
 # Every field parse_options reads: a request with none of them (most agents' turns) gets the shared defaults.
 _OPTION_FIELDS = frozenset({"logprobs", "top_logprobs", "parallel_tool_calls", "response_format", "stream_options",
-                            "tool_choice", "chat_template_kwargs", "modalities", token_ids.FIELD, *_UNSUPPORTED})
+                            "tool_choice", "chat_template_kwargs", "modalities", token_ids.FIELD,
+                            "return_tokens_as_token_ids", *_UNSUPPORTED})
 _DEFAULT_OPTIONS = RequestOptions()
 
 
@@ -253,6 +255,7 @@ def parse_options(obj: Mapping[str, Any]) -> RequestOptions:
         parallel_tool_calls=parallel is not False, response_format=fmt, json_schema=schema,
         chat_template_kwargs=_template_kwargs(obj.get("chat_template_kwargs")), include_usage=include_usage,
         return_token_ids=_optional_bool(obj, token_ids.FIELD),
+        tokens_as_token_ids=_optional_bool(obj, "return_tokens_as_token_ids") is True,
     )
 
 

@@ -90,16 +90,23 @@ def token_texts(tokenizer: Any) -> TokenTexts:
     return texts
 
 
+def _as_token_ids(ids: Sequence[int]) -> list[tuple[str, list[int]]]:
+    """vLLM's `return_tokens_as_token_ids`: each token named `token_id:<id>` (its bytes those of that name), so a
+    client reads the ids off the logprobs even where a token's text does not round-trip."""
+    return [(name, list(name.encode("ascii"))) for name in (f"token_id:{i}" for i in ids)]
+
+
 def openai_logprobs(
     tokenizer: Any, output_ids: np.ndarray, logprobs: np.ndarray,
-    top: list[list[tuple[float, int]]] | None, top_n: int,
+    top: list[list[tuple[float, int]]] | None, top_n: int, as_token_ids: bool = False,
 ) -> dict[str, Any]:
-    """`{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}` for every completion token."""
+    """`{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}` for every completion token;
+    `as_token_ids`: tokens named by id (`return_tokens_as_token_ids`)."""
     ids = [int(i) for i in output_ids]
     rows = top if top_n > 0 and top is not None else None
     wanted = ids + ([t for row in rows for _, t in row[:top_n]] if rows else [])
-    texts = token_texts(tokenizer)
-    table = dict(zip(wanted, texts.lookup(wanted), strict=True))
+    named = _as_token_ids(wanted) if as_token_ids else token_texts(tokenizer).lookup(wanted)
+    table = dict(zip(wanted, named, strict=True))
     content = []
     for i, (token_id, lp) in enumerate(zip(ids, logprobs.tolist(), strict=True)):
         text, raw = table[token_id]

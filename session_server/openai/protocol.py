@@ -80,7 +80,7 @@ def chat_completion(
     result, message = out.result, out.message
     facts = reply_facts(family, result, message)
     logprobs = (openai_logprobs(family.tokenizer, result.output_ids, result.logprobs, result.top_logprobs,
-                                options.top_logprobs) if options.logprobs else None)
+                                options.top_logprobs, options.tokens_as_token_ids) if options.logprobs else None)
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason(facts),
                               "logprobs": logprobs}
     body: dict[str, Any] = {

@@ -62,7 +62,7 @@ class ChatStream:
         if tokens is None:
             return None
         return openai_logprobs(self.turn.family.tokenizer, tokens.ids, tokens.logprobs, tokens.top,
-                               self.options.top_logprobs)
+                               self.options.top_logprobs, self.options.tokens_as_token_ids)
 
     def start(self) -> list[bytes]:
         # The prompt is known before the engine answers: vLLM's first chunk carries it.

@@ -162,3 +162,31 @@ def test_the_sdk_refuses_nothing(stack: Stack) -> None:
 
     reply = asyncio.run(ask())
     assert isinstance(reply, openai.types.chat.ChatCompletion) and not reply.model_extra
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tokens_as_token_ids_names_every_logprob_by_its_id(stack: Stack, stream: bool) -> None:
+    """vLLM's `return_tokens_as_token_ids`: every logprob entry, the alternatives too, is `token_id:<id>` with that
+    name's bytes; the sampled ones read back as the reply's token ids, and the logprobs are those of a request that
+    did not ask."""
+    body = {"messages": [{"role": "user", "content": "Tell me a story. [[sim: tokens 12]]"}], "temperature": 0,
+            "max_tokens": 12, "logprobs": True, "top_logprobs": 3, **ASK}
+    named_sid, plain_sid = new_session(stack.server), new_session(stack.server)
+    url = f"{stack.server}/sessions/{plain_sid}/v1/chat/completions"
+    plain = httpx.post(url, json=body, timeout=60).json()["choices"][0]["logprobs"]["content"]
+    if stream:
+        chunks = _stream_chat(stack.server, named_sid, {**body, "return_tokens_as_token_ids": True})
+        entries = [e for c in chunks for ch in c["choices"] for e in (ch.get("logprobs") or {}).get("content") or []]
+        ids = [i for c in chunks for ch in c["choices"] for i in ch.get("token_ids") or []]
+    else:
+        reply = httpx.post(f"{stack.server}/sessions/{named_sid}/v1/chat/completions", timeout=60,
+                           json={**body, "return_tokens_as_token_ids": True}).json()
+        entries, ids = reply["choices"][0]["logprobs"]["content"], reply["choices"][0]["token_ids"]
+    assert [e["token"] for e in entries] == [f"token_id:{i}" for i in ids] and len(ids) == 12
+    for entry in entries:
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert len(entry["top_logprobs"]) == 3
+        assert all(alt["token"].startswith("token_id:") and alt["token"][9:].isdigit()
+                   and alt["bytes"] == list(alt["token"].encode()) for alt in entry["top_logprobs"])
+    assert [e["logprob"] for e in entries] == [e["logprob"] for e in plain]
+    assert not plain[0]["token"].startswith("token_id:")  # a request that did not ask gets the token texts
