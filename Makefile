@@ -135,7 +135,7 @@ bench-overhead: $(STAMP) $(TOKENIZERS)/.built
 # Streamed vs unstreamed server CPU per reply (1k/4k/16k/32k tokens, an engine configured for one event per token,
 # cumulative and delta engine events; the server asks for its stream interval, engine/pacing.py), the floor beside.
 bench-stream: $(STAMP) $(TOKENIZERS)/.built
-	$(PY) -m scripts.bench_stream --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/stream.json $(BENCH_ARGS)
+	$(PY) -m benchmarks.bench_stream --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/stream.json $(BENCH_ARGS)
 
 # One process at scale: 10k live sessions of 4k tokens; RSS, CPU per turn, /health p99 while 64 chat; the floor beside.
 bench-scale: $(STAMP) $(TOKENIZERS)/.built

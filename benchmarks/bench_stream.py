@@ -19,7 +19,7 @@ interval asked for, the chunks the agent got and the largest gap between two of 
 reply retokenized) and in ms (with an unpaced engine the ms say how fast the server relays, not how fast a GPU
 decodes; `--engine-arg=--token-latency-ms --engine-arg=20` paces it).
 
-    python -m scripts.bench_stream --tokenizer .cache/tokenizers/qwen3 --json-out out/bench/stream.json
+    python -m benchmarks.bench_stream --tokenizer .cache/tokenizers/qwen3 --json-out out/bench/stream.json
 """
 
 from __future__ import annotations
