@@ -5,7 +5,7 @@ What runs, in one process plus two children (the engine from its own venv, the s
 1. a policy that can learn in minutes: the tiny random Qwen3 checkpoint (`make test-sglang` builds it), its tied
    embedding cut down to the task's alphabet (every other row exactly 0, so every other token has logit exactly 0:
    the full softmax over the 151k vocabulary stays exact and cheap, rollout.grpo.sampled_log_probs), warmed up with a
-   few hundred plain-torch supervised steps on the task's format while the engine starts;
+   few hundred plain-torch supervised steps on the task while the engine starts;
 2. the task, multi-turn with a tool and a verifiable reward (`WeatherGame`): the user asks what to wear; the model
    may call `weather` (a tool the policy learned in its warm-up: it is not declared in the prompt, which keeps
    prompts short), reads today's weather (drawn per prompt: sun, rain, snow or cloud) and answers with one word; the
@@ -21,8 +21,10 @@ What runs, in one process plus two children (the engine from its own venv, the s
 4. every step the trainer checks the samples (rollout.logprob_check: each sampled token recomputed with the weights
    of the version that sampled it), bounds staleness at collection (`--max-staleness`: a group with a token sampled
    more than that many versions ago is dropped, and counted), computes group-relative advantages and takes clipped
-   policy-gradient steps with truncated importance sampling against the rollout logprobs (rollout.grpo);
-5. a progress bar per step; at the end a table, `metrics.json` and a PNG (reward, mismatch and staleness per step).
+   policy-gradient steps with truncated importance sampling against the rollout logprobs (rollout.grpo) on the
+   alphabet's rows (the layers stay as the warm-up left them: `--body-lr`);
+5. a progress bar per step; at the end a table, `metrics.json` and a PNG (reward and tool calls, mismatch and
+   staleness per step).
 
 The engine runs without its radix cache: a prefix cached under old weights would be reused under new ones (SGLang
 flushes the cache on an update only when nothing runs, and here something always runs), and every token sampled on
