@@ -88,13 +88,13 @@ $(CHECKPOINTS)/.built: $(SGLANG_STAMP) $(TOKENIZERS)/.built scripts/build_tiny_c
 test-sglang: $(STAMP) $(CHECKPOINTS)/.built
 	$(PY) -m pytest -q -p no:xdist tests/sglang --sglang-venv $(SGLANG_VENV) --checkpoints $(CHECKPOINTS)
 
-# A real GRPO loop on the CPU (scripts/demo_rl.py): released SGLang 0.5.23 from its venv serving the tiny Qwen3, a
+# A real GRPO loop on the CPU (examples/demo_rl.py): released SGLang 0.5.23 from its venv serving the tiny Qwen3, a
 # policy warmed up in the run, G episodes per prompt through the session server, the trainer's check, advantages and
 # clipped step every step, weights pushed in place while the next episodes run; a table and out/demo-rl/demo_rl.png.
 # Extra flags: make demo-rl RL_ARGS="--steps 30".
 RL_ARGS ?=
 demo-rl: $(STAMP) $(CHECKPOINTS)/.built
-	$(PY) -m scripts.demo_rl --sglang-venv $(SGLANG_VENV) --checkpoints $(CHECKPOINTS) $(RL_ARGS)
+	$(PY) -m examples.demo_rl --sglang-venv $(SGLANG_VENV) --checkpoints $(CHECKPOINTS) $(RL_ARGS)
 
 # The trainer adapters' tier (tests/trainers): rollout/adapters/ against the trainers' released packages (verl 0.9.1,
 # SkyRL 0.4.0, AReaL 1.0.4, TRL 1.16.0, NeMo Gym 0.7.0; slime and miles are not on PyPI), real sessions on sglang-sim.

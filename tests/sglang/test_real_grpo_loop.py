@@ -1,9 +1,9 @@
-"""Three steps of `make demo-rl`'s GRPO loop (scripts/demo_rl.py) against real SGLang: each step's episodes run
+"""Three steps of `make demo-rl`'s GRPO loop (examples/demo_rl.py) against real SGLang: each step's episodes run
 through the session server, the trainer checks every sampled token against the weights of its version
 (rollout.logprob_check), takes its clipped policy-gradient step and pushes the weights in place (rollout.weight_push);
 the engine then serves exactly the trainer's weights under the next version.
 
-The module runs its own engine, launched as the demo launches it (scripts.demo_rl.ENGINE_ARGS): `--dtype float32`,
+The module runs its own engine, launched as the demo launches it (examples.demo_rl.ENGINE_ARGS): `--dtype float32`,
 where the tier's shared engines serve the fp32 checkpoints in SGLang's "auto" dtype, float16, whose logprobs differ
 from an fp32 recomputation by up to ~1e-2 once the weights are trained. The reward here is deliberately arbitrary (the
 first episode of each group wins): whatever text a barely warmed-up policy samples, every group then has advantages
@@ -26,8 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.processes import start_session_server, start_sglang
-from scripts.demo_rl import (
+from examples.demo_rl import (
     ENGINE_ARGS,
     PLUGIN_DIR,
     EpisodeResult,
@@ -38,6 +37,7 @@ from scripts.demo_rl import (
     train_loop,
     warm_up,
 )
+from rollout.processes import start_session_server, start_sglang
 
 
 @dataclass

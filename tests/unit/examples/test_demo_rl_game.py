@@ -1,4 +1,4 @@
-"""scripts.demo_rl's task (`WeatherGame`): the warm-up's demonstrations are laid out token for token as the session
+"""examples.demo_rl's task (`WeatherGame`): the warm-up's demonstrations are laid out token for token as the session
 server builds an episode (Qwen3's template, thinking off), the call they teach is one the server parses, the warm-up
 teaches the choice to call at the rate it is given and the lookup on every other demonstration, and the reward is the
 final answer against today's weather, whichever way the episode got there."""
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from examples.demo_rl import ITEMS, Prompt, WeatherGame
 from rollout.episodes import EpisodeResult
-from scripts.demo_rl import ITEMS, Prompt, WeatherGame
 from trajectory.families import ModelFamily, get_family
 
 

@@ -31,7 +31,7 @@ flushes the cache on an update only when nothing runs, and here something always
 that stale KV would differ from what the trainer recomputes. Tokens a reply samples after an update on KV its
 earlier tokens computed under the old weights (the straddling replies of partial rollouts) are counted apart.
 
-    python -m scripts.demo_rl --sglang-venv .venv-sglang --checkpoints .cache/checkpoints
+    python -m examples.demo_rl --sglang-venv .venv-sglang --checkpoints .cache/checkpoints
 """
 
 from __future__ import annotations
