@@ -24,6 +24,8 @@ from trajectory import ModelFamily, get_family
 ROOT = Path(__file__).resolve().parent.parent
 
 TOKENIZER_CACHE = ROOT / ".cache" / "tokenizers"
+# Families with no tokenizer directory of their own: the family whose vocabulary they use.
+SHARED_VOCABULARIES = {"qwen3-vl": "qwen3"}
 
 # CI (.ci/run) sets HYPOTHESIS_PROFILE=ci: every property's examples derive from the test itself, so CI's verdict on a
 # commit is the one a fresh clone reproduces; `make test` and `make test-fast` elsewhere draw fresh examples and keep
@@ -100,7 +102,10 @@ def hf_tokenizers(tokenizer_dirs: dict[str, Path]) -> dict[str, object]:
 def families(hf_tokenizers: dict[str, object]) -> dict[str, ModelFamily]:
     """Every family bound to its real tokenizer, once per test process: binding one compiles its template and indexes
     its vocabulary (about half a second), which a fixture per module paid a dozen times over."""
-    return {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
+    bound = {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
+    # A vision family reads its text through its base family's vocabulary (qwen3-vl: Qwen3's own files).
+    bound.update({name: get_family(name, hf_tokenizers[base]) for name, base in SHARED_VOCABULARIES.items()})
+    return bound
 
 
 @pytest.fixture(scope="session")
