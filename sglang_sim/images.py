@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_sim.serde_display import unexpected
 from trajectory.image_grid import ImageGeometry, grid_thw, placeholder_count
 
 _BASE64 = re.compile(rb"[A-Za-z0-9+/]*={0,2}")
@@ -60,16 +61,6 @@ class SimImage:
         return vocab_size + int.from_bytes(self.digest[:8], "big") % (_KEY_SPACE - vocab_size)
 
 
-def _unexpected(v: Any) -> str:
-    if isinstance(v, bool):
-        return f"boolean `{'true' if v else 'false'}`"
-    if isinstance(v, int):
-        return f"integer `{v}`"
-    if isinstance(v, float):
-        return f"floating point `{v}`"
-    return "map" if isinstance(v, dict) else type(v).__name__
-
-
 def image_sources(raw: Any) -> tuple[str, ...]:
     """The image strings of an `image_data` field, in order; raises TypeError with the contract gate's text for a
     shape SGLang's API types refuse (a number, a boolean)."""
@@ -78,7 +69,7 @@ def image_sources(raw: Any) -> tuple[str, ...]:
     if isinstance(raw, str | dict):
         return (_source(raw),)
     if not isinstance(raw, list):
-        raise TypeError(f"invalid type: {_unexpected(raw)}, expected one of the MediaInput shapes")
+        raise TypeError(f"invalid type: {unexpected(raw)}, expected one of the MediaInput shapes")
     out: list[str] = []
     for item in raw:
         if item is None:
@@ -86,12 +77,12 @@ def image_sources(raw: Any) -> tuple[str, ...]:
         if isinstance(item, list):  # a batch-shaped [[...]]: one request's images
             for inner in item:
                 if not isinstance(inner, str | dict):
-                    raise TypeError(f"invalid type: {_unexpected(inner)}, expected one of the MediaItem shapes")
+                    raise TypeError(f"invalid type: {unexpected(inner)}, expected one of the MediaItem shapes")
                 out.append(_source(inner))
         elif isinstance(item, str | dict):
             out.append(_source(item))
         else:
-            raise TypeError(f"invalid type: {_unexpected(item)}, expected one of the MediaItem shapes")
+            raise TypeError(f"invalid type: {unexpected(item)}, expected one of the MediaItem shapes")
     return tuple(out)
 
 

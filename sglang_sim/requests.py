@@ -20,6 +20,7 @@ from sglang_sim.constraints import ConstraintError, parse_json_schema, parse_str
 from sglang_sim.generation import ReplyPlan, SamplingParams
 from sglang_sim.images import SimImage, image_sources
 from sglang_sim.radix_cache import Node
+from sglang_sim.serde_display import unexpected
 from sglang_sim.sessions import EngineSession, SessionParams
 
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -44,21 +45,6 @@ class FieldValidationError(BadRequest):
     """A `/generate` field that FastAPI's parse of GenerateReqInput (pydantic, lax types) refuses before the contract
     gate sees the body: http_server.py `validation_exception_handler` answers HTTP 400 with the OpenAI-style
     ErrorResponse, its message FastAPI's text of the error."""
-
-
-def _unexpected(v: Any) -> str:
-    """serde's `Unexpected` display, which SGLang's contract error texts use."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return f"boolean `{'true' if v else 'false'}`"
-    if isinstance(v, int):
-        return f"integer `{v}`"
-    if isinstance(v, float):
-        return f"floating point `{v}`"
-    if isinstance(v, str):
-        return f'string "{v}"'
-    return "sequence" if isinstance(v, list) else "map" if isinstance(v, dict) else type(v).__name__
 
 
 @dataclass(frozen=True)
@@ -90,9 +76,9 @@ def _opt(d: dict[str, Any], key: str, kind: type | tuple[type, ...], default: An
     if v is None:
         return default
     if kind is int and not _is_int(v):
-        raise ContractError(f"invalid type: {_unexpected(v)}, expected i64")
+        raise ContractError(f"invalid type: {unexpected(v)}, expected i64")
     if kind is float and (isinstance(v, bool) or not isinstance(v, int | float)):
-        raise ContractError(f"invalid type: {_unexpected(v)}, expected f64")
+        raise ContractError(f"invalid type: {unexpected(v)}, expected f64")
     if kind not in (int, float) and not isinstance(v, kind):
         raise BadRequest(f"{key} has the wrong type")
     return v
@@ -273,7 +259,7 @@ def _request_bool(body: dict[str, Any], key: str) -> bool:
         return value
     whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
     if (isinstance(value, str) and value.lower() in _LAX_BOOLS) or (whole and value in (0, 1)):
-        raise ContractError(f"invalid type: {_unexpected(value)}, expected a boolean")
+        raise ContractError(f"invalid type: {unexpected(value)}, expected a boolean")
     kind, msg = (("bool_parsing", "Input should be a valid boolean, unable to interpret input")
                  if isinstance(value, str) or whole else ("bool_type", "Input should be a valid boolean"))
     error = {"type": kind, "loc": ("body", key), "msg": msg, "input": value}
