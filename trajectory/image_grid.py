@@ -13,7 +13,7 @@ A 320x240 image resizes to 320x256, a 16x20 patch grid, `1*16*20 / 2**2 = 80` pa
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -172,52 +172,3 @@ class VisionTokens:
 
 
 QWEN3_VISION_TOKENS = VisionTokens()
-
-
-def pad_runs(ids: Sequence[int], pad_id: int = IMAGE_PAD_ID) -> list[tuple[int, int]]:
-    """Each maximal run of pad ids as (start, length), in order."""
-    runs: list[tuple[int, int]] = []
-    i, n = 0, len(ids)
-    while i < n:
-        if ids[i] == pad_id:
-            j = i
-            while j < n and ids[j] == pad_id:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
-            i += 1
-    return runs
-
-
-def collapse_pads(ids: Iterable[int], pad_id: int = IMAGE_PAD_ID) -> list[int]:
-    """The ids with each run of pads collapsed to one pad: what SGLang wants in `input_ids` (one per image)."""
-    out: list[int] = []
-    previous_was_pad = False
-    for token in ids:
-        if token == pad_id:
-            if previous_was_pad:
-                continue
-            previous_was_pad = True
-        else:
-            previous_was_pad = False
-        out.append(token)
-    return out
-
-
-def expand_pads(ids: Sequence[int], counts: Sequence[int], pad_id: int = IMAGE_PAD_ID) -> list[int]:
-    """Replace the i-th pad of `ids` (one per image) with `counts[i]` pads: the engine's expanded prompt.
-
-    Raises ValueError when the number of pads differs from the number of counts.
-    """
-    positions = [i for i, token in enumerate(ids) if token == pad_id]
-    if len(positions) != len(counts):
-        raise ValueError(f"{len(positions)} image pads for {len(counts)} images")
-    out: list[int] = []
-    start = 0
-    for position, count in zip(positions, counts, strict=True):
-        out.extend(ids[start:position])
-        out.extend([pad_id] * count)
-        start = position + 1
-    out.extend(ids[start:])
-    return out

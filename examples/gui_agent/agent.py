@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import openai
 
 from examples.gui_agent import desktop as gui
@@ -31,6 +32,7 @@ from examples.gui_agent.desktop import Action, Click, Desktop, TypeText
 from rollout.client import SessionClient
 from sglang_sim import directives
 from trajectory import Sample
+from trajectory.images import runs
 
 Api = Literal["chat", "responses", "messages"]
 Observation = Literal["image", "text"]
@@ -376,12 +378,4 @@ def _http_pool(api: Api, timeout: float) -> Any:
 def pad_runs(tokens: Sequence[int], pad_id: int) -> list[tuple[int, int]]:
     """(start, length) of every run of `pad_id` in `tokens`: where each image's placeholder ids sit in a sample,
     read from the token ids themselves (a check that does not trust the sample's own image records)."""
-    runs: list[tuple[int, int]] = []
-    start: int | None = None
-    for i, token in enumerate([*tokens, -1]):
-        if token == pad_id and start is None:
-            start = i
-        elif token != pad_id and start is not None:
-            runs.append((start, i - start))
-            start = None
-    return runs
+    return [(a, b - a) for a, b in runs(np.asarray(tokens), pad_id)]

@@ -28,11 +28,11 @@ import pytest
 
 from rollout.processes import RunningProcess, start_sim
 from session_server.engine import sse
-from support.images import IMG, RED, TALL, data_url, pipelined_statuses, png, user_turn
+from support.images import IMG, RED, TALL, collapse_pads, data_url, pad_runs, pipelined_statuses, png, user_turn
 from support.sglang_engine import Engines, assert_engine_clean, loads, paced
 from trajectory import engine_output
 from trajectory.errors import UpstreamError
-from trajectory.image_grid import IMAGE_PAD_ID, collapse_pads, pad_runs
+from trajectory.image_grid import IMAGE_PAD_ID
 
 Probe = Callable[["Target"], dict[str, Any]]
 PROBES: dict[str, Probe] = {}

@@ -22,8 +22,9 @@ import httpx
 import numpy as np
 import openai
 
+from support.images import collapse_pads, data_url, pad_runs
 from trajectory import samples_from_safetensors
-from trajectory.image_grid import IMAGE_PAD_ID, collapse_pads, pad_runs
+from trajectory.image_grid import IMAGE_PAD_ID
 
 APIS = ("chat", "responses", "messages")
 
@@ -41,10 +42,6 @@ def screenshot(i: int, width: int = 320, height: int = 240) -> bytes:
     out = io.BytesIO()
     image.save(out, "PNG")
     return out.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 def digest(data: bytes) -> str:

@@ -9,15 +9,17 @@ import io
 import json
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 import msgspec
+import numpy as np
 import pytest
 from PIL import Image
 
-from trajectory.image_grid import IMAGE_PAD_ID, collapse_pads, image_token_count, pad_runs
+from trajectory.image_grid import IMAGE_PAD_ID, image_token_count
+from trajectory.images import collapse, runs
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -31,6 +33,16 @@ def png(width: int, height: int, color: tuple[int, int, int], fmt: str = "PNG") 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def pad_runs(ids: Sequence[int], pad: int = IMAGE_PAD_ID) -> list[tuple[int, int]]:
+    """(start, length) of each image's run of pads, read as the server reads them (trajectory.images.runs)."""
+    return [(a, b - a) for a, b in runs(np.asarray(ids), pad)]
+
+
+def collapse_pads(ids: Sequence[int], pad: int = IMAGE_PAD_ID) -> list[int]:
+    """Each run of pads as one pad: what the server sends SGLang (trajectory.images.collapse)."""
+    return [int(i) for i in collapse(np.asarray(ids), pad)]
 
 
 def user_turn(content: str) -> str:

@@ -13,7 +13,8 @@ from PIL import Image
 
 from sglang_sim.images import EngineCrash, ImageRefusal, SimImage, expand, image_sources, load_image
 from support.examples import examples
-from trajectory.image_grid import IMAGE_PAD_ID, QWEN3_VL, collapse_pads, image_token_count
+from support.images import collapse_pads
+from trajectory.image_grid import IMAGE_PAD_ID, QWEN3_VL, image_token_count
 
 VOCAB = 151680
 PAD = IMAGE_PAD_ID

@@ -15,15 +15,11 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from trajectory import image_grid
 from trajectory.image_grid import (
-    IMAGE_PAD_ID,
     QWEN3_VL,
     ImageGeometry,
     VisionTokens,
-    collapse_pads,
-    expand_pads,
     grid_thw,
     image_token_count,
-    pad_runs,
     placeholder_count,
     smart_resize,
 )
@@ -138,15 +134,3 @@ def test_vision_tokens_are_read_from_the_qwen3_tokenizer_by_name() -> None:
 
     with pytest.raises(ValueError, match="vision_start"):
         VisionTokens.from_tokenizer(NoVision())
-
-
-def test_collapse_expand_and_runs_round_trip() -> None:
-    p = IMAGE_PAD_ID
-    single = [1, 151652, p, 151653, 2, 151652, p, 151653, 3]
-    expanded = expand_pads(single, [3, 2])
-    assert expanded == [1, 151652, p, p, p, 151653, 2, 151652, p, p, 151653, 3]
-    assert pad_runs(expanded) == [(2, 3), (8, 2)]
-    assert collapse_pads(expanded) == single
-    assert expand_pads([1, 2], []) == [1, 2]
-    with pytest.raises(ValueError, match="2 image pads for 1 images"):
-        expand_pads(single, [80])

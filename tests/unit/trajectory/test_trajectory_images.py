@@ -233,3 +233,15 @@ def test_mrope_positions_are_transformers_get_rope_index(layout: list[tuple[int,
     expected, _ = Qwen3VLModel.get_rope_index(model, torch.zeros((1, length), dtype=torch.long), kinds,
                                               torch.tensor(grids) if grids else None)
     assert np.array_equal(mrope_positions(length, spans, grids, 2), expected[:, 0].numpy())
+
+
+def test_collapse_expand_and_runs_round_trip() -> None:
+    p = IMAGE_PAD_ID
+    single = np.array([1, 151652, p, 151653, 2, 151652, p, 151653, 3])
+    expanded = expand(single, p, [3, 2])
+    assert expanded.tolist() == [1, 151652, p, p, p, 151653, 2, 151652, p, p, 151653, 3]
+    assert [(a, b - a) for a, b in runs(expanded, p)] == [(2, 3), (8, 2)]
+    assert collapse(expanded, p).tolist() == single.tolist()
+    assert expand(np.array([1, 2]), p, []).tolist() == [1, 2]
+    with pytest.raises(RequestValidationError, match="2 image placeholders for 1 images"):
+        expand(single, p, [80])
