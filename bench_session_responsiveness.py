@@ -11,7 +11,7 @@ stall, not the load generator's connection pool. CPU and memory come from /proc,
     python bench_session_responsiveness.py --inline-decode --json-out out/inline.json
     python bench_session_responsiveness.py --compare out/inline.json out/pooled.json
 
-The children are launched by rollout.processes; the helpers shared with benchmarks/bench_turn_overhead.py (pinning,
+The children are launched by harness.launchers; the helpers shared with benchmarks/bench_turn_overhead.py (pinning,
 /proc readers, percentiles, JSON report and --compare, py-spy) live in benchmarks/benchlib.py.
 """
 

@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 
 from benchmarks.benchlib import Figures, proc_runtime_ns, write_report
-from rollout.cluster import LocalCluster
-from rollout.processes import RunningProcess, start_sim
+from harness.launchers import RunningProcess, start_sim
+from harness.nginx_cluster import LocalCluster
 from sglang_sim.directives import tokens
 
 

@@ -44,7 +44,7 @@ from benchmarks.benchlib import (
     user_message,
     write_report,
 )
-from rollout.processes import RunningProcess
+from harness.launchers import RunningProcess
 
 
 def fill_message(rng: random.Random, index: int, args: argparse.Namespace) -> dict[str, str]:

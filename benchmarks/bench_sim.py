@@ -16,7 +16,7 @@ import httpx
 import msgspec
 
 from benchmarks.benchlib import proc_cpu_seconds
-from rollout.processes import start_sim
+from harness.launchers import start_sim
 from sglang_sim import directives
 
 

@@ -53,7 +53,7 @@ from benchmarks.benchlib import (
     start_pair,
     write_report,
 )
-from rollout.processes import RunningProcess
+from harness.launchers import RunningProcess
 from session_server.engine.pacing import stream_interval
 from sglang_sim import directives
 

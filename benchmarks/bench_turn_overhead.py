@@ -67,7 +67,7 @@ from benchmarks.benchlib import (
     words,
     write_report,
 )
-from rollout.processes import start_session_server, start_sim
+from harness.launchers import start_session_server, start_sim
 
 # ---------------------------------------------------------------------------------------------------------------
 # Part 1: through the server vs straight to the engine

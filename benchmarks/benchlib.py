@@ -3,7 +3,7 @@
 
 Used by bench_session_responsiveness.py (top level), the benchmarks beside this module and the soaks (soaks/): a
 benchmark imports what it shares from here, never from another benchmark. The child processes are launched by
-rollout.processes, the project's one launcher.
+harness.launchers, the project's one launcher.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
-from rollout.processes import RunningProcess, start_session_server, start_sim
+from harness.launchers import RunningProcess, start_session_server, start_sim
 from sglang_sim import directives
 
 ROOT = Path(__file__).resolve().parent.parent

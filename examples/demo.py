@@ -25,10 +25,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from harness.launchers import LOOPBACK, ProcessCrashed, RunningProcess, free_port, start_session_server, start_sim
+from harness.scripted_tasks import shopping_tasks
 from rollout.client import SessionClient
 from rollout.episodes import AgentConfig, EpisodeResult, Task, run_episodes
-from rollout.processes import LOOPBACK, ProcessCrashed, RunningProcess, free_port, start_session_server, start_sim
-from rollout.scripted import shopping_tasks
 from trajectory import family_names, samples_to_json
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,9 +24,9 @@ from typing import Any
 from deploy.admin import METRICS_TEXT
 from deploy.admin import run as admin_run
 from examples.demo import pad_id_of, print_table, run, summarize, write_outputs
-from rollout.cluster import LocalCluster
+from harness.launchers import ProcessCrashed, RunningProcess, start_sim
+from harness.nginx_cluster import LocalCluster
 from rollout.episodes import EpisodeResult
-from rollout.processes import ProcessCrashed, RunningProcess, start_sim
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -55,11 +55,11 @@ import numpy as np
 import openai
 import torch
 
+from harness.launchers import RunningProcess, start_session_server, start_sglang
 from rollout.client import SessionClient
 from rollout.episodes import AgentConfig, EpisodeResult, Task, run_episode
 from rollout.grpo import clipped_pg_loss, filter_stale, group_advantages, sampled_log_probs, truncated_is_weights
 from rollout.logprob_check import check_logprobs
-from rollout.processes import RunningProcess, start_session_server, start_sglang
 from rollout.tools import Tool, Toolbox
 from rollout.torch_batch import to_torch_batch
 from rollout.weight_push import WeightPusher, save_weights

@@ -1,7 +1,7 @@
 """`sglang-sim` command line: load the tokenizer, build the engine, serve it with uvicorn.
 
 The socket is bound before uvicorn starts so `--port 0` works, and the ready line names the real port:
-launchers (rollout/processes.py) wait for `sglang-sim ready on http://HOST:PORT` instead of polling and guessing ports.
+launchers (harness/launchers.py) wait for `sglang-sim ready on http://HOST:PORT` instead of polling and guessing ports.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from rollout.processes import RunningProcess, start_session_server, start_sim
+from harness.launchers import RunningProcess, start_session_server, start_sim
 from session_server.sessions.journal import SYNC_MODES, file_bytes, table_rows
 from sglang_sim import directives
 from sglang_sim.baseline import baseline_problems, engine_idle

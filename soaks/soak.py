@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 
 from benchmarks.benchlib import proc_kib, start_pair
-from rollout.processes import RunningProcess
+from harness.launchers import RunningProcess
 from sglang_sim import directives
 from sglang_sim.baseline import baseline_problems, engine_idle
 from sglang_sim.faults import FAILING_FAULTS

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from examples.gui_agent.agent import Api, GuiConfig, GuiEpisode, pad_runs, run_gui_episodes
+from harness.launchers import LOOPBACK, ProcessCrashed, RunningProcess, free_port, start_session_server, start_sim
 from rollout.client import SessionClient
-from rollout.processes import LOOPBACK, ProcessCrashed, RunningProcess, free_port, start_session_server, start_sim
 from trajectory import Sample, samples_to_json, samples_to_safetensors
 
 ROOT = Path(__file__).resolve().parents[2]

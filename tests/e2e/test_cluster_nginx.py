@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from deploy.admin import main as admin_main
-from rollout.cluster import LocalCluster
+from harness.nginx_cluster import LocalCluster
 from sglang_sim.directives import tokens
 from support.server import chat_url, new_session, sse_events, wait_running
 from support.stack import Fleet, FleetFactory

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from rollout.processes import start_session_server
+from harness.launchers import start_session_server
 from support.server import chat_url, new_session
 from support.stack import Stack, StackFactory
 

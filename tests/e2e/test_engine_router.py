@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollout.processes import RunningProcess, free_port, start_router, start_session_server, wait_router
+from harness.launchers import RunningProcess, free_port, start_router, start_session_server, wait_router
 from support.server import assert_engine_baseline, chat_url, engine_info, new_session
 from support.sim import wait_for
 from support.stack import FleetFactory

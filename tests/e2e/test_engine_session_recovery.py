@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout.processes import start_sim
+from harness.launchers import start_sim
 from support.server import chat_url, new_session
 from support.stack import Stack, StackFactory
 

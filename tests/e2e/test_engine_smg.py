@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 import pytest
 
-from rollout.processes import RunningProcess, start_session_server, start_smg
+from harness.launchers import RunningProcess, start_session_server, start_smg
 from support.server import assert_engine_baseline, chat_url, engine_info, new_session, sse_events
 from support.sim import wait_for
 from support.stack import FleetFactory

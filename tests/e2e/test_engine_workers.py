@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from rollout.processes import start_session_server
+from harness.launchers import start_session_server
 from support.server import assert_engine_baseline, chat_url, engine_info, new_session
 from support.sim import wait_for
 from support.stack import Fleet, FleetFactory

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout.processes import start_sim
+from harness.launchers import start_sim
 from support.server import assert_engine_baseline, engine_info, metric, new_session, wait_engine_idle
 from support.stack import Stack, StackFactory
 

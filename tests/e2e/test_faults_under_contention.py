@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout.processes import start_session_server
+from harness.launchers import start_session_server
 from support.contention import busy_loops, contended_core
 from support.server import assert_engine_baseline, chat_url, engine_info, new_session, wait_engine_idle, wait_running
 from support.sim import wait_for

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from benchmarks.benchlib import start_floor
-from rollout.processes import start_sim
+from harness.launchers import start_sim
 from sglang_sim import directives
 
 

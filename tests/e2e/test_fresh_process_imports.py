@@ -46,7 +46,7 @@ def test_the_cli_loads_the_same_tokenizer_without_importing_torch(
 
 def test_importing_rollout_does_not_import_torch_or_openai() -> None:
     code = (
-        "import sys, rollout, rollout.client, rollout.processes; "
+        "import sys, rollout, rollout.client, harness.launchers; "
         "assert 'torch' not in sys.modules, 'torch'; assert 'openai' not in sys.modules, 'openai'; "
         "rollout.to_torch_batch; assert 'torch' in sys.modules"
     )

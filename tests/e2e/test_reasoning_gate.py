@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout.processes import RunningProcess, start_sim
+from harness.launchers import RunningProcess, start_sim
 from support.families import FAMILIES, SGLANG_PARSERS, THINKING
 from support.server import TOOLS, assert_engine_baseline, chat_url, new_session
 from support.sim import chat_ids

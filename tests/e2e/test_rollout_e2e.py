@@ -13,10 +13,10 @@ import numpy as np
 import openai
 import pytest
 
+from harness.scripted_tasks import reply_directive, shopping_tasks
 from rollout.client import SessionClient
 from rollout.episodes import AgentConfig, EpisodeResult, Task, iter_episodes, run_episode, run_episodes
 from rollout.errors import SessionNotFoundError, SessionServerError, UnknownSessionError
-from rollout.scripted import reply_directive, shopping_tasks
 from rollout.tools import default_toolbox
 from rollout.torch_batch import to_torch_batch
 from support.server import metric, wait_engine_idle, wait_running

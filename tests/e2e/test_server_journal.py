@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout.processes import ProcessCrashed, RunningProcess, start_session_server
+from harness.launchers import ProcessCrashed, RunningProcess, start_session_server
 from sglang_sim.directives import tool_call
 from support.server import assert_engine_baseline, chat_url, new_session
 from support.stack import Stack, StackFactory

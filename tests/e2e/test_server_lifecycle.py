@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout.processes import RunningProcess, start_session_server
+from harness.launchers import RunningProcess, start_session_server
 from support.server import (
     TOOLS,
     RecordingProxy,
@@ -220,7 +220,7 @@ def test_cli_bad_invocations_exit_2_with_one_line(tokenizer_dirs: dict[str, Path
 
 
 def test_unreachable_engine_is_502_and_not_ready(stack: dict) -> None:
-    from rollout.processes import free_port
+    from harness.launchers import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     with start_session_server(dead, stack["tok"], FAMILY, log_dir=stack["logs"], name="dead") as proc:

@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from rollout.processes import start_sim
+from harness.launchers import start_sim
 from support.families import PLAIN_REPLY
 from support.sim import assert_baseline, books, chat_ids, info
 from trajectory import get_family

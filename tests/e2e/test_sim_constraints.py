@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import pytest
 
-from rollout.processes import start_sim
+from harness.launchers import start_sim
 from support.families import PLAIN_REPLY
 from support.sim import assert_baseline, chat_ids
 from trajectory import get_family

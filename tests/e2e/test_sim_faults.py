@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from rollout.processes import start_sim
+from harness.launchers import start_sim
 from support.sim import assert_baseline, books, chat_ids, info
 from trajectory.engine_output import decode_generate_response
 from trajectory.errors import UpstreamError

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from rollout.processes import start_sim
+from harness.launchers import start_sim
 from support.images import CHECKS, IMG, RED, Encode, data_url, generate, png, user_turn
 from support.sim import assert_baseline
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from rollout.processes import start_sim
+from harness.launchers import start_sim
 from support.sim import assert_baseline, books, chat_ids, info, wait_for
 
 LATENCY_MS = "2"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from rollout.processes import start_sim
+from harness.launchers import start_sim
 from support.sim import books, chat_ids, info, wait_for
 
 

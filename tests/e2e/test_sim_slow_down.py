@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from rollout.processes import start_sim
+from harness.launchers import start_sim
 from support.sim import assert_baseline, chat_ids, wait_for
 
 FAMILY = "qwen3"

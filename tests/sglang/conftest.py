@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.processes import start_session_server
+from harness.launchers import start_session_server
 from support.server import RecordingProxy
 from support.sglang_engine import SPECS, Engines, Served, ServeFactory, assert_engine_clean
 

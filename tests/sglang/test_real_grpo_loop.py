@@ -37,7 +37,7 @@ from examples.demo_rl import (
     train_loop,
     warm_up,
 )
-from rollout.processes import start_session_server, start_sglang
+from harness.launchers import start_session_server, start_sglang
 
 
 @dataclass

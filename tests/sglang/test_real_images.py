@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout.processes import start_session_server
+from harness.launchers import start_session_server
 from support.image_episodes import check_exact, episode, screenshot
 from support.server import RecordingProxy, new_session
 from support.sglang_engine import Engines

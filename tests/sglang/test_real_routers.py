@@ -39,7 +39,7 @@ import httpx
 import numpy as np
 import pytest
 
-from rollout.processes import RunningProcess, free_port, start_router, start_session_server, start_smg
+from harness.launchers import RunningProcess, free_port, start_router, start_session_server, start_smg
 from support.server import RecordingProxy, assert_sample_is_what_the_engine_saw, chat_url, new_session, sse_events
 from support.sglang_engine import Engines, assert_engine_clean, paced, wait_loads
 from trajectory import samples_from_json

@@ -26,7 +26,7 @@ import httpx
 import msgspec
 import pytest
 
-from rollout.processes import RunningProcess, start_sim
+from harness.launchers import RunningProcess, start_sim
 from session_server.engine import sse
 from support.images import IMG, RED, TALL, collapse_pads, data_url, pad_runs, pipelined_statuses, png, user_turn
 from support.sglang_engine import Engines, assert_engine_clean, loads, paced

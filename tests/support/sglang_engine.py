@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from rollout.processes import EngineProcess, RunningProcess, start_sglang
+from harness.launchers import EngineProcess, RunningProcess, start_sglang
 
 from .server import RecordingProxy
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout.processes import RunningProcess, start_session_server, start_sim
+from harness.launchers import RunningProcess, start_session_server, start_sim
 
 from .server import RecordingProxy, start_parallel
 

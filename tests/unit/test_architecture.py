@@ -3,7 +3,8 @@
 Every import counts, including those under `if TYPE_CHECKING:` and inside functions: a cycle hidden from the
 interpreter is still a cycle for the reader. Inside `session_server`, imports point one way, down the layers below
 (front ends -> turn -> sessions -> engine); `trajectory` is pure; the emulated engine and the trainer's side are
-their own packages.
+their own packages. `rollout`, what a trainer installs, stands on `trajectory` alone; the loopback harness that
+launches processes (`harness`) stands beside it and nothing the product ships imports it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FIRST_PARTY = ("session_server", "trajectory", "rollout", "sglang_sim")
+FIRST_PARTY = ("session_server", "trajectory", "rollout", "sglang_sim", "deploy", "harness")
 
 # session_server, bottom to top. A module may import from its own group and from lower layers only.
 LAYERS: list[tuple[str, ...]] = [
@@ -124,20 +125,45 @@ def test_engine_code_never_sees_the_session_record() -> None:
     assert {m: sorted(t) for m, t in engine.items() if any(group(x) == "sessions" for x in t)} == {}
 
 
+def repository_names() -> set[str]:
+    """Every top-level name an import can reach in this repository: its packages and modules, and the test tree
+    (tests/support is imported as `support`)."""
+    names = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()} | {p.stem for p in ROOT.glob("*.py")}
+    return names | {"tests", "support", "conftest"}
+
+
+def test_every_folder_an_import_can_reach_is_known() -> None:
+    """The rules below see an import of the harness, deploy/, a benchmark or the tests' support."""
+    assert {*FIRST_PARTY, "benchmarks", "soaks", "examples", "scripts", "support"} <= repository_names()
+
+
 @pytest.mark.parametrize("package, allowed", [
     ("trajectory", set()),
     ("sglang_sim", {"trajectory"}),
     ("session_server", {"trajectory"}),
-    # rollout.scripted writes the emulated engine's prompt directives for the demo's scripted tasks
-    ("rollout", {"trajectory", "sglang_sim.directives"}),
+    ("rollout", {"trajectory"}),  # the trainer's package: no launcher, no emulated engine, no deploy/
+    ("deploy", {"session_server"}),
+    ("harness", {"deploy", "sglang_sim", "rollout", "trajectory"}),
 ])
 def test_packages_import_only_what_they_stand_on(package: str, allowed: set[str]) -> None:
     def ok(target: str) -> bool:
         return (target.split(".")[0] in (package, *allowed) or target in allowed
                 or any(a.startswith(target + ".") for a in allowed))  # the package that holds an allowed module
 
-    foreign = {f"{m} -> {t}" for m, targets in graph(package).items() for t in targets if not ok(t)}
+    local = repository_names()
+    foreign = {
+        f"{m} -> {t}"
+        for m, path in modules(package).items() for t in imports(m, path)
+        if t.split(".")[0] in local and not ok(t)
+    }
     assert foreign == set()
+
+
+@pytest.mark.parametrize("package", ["session_server", "trajectory", "rollout", "sglang_sim", "deploy"])
+def test_nothing_the_product_ships_imports_the_harness(package: str) -> None:
+    found = {f"{m} -> {t}" for m, path in modules(package).items() for t in imports(m, path)
+             if t.split(".")[0] == "harness"}
+    assert found == set()
 
 
 # Locks are fine (the pool threads share the families' caches); an event loop, sockets or files are not.

@@ -15,6 +15,7 @@ PACKAGES = {
     "trajectory": None,
     "rollout": None,
     "sglang_sim": (),
+    "harness": (),  # the loopback harness: its modules are imported by name (harness.launchers, ...)
     "session_server": ("ServerConfig", "build_app"),
 }
 

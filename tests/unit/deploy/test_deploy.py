@@ -15,7 +15,7 @@ from deploy.admin import metric_values
 from deploy.nginx import main, render_nginx
 from deploy.prometheus import scrape_config
 from deploy.replicas import Replica, parse_replica
-from rollout.processes import nginx_binary
+from harness.launchers import nginx_binary
 
 
 def test_replica_specs() -> None:

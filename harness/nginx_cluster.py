@@ -15,8 +15,7 @@ from pathlib import Path
 
 from deploy.nginx import render_nginx
 from deploy.replicas import Replica
-
-from .processes import LOOPBACK, RunningProcess, free_port, reload_nginx, start_nginx, start_session_server
+from harness.launchers import LOOPBACK, RunningProcess, free_port, reload_nginx, start_nginx, start_session_server
 
 
 @dataclass

@@ -24,7 +24,7 @@ the flags that serve a model on a CPU; it is ready once its cheap `GET /ready` a
 `start_nginx` runs the system's nginx (the Debian package) in the foreground on a config from `deploy.nginx`, logging to
 its output; `reload_nginx` sends it SIGHUP and waits until the new workers run.
 
-The demo, the tests (tests/support/stack.py) and the benchmarks all launch through this module.
+The demos, the tests (tests/support/stack.py), the benchmarks and the soaks all launch through this module.
 """
 
 from __future__ import annotations
