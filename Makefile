@@ -88,7 +88,7 @@ $(CHECKPOINTS)/.built: $(SGLANG_STAMP) $(TOKENIZERS)/.built scripts/build_tiny_c
 test-sglang: $(STAMP) $(CHECKPOINTS)/.built
 	$(PY) -m pytest -q -p no:xdist tests/sglang --sglang-venv $(SGLANG_VENV) --checkpoints $(CHECKPOINTS)
 
-# A real GRPO loop on the CPU (examples/demo_rl.py): released SGLang 0.5.23 from its venv serving the tiny Qwen3, a
+# A real GRPO loop on the CPU (examples/demo_rl/): released SGLang 0.5.23 from its venv serving the tiny Qwen3, a
 # policy warmed up in the run, G episodes per prompt through the session server, the trainer's check, advantages and
 # clipped step every step, weights pushed in place while the next episodes run; a table and out/demo-rl/demo_rl.png.
 # Extra flags: make demo-rl RL_ARGS="--steps 30".

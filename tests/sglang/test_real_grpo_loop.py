@@ -1,15 +1,15 @@
-"""Three steps of `make demo-rl`'s GRPO loop (examples/demo_rl.py) against real SGLang: each step's episodes run
+"""Three steps of `make demo-rl`'s GRPO loop (examples/demo_rl/) against real SGLang: each step's episodes run
 through the session server, the trainer checks every sampled token against the weights of its version
 (rollout.logprob_check), takes its clipped policy-gradient step and pushes the weights in place (rollout.weight_push);
 the engine then serves exactly the trainer's weights under the next version.
 
-The module runs its own engine, launched as the demo launches it (examples.demo_rl.ENGINE_ARGS): `--dtype float32`,
-where the tier's shared engines serve the fp32 checkpoints in SGLang's "auto" dtype, float16, whose logprobs differ
-from an fp32 recomputation by up to ~1e-2 once the weights are trained. The reward here is deliberately arbitrary (the
-first episode of each group wins): whatever text a barely warmed-up policy samples, every group then has advantages
-of both signs and the step must move the weights; whether the loop learns is the demo's question. The run is
-synchronous (`overlap=False`: a step's episodes start after the previous push), so no reply straddles an update and
-every token is recomputed exactly.
+The module runs its own engine, launched as the demo launches it (examples.demo_rl.engine.ENGINE_ARGS): `--dtype
+float32`, where the tier's shared engines serve the fp32 checkpoints in SGLang's "auto" dtype, float16, whose logprobs
+differ from an fp32 recomputation by up to ~1e-2 once the weights are trained. The reward here is deliberately arbitrary
+(the first episode of each group wins): whatever text a barely warmed-up policy samples, every group then has advantages
+of both signs and the step must move the weights; whether the loop learns is the demo's question. The run is synchronous
+(`overlap=False`: a step's episodes start after the previous push), so no reply straddles an update and every token is
+recomputed exactly.
 """
 
 from __future__ import annotations
@@ -26,18 +26,13 @@ import numpy as np
 import pytest
 import torch
 
-from examples.demo_rl import (
-    ENGINE_ARGS,
-    PLUGIN_DIR,
-    EpisodeResult,
-    Prompt,
-    RunConfig,
-    WeatherGame,
-    load_policy,
-    train_loop,
-    warm_up,
-)
+from examples.demo_rl.engine import ENGINE_ARGS, PLUGIN_DIR
+from examples.demo_rl.game import Prompt, WeatherGame
+from examples.demo_rl.loop import RunConfig, train_loop
+from examples.demo_rl.policy import load_policy
+from examples.demo_rl.warmup import warm_up
 from harness.launchers import start_session_server, start_sglang
+from rollout.episodes import EpisodeResult
 
 
 @dataclass

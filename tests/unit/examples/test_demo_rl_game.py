@@ -1,7 +1,7 @@
-"""examples.demo_rl's task (`WeatherGame`): the warm-up's demonstrations are laid out token for token as the session
-server builds an episode (Qwen3's template, thinking off), the call they teach is one the server parses, the warm-up
-teaches the choice to call at the rate it is given and the lookup on every other demonstration, and the reward is the
-final answer against today's weather, whichever way the episode got there."""
+"""The task of examples.demo_rl (game.py, `WeatherGame`): the warm-up's demonstrations are laid out token for token as
+the session server builds an episode (Qwen3's template, thinking off), the call they teach is one the server parses, the
+warm-up teaches the choice to call at the rate it is given and the lookup on every other demonstration, and the reward
+is the final answer against today's weather, whichever way the episode got there."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from examples.demo_rl import ITEMS, Prompt, WeatherGame
+from examples.demo_rl.game import ITEMS, Prompt, WeatherGame
 from rollout.episodes import EpisodeResult
 from trajectory.families import ModelFamily, get_family
 

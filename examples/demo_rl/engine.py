@@ -1,0 +1,17 @@
+"""How the demo launches released SGLang: the flags a real GRPO loop needs from the engine, and the real-engine tier's
+plugin for SGLang's CPU path (tests/sglang/test_real_grpo_loop.py launches its engine the same way)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# SGLang's CPU path imports a CUDA-only op at load time: the real-engine tier's plugin supplies a pure-torch one
+# (tests/sglang/plugin, registered through SGLang's own `sglang.srt.plugins` entry point).
+PLUGIN_DIR = ROOT / "tests" / "sglang" / "plugin"
+# `--dtype float32`: SGLang's "auto" serves a float32 checkpoint in float16 (weights and KV cache), and the trainer's
+# fp32 recomputation then differs by ~1e-2 on a trained model's tokens.
+# `--disable-overlap-schedule`: with the overlap scheduler a token's results are processed a batch after it was
+# computed, so the token at an update's boundary can be recorded under the other version.
+ENGINE_ARGS = ("--dtype", "float32", "--disable-radix-cache", "--disable-overlap-schedule",
+               "--max-running-requests", "16", "--reasoning-parser", "qwen3")
