@@ -96,63 +96,6 @@ def encode_generate(request: GenerateRequest) -> bytes:
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def encode_generate_positional(
-    prompt_ids: Any,
-    start: int,
-    sp: dict[str, Any],
-    rid: str,
-    session_params: dict[str, Any] | None,
-    routed_experts: bool = False,
-    top_logprobs: int = 0,
-    stream: bool = False,
-    routed_experts_start: int = 0,
-    stream_interval: int | None = None,
-    thinking: bool = False,
-    images: Sequence[Image] = (),
-    image_pad: int = -1,
-) -> bytes:
-    """The /generate body of docs/design.md 5.1. `start` > 0 sends only the tokens an engine session does not hold;
-    `stream_interval`: tokens per stream event (engine/pacing.py), for a streamed request.
-
-    `thinking`: the turn is in thinking mode (`ModelFamily.thinking_mode`). SGLang's chat server then sends
-    `require_reasoning: true`, and an engine run with `--reasoning-parser` holds a grammar back until the reasoning
-    ends (ReasonerGrammarBackend), so the model thinks before a forced tool call or a JSON answer. We send it where
-    it has that effect, with a grammar: without one the flag only changes the engine's reasoning-token count.
-
-    `images`: every image of the prompt in order (trajectory/images.py). The engine gets each stored run of
-    `image_pad` ids collapsed to one pad and `image_data` with all of them, on every turn: SGLang expands the pads
-    itself (a pre-expanded run is a 500 in 0.5.23) and keys its radix cache by image content, so earlier images are
-    neither re-sent as runs nor re-computed. A prompt with images is sent whole (`start` 0: no engine session).
-
-    orjson writes the int32 id array straight from numpy: the prompt is the one part of the body that grows with the
-    history, and going through a Python list first costs ~5x more per token.
-    """
-    if stream and stream_interval is not None:
-        sp = {**sp, "stream_interval": stream_interval}
-    payload: dict[str, Any] = {
-        "input_ids": collapse(prompt_ids, image_pad) if images else prompt_ids[start:],
-        "sampling_params": sp,
-        "return_logprob": True,
-        "logprob_start_len": -1,
-        "rid": rid,
-        "stream": stream,
-    }
-    if images:
-        payload["image_data"] = [image.data_url() for image in images]
-    if session_params is not None:
-        payload["session_params"] = session_params
-    if routed_experts:
-        payload["return_routed_experts"] = True
-        # Positions [routed_experts_start, ...) only: earlier ones are in the trajectory's records already (the
-        # engine would otherwise resend the whole prompt's routing every turn: quadratic over a trajectory).
-        payload["routed_experts_start_len"] = routed_experts_start
-    if top_logprobs > 0:
-        payload["top_logprobs_num"] = top_logprobs
-    if thinking and any(sp.get(key) is not None for key in CONSTRAINED_KEYS):
-        payload["require_reasoning"] = True
-    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
-
-
 _ROUTED_KEY = b'"routed_experts":'
 _JSON_SPACE = b" \t\r\n"
 
