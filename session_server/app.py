@@ -35,6 +35,7 @@ from session_server.sessions.registry import Registry
 from session_server.sessions.sweeper import Sweeper
 from session_server.state import ServerState
 from session_server.turns.limits import learn_prompt_limit
+from session_server.view import routes as view
 from trajectory import ModelFamily
 
 logger = logging.getLogger("session_server")
@@ -248,6 +249,11 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         Route("/admin/pause", admin.pause, methods=["POST"]),
         Route("/admin/continue", admin.resume, methods=["POST"]),
         Route("/admin/sessions", admin.sessions, methods=["GET"]),
+        # The read-only trajectory viewer (view/routes.py, docs/viewer.md): last, it is the least busy.
+        Route("/view/", view.list_page, methods=["GET"]),
+        Route("/view/api/sessions", view.sessions_json, methods=["GET"]),
+        Route("/view/sessions/{session_id}", view.session_page, methods=["GET"]),
+        Route("/view/api/sessions/{session_id}", view.session_json, methods=["GET"]),
     ]
     app = FrontDoorApp(
         routes=routes,

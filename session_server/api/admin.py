@@ -54,18 +54,21 @@ async def metrics(request: Request) -> Response:
     return Response(server_of(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _authorize(request: Request) -> None:
+def authorize(request: Request, given: str | None = None) -> None:
+    """The admin token's check; `given` is the credential when it came another way than the Authorization header
+    (the viewer's pages take `?token=`, view/routes.py)."""
     token = server_of(request).config.admin_token
     if token is None:
         return
-    given = request.headers.get("authorization", "")
+    if given is None:
+        given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
         raise AdminAuthError("admin endpoints need 'Authorization: Bearer <admin token>'")
 
 
 async def pause(request: Request) -> Response:
     server = server_of(request)
-    _authorize(request)
+    authorize(request)
     config = server.config
     obj = await read_object(request, config.max_request_bytes, config.body_timeout)
     mode = obj.get("mode", "drain")
@@ -115,7 +118,7 @@ async def sessions(request: Request) -> Response:
     SESSION_LIST_LIMIT): id, metadata, turns, tokens, seconds since creation and since the last request, whether a
     chat is in flight. What `session-server-admin sessions` gathers from every replica."""
     server = server_of(request)
-    _authorize(request)
+    authorize(request)
     raw = request.query_params.get("limit", str(SESSION_LIST_LIMIT))
     if not raw.isdigit():
         raise RequestValidationError("'limit' must be a non-negative integer")
@@ -133,7 +136,7 @@ async def sessions(request: Request) -> Response:
 
 async def resume(request: Request) -> Response:
     server = server_of(request)
-    _authorize(request)
+    authorize(request)
     if server.paused_in_place:
         await server.engine.continue_in_place()  # a refusal is a 502 and the server stays paused
         server.paused_in_place = False

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FIRST_PARTY = ("session_server", "trajectory", "rollout", "sglang_sim")
+FIRST_PARTY = ("session_server", "trajectory", "rollout", "sglang_sim", "trajectory_view")
 
 # session_server, bottom to top. A module may import from its own group and from lower layers only.
 LAYERS: list[tuple[str, ...]] = [
@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("frontend",),  # what the three front ends share: the chat-shaped turn request, reply facts, root sessions
     ("openai", "responses", "anthropic"),  # the front ends, one per API; none imports another
     ("api",),
+    ("view",),  # the read-only trajectory viewer (its page and document: the trajectory_view package)
     ("app",),
     ("cli", ""),  # "" is the package's own __init__
 ]
@@ -127,9 +128,11 @@ def test_engine_code_never_sees_the_session_record() -> None:
 @pytest.mark.parametrize("package, allowed", [
     ("trajectory", set()),
     ("sglang_sim", {"trajectory"}),
-    ("session_server", {"trajectory"}),
+    # the viewer's page and document builder, shared by the server and the offline viewer: pure but for its assets
+    ("trajectory_view", {"trajectory"}),
+    ("session_server", {"trajectory", "trajectory_view"}),
     # rollout.scripted writes the emulated engine's prompt directives for the demo's scripted tasks
-    ("rollout", {"trajectory", "sglang_sim.directives"}),
+    ("rollout", {"trajectory", "sglang_sim.directives", "trajectory_view"}),
 ])
 def test_packages_import_only_what_they_stand_on(package: str, allowed: set[str]) -> None:
     def ok(target: str) -> bool:
