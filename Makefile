@@ -11,7 +11,7 @@ TOKENIZERS := .cache/tokenizers
 $(STAMP): pyproject.toml requirements-lock.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "pip==26.3"
-	$(PY) -m pip install -q -c requirements-lock.txt -e ".[rollout,tokenizers,bench,dev,real]" \
+	$(PY) -m pip install -q -c requirements-lock.txt -e ".[rollout,tokenizers,bench,dev,real,trace]" \
 		--config-settings editable_mode=compat
 	$(PY) -m pip install -q --no-deps "sglang==0.5.23"
 	touch $(STAMP)

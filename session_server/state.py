@@ -17,6 +17,7 @@ from session_server.repeated_first_turns import RepeatedFirstTurns
 from session_server.sessions.journal import Journal
 from session_server.sessions.lifecycle import Lifecycle
 from session_server.sessions.registry import Registry
+from session_server.tracing import Tracer
 from trajectory import LinearTrajectory, ModelFamily, SegmentSet
 
 
@@ -37,6 +38,7 @@ class ServerState:
     paused_in_place: bool = False  # /admin/pause mode in_place paused the engines too (api/admin.py)
     # First requests seen before: a repeat whose ids are kept is prepared on the loop (repeated_first_turns.py).
     first_turn_repeats: RepeatedFirstTurns = field(default_factory=RepeatedFirstTurns)
+    tracer: Tracer | None = None  # --otlp-endpoint: a span per turn and admin call (tracing.py)
 
     def new_trajectory(self) -> LinearTrajectory:
         return LinearTrajectory(

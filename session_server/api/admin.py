@@ -30,7 +30,8 @@ from starlette.responses import Response
 from session_server.errors import AbortReason, AdminAuthError, json_response
 from session_server.http.body import read_object
 from session_server.metrics import CONTENT_TYPE
-from session_server.state import server_of
+from session_server.state import ServerState, server_of
+from session_server.tracing import admin_span
 from trajectory.errors import RequestValidationError
 
 
@@ -68,6 +69,11 @@ def authorize(request: Request, given: str | None = None) -> None:
 
 async def pause(request: Request) -> Response:
     server = server_of(request)
+    with admin_span(server.tracer, "admin.pause", request.headers):  # a span when tracing (tracing.py)
+        return await _pause(request, server)
+
+
+async def _pause(request: Request, server: ServerState) -> Response:
     authorize(request)
     config = server.config
     obj = await read_object(request, config.max_request_bytes, config.body_timeout)
@@ -136,6 +142,11 @@ async def sessions(request: Request) -> Response:
 
 async def resume(request: Request) -> Response:
     server = server_of(request)
+    with admin_span(server.tracer, "admin.continue", request.headers):
+        return await _resume(request, server)
+
+
+async def _resume(request: Request, server: ServerState) -> Response:
     authorize(request)
     if server.paused_in_place:
         await server.engine.continue_in_place()  # a refusal is a 502 and the server stays paused

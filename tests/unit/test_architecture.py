@@ -20,7 +20,7 @@ FIRST_PARTY = ("session_server", "trajectory", "rollout", "sglang_sim", "traject
 # session_server, bottom to top. A module may import from its own group and from lower layers only.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("metrics", "cpu_pool", "repeated_first_turns", "http"),
+    ("metrics", "cpu_pool", "repeated_first_turns", "http", "tracing"),
     ("engine",),
     ("sessions",),
     ("config",),
