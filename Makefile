@@ -6,12 +6,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test test-sglang test-fast lint harnesses bench bench-overhead bench-stream bench-scale bench-compare soak soak-crash tokenizers clean nginx demo-cluster demo-rl demo-gui test-trainers
+.PHONY: demo test test-sglang test-fast lint browser harnesses bench bench-overhead bench-stream bench-scale bench-compare soak soak-crash tokenizers clean nginx demo-cluster demo-rl demo-gui test-trainers
 
 $(STAMP): pyproject.toml requirements-lock.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "pip==26.3"
-	$(PY) -m pip install -q -c requirements-lock.txt -e ".[rollout,tokenizers,bench,dev,real]" \
+	$(PY) -m pip install -q -c requirements-lock.txt -e ".[rollout,tokenizers,bench,dev,real,trace]" \
 		--config-settings editable_mode=compat
 	$(PY) -m pip install -q --no-deps "sglang==0.5.23"
 	touch $(STAMP)
@@ -27,6 +27,12 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 nginx:
 	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive sh -c "apt-get install -y -q nginx-light || { apt-get update -q && apt-get install -y -q nginx-light; }"
+
+# The browser the viewer's tests drive headless with selenium (tests/e2e/test_viewer_browser.py, docs/viewer.md):
+# Debian's chromium and its chromedriver, installed when missing.
+browser:
+	@command -v chromedriver >/dev/null && command -v chromium >/dev/null || \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive sh -c "apt-get install -y -q chromium chromium-driver || { apt-get update -q && apt-get install -y -q chromium chromium-driver; }"
 
 # The real coding harnesses tests/e2e/test_harnesses.py runs (their npm packages carry their native binaries).
 HARNESSES := .cache/harnesses
@@ -63,7 +69,7 @@ lint: $(STAMP)
 # TEST_WORKERS pytest-xdist workers (tests/conftest.py: a module's tests share one worker and its process stack).
 # More workers than cores pays: e2e tests spend much of their time waiting on their processes.
 TEST_WORKERS ?= 3
-test: $(STAMP) $(TOKENIZERS)/.built nginx $(HARNESSES)/.installed
+test: $(STAMP) $(TOKENIZERS)/.built nginx browser $(HARNESSES)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -n $(TEST_WORKERS)

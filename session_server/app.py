@@ -34,7 +34,9 @@ from session_server.sessions.recovery import restore_sessions
 from session_server.sessions.registry import Registry
 from session_server.sessions.sweeper import Sweeper
 from session_server.state import ServerState
+from session_server.tracing import Tracer
 from session_server.turns.limits import learn_prompt_limit
+from session_server.view import routes as view
 from trajectory import ModelFamily
 
 logger = logging.getLogger("session_server")
@@ -79,6 +81,9 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
             logger.warning("paused (mode %s) as journal %s says: POST /admin/continue resumes", journaled[1].paused,
                            config.journal)
     engine.on_move.append(lambda _session_id, _worker: metrics.sessions_moved.inc())
+    if config.otlp_endpoint is not None:
+        replica = {"session_server.replica": config.replica_name} if config.replica_name else {}
+        server.tracer = Tracer(config.otlp_endpoint, attributes={"service.instance.id": server.instance_id, **replica})
     watch_state(server)
     return server
 
@@ -175,6 +180,8 @@ async def shutdown(server: ServerState) -> None:
     server.pool.shutdown()
     if server.journal is not None:
         await server.journal.close()
+    if server.tracer is not None:
+        await asyncio.to_thread(server.tracer.shutdown)  # the spans still queued are exported
 
 
 def freeze_startup_heap() -> None:
@@ -247,6 +254,11 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         Route("/admin/pause", admin.pause, methods=["POST"]),
         Route("/admin/continue", admin.resume, methods=["POST"]),
         Route("/admin/sessions", admin.sessions, methods=["GET"]),
+        # The read-only trajectory viewer (view/routes.py, docs/viewer.md): last, it is the least busy.
+        Route("/view/", view.list_page, methods=["GET"]),
+        Route("/view/api/sessions", view.sessions_json, methods=["GET"]),
+        Route("/view/sessions/{session_id}", view.session_page, methods=["GET"]),
+        Route("/view/api/sessions/{session_id}", view.session_json, methods=["GET"]),
     ]
     app = FrontDoorApp(
         routes=routes,

@@ -179,7 +179,10 @@ def flags() -> tuple[Flag, ...]:
              "chat in flight counts as activity until it outlives --request-timeout; 0 = never (default %(default)s)"),
         Flag("--tombstones", "ids of deleted sessions remembered so late requests get 'was deleted'; oldest forgotten "
              "first (default %(default)s, about 200 bytes each)"),
-        Flag("--admin-token", "if set, /admin/* requires 'Authorization: Bearer TOKEN'"),
+        Flag("--admin-token", "if set, /admin/* and the viewer (/view/) require 'Authorization: Bearer TOKEN'"),
+        Flag("--otlp-endpoint", "export an OpenTelemetry span per turn and per pause/continue to this OTLP/HTTP "
+             "collector (e.g. http://127.0.0.1:4318), each a child of the agent's traceparent, and pass the turn's "
+             "traceparent to the engine (needs the extra 'trace'); default: no tracing", metavar="URL"),
         Flag("--inline-below-bytes", "bodies smaller than this are parsed on the event loop, larger ones on the CPU "
              "pool (a pool hop costs more than a small decode); 0 pools everything (default %(default)s)"),
         Flag("--first-turn-cache-tokens", "token ids of first turns kept by their exact request (messages, tools, "

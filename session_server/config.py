@@ -59,6 +59,7 @@ class ServerConfig:
     message_matcher: str = "loose_tool_call"
     special_tokens_in_content: str = "text"  # "engine": control-token spellings in message text become the tokens
     admin_token: str | None = None
+    otlp_endpoint: str | None = None  # OpenTelemetry: turn and admin spans to this OTLP/HTTP collector (tracing.py)
     inline_decode: bool = False
     inline_below_bytes: int = DEFAULT_INLINE_BELOW_BYTES
     first_turn_cache_tokens: int = first_turns.DEFAULT_MAX_TOKENS  # trajectory/first_turns.py; 0 keeps none

@@ -17,6 +17,7 @@ from session_server.repeated_first_turns import RepeatedFirstTurns
 from session_server.sessions.journal import Journal
 from session_server.sessions.lifecycle import Lifecycle
 from session_server.sessions.registry import Registry
+from session_server.tracing import Tracer
 from trajectory import LinearTrajectory, ModelFamily, SegmentSet
 
 
@@ -36,6 +37,7 @@ class ServerState:
     prompt_token_limit: int | None = None  # the engine's largest input, once learned (turns/limits.py)
     # First requests seen before: a repeat whose ids are kept is prepared on the loop (repeated_first_turns.py).
     first_turn_repeats: RepeatedFirstTurns = field(default_factory=RepeatedFirstTurns)
+    tracer: Tracer | None = None  # --otlp-endpoint: a span per turn and admin call (tracing.py)
 
     def new_trajectory(self) -> LinearTrajectory:
         return LinearTrajectory(

@@ -21,7 +21,8 @@ from session_server.errors import AdminAuthError, json_response
 from session_server.http.body import read_object
 from session_server.metrics import CONTENT_TYPE
 from session_server.sessions.pause import MODES
-from session_server.state import server_of
+from session_server.state import ServerState, server_of
+from session_server.tracing import admin_span
 from trajectory.errors import RequestValidationError
 
 
@@ -45,11 +46,14 @@ async def metrics(request: Request) -> Response:
     return Response(server_of(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _authorize(request: Request) -> None:
+def authorize(request: Request, given: str | None = None) -> None:
+    """The admin token's check; `given` is the credential when it came another way than the Authorization header
+    (the viewer's pages take `?token=`, view/routes.py)."""
     token = server_of(request).config.admin_token
     if token is None:
         return
-    given = request.headers.get("authorization", "")
+    if given is None:
+        given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
         raise AdminAuthError("admin endpoints need 'Authorization: Bearer <admin token>'")
 
@@ -57,7 +61,12 @@ def _authorize(request: Request) -> None:
 async def pause(request: Request) -> Response:
     """POST /admin/pause `{"mode": "drain" | "abort" | "in_place"}` (default drain): the pause of sessions/pause.py."""
     server = server_of(request)
-    _authorize(request)
+    with admin_span(server.tracer, "admin.pause", request.headers):  # a span when tracing (tracing.py)
+        return await _pause(request, server)
+
+
+async def _pause(request: Request, server: ServerState) -> Response:
+    authorize(request)
     config = server.config
     obj = await read_object(request, config.max_request_bytes, config.body_timeout)
     mode = obj.get("mode", "drain")
@@ -75,7 +84,7 @@ async def sessions(request: Request) -> Response:
     SESSION_LIST_LIMIT): id, metadata, turns, tokens, seconds since creation and since the last request, whether a
     chat is in flight. What `session-server-admin sessions` gathers from every replica."""
     server = server_of(request)
-    _authorize(request)
+    authorize(request)
     raw = request.query_params.get("limit", str(SESSION_LIST_LIMIT))
     if not raw.isdigit():
         raise RequestValidationError("'limit' must be a non-negative integer")
@@ -94,6 +103,11 @@ async def sessions(request: Request) -> Response:
 async def resume(request: Request) -> Response:
     """POST /admin/continue: the pause ends (sessions/pause.py)."""
     server = server_of(request)
-    _authorize(request)
+    with admin_span(server.tracer, "admin.continue", request.headers):
+        return await _resume(request, server)
+
+
+async def _resume(request: Request, server: ServerState) -> Response:
+    authorize(request)
     await server.lifecycle.pause.resume()
     return json_response({"status": "running"})

@@ -4,7 +4,8 @@ Two pools for the whole process: the hot POST /generate runs on a lean keep-aliv
 up to ServerConfig.engine_connections sockets), and control calls (abort, open/close session, ready, models) on a small
 httpx.AsyncClient, so an abort never queues behind a saturated generate pool. Transport failures become 502
 (EngineUnavailableError); the engine's own non-2xx answers are returned as they are, so the chat handler can pass them
-through unrecorded. Client headers are never forwarded; we add only the sticky-routing key and the engine's key.
+through unrecorded. Client headers are never forwarded; we add only the sticky-routing key and the engine's key (and,
+with --otlp-endpoint, the turn span's `traceparent`: session_server/tracing.py).
 
 Control calls get a short deadline of their own (`control_timeout`, a second by default): they are what frees KV and
 slots, and a stalled engine must never hold DELETE, /ready or a timed-out chat for longer than that.
@@ -32,6 +33,7 @@ import msgspec
 from session_server.engine.http11 import IDLE_LIMIT, EngineHTTP, EngineStream
 from session_server.engine.routers import fan_out_path, unpack_fan_out
 from session_server.errors import EngineUnavailableError
+from session_server.tracing import engine_headers
 
 logger = logging.getLogger("session_server.engine")
 
@@ -161,6 +163,11 @@ class EngineClient:
         normal API key."""
         return {ROUTING_HEADER: routing_key, **self._normal_auth}
 
+    def _generating(self, routing_key: str) -> dict[str, str]:
+        """A /generate's headers: `_routed`'s, and the turn's `traceparent` when tracing (session_server/tracing.py)."""
+        trace = engine_headers()
+        return self._routed(routing_key) if trace is None else {**self._routed(routing_key), **trace}
+
     async def aclose(self) -> None:
         await self._streaming.aclose()
         self._generate.close()
@@ -198,7 +205,7 @@ class EngineClient:
 
     async def generate(self, payload: bytes, routing_key: str) -> EngineReply:
         """POST /generate with an already encoded body (encoded off the loop), on the lean keep-alive pool."""
-        status, body, content_type = await self._generate.post("/generate", payload, self._routed(routing_key))
+        status, body, content_type = await self._generate.post("/generate", payload, self._generating(routing_key))
         _check_credentials(status)
         return EngineReply(status, body, content_type)
 
@@ -211,12 +218,12 @@ class EngineClient:
         failures, also while the caller reads the body, become EngineUnavailableError (502).
         """
         if isinstance(self._generate, EngineHTTP):
-            async with self._generate.stream("/generate", payload, self._routed(routing_key)) as stream:
+            async with self._generate.stream("/generate", payload, self._generating(routing_key)) as stream:
                 _check_credentials(stream.status_code)
                 yield stream
             return
         request = self._streaming.build_request("POST", "/generate", content=payload,
-                                                headers=self._routed(routing_key))
+                                                headers=self._generating(routing_key))
         try:
             response = await self._streaming.send(request, stream=True)
         except httpx.HTTPError as exc:

@@ -29,6 +29,7 @@ from session_server.http import body as body_reader
 from session_server.http.disconnect import disconnects
 from session_server.sessions.session import Claim
 from session_server.state import ServerState, server_of
+from session_server.tracing import TurnSpan, turn_facts
 from session_server.turns.engine_call import EngineCall, count_failure
 from session_server.turns.limits import TurnLimits
 from session_server.turns.stream import StreamedTurn
@@ -51,21 +52,49 @@ async def serve_turn(request: Request, session_id: str, api: FrontEnd[R]) -> Res
 
     Responses are counted by route and status in http/front_door.py; this counts what only a turn knows."""
     server = server_of(request)
+    span = server.tracer.turn(request.headers, session_id, api.name) if server.tracer is not None else None
     try:
         claim = await _claim(server, session_id)
     except SessionError as err:
+        if span is not None:
+            span.finish({"http.status_code": err.status}, f"{err.code}: {err.message}")
         return api.error(err)
     handed_over = False  # a streamed reply takes the claim along and releases it after its last byte
+    failure: SessionError | None = None
     try:
         response = await _turn(server, claim, request, api)
         handed_over = isinstance(response, StreamedTurn)
     except SessionError as err:
         count_failure(server.metrics, err)
+        failure = err
         response = api.error(err)
     finally:
         if not handed_over:
             claim.release()
+        if span is not None:
+            _finish_span(span, claim, failure, handed_over)
     return response
+
+
+def _finish_span(span: TurnSpan, claim: Claim, failure: SessionError | None, streamed: bool) -> None:
+    """End the turn's span with what the turn committed (session_server/tracing.py); a streamed turn's when its
+    stream has released the slot."""
+    if streamed and not claim.done.is_set():
+        waiter = asyncio.ensure_future(claim.done.wait())
+        waiter.add_done_callback(lambda _: _finish_span(span, claim, failure, False))
+        return
+    plan, segment = claim.plan, claim.segment
+    trajectory = None if segment is None else claim.session.segments.segments.get(segment)
+    committed = trajectory is not None and plan is not None and (
+        trajectory.trajectory.version == plan.turn.version + 1)
+    facts: dict[str, object] = {"session.segment": segment,
+                                "http.status_code": failure.status if failure is not None else 200}
+    if committed and trajectory is not None:
+        records = trajectory.trajectory.records
+        facts.update(turn_facts(len(records) - 1, records[-1]))
+    error = f"{failure.code}: {failure.message}" if failure is not None else (
+        None if committed else "the turn committed nothing")
+    span.finish(facts, error)
 
 
 async def _claim(server: ServerState, session_id: str) -> Claim:

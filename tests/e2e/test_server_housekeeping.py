@@ -275,9 +275,9 @@ def test_admin_token_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatc
         return Request({"type": "http", "app": app, "headers": [(b"authorization", authorization.encode())]})
 
     with pytest.raises(admin.AdminAuthError):
-        admin._authorize(request(f"Bearer {TOKEN}"))  # the right token, but compare_digest says no
+        admin.authorize(request(f"Bearer {TOKEN}"))  # the right token, but compare_digest says no
     verdict["value"] = True
-    admin._authorize(request("Bearer wrong"))  # a wrong token, but compare_digest says yes
+    admin.authorize(request("Bearer wrong"))  # a wrong token, but compare_digest says yes
     assert calls == [(f"Bearer {TOKEN}".encode(), f"Bearer {TOKEN}".encode()),
                      (b"Bearer wrong", f"Bearer {TOKEN}".encode())]
 

@@ -218,6 +218,7 @@ class RecordingProxy:
             entry: dict[str, Any] = {
                 "path": request.url.path, "started": time.monotonic(),
                 "routing_key": request.headers.get("x-smg-routing-key"),
+                "traceparent": request.headers.get("traceparent"),  # the turn span's, with --otlp-endpoint
             }
             if body:
                 entry["request"] = msgspec.json.decode(body)
@@ -229,7 +230,7 @@ class RecordingProxy:
                 entry.update(status=self.refuse[path], finished=time.monotonic(), response=None)
                 return Response(b'{"error": {"message": "refused by the test proxy"}}', status_code=self.refuse[path],
                                 media_type="application/json")
-            forwarded = ("content-type", "x-smg-routing-key", "authorization")
+            forwarded = ("content-type", "x-smg-routing-key", "authorization", "traceparent", "tracestate")
             headers = {k: v for k, v in request.headers.items() if k.lower() in forwarded}
             send = client.send(client.build_request(request.method, path, content=body, headers=headers), stream=True)
             if pass_disconnects:
