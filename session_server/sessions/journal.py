@@ -60,8 +60,8 @@ logger = logging.getLogger("session_server.sessions.journal")
 
 APPLICATION_ID = 0x534A524E  # "SJRN"
 # 2: turns carry their segment (1 is migrated on open: every turn of segment 0); 3: the pause table; 4: the
-# engine_sessions table (each added on open)
-SCHEMA_VERSION = 4
+# engine_sessions table; 5: turns carry their sampling masks (each added on open)
+SCHEMA_VERSION = 5
 SYNC_MODES = ("normal", "full")
 MAX_BATCH = 512  # operations per transaction
 VACUUM_FREE_PAGES = 2048  # return free pages to the file system once this many accumulate (8 MiB at 4 KiB pages)
@@ -91,7 +91,8 @@ CREATE TABLE turns (
     record BLOB NOT NULL,
     routed_experts BLOB,
     segment INTEGER NOT NULL DEFAULT 0,
-    segment_info BLOB
+    segment_info BLOB,
+    sampling_masks BLOB
 );
 CREATE UNIQUE INDEX turns_by_segment ON turns (session_id, segment, version);
 CREATE TABLE tombstones (
@@ -113,7 +114,7 @@ CREATE TABLE engine_sessions (
 
 _TURN_COLUMNS = (
     "version", "base_checkpoints", "keep", "prompt_tail", "output_ids", "logprobs", "messages_kept", "messages",
-    "tools", "tools_changed", "record", "routed_experts",
+    "tools", "tools_changed", "record", "routed_experts", "sampling_masks",
 )
 _encoder = msgspec.json.Encoder()
 
@@ -217,6 +218,7 @@ _MIGRATIONS = {
         "CREATE UNIQUE INDEX turns_by_segment ON turns (session_id, segment, version);"),
     2: "CREATE TABLE pause (id INTEGER PRIMARY KEY CHECK (id = 0), mode TEXT NOT NULL, since REAL NOT NULL);",
     3: "CREATE TABLE engine_sessions (sid TEXT PRIMARY KEY, session_id TEXT NOT NULL);",
+    4: "ALTER TABLE turns ADD COLUMN sampling_masks BLOB;",
 }
 
 

@@ -172,7 +172,8 @@ def test_a_journal_of_schema_2_gains_the_new_tables_and_keeps_its_sessions(tmp_p
 
     asyncio.run(main())
     with sqlite3.connect(path) as db:
-        db.executescript("DROP TABLE pause; DROP TABLE engine_sessions; PRAGMA user_version = 2;")
+        db.executescript("DROP TABLE pause; DROP TABLE engine_sessions; ALTER TABLE turns DROP COLUMN sampling_masks; "
+                         "PRAGMA user_version = 2;")
     restored = Journal(path).open()
     assert [s.id for s in restored.sessions] == ["a"] and restored.paused is None and restored.engine_sessions == []
     with sqlite3.connect(path) as db:
