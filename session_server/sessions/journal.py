@@ -3,7 +3,8 @@
 Why SQLite (the standard library's sqlite3, WAL mode): no server to run, atomic transactions, and a file an operator
 can open with the `sqlite3` shell. What is stored (docs/design.md 7, durability):
 
-    sessions    id, family, settings (max_rollback, matcher), metadata, created_at, last_active (wall clock)
+    sessions    id, family, settings (max_rollback, matcher, sampling_masks), metadata, created_at, last_active
+                (wall clock)
     turns       one row per committed turn, as deltas (trajectory/restore.py): appended prompt tokens, completion and
                 logprobs as blobs, messages past the unchanged prefix, tools when changed, the record, routed experts;
                 the segment it belongs to, and on a segment's first turn where the segment came from (Segment.info)
@@ -140,13 +141,14 @@ class SessionInfo:
     matcher: str
     metadata: dict[str, Any]
     created_at: float
+    sampling_masks: bool | None = field(default=None, kw_only=True)  # Session.sampling_masks
 
     @classmethod
     def of(cls, session: Session) -> SessionInfo:
         traj = session.trajectory
         return cls(
             id=session.id, family=traj.family.name, max_rollback=traj.max_rollback, matcher=traj.matcher.mode,
-            metadata=session.metadata, created_at=session.created_at,
+            metadata=session.metadata, created_at=session.created_at, sampling_masks=session.sampling_masks,
         )
 
 
@@ -304,6 +306,7 @@ class Journal:
             sessions[sid] = RestoredSession(
                 id=sid, family=family, max_rollback=int(s["max_rollback"]), matcher=str(s["matcher"]),
                 metadata=msgspec.json.decode(metadata), created_at=created_at, last_active=last_active,
+                sampling_masks=s.get("sampling_masks"),
             )
         cols = ", ".join(_TURN_COLUMNS)
         for row in conn.execute(
@@ -506,7 +509,8 @@ class Journal:
             "INSERT INTO sessions (id, family, settings, metadata, created_at, last_active) VALUES (?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (id) DO UPDATE SET last_active = excluded.last_active",
             (info.id, info.family,
-             _encoder.encode({"max_rollback": info.max_rollback, "matcher": info.matcher}).decode(),
+             _encoder.encode({"max_rollback": info.max_rollback, "matcher": info.matcher,
+                              "sampling_masks": info.sampling_masks}).decode(),
              _encoder.encode(info.metadata).decode(), info.created_at, last_active),
         )
 
