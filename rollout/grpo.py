@@ -17,6 +17,13 @@ The loss is the one TRL's GRPOTrainer and verl's actor compute (their documented
 - aggregation "token-mean": the sum over every sampled token of the minibatch divided by their count (verl's default,
   DAPO's).
 
+Sampling masks (top-k / top-p sampling, trajectory/sampling_masks.py): the engine sampled each token from its kept set
+renormalised, so the behaviour policy's logprob is `Sample.sampling_log_probs`, and the trainer's must be renormalised
+over the same set: `sampled_log_probs(..., sampling_masks=(batch["sampling_mask_ids"],
+batch["sampling_mask_offsets"]))` gives support-normalised logprobs, and `truncated_is_weights` against
+`batch["sampling_log_probs"]` then weighs each token by an unbiased ratio (miles' and slime's sampling-support
+replay).
+
 Staleness: a sample carries the weight version of every sampled token (`weight_version_spans`, written by the
 session server from SGLang's `meta_info.weight_version(s)`, read by `trajectory.sample_metadata`); with integer
 versions (`parse`, by default `trajectory.parse_version`: "default" is step 0), a token's staleness is the trainer's
@@ -110,8 +117,8 @@ def clipped_pg_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
 
 def sampled_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                       attention_mask: torch.Tensor | None = None, *, temperature: float = 1.0,
-                      alphabet: torch.Tensor | None = None, alphabet_rows: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+                      alphabet: torch.Tensor | None = None, alphabet_rows: torch.Tensor | None = None,
+                      sampling_masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """[B, L] logprobs of each token where `loss_mask` is 1 (0.0 elsewhere) under a transformers causal LM, with the
     output head applied only at the positions that predict a sampled token (a [positions, vocab] block instead of
     [B, L, vocab]: a 151k vocabulary makes the full one gigabytes).
@@ -121,7 +128,11 @@ def sampled_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask
     taken over the alphabet's logits plus log(vocab - len(alphabet)) for the rest, the same number as the full
     softmax at a fraction of its cost (a token outside it scores its logit 0). `alphabet_rows` ([len(alphabet), hidden],
     e.g. a trainable copy of those rows) stands for the model's own rows of a tied embedding, on the input side too
-    (every other token embeds to the zero vector, as its zero row says)."""
+    (every other token embeds to the zero vector, as its zero row says).
+
+    `sampling_masks`: to_torch_batch's (`sampling_mask_ids`, `sampling_mask_offsets`): each token with a row is
+    renormalised over it (the support-normalised logprob the engine sampled it with); tokens without one keep the
+    full softmax."""
     body = getattr(model, "model", None)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -147,7 +158,10 @@ def sampled_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask
     scale = temperature if temperature > 0 else 1.0
     if index is None or alphabet is None:
         logits = (states @ weight.T).float() / scale
-        picked = logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        norm = torch.logsumexp(logits, dim=-1)
+        if sampling_masks is not None:
+            norm = _over_rows(logits, norm, sampling_masks, rows, cols + 1)
+        picked = logits.gather(-1, targets[:, None])[:, 0] - norm
     else:
         local = index[targets]
         out_rows = weight[alphabet] if alphabet_rows is None else alphabet_rows
@@ -159,6 +173,23 @@ def sampled_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask
     out = torch.zeros(loss_mask.shape, dtype=picked.dtype)
     out[rows, cols + 1] = picked
     return out
+
+
+def _over_rows(logits: torch.Tensor, full: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor],
+               rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Per scored position (rows, cols), the logsumexp of `logits` over its sampling-mask row (`full`, the whole
+    vocabulary's, where it has none)."""
+    ids, offsets = masks
+    start, end = offsets[rows, cols], offsets[rows, cols + 1]
+    lengths = end - start
+    width = int(lengths.max()) if len(lengths) else 0
+    if width == 0:
+        return full
+    reach = torch.arange(width, device=logits.device)
+    valid = reach[None, :] < lengths[:, None]
+    at = (start[:, None] + reach[None, :]).clamp(max=ids.shape[1] - 1)
+    kept = logits.gather(-1, ids[rows[:, None], at].clamp(min=0)).masked_fill(~valid, float("-inf"))
+    return torch.where(lengths > 0, torch.logsumexp(kept, dim=-1), full)
 
 
 # -- weight versions and staleness -----------------------------------------------------------------------------------

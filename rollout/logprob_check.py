@@ -41,6 +41,14 @@ record (the last token, which no forward pass routed) keep the router's own choi
 depends on them. The routers are found by shape (transformers' `*TopKRouter` modules: `top_k`, `num_experts`,
 returning logits, scores and indices), so nothing here imports transformers.
 
+Sampling masks (top-k / top-p / min-p, trajectory/sampling_masks.py): the engine then sampled each token from its
+kept set renormalised, and its sampling logprob (`Sample.sampling_log_probs`) is the full logprob minus the
+log-sum-exp over the row. With rows, the check also recomputes that: `log_softmax(logits / T)` renormalised over
+each sampled token's row, compared with the engine's sampling logprob (`rollout_check/support_logprob_abs_diff_max`
+and `_mean`, gated by `ok_support`), and reports beside it how far the trainer's full-vocabulary logprob is from the
+engine's sampling logprob (`rollout_check/unmasked_logprob_abs_diff_max` and `_mean`): the bias of a ratio that
+ignores the rows.
+
 Weight versions: which weights sampled each token is read by `trajectory.sample_metadata` (a merged sample's spans, a
 turn sample's one version; a sampled token without one is a ValueError). With a callable policy, tokens of version v
 are scored by `policy(v)` (v as the engine reported it: SGLang's versions are strings, "default" until the trainer
@@ -124,6 +132,12 @@ class LogprobCheckReport:
             return self.max_abs_diff <= atol
         return self.metrics.get("rollout_check/logprob_abs_diff_max_unswitched", 0.0) <= atol
 
+    def ok_support(self, atol: float = 1e-3) -> bool:
+        """Every sampled token with a sampling-mask row: the trainer's logprob renormalised over the row within `atol`
+        of the engine's sampling logprob (False when no token had a row)."""
+        m = self.metrics
+        return bool(m.get("rollout_check/support_tokens")) and m["rollout_check/support_logprob_abs_diff_max"] <= atol
+
     def format(self) -> str:
         """A few lines for a log: the headline metrics and the worst tokens."""
         m = self.metrics
@@ -136,6 +150,10 @@ class LogprobCheckReport:
         if m.get("rollout_check/switched_tokens"):
             lines[0] += (f", {int(m['rollout_check/switched_tokens'])} tokens sampled after their turn's weights "
                          f"changed (max |diff| of the others {m['rollout_check/logprob_abs_diff_max_unswitched']:.3g})")
+        if m.get("rollout_check/support_tokens"):
+            lines[0] += (f", over the sampling masks ({int(m['rollout_check/support_tokens'])} tokens) max |diff| "
+                         f"{m['rollout_check/support_logprob_abs_diff_max']:.3g} (full vocabulary: "
+                         f"{m['rollout_check/unmasked_logprob_abs_diff_max']:.3g})")
         if "rollout_check/routing_mismatch_fraction" in m:
             lines[0] += (f", replayed {int(m['rollout_check/replayed_samples'])} samples, routing mismatch "
                          f"{m['rollout_check/routing_mismatch_fraction']:.2%}")
@@ -165,6 +183,8 @@ def check_logprobs(samples: Sequence[Sample], policy: Policy, *, replay_routing:
     trainer_all: list[np.ndarray] = []
     where: list[tuple[int, np.ndarray]] = []
     flags: list[np.ndarray] = []
+    support_diffs: list[np.ndarray] = []  # per sample: |support recompute - engine's sampling logprob| on rows
+    unmasked_diffs: list[np.ndarray] = []  # and |full-vocabulary recompute - engine's sampling logprob|
     replays: dict[int, _RoutingReplay] = {}
     try:
         for index, sample in enumerate(samples):
@@ -174,6 +194,7 @@ def check_logprobs(samples: Sequence[Sample], policy: Policy, *, replay_routing:
             versions = _versions_of(meta, positions)
             switched = _switched(meta, positions, versions)
             trainer = np.zeros(len(sample.tokens), dtype=np.float32)
+            support = np.full(len(sample.tokens), np.nan, dtype=np.float32)
             rows = sample.routed_experts
             routing_rows = routing_mismatched = 0
             replayed = False
@@ -189,7 +210,7 @@ def check_logprobs(samples: Sequence[Sample], policy: Policy, *, replay_routing:
                                              "to replay them into")
                         replay = None
                 with _routing(replay, rows, replay_routing):
-                    trainer[chosen] = _score(model, sample.tokens, chosen, scale, sample)
+                    trainer[chosen], support[chosen] = _score(model, sample.tokens, chosen, scale, sample)
                 if replay is not None:
                     routing_rows += replay.compared
                     routing_mismatched += replay.mismatched
@@ -198,6 +219,11 @@ def check_logprobs(samples: Sequence[Sample], policy: Policy, *, replay_routing:
             t = trainer[positions].astype(np.float64)
             checks.append(_sample_check(index, trainer, r, t, replayed, routing_rows, routing_mismatched,
                                         tuple(dict.fromkeys(versions)), int(switched.sum())))
+            if (masks := sample.sampling_masks) is not None:
+                on = positions[np.diff(masks.offsets)[positions] > 0]
+                engine = masks.logprobs[on].astype(np.float64)
+                support_diffs.append(np.abs(support[on].astype(np.float64) - engine))
+                unmasked_diffs.append(np.abs(trainer[on].astype(np.float64) - engine))
             rollout_all.append(r)
             trainer_all.append(t)
             where.append((index, positions))
@@ -206,6 +232,7 @@ def check_logprobs(samples: Sequence[Sample], policy: Policy, *, replay_routing:
         for replay in replays.values():
             replay.close()
     metrics = _metrics(checks, rollout_all, trainer_all, flags, any(s.routed_experts is not None for s in samples))
+    metrics.update(_support_metrics(support_diffs, unmasked_diffs))
     return LogprobCheckReport(metrics, checks, _worst(samples, where, rollout_all, trainer_all, flags, worst))
 
 
@@ -273,11 +300,11 @@ def _images(sample: Sample | None, end: int, device: torch.device, dtype: torch.
 
 
 def _score(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray, temperature: float,
-           sample: Sample | None = None) -> np.ndarray:
+           sample: Sample | None = None) -> tuple[np.ndarray, np.ndarray]:
     """log p(tokens[p] | tokens[:p]) for each p in `positions`, in fp32, from one forward pass over the sample (with
-    its images, when it has some)."""
+    its images, when it has some); and the same renormalised over p's sampling-mask row (NaN without one)."""
     if not len(positions):
-        return np.zeros(0, dtype=np.float32)
+        return np.zeros(0, dtype=np.float32), np.zeros(0, dtype=np.float32)
     parameter = next(model.parameters(), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
     end = int(positions.max())  # nothing after the last scored token's context is needed
@@ -295,11 +322,39 @@ def _score(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray, te
             logits = logits[0] if "logits_to_keep" in kwargs else logits[0, before]
             logits = logits.float() / temperature
             targets = torch.as_tensor(tokens[positions].astype(np.int64), device=device)
-            picked = logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+            chosen = logits.gather(-1, targets[:, None])[:, 0]
+            picked = chosen - torch.logsumexp(logits, dim=-1)
+            renormalised = _over_rows(logits, chosen, sample, positions)
     finally:
         model.train(was_training)
     scored: np.ndarray = picked.cpu().numpy().astype(np.float32)
-    return scored
+    return scored, renormalised
+
+
+def _over_rows(logits: torch.Tensor, chosen: torch.Tensor, sample: Sample | None, positions: np.ndarray
+               ) -> np.ndarray:
+    """The chosen logits renormalised over each position's sampling-mask row: chosen - logsumexp(logits[row]), NaN
+    where the sample has no row."""
+    out = np.full(len(positions), np.nan, dtype=np.float32)
+    masks = sample.sampling_masks if sample is not None else None
+    if masks is None:
+        return out
+    lengths = np.diff(masks.offsets)[positions]
+    have = np.flatnonzero(lengths > 0)
+    if not len(have):
+        return out
+    width = int(lengths[have].max())
+    ids = np.zeros((len(have), width), dtype=np.int64)
+    valid = np.zeros((len(have), width), dtype=bool)
+    for k, i in enumerate(have.tolist()):
+        row = masks.row(int(positions[i]))
+        ids[k, :len(row)], valid[k, :len(row)] = row, True
+    rows = torch.as_tensor(ids, device=logits.device)
+    kept = logits[torch.as_tensor(have, device=logits.device)].gather(-1, rows)
+    kept = kept.masked_fill(~torch.as_tensor(valid, device=logits.device), float("-inf"))
+    values = chosen[torch.as_tensor(have, device=logits.device)] - torch.logsumexp(kept, dim=-1)
+    out[have] = values.cpu().numpy()
+    return out
 
 
 def _accepts(model: torch.nn.Module, name: str) -> bool:
@@ -454,6 +509,18 @@ def _metrics(checks: list[SampleCheck], rollout: list[np.ndarray], trainer: list
     if len(r) > 1 and p_t.std() > 0 and p_r.std() > 0:
         metrics["training/rollout_actor_probs_pearson_corr"] = float(np.corrcoef(p_t, p_r)[0, 1])
     return metrics
+
+
+def _support_metrics(support: list[np.ndarray], unmasked: list[np.ndarray]) -> dict[str, float]:
+    """The sampling-mask figures (module docstring); none without rows."""
+    if not support or not sum(len(d) for d in support):
+        return {}
+    s, u = np.concatenate(support), np.concatenate(unmasked)
+    return {"rollout_check/support_tokens": float(len(s)),
+            "rollout_check/support_logprob_abs_diff_max": float(s.max()),
+            "rollout_check/support_logprob_abs_diff_mean": float(s.mean()),
+            "rollout_check/unmasked_logprob_abs_diff_max": float(u.max()),
+            "rollout_check/unmasked_logprob_abs_diff_mean": float(u.mean())}
 
 
 def _worst(samples: Sequence[Sample], where: list[tuple[int, np.ndarray]], rollout: list[np.ndarray],

@@ -33,6 +33,12 @@ def to_torch_batch(
     Returns `input_ids` int64 [B, L], `loss_mask` float32 [B, L] (1.0 on sampled tokens), `rollout_log_probs`
     float32 [B, L], `attention_mask` int64 [B, L] (1 on real tokens) and `response_lengths` int64 [B]; with
     `episodes`, also `episode_index` int64 [B] (the episode each row belongs to).
+
+    With sampling masks (trajectory/sampling_masks.py) on any sample, each row's CSR padded: `sampling_mask_ids`
+    int64 [B, M] (row b's kept ids, then -1), `sampling_mask_offsets` int64 [B, L + 1] (position t of row b keeps
+    `sampling_mask_ids[b, offsets[b, t]:offsets[b, t + 1]]`; empty on padding and on samples without masks) and
+    `sampling_log_probs` float32 [B, L] (the engine's logprob over the row, 0.0 elsewhere): what
+    `grpo.sampled_log_probs(..., sampling_masks=...)` renormalises over.
     """
     episode_index = None
     if episodes is not None:
@@ -72,6 +78,26 @@ def to_torch_batch(
     }
     if episode_index is not None:
         batch["episode_index"] = torch.tensor(episode_index, dtype=torch.int64)
+    if any(s.sampling_masks is not None for s in samples):
+        batch.update(_padded_masks(samples, width))
     if device is not None:
         batch = {name: tensor.to(device) for name, tensor in batch.items()}
     return batch
+
+
+def _padded_masks(samples: Sequence[Sample], width: int) -> dict[str, torch.Tensor]:
+    masks = [s.sampling_masks for s in samples]
+    most = max((len(m.ids) for m in masks if m is not None), default=0)
+    ids = np.full((len(samples), max(most, 1)), -1, dtype=np.int64)
+    offsets = np.zeros((len(samples), width + 1), dtype=np.int64)
+    log_probs = np.zeros((len(samples), width), dtype=np.float32)
+    for row, m in enumerate(masks):
+        if m is None:
+            continue
+        n = len(m)
+        ids[row, :len(m.ids)] = m.ids
+        offsets[row, :n + 1] = m.offsets
+        offsets[row, n + 1:] = m.offsets[-1]
+        log_probs[row, :n] = m.logprobs
+    return {"sampling_mask_ids": torch.from_numpy(ids), "sampling_mask_offsets": torch.from_numpy(offsets),
+            "sampling_log_probs": torch.from_numpy(log_probs)}

@@ -191,6 +191,14 @@ def flags() -> tuple[Flag, ...]:
         Flag("--inline-decode", "decode engine responses on the event loop instead of the CPU pool (for benchmarks)"),
         Flag("--return-routed-experts", "ask the engine for routed experts (MoE routing replay); kept raw in the "
              "records, never sent to agents"),
+        Flag("--return-sampling-masks", "ask the engine for the sampling masks of every session (the ids top-k / "
+             "top-p / min-p kept for each sampled token, so a trainer can renormalise over them); a session may set "
+             "return_sampling_masks at POST /sessions instead. Requests that cannot be replayed exactly are refused "
+             "(docs/operating.md)"),
+        Flag("--sampling-mask-top-k", "with sampling masks: the top_k a request gets when it names none (0, the "
+             "default: such a request is a 400; SGLang records masks only under a top-k bound)", metavar="K"),
+        Flag("--sampling-mask-max-tokens", "the engine's --sampling-mask-max-tokens: a request with a larger top_k is "
+             "a 400 on a session with masks (default %(default)s)", metavar="N"),
         Flag("--return-token-ids", "put the turn's token ids on every Chat and Responses reply (vLLM's "
              "prompt_token_ids and token_ids; NeMo Gym's fields on Responses items), as a request's own "
              "`return_token_ids: true` does"),

@@ -64,6 +64,12 @@ class ServerConfig:
     inline_below_bytes: int = DEFAULT_INLINE_BELOW_BYTES
     first_turn_cache_tokens: int = first_turns.DEFAULT_MAX_TOKENS  # trajectory/first_turns.py; 0 keeps none
     return_routed_experts: bool = False
+    # Sampling masks (turns/sampling_masks.py): every session asks the engine for the kept ids of each sampled token
+    # (a session may say otherwise at POST /sessions); a request without a top-k bound gets `sampling_mask_top_k`
+    # (0: it is refused), and no top_k above `sampling_mask_max_tokens` (the engine's --sampling-mask-max-tokens).
+    return_sampling_masks: bool = False
+    sampling_mask_top_k: int = 0
+    sampling_mask_max_tokens: int = 4096
     # Every Chat and Responses reply carries the turn's token ids (frontend/token_ids.py), as if the request had asked
     # with `return_token_ids: true`; a request's own `return_token_ids: false` still turns them off.
     return_token_ids: bool = False

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="As SGLang's flag: a request with require_reasoning has its grammar (a forced tool call, a "
                         "JSON answer) wait until the reasoning ends, so a scripted reasoning block comes first; "
                         "reported by /server_info and /model_info.")
+    p.add_argument("--sampling-mask-max-tokens", type=int, default=4096,
+                   help="As SGLang's flag: the largest top_k a request with return_sampling_mask may use.")
     p.add_argument("--log-level", default="warning", help="uvicorn log level.")
     return p
 
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
                           enable_streaming_session=args.enable_streaming_session,
                           weight_version=args.weight_version,
                           incremental_streaming_output=args.incremental_streaming_output,
-                          stream_interval=args.stream_interval, reasoning_parser=args.reasoning_parser)
+                          stream_interval=args.stream_interval, reasoning_parser=args.reasoning_parser,
+                          sampling_mask_max_tokens=args.sampling_mask_max_tokens)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     engine = Engine(config, family)

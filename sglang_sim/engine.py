@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_sim import sampling_masks
 from sglang_sim.family import EngineFamily
 from sglang_sim.generation import ReplyPlan, SamplingParams, derive_seed, plan_reply
 from sglang_sim.images import Expanded, expand, load_image
@@ -52,6 +53,7 @@ class EngineConfig:
     incremental_streaming_output: bool = False  # SGLang's --incremental-streaming-output
     stream_interval: int | None = None  # SGLang's --stream-interval; None: one event per decode wake-up
     reasoning_parser: str | None = None  # SGLang's --reasoning-parser: `require_reasoning` holds a grammar back
+    sampling_mask_max_tokens: int = sampling_masks.DEFAULT_MAX_TOKENS  # SGLang's --sampling-mask-max-tokens
 
 
 class Engine:
@@ -114,12 +116,18 @@ class Engine:
             room = min(self.config.context_length, self.pool.capacity) - len(prompt) - 2
             inp = dataclasses.replace(inp, sampling=dataclasses.replace(inp.sampling, max_new_tokens=max(0, room)))
         self._check_context(len(prompt), inp.sampling.max_new_tokens)
+        if inp.return_sampling_mask and (why := sampling_masks.refusal(inp.sampling,
+                                                                       self.config.sampling_mask_max_tokens)):
+            raise BadRequest(why)
         key = expanded.key if expanded.images else prompt
         try:
             plan = self._plan(prompt, key, inp.sampling,
                               inp.require_reasoning and self.config.reasoning_parser is not None)
         except ValueError as exc:  # a constraint the sim cannot satisfy (ConstraintError) or a bias banning every word
             raise BadRequest(str(exc)) from exc
+        if inp.return_sampling_mask and sampling_masks.effective_top_k(inp.sampling) > 1:
+            # The mask's distribution has no sampled token less likely than this (sampling_masks.py).
+            plan.logprobs = np.maximum(plan.logprobs, np.float32(sampling_masks.floor(self.family.vocab_size)))
         req = SimRequest(inp=inp, prompt=prompt, plan=plan, session=session,
                          key=key if expanded.images else None, images=expanded.images)
         if len(req.kv_tokens) > self.pool.capacity:

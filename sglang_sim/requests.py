@@ -65,6 +65,8 @@ class GenerateInput:
     require_reasoning: bool = False  # hold a grammar back until the reasoning ends (with --reasoning-parser)
     image_data: tuple[str, ...] = ()  # the images (data URLs, base64), decoded at submission (sglang_sim/images.py)
     return_prompt_token_ids: bool = False  # the reply carries `prompt_token_ids`: the prompt with images expanded
+    return_sampling_mask: bool = False  # the reply carries the kept ids per output token (sampling_masks.py)
+    sampling_logprobs_mode: str | None = None  # "selected" (the default with masks) or "support"
 
 
 def _is_int(v: Any) -> bool:
@@ -241,7 +243,23 @@ def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> Gener
         return_routed_experts=bool(body.get("return_routed_experts", False)),
         routed_experts_start_len=_opt(body, "routed_experts_start_len", int, 0), routing_key=routing_key,
         require_reasoning=_request_bool(body, "require_reasoning"), image_data=images,
-        return_prompt_token_ids=_request_bool(body, "return_prompt_token_ids"))
+        return_prompt_token_ids=_request_bool(body, "return_prompt_token_ids"),
+        return_sampling_mask=_request_bool(body, "return_sampling_mask"),
+        sampling_logprobs_mode=_logprobs_mode(body))
+
+
+def _logprobs_mode(body: dict[str, Any]) -> str | None:
+    """`sampling_logprobs_mode` (io_struct.py: a Literal FastAPI's parse checks), which the tokenizer manager then
+    allows only with `return_sampling_mask`."""
+    mode = body.get("sampling_logprobs_mode")
+    if mode is not None and mode not in ("selected", "support"):
+        error = {"type": "literal_error", "loc": ("body", "sampling_logprobs_mode"),
+                 "msg": "Input should be 'selected' or 'support'", "input": mode}
+        raise FieldValidationError(f'1 validation error:\n  {error!r}\n\n  File "sglang/srt/entrypoints/'
+                                   f'http_server.py", line 928, in generate_request\n    POST /generate [{error!r}]')
+    if mode is not None and body.get("return_sampling_mask") is not True:
+        raise ValueRefusal("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
+    return mode
 
 
 # pydantic's lax booleans: the strings (any case) FastAPI's parse of a `bool` field takes for true or false.

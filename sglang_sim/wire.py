@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from sglang_sim import sampling_masks
 from sglang_sim.engine import Engine
 from sglang_sim.generation import output_text
 from sglang_sim.requests import SimRequest
@@ -119,6 +120,16 @@ def _output_logprobs(engine: Engine, req: SimRequest, start: int, end: int) -> d
     return lists
 
 
+def _mask_lists(engine: Engine, req: SimRequest, start: int, end: int) -> dict[str, Any]:
+    """With `return_sampling_mask`, the kept ids and sampling logprobs of tokens [start, end) (sampling_masks.py);
+    tokenizer_manager.py puts them after the logprob lists, before the counts."""
+    inp = req.inp
+    if not inp.return_sampling_mask:
+        return {}
+    return sampling_masks.masks(req.plan.output_ids[start:end], req.plan.logprobs[start:end], inp.sampling,
+                                engine.family.vocab_size, inp.sampling_logprobs_mode == "support")
+
+
 def _counts(req: SimRequest, completion: int) -> dict[str, Any]:
     return {"reasoning_tokens": 0, "completion_tokens": completion, "cached_tokens": req.cached_tokens}
 
@@ -152,6 +163,9 @@ def generate_body(engine: Engine, req: SimRequest, final: bool, routed: str | No
             meta["input_top_logprobs"] = [None for _ in meta["input_token_logprobs"]]
         meta.update(_output_logprobs(engine, req, 0, len(out_ids)))
         meta["output_token_logprobs_length"] = len(out_ids)
+    if masks := _mask_lists(engine, req, 0, len(out_ids)):
+        meta.update(masks)
+        meta["output_token_sampling_mask_length"] = len(out_ids)
     meta.update(_counts(req, len(out_ids)))
     if final:  # the scheduler attaches spans to every finished request (output_streamer.py)
         meta["weight_versions"] = weight_version_spans(req.weight_events, engine.weight_version, len(out_ids))
@@ -167,7 +181,9 @@ def generate_body(engine: Engine, req: SimRequest, final: bool, routed: str | No
     return _with_prompt_ids({"text": text, "output_ids": out_ids.tolist(), "meta_info": meta}, req)
 
 
-_SLICED_META = ("output_token_logprobs", "output_top_logprobs")  # tokenizer_manager's incremental keys we emit
+# tokenizer_manager's incremental keys we emit
+_SLICED_META = ("output_token_logprobs", "output_top_logprobs", "output_token_sampling_mask",
+                "output_token_sampling_logprobs")
 
 
 class StreamEvents:
@@ -212,6 +228,7 @@ class StreamEvents:
         ids_added = _items(encode(req.plan.output_ids[start:count].tolist()))
         lists_added = ({k: _items(encode(v)) for k, v in _output_logprobs(engine, req, start, count).items()}
                        if req.inp.return_logprob else {})
+        masks_added = {k: _items(encode(v)) for k, v in _mask_lists(engine, req, start, count).items()}
         self.count = count
         tail = engine.family.decode_text(req.plan.output_ids[self.text_at:count], req.inp.sampling.skip_special_tokens)
         whole = not tail.endswith("\ufffd")
@@ -223,12 +240,15 @@ class StreamEvents:
             ids, lists = ids_added, lists_added
         else:
             text = b'"' + bytes(self.text) + encode(tail)[1:]
-        for key, added in (("", ids_added), *lists_added.items()):
+        for key, added in (("", ids_added), *lists_added.items(), *masks_added.items()):
             into = self.lists.setdefault(key, bytearray()) if key else self.ids
             if added:
                 into += (b"," if into else b"") + added
+        masks = masks_added
         if not self.deltas:
-            ids, lists = bytes(self.ids), {k: bytes(v) for k, v in self.lists.items() if k}
+            ids = bytes(self.ids)
+            lists = {k: bytes(self.lists[k]) for k in lists_added}
+            masks = {k: bytes(self.lists[k]) for k in masks_added}
         if whole:
             self.text += encode(tail)[1:-1] if not self.deltas else b""
             self.text_chars += len(tail)
@@ -240,7 +260,11 @@ class StreamEvents:
             parts += [b',"', key.encode(), b'":[', items, b"]"]
         tail: dict[str, Any] = {}
         if req.inp.return_logprob:
-            tail["output_token_logprobs_length"] = count
+            parts += [b',"output_token_logprobs_length":', str(count).encode()]
+        for key, items in masks.items():
+            parts += [b',"', key.encode(), b'":[', items, b"]"]
+        if masks:
+            tail["output_token_sampling_mask_length"] = count
         tail.update(_counts(req, count))
         tail.update(_cache_and_rank(req))
         if not self.sent:  # the first event carries the time the response started (tokenizer_manager.py)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .engine_output import GenerateResult
+from .sampling_masks import SamplingMasks
 
 CONTINUABLE_ABORT_MESSAGES = ("Aborted", "Abort in waiting queue")
 
@@ -61,12 +62,13 @@ def join_results(before: GenerateResult, after: GenerateResult) -> GenerateResul
     """`before` (an aborted reply, itself possibly joined) continued by `after`, the reply to prompt + before's
     tokens: one result over the original prompt.
 
-    Tokens, logprobs, top logprobs and text are concatenated; the finish reason is the last request's (a `length`
-    counts the whole reply's tokens); `prompt_tokens` is the original prompt's; `cached_tokens` the first prefill's
-    (the continuation's, within the original prompt, when the first never ran); the weight versions span both
-    pieces. `rid` stays the first request's: the turn is known by it (Responses `previous_response_id`). The routed
-    experts are the last request's: sent with the same `routed_experts_start_len`, they cover the original prompt and
-    every sampled token, under the weights that finished the reply.
+    Tokens, logprobs, top logprobs, sampling masks and text are concatenated; the finish reason is the last
+    request's (a `length` counts the whole reply's tokens); `prompt_tokens` is the original prompt's;
+    `cached_tokens` the first prefill's (the continuation's, within the original prompt, when the first never ran);
+    the weight versions span both pieces. `rid` stays the first request's: the turn is known by it (Responses
+    `previous_response_id`). The routed experts are the last request's: sent with the same
+    `routed_experts_start_len`, they cover the original prompt and every sampled token, under the weights that
+    finished the reply.
     """
     n = len(before.output_ids)
     finish = after.finish_reason
@@ -77,6 +79,9 @@ def join_results(before: GenerateResult, after: GenerateResult) -> GenerateResul
     top = None
     if after.top_logprobs is not None and (before.top_logprobs is not None or not n):
         top = [*(before.top_logprobs or ()), *after.top_logprobs]
+    masks = None
+    if after.sampling_masks is not None and (before.sampling_masks is not None or not n):
+        masks = SamplingMasks.concat([m for m in (before.sampling_masks, after.sampling_masks) if m is not None])
     latency = None if after.e2e_latency is None else after.e2e_latency + (before.e2e_latency or 0.0)
     return dataclasses.replace(
         after,
@@ -91,4 +96,5 @@ def join_results(before: GenerateResult, after: GenerateResult) -> GenerateResul
         rid=before.rid if before.rid is not None else after.rid,
         top_logprobs=top,
         weight_versions=_joined_spans(before, after),
+        sampling_masks=masks,
     )

@@ -29,6 +29,7 @@ import msgspec
 import numpy as np
 
 from .errors import UpstreamError
+from .sampling_masks import SamplingMasks
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -87,6 +88,10 @@ class _MetaInfo(msgspec.Struct, Generic[Entry], kw_only=True):
     weight_versions: list[_WeightSpan] | None = None
     e2e_latency: float | None = None
     routed_experts: msgspec.Raw = msgspec.Raw(b"")
+    # With `return_sampling_mask` (mode "selected"): per output token the kept ids and the sampled token's logprob
+    # normalised over them (sampling_masks.py checks them when the request asked for them).
+    output_token_sampling_mask: list[list[int]] | None = None
+    output_token_sampling_logprobs: list[float] | None = None
 
 
 class _GenerateResponse(msgspec.Struct, Generic[Entry]):
@@ -120,6 +125,7 @@ _RULES_BY_PATH: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^\.meta_info\.output_token_logprobs\[\d+\]\[1\]"), "token_id_type"),
     (re.compile(r"^\.meta_info\.output_token_logprobs\[\d+\]"), "logprob_entry"),
     (re.compile(r"^\.meta_info\.output_token_logprobs"), "output_token_logprobs"),
+    (re.compile(r"^\.meta_info\.output_token_sampling_"), "sampling_mask"),
     (re.compile(r"^\.meta_info\.finish_reason"), "finish_reason"),
     (re.compile(r"^\.meta_info\.completion_tokens"), "completion_tokens"),
     (re.compile(r"^\.meta_info"), "meta_info"),
@@ -159,6 +165,8 @@ class GenerateResult:
     top_logprobs: list[list[tuple[float, int]]] | None = None
     # Which weights sampled which output tokens: (version, start, end) spans covering [0, completion_tokens).
     weight_versions: tuple[tuple[str, int, int], ...] | None = None
+    # Per output token, the ids the sampler kept and the sampled token's logprob over them (when asked for).
+    sampling_masks: SamplingMasks | None = None
 
 
 def _finish_reason(reason: _Stop | _Length | _Abort) -> dict[str, Any]:
@@ -199,20 +207,23 @@ def _fast_decoder(vocab_size: int) -> msgspec.json.Decoder[_FastResponse[Any]]:
     return msgspec.json.Decoder(_FastResponse[tuple[_Float32, token_id, None]])
 
 
-def decode_generate_response(body: bytes, vocab_size: int) -> GenerateResult:
-    """Decode and validate one `/generate` body; raise UpstreamError(rule=...) on the first broken rule."""
+def decode_generate_response(body: bytes, vocab_size: int, sampling_mask_bound: int | None = None) -> GenerateResult:
+    """Decode and validate one `/generate` body; raise UpstreamError(rule=...) on the first broken rule.
+
+    `sampling_mask_bound`: the request asked for sampling masks with this top-k bound, so the reply must carry
+    them, one valid row per output token (sampling_masks.py); None: whatever mask keys the body has are ignored."""
+    result = None
     if vocab_size <= _INT32_IDS:
         try:
             response = _fast_decoder(vocab_size).decode(body)
         except msgspec.DecodeError:  # any schema, constraint or JSON failure: the strict path names it
             pass
         else:
-            if (result := _accept(response, vocab_size)) is not None:
-                return result
-    return _decode_strictly(body, vocab_size)
+            result = _accept(response, vocab_size, sampling_mask_bound)
+    return result if result is not None else _decode_strictly(body, vocab_size, sampling_mask_bound)
 
 
-def _accept(response: _FastResponse[Any], vocab_size: int) -> GenerateResult | None:
+def _accept(response: _FastResponse[Any], vocab_size: int, mask_bound: int | None = None) -> GenerateResult | None:
     """The fast path's verdict on a body that fits the constrained schema: the result, or None for the strict path
     to decide (the cross-field rules below, checked in the same terms)."""
     meta = response.meta_info
@@ -229,7 +240,7 @@ def _accept(response: _FastResponse[Any], vocab_size: int) -> GenerateResult | N
     # Values the schema bounded: float32 holds every logprob (rounded as the strict path's astype rounds), int32
     # every id.
     logprobs = np.fromiter(map(logprob_of, entries), dtype=np.float32, count=n)
-    return _result(response, np.fromiter(token_ids, dtype=np.int32, count=n), logprobs, vocab_size)
+    return _result(response, np.fromiter(token_ids, dtype=np.int32, count=n), logprobs, vocab_size, mask_bound)
 
 
 def _output_ids(raw: msgspec.Raw) -> list[int] | None:
@@ -240,7 +251,7 @@ def _output_ids(raw: msgspec.Raw) -> list[int] | None:
         return None
 
 
-def _decode_strictly(body: bytes, vocab_size: int) -> GenerateResult:
+def _decode_strictly(body: bytes, vocab_size: int, mask_bound: int | None = None) -> GenerateResult:
     """The strict path: every rule of docs/design.md 5.3 in order, the first broken one raised with its name."""
     response = _decode(body)
     meta = response.meta_info
@@ -283,17 +294,22 @@ def _decode_strictly(body: bytes, vocab_size: int) -> GenerateResult:
             f"output_token_logprobs[{i}] token id {token_ids[i]} != output_ids[{i}] {response.output_ids[i]}",
             rule="token_mismatch",
         )
-    return _result(response, ids.astype(np.int32), logprobs, vocab_size)
+    return _result(response, ids.astype(np.int32), logprobs, vocab_size, mask_bound)
 
 
 def _result(response: _GenerateResponse[Any] | _FastResponse[Any], ids: np.ndarray, logprobs: np.ndarray,
-            vocab_size: int) -> GenerateResult:
-    """The result of a body whose tokens passed: the rest of meta_info (weight spans, top logprobs) checked here."""
+            vocab_size: int, mask_bound: int | None) -> GenerateResult:
+    """The result of a body whose tokens passed: the rest of meta_info (weight spans, top logprobs, sampling masks)
+    checked here."""
     meta = response.meta_info
     n = meta.completion_tokens
     spans = None if meta.weight_versions is None else _weight_spans(meta.weight_versions, n)
     raw_experts = bytes(meta.routed_experts)
     top = None if meta.output_top_logprobs is None else _top_logprobs(meta.output_top_logprobs, n, vocab_size)
+    masks = None
+    if mask_bound is not None:
+        masks = SamplingMasks.from_engine(meta.output_token_sampling_mask, meta.output_token_sampling_logprobs, ids,
+                                          vocab_size, mask_bound)
     return GenerateResult(
         text=response.text,
         output_ids=ids,
@@ -308,6 +324,7 @@ def _result(response: _GenerateResponse[Any] | _FastResponse[Any], ids: np.ndarr
         routed_experts=raw_experts if raw_experts and raw_experts != b"null" else None,
         top_logprobs=top,
         weight_versions=spans,
+        sampling_masks=masks,
     )
 
 

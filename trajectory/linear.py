@@ -26,6 +26,7 @@ from .families.base import ModelFamily
 from .images import Image, check_runs, collect_images, expand, has_images, prompt_images, spelled
 from .messages import Message, MessageMatcher, normalize_message, normalize_tools
 from .mismatch import diff_tokens
+from .sampling_masks import MaskBuffer, SamplingMasks
 from .tito import continuation_ids, first_turn_ids
 
 _REPORT_MAX_SEGMENTS = 32
@@ -95,6 +96,10 @@ class TurnRecord:
     # The turn's messages replaced the stored ones: its prompt was a full render that extends every stored token
     # (`LinearTrajectory.merge_plan`), so the turns before it are no longer rollback targets.
     merged: bool = False
+    # With sampling masks: the kept-id rows and sampled logprobs of the completion's last tokens (as `tail_ids`), so
+    # a turn whose stop token a later prompt trimmed keeps its rows too.
+    tail_mask_rows: tuple[tuple[int, ...], ...] = ()
+    tail_sampling_logprobs: tuple[float, ...] = ()
 
     @property
     def routed_experts_rows(self) -> int:
@@ -142,6 +147,7 @@ class TurnDelta:
     record: TurnRecord
     messages_json: bytes | None = None  # the turn's request messages as sent (TurnPlan.messages_json)
     images: tuple[Image, ...] = ()  # the prompt's images (TurnPlan.images): kept in the content-addressed store
+    sampling_masks: SamplingMasks | None = None  # one row per output token, when the engine was asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +232,8 @@ class LinearTrajectory:
         # engine again for them, and what samples carry.
         self.images: dict[str, Image] = {}
         self._buffer = TokenBuffer()
+        # Sampling masks by stored position (sampling_masks.py), from the first turn that brought them on.
+        self._masks: MaskBuffer | None = None
 
     # -- stored tokens ---------------------------------------------------------------------------------
     @property
@@ -246,7 +254,27 @@ class LinearTrajectory:
 
     @property
     def nbytes(self) -> int:
-        return self._buffer.nbytes
+        return self._buffer.nbytes + (self._masks.nbytes if self._masks is not None else 0)
+
+    @property
+    def sampling_masks(self) -> SamplingMasks | None:
+        """One row per stored token (empty where the model did not sample it), or None when no turn had masks."""
+        return None if self._masks is None else self._masks.masks()
+
+    def turn_masks(self, turn: int) -> SamplingMasks | None:
+        """The rows of `turn_tokens(turn)`'s positions, the trimmed tail restored from the record as its ids are."""
+        if self._masks is None:
+            return None
+        record = self.records[turn]
+        end = record.prompt_len + record.completion_len
+        trimmed = self.records[turn + 1].trimmed if turn + 1 < len(self.records) else 0
+        if not trimmed:
+            return self._masks.masks(end)
+        if len(record.tail_mask_rows) < trimmed:  # the turn had no masks: its rows are empty
+            return SamplingMasks.concat([self._masks.masks(end - trimmed), SamplingMasks.from_rows(
+                [()] * trimmed, [0.0] * trimmed)])
+        return SamplingMasks.concat([self._masks.masks(end - trimmed), SamplingMasks.from_rows(
+            record.tail_mask_rows[-trimmed:], record.tail_sampling_logprobs[-trimmed:])])
 
     def turn_tokens(self, turn: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, logprobs) of turn `turn`'s prompt + completion exactly as the engine saw and sampled them.
@@ -396,6 +424,8 @@ class LinearTrajectory:
             raise InvariantError(f"stored ids[:{keep}] are not a prefix of the prompt ({len(prompt)} tokens)")
         if len(result.output_ids) != len(result.logprobs):
             raise InvariantError("engine result has misaligned output ids and logprobs")
+        if result.sampling_masks is not None and len(result.sampling_masks) != len(result.output_ids):
+            raise InvariantError("engine result has a sampling-mask row count other than its output tokens'")
         if plan.images and result.prompt_tokens != len(prompt):  # the engine's grid differs from ours
             raise UpstreamError(f"the engine expanded the prompt's {len(plan.images)} images to "
                                 f"{result.prompt_tokens} prompt tokens, expected {len(prompt)}", rule="image_tokens")
@@ -420,6 +450,8 @@ class LinearTrajectory:
             raise InvariantError(f"reply message has role {reply['role']!r}, expected 'assistant'")
         n_out = len(result.output_ids)
         tail = max(1, self.family.max_trim_tokens)
+        masks = result.sampling_masks
+        tail_rows = masks.rows(max(0, n_out - tail), n_out) if masks is not None and n_out else None
         record = TurnRecord(
             rid=result.rid, prompt_len=len(plan.prompt_ids), completion_len=n_out,
             finish_reason=result.finish_reason, cached_tokens=result.cached_tokens,
@@ -431,12 +463,15 @@ class LinearTrajectory:
             routed_experts=result.routed_experts,
             routed_experts_start=plan.routed_experts_start if result.routed_experts is not None else 0,
             weight_versions=result.weight_versions, merged=plan.merged,
+            tail_mask_rows=() if tail_rows is None else tuple(
+                tuple(tail_rows.row(i).tolist()) for i in range(len(tail_rows))),
+            tail_sampling_logprobs=() if tail_rows is None else tuple(tail_rows.logprobs.tolist()),
         )
         return TurnDelta(
             version=self.version, base_checkpoints=plan.base_checkpoints, keep=keep,
             prompt_tail=plan.prompt_ids[keep:], output_ids=result.output_ids, logprobs=result.logprobs,
             messages=[*plan.messages, reply], tools=plan.tools, record=record, messages_json=plan.messages_json,
-            images=plan.images,
+            images=plan.images, sampling_masks=masks,
         )
 
     def apply(self, delta: TurnDelta) -> TurnRecord:
@@ -445,6 +480,12 @@ class LinearTrajectory:
         if delta.version != self.version or not fits:
             raise InvariantError(f"delta for version {delta.version} does not fit trajectory version {self.version}")
         record = delta.record
+        if delta.sampling_masks is not None and self._masks is None:
+            self._masks = MaskBuffer(self._buffer.size)  # the positions stored so far: empty rows
+        if self._masks is not None:
+            self._masks.truncate(delta.keep)
+            self._masks.append(len(delta.prompt_tail), None)
+            self._masks.append(len(delta.output_ids), delta.sampling_masks)
         self._buffer.truncate(delta.keep)
         self._buffer.append(delta.prompt_tail, None, sampled=False)
         self._buffer.append(delta.output_ids, delta.logprobs, sampled=True)
@@ -485,6 +526,7 @@ class LinearTrajectory:
         snap.images = self.images  # likewise
         snap.messages, snap.checkpoints, snap.records = list(self.messages), list(self.checkpoints), list(self.records)
         snap._buffer = self._buffer.copy()
+        snap._masks = None if self._masks is None else self._masks.copy()
         return snap
 
     def mismatch_report(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from .errors import InvariantError
 from .families.base import ModelFamily
 from .linear import LinearTrajectory, TurnDelta, TurnRecord
 from .messages import Message
+from .sampling_masks import SamplingMasks
 
 _encoder = msgspec.json.Encoder()
 _TUPLE_FIELDS = frozenset(
@@ -46,6 +47,25 @@ class StoredTurn:
     tools_changed: bool
     record: bytes            # JSON object: the TurnRecord without its routed experts
     routed_experts: bytes | None
+    sampling_masks: bytes | None = None  # `encode_masks` of the completion's rows, when the turn had them
+
+
+def encode_masks(masks: SamplingMasks) -> bytes:
+    """Rows as one blob: int64 offsets (rows + 1), then int32 ids, then float32 logprobs, little-endian."""
+    return b"".join((np.ascontiguousarray(masks.offsets, dtype="<i8").tobytes(),
+                     np.ascontiguousarray(masks.ids, dtype="<i4").tobytes(),
+                     np.ascontiguousarray(masks.logprobs, dtype="<f4").tobytes()))
+
+
+def decode_masks(blob: bytes, rows: int) -> SamplingMasks:
+    """`encode_masks`' blob of `rows` rows; InvariantError if it is not one."""
+    head = (rows + 1) * 8
+    offsets = np.frombuffer(blob[:head], dtype="<i8").astype(np.int64)
+    total = int(offsets[-1]) if len(offsets) == rows + 1 else -1
+    if total < 0 or len(blob) != head + total * 4 + rows * 4 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
+        raise InvariantError(f"stored sampling masks do not make {rows} rows")
+    ids = np.frombuffer(blob[head:head + total * 4], dtype="<i4").astype(np.int32)
+    return SamplingMasks(ids, offsets, np.frombuffer(blob[head + total * 4:], dtype="<f4").astype(np.float32))
 
 
 def _common_prefix(old: list[Message], new: list[Message]) -> int:
@@ -77,6 +97,7 @@ def store_turn(
         tools_changed=tools_changed,
         record=_encoder.encode(dataclasses.replace(record, routed_experts=None)),
         routed_experts=None if record.routed_experts is None else bytes(record.routed_experts),
+        sampling_masks=None if delta.sampling_masks is None else encode_masks(delta.sampling_masks),
     )
 
 
@@ -86,6 +107,8 @@ def _record(raw: bytes, routed_experts: bytes | None) -> TurnRecord:
         raise InvariantError("stored turn record has unknown fields")
     for name in _TUPLE_FIELDS & fields.keys():
         fields[name] = tuple(fields[name])
+    if fields.get("tail_mask_rows"):  # JSON arrays back to tuples of ids
+        fields["tail_mask_rows"] = tuple(tuple(row) for row in fields["tail_mask_rows"])
     if fields.get("weight_versions") is not None:  # JSON arrays back to the record's (version, start, end) tuples
         fields["weight_versions"] = tuple(tuple(span) for span in fields["weight_versions"])
     fields["routed_experts"] = routed_experts
@@ -111,6 +134,7 @@ def load_turn(stored: StoredTurn, trajectory: LinearTrajectory) -> TurnDelta:
         messages=[*trajectory.messages[: stored.messages_kept], *tail],
         tools=msgspec.json.decode(stored.tools or b"null") if stored.tools_changed else trajectory.tools,
         record=_record(stored.record, stored.routed_experts),
+        sampling_masks=None if stored.sampling_masks is None else decode_masks(stored.sampling_masks, len(ids)),
     )
 
 

@@ -21,12 +21,17 @@ from safetensors.numpy import save as st_save
 
 from .images import mrope_positions, prompt_images, runs
 from .linear import LinearTrajectory
+from .sampling_masks import SamplingMasks
 from .session_segments import Segment
 
 STATUSES = ("completed", "truncated", "aborted")
 _FORMAT = "trajectory-samples/v1"
 _ARRAYS = (("tokens", np.int32), ("loss_mask", np.uint8), ("rollout_log_probs", np.float32))
-_OPTIONAL = ("routed_experts", "pixel_values", "image_grid_thw", "mrope_positions")  # tensors a sample may carry
+# tensors a sample may carry
+_OPTIONAL = ("routed_experts", "pixel_values", "image_grid_thw", "mrope_positions", "sampling_mask_ids",
+             "sampling_mask_offsets", "sampling_log_probs")
+_MASK_ARRAYS = (("sampling_mask_ids", np.int32), ("sampling_mask_offsets", np.int64),
+                ("sampling_log_probs", np.float32))
 
 
 @dataclass(eq=False, slots=True)
@@ -48,6 +53,13 @@ class Sample:
     # int32 [3, len(tokens)]: the multimodal RoPE positions (temporal, height, width) the model gives these tokens
     # (images.mrope_positions, as transformers' get_rope_index), so a trainer need not rebuild them from the ids.
     mrope_positions: np.ndarray | None = None
+    # Sampling masks (trajectory/sampling_masks.py), CSR over `tokens`: the ids the sampler kept for token i are
+    # `sampling_mask_ids[sampling_mask_offsets[i]:sampling_mask_offsets[i + 1]]`; a token the model did not sample
+    # (prompt, tool output, template glue) has an empty row. `sampling_log_probs`: the engine's logprob of each
+    # sampled token normalised over its row (0.0 on empty rows), beside `rollout_log_probs` (the full vocabulary's).
+    sampling_mask_ids: np.ndarray | None = None      # int32
+    sampling_mask_offsets: np.ndarray | None = None  # int64, len(tokens) + 1
+    sampling_log_probs: np.ndarray | None = None     # float32, len(tokens)
 
     def __post_init__(self) -> None:
         n = None
@@ -82,6 +94,34 @@ class Sample:
         m = self.mrope_positions
         if m is not None and (not isinstance(m, np.ndarray) or m.dtype != np.int32 or m.shape != (3, len(self.tokens))):
             raise ValueError("sample.mrope_positions must be an int32 [3, len(tokens)] array")
+        self._check_masks()
+
+    def _check_masks(self) -> None:
+        arrays = [getattr(self, name) for name, _ in _MASK_ARRAYS]
+        if all(a is None for a in arrays):
+            return
+        n = len(self.tokens)
+        ids, offsets, logprobs = arrays
+        shapes_ok = all(isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == 1
+                        for a, (_, dtype) in zip(arrays, _MASK_ARRAYS, strict=True))
+        if not shapes_ok or len(offsets) != n + 1 or len(logprobs) != n:
+            raise ValueError("sample.sampling_mask_ids (int32), sampling_mask_offsets (int64, len(tokens) + 1) and "
+                             "sampling_log_probs (float32, len(tokens)) come together")
+        if offsets[0] != 0 or offsets[-1] != len(ids) or (np.diff(offsets) < 0).any():
+            raise ValueError("sample.sampling_mask_offsets must rise from 0 to len(sampling_mask_ids)")
+
+    @property
+    def sampling_masks(self) -> SamplingMasks | None:
+        """The CSR arrays as one value (None without masks)."""
+        if self.sampling_mask_ids is None or self.sampling_mask_offsets is None or self.sampling_log_probs is None:
+            return None
+        return SamplingMasks(self.sampling_mask_ids, self.sampling_mask_offsets, self.sampling_log_probs)
+
+    def set_masks(self, masks: SamplingMasks | None) -> None:
+        if masks is not None:
+            self.sampling_mask_ids, self.sampling_mask_offsets = masks.ids, masks.offsets
+            self.sampling_log_probs = masks.logprobs
+            self._check_masks()
 
 
 def assemble_routed_experts(traj: LinearTrajectory) -> np.ndarray | None:
@@ -130,6 +170,11 @@ def build_turn_samples(traj: LinearTrajectory, max_seq_len: int | None = None) -
         ids, logprobs = traj.turn_tokens(k)
         mask = np.zeros(len(ids), dtype=np.uint8)
         mask[record.prompt_len:] = 1
+        masks = traj.turn_masks(k)
+        if masks is not None:  # the prompt's rows are empty here: only this turn's completion is sampled in it
+            masks = SamplingMasks.concat([SamplingMasks.from_rows([()] * record.prompt_len,
+                                                                  [0.0] * record.prompt_len),
+                                          masks.rows(record.prompt_len, len(ids))])
         sample = Sample(
             tokens=ids, loss_mask=mask, rollout_log_probs=logprobs, response_length=record.completion_len,
             status=_status(record.finish_reason),
@@ -137,6 +182,7 @@ def build_turn_samples(traj: LinearTrajectory, max_seq_len: int | None = None) -
                       "weight_version": record.weight_version, "prompt_len": record.prompt_len,
                       "cached_tokens": record.cached_tokens},
         )
+        sample.set_masks(masks)
         samples.append(truncate_sample(sample, max_seq_len) if max_seq_len is not None else sample)
     return samples
 
@@ -169,6 +215,7 @@ def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) 
                   "weight_version_spans": weight_version_spans(traj)},
         routed_experts=assemble_routed_experts(traj),
     )
+    sample.set_masks(traj.sampling_masks)
     if images := sample_images(traj):
         sample.metadata["images"] = images
         assert traj.family.vision is not None  # images exist only in a vision family's trajectory
@@ -224,7 +271,8 @@ def truncate_sample(sample: Sample, max_seq_len: int) -> Sample:
     if grids is not None and pixels is not None:
         grids = grids[:len(kept)].copy()
         pixels = pixels[:int(grids.prod(axis=1).sum())].copy()
-    return Sample(
+    masks = sample.sampling_masks
+    cut_sample = Sample(
         tokens=sample.tokens[:cut].copy(), loss_mask=sample.loss_mask[:cut].copy(),
         rollout_log_probs=sample.rollout_log_probs[:cut].copy(), response_length=max(0, cut - prompt_len),
         status="truncated", metadata=metadata,
@@ -232,6 +280,8 @@ def truncate_sample(sample: Sample, max_seq_len: int) -> Sample:
         pixel_values=pixels, image_grid_thw=grids,
         mrope_positions=None if sample.mrope_positions is None else sample.mrope_positions[:, :cut].copy(),
     )
+    cut_sample.set_masks(None if masks is None else masks.rows(0, cut))
+    return cut_sample
 
 
 # -- JSON -------------------------------------------------------------------------------------------------
@@ -243,7 +293,8 @@ def samples_to_json(samples: Sequence[Sample]) -> list[dict[str, Any]]:
          **({} if s.routed_experts is None else {"routed_experts": s.routed_experts.tolist()}),
          **({} if s.pixel_values is None or s.image_grid_thw is None else {
              "pixel_values": s.pixel_values.tolist(), "image_grid_thw": s.image_grid_thw.tolist()}),
-         **({} if s.mrope_positions is None else {"mrope_positions": s.mrope_positions.tolist()})}
+         **({} if s.mrope_positions is None else {"mrope_positions": s.mrope_positions.tolist()}),
+         **{name: getattr(s, name).tolist() for name, _ in _MASK_ARRAYS if getattr(s, name) is not None}}
         for s in samples
     ]
 
@@ -295,9 +346,11 @@ def samples_from_json(data: Any) -> list[Sample]:
             if positions.size and (positions.min() < 0 or positions.max() >= 2**31):
                 raise ValueError(f"samples[{i}].mrope_positions must be int32 values")
             positions = positions.astype(np.int32)
+        masks = {name: _json_array(i, name, item[name], dtype) for name, dtype in _MASK_ARRAYS
+                 if item.get(name) is not None}
         out.append(Sample(**arrays, response_length=item["response_length"], status=item["status"],
                           metadata=item.get("metadata") or {}, routed_experts=routed, pixel_values=pixels,
-                          image_grid_thw=grids, mrope_positions=positions))
+                          image_grid_thw=grids, mrope_positions=positions, **masks))
     return out
 
 
@@ -340,6 +393,9 @@ def samples_from_safetensors(data: bytes) -> list[Sample]:
         Sample(**{name: tensors[f"{i}.{name}"] for name, _ in _ARRAYS}, response_length=entry["response_length"],
                status=entry["status"], metadata=entry.get("metadata") or {},
                routed_experts=tensors.get(f"{i}.routed_experts"), pixel_values=tensors.get(f"{i}.pixel_values"),
-               image_grid_thw=tensors.get(f"{i}.image_grid_thw"), mrope_positions=tensors.get(f"{i}.mrope_positions"))
+               image_grid_thw=tensors.get(f"{i}.image_grid_thw"), mrope_positions=tensors.get(f"{i}.mrope_positions"),
+               sampling_mask_ids=tensors.get(f"{i}.sampling_mask_ids"),
+               sampling_mask_offsets=tensors.get(f"{i}.sampling_mask_offsets"),
+               sampling_log_probs=tensors.get(f"{i}.sampling_log_probs"))
         for i, entry in enumerate(entries)
     ]

@@ -43,6 +43,24 @@ def response_part(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return sample.tokens[p:], sample.loss_mask[p:], sample.rollout_log_probs[p:]
 
 
+def response_sampling_masks(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The response's sampling masks as slime's top-p replay takes them (`rollout_top_p_token_ids` /
+    `rollout_top_p_token_offsets`): int32 ids and int32 offsets (response_length + 1), a response token the model did
+    not sample (tool output, glue) a row of itself (miles' singleton support), and the behaviour logprobs: the
+    engine's, over each sampled token's row. None for a sample without masks."""
+    masks = sample.sampling_masks
+    if masks is None:
+        return None
+    p = prompt_length(sample)
+    part = masks.rows(p, len(sample.tokens))
+    tokens = sample.tokens[p:]
+    lengths = np.diff(part.offsets)
+    single = lengths == 0
+    ids = np.insert(part.ids, part.offsets[:-1][single], tokens[single])
+    offsets = np.concatenate([[0], np.cumsum(np.maximum(lengths, 1))])
+    return ids.astype(np.int32), offsets.astype(np.int32), part.logprobs
+
+
 def routed_experts(sample: Sample, layers: int | None) -> np.ndarray | None:
     """int32 [len(tokens), layers, top_k] (the engine's shape) or, without `layers`, the flat [len(tokens), k] rows.
 

@@ -11,6 +11,10 @@ copy of the input sample (its prompt, label, index, group_index and metadata kep
   `metadata["weight_version_spans"]`;
 - `rollout_routed_experts`: int32 [len(tokens) - 1, layers, top_k] (the tokens fed to the model, the shape slime
   reshapes SGLang's payload to with `--num-layers` and `--moe-router-topk`);
+- with sampling masks (top-k / top-p sampling on a session that records them): `rollout_top_p_token_ids` and
+  `rollout_top_p_token_offsets` (int32, offsets `response_length + 1`, the response part, a tool or glue token a row
+  of itself), slime's sampling-support replay, and `rollout_log_probs` the engine's behaviour logprobs, each sampled
+  token's over its row (what the replay's support-renormalised trainer logprobs are compared with);
 - `status`: the input class's `Status` (COMPLETED / TRUNCATED / ABORTED); `reward`: the agent's reward, if any;
 - `rollout_id`: the same on every segment of one session, so slime's loss averages within the rollout once.
 
@@ -25,11 +29,14 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from rollout.adapters._common import (
     fed_routed_experts,
     load_function,
     prompt_length,
     request_kwargs,
+    response_sampling_masks,
     run_session,
 )
 from trajectory import Sample, sample_metadata
@@ -42,8 +49,9 @@ def to_samples(samples: Sequence[Sample], base: Any, *, reward: Any = None, roll
                metadata: dict[str, Any] | None = None) -> list[Any]:
     """Copies of slime/miles' input `base` sample, one per segment, filled from our samples.
 
-    `experts_as`: "torch" (slime keeps a tensor) or "numpy" (miles' int32 array). `tokenizer`: decodes `response`
-    for reward models that read text (left as the input's otherwise).
+    `experts_as`: "torch" (slime keeps a tensor) or "numpy" (miles' int32 array), for the routed experts and the
+    sampling masks alike. `tokenizer`: decodes `response` for reward models that read text (left as the input's
+    otherwise).
     """
     if rollout_id is None:
         rollout_id = base.rollout_id if base.rollout_id is not None else base.index
@@ -62,17 +70,18 @@ def to_samples(samples: Sequence[Sample], base: Any, *, reward: Any = None, roll
         item.metadata = {**(base.metadata or {}), **sample.metadata, **(metadata or {})}
         if tokenizer is not None:
             item.response = tokenizer.decode(sample.tokens[p:].tolist())
+        if (support := response_sampling_masks(sample)) is not None:
+            ids, offsets, behaviour = support
+            on = sample.loss_mask[p:] == 1
+            item.rollout_log_probs = np.where(on, behaviour, sample.rollout_log_probs[p:]).astype(float).tolist()
+            item.rollout_top_p_token_ids, item.rollout_top_p_token_offsets = _as(ids, experts_as), _as(offsets,
+                                                                                                         experts_as)
         if sample.routed_experts is not None:
             if expert_layers is None:
                 raise ValueError("slime wants routed experts as [tokens, layers, top_k]: pass expert_layers")
             fed = fed_routed_experts(sample, expert_layers)
             assert fed is not None
-            if experts_as == "torch":
-                import torch
-
-                item.rollout_routed_experts = torch.from_numpy(fed.copy())
-            else:
-                item.rollout_routed_experts = fed.copy()
+            item.rollout_routed_experts = _as(fed, experts_as)
         out.append(item)
     return out
 
@@ -94,6 +103,14 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], eval
     return to_samples(episode.samples, sample, reward=episode.reward,
                       expert_layers=getattr(args, "num_layers", None) if _has_experts(episode.samples) else None,
                       metadata=episode.metadata)
+
+
+def _as(array: np.ndarray, kind: str) -> Any:
+    if kind == "torch":
+        import torch
+
+        return torch.from_numpy(array.copy())
+    return array.copy()
 
 
 def _has_experts(samples: Sequence[Sample]) -> bool:

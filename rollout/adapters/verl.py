@@ -30,6 +30,7 @@ from rollout.adapters._common import (
     prompt_length,
     request_kwargs,
     require_samples,
+    response_sampling_masks,
     routed_experts,
     run_session,
 )
@@ -79,6 +80,7 @@ def to_agent_loop_outputs(
                 "segment_index": index,
                 "status": sample.status,
                 **({"segment": segment} if segment else {}),
+                **_sampling_masks(sample),
                 # verl's TransferQueue worker copies the last output's reward_extra_info onto the others whenever a
                 # reward is set (and its reward loop, which would fill it, skips outputs that have one)
                 **({"reward_extra_info": {}} if reward is not None else {}),
@@ -86,6 +88,17 @@ def to_agent_loop_outputs(
             },
         ))
     return outputs
+
+
+def _sampling_masks(sample: Sample) -> dict[str, Any]:
+    """The response's sampling masks (slime's convention, rollout.adapters._common), for a top-p replay in verl's
+    loss: verl has no field of its own for them."""
+    support = response_sampling_masks(sample)
+    if support is None:
+        return {}
+    ids, offsets, behaviour = support
+    return {"sampling_mask_ids": ids.tolist(), "sampling_mask_offsets": offsets.tolist(),
+            "sampling_log_probs": behaviour.astype(float).tolist()}
 
 
 def _agent_loop_class() -> type:

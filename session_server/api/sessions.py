@@ -28,6 +28,7 @@ from session_server.frontend.root_session import header_id, not_found
 from session_server.http.body import read_object
 from session_server.sessions.session import Session
 from session_server.state import ServerState, server_of
+from session_server.turns.sampling_masks import mask_policy
 from trajectory import LinearTrajectory, Segment
 from trajectory.errors import RequestValidationError
 
@@ -46,8 +47,9 @@ def relay(reply: EngineReply) -> Response:
 
 
 async def create_session(request: Request) -> Response:
-    """POST /sessions, optional body `{"metadata": {...}}`. The body is bounded by the metadata cap (plus room for
-    the envelope) as well as the request limit, and the metadata itself by its encoded size."""
+    """POST /sessions, optional body `{"metadata": {...}, "return_sampling_masks": bool}`. The body is bounded by the
+    metadata cap (plus room for the envelope) as well as the request limit, and the metadata itself by its encoded
+    size. `return_sampling_masks` overrides --return-sampling-masks for this session (turns/sampling_masks.py)."""
     server = server_of(request)
     config = server.config
     limit = min(config.max_request_bytes, config.max_metadata_bytes + METADATA_ENVELOPE)
@@ -62,7 +64,11 @@ async def create_session(request: Request) -> Response:
         raise RequestTooLargeError(
             f"'metadata' is {size} bytes encoded; the limit is {config.max_metadata_bytes} bytes"
         )
-    session = await server.lifecycle.create_durably(server.new_segments(), metadata)  # 503 if not journaled
+    masks = obj.get("return_sampling_masks")
+    if masks is not None and not isinstance(masks, bool):
+        raise RequestValidationError("'return_sampling_masks' must be a boolean")
+    # 503 if not journaled
+    session = await server.lifecycle.create_durably(server.new_segments(), metadata, masks)
     return json_response({"session_id": session.id})
 
 
@@ -78,6 +84,7 @@ async def get_session(request: Request) -> Response:
             "metadata": session.metadata,
             "created_at": session.created_at,
             "busy": bool(session.claims),
+            "return_sampling_masks": mask_policy(server.config, session) is not None,
         }
     body = await server.pool.run(_session_body, snapshot, busy, live)
     return Response(body, media_type="application/json")

@@ -36,7 +36,8 @@ from session_server.engine import pacing
 from trajectory.errors import UpstreamError
 
 _encoder = msgspec.json.Encoder()
-_PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs")
+_MASK_META = ("output_token_sampling_mask", "output_token_sampling_logprobs")  # with sampling masks (rows per token)
+_PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs", *_MASK_META)
 _DONE = b"data: [DONE]"
 _DONE_PIECE = _DONE + b"\n\n"  # as SGLang writes it, one HTTP chunk
 _TOKEN_LOGPROBS = b'"output_token_logprobs":['  # SGLang's key and the list's opening, as orjson writes them
@@ -56,6 +57,8 @@ class _Meta(msgspec.Struct, gc=False):
     completion_tokens: Any = None
     output_token_logprobs: msgspec.Raw = _ABSENT
     output_top_logprobs: msgspec.Raw = _ABSENT
+    output_token_sampling_mask: msgspec.Raw = _ABSENT
+    output_token_sampling_logprobs: msgspec.Raw = _ABSENT
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -274,6 +277,8 @@ class _Reader:
         metas = [e.meta_info for e in deltas if e.meta_info is not None]
         self.raws["output_token_logprobs"] += [m.output_token_logprobs for m in metas if m.output_token_logprobs]
         self.raws["output_top_logprobs"] += [m.output_top_logprobs for m in metas if m.output_top_logprobs]
+        for key in _MASK_META:
+            self.raws[key] += [raw for m in metas if (raw := getattr(m, key))]
         # The reply's tokens at each event's end: SGLang's meta_info.completion_tokens counts the whole reply in
         # both modes. Only where the chunks are cut depends on it (an engine without it: one token per event).
         counts: list[Any] = [e.meta_info.completion_tokens if e.meta_info is not None else None for e in deltas]

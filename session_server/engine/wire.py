@@ -55,6 +55,9 @@ class GenerateRequest:
     thinking: bool = False
     images: Sequence[Image] = ()
     image_pad: int = -1
+    # Ask for the ids the sampler kept per output token and the sampled token's logprob over them (SGLang's
+    # `return_sampling_mask`, mode "selected"; trajectory/sampling_masks.py).
+    sampling_masks: bool = False
 
     @property
     def size(self) -> int:
@@ -93,6 +96,9 @@ def encode_generate(request: GenerateRequest) -> bytes:
         payload["top_logprobs_num"] = request.top_logprobs
     if request.thinking and any(sp.get(key) is not None for key in CONSTRAINED_KEYS):
         payload["require_reasoning"] = True
+    if request.sampling_masks:
+        payload["return_sampling_mask"] = True
+        payload["sampling_logprobs_mode"] = "selected"
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
@@ -142,16 +148,19 @@ def split_routed_experts(body: bytes) -> tuple[bytes, memoryview | None]:
 
 
 def decode_engine_reply(
-    body: bytes, vocab_size: int, split: tuple[bytes, memoryview | None] | None = None
+    body: bytes, vocab_size: int, split: tuple[bytes, memoryview | None] | None = None,
+    sampling_mask_bound: int | None = None,
 ) -> GenerateResult:
     """Strictly validate an engine reply (UpstreamError, 502, on any broken rule), routed experts cut out first.
 
     `split` is `split_routed_experts(body)` when the caller already made the cut (to size the work that is left).
+    `sampling_mask_bound`: the request asked for sampling masks under this top-k (decode_generate_response).
     """
     small, routed = split if split is not None else split_routed_experts(body)
+    bound = sampling_mask_bound
     if routed is None:
-        return decode_generate_response(body, vocab_size)
+        return decode_generate_response(body, vocab_size, bound)
     try:
-        return dataclasses.replace(decode_generate_response(small, vocab_size), routed_experts=routed)
+        return dataclasses.replace(decode_generate_response(small, vocab_size, bound), routed_experts=routed)
     except UpstreamError:
-        return decode_generate_response(body, vocab_size)  # the cut went wrong: the full strict decode decides
+        return decode_generate_response(body, vocab_size, bound)  # the cut went wrong: the full strict decode decides

@@ -3,7 +3,8 @@
 Why SQLite (the standard library's sqlite3, WAL mode): no server to run, atomic transactions, and a file an operator
 can open with the `sqlite3` shell. What is stored (docs/design.md 7, durability):
 
-    sessions    id, family, settings (max_rollback, matcher), metadata, created_at, last_active (wall clock)
+    sessions    id, family, settings (max_rollback, matcher, sampling_masks), metadata, created_at, last_active
+                (wall clock)
     turns       one row per committed turn, as deltas (trajectory/restore.py): appended prompt tokens, completion and
                 logprobs as blobs, messages past the unchanged prefix, tools when changed, the record, routed experts;
                 the segment it belongs to, and on a segment's first turn where the segment came from (Segment.info)
@@ -60,8 +61,8 @@ logger = logging.getLogger("session_server.sessions.journal")
 
 APPLICATION_ID = 0x534A524E  # "SJRN"
 # 2: turns carry their segment (1 is migrated on open: every turn of segment 0); 3: the pause table; 4: the
-# engine_sessions table (each added on open)
-SCHEMA_VERSION = 4
+# engine_sessions table; 5: turns carry their sampling masks (each added on open)
+SCHEMA_VERSION = 5
 SYNC_MODES = ("normal", "full")
 MAX_BATCH = 512  # operations per transaction
 VACUUM_FREE_PAGES = 2048  # return free pages to the file system once this many accumulate (8 MiB at 4 KiB pages)
@@ -91,7 +92,8 @@ CREATE TABLE turns (
     record BLOB NOT NULL,
     routed_experts BLOB,
     segment INTEGER NOT NULL DEFAULT 0,
-    segment_info BLOB
+    segment_info BLOB,
+    sampling_masks BLOB
 );
 CREATE UNIQUE INDEX turns_by_segment ON turns (session_id, segment, version);
 CREATE TABLE tombstones (
@@ -113,7 +115,7 @@ CREATE TABLE engine_sessions (
 
 _TURN_COLUMNS = (
     "version", "base_checkpoints", "keep", "prompt_tail", "output_ids", "logprobs", "messages_kept", "messages",
-    "tools", "tools_changed", "record", "routed_experts",
+    "tools", "tools_changed", "record", "routed_experts", "sampling_masks",
 )
 _encoder = msgspec.json.Encoder()
 
@@ -139,13 +141,14 @@ class SessionInfo:
     matcher: str
     metadata: dict[str, Any]
     created_at: float
+    sampling_masks: bool | None = field(default=None, kw_only=True)  # Session.sampling_masks
 
     @classmethod
     def of(cls, session: Session) -> SessionInfo:
         traj = session.trajectory
         return cls(
             id=session.id, family=traj.family.name, max_rollback=traj.max_rollback, matcher=traj.matcher.mode,
-            metadata=session.metadata, created_at=session.created_at,
+            metadata=session.metadata, created_at=session.created_at, sampling_masks=session.sampling_masks,
         )
 
 
@@ -217,6 +220,7 @@ _MIGRATIONS = {
         "CREATE UNIQUE INDEX turns_by_segment ON turns (session_id, segment, version);"),
     2: "CREATE TABLE pause (id INTEGER PRIMARY KEY CHECK (id = 0), mode TEXT NOT NULL, since REAL NOT NULL);",
     3: "CREATE TABLE engine_sessions (sid TEXT PRIMARY KEY, session_id TEXT NOT NULL);",
+    4: "ALTER TABLE turns ADD COLUMN sampling_masks BLOB;",
 }
 
 
@@ -302,6 +306,7 @@ class Journal:
             sessions[sid] = RestoredSession(
                 id=sid, family=family, max_rollback=int(s["max_rollback"]), matcher=str(s["matcher"]),
                 metadata=msgspec.json.decode(metadata), created_at=created_at, last_active=last_active,
+                sampling_masks=s.get("sampling_masks"),
             )
         cols = ", ".join(_TURN_COLUMNS)
         for row in conn.execute(
@@ -504,7 +509,8 @@ class Journal:
             "INSERT INTO sessions (id, family, settings, metadata, created_at, last_active) VALUES (?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (id) DO UPDATE SET last_active = excluded.last_active",
             (info.id, info.family,
-             _encoder.encode({"max_rollback": info.max_rollback, "matcher": info.matcher}).decode(),
+             _encoder.encode({"max_rollback": info.max_rollback, "matcher": info.matcher,
+                              "sampling_masks": info.sampling_masks}).decode(),
              _encoder.encode(info.metadata).decode(), info.created_at, last_active),
         )
 

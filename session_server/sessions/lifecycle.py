@@ -74,13 +74,16 @@ class Lifecycle:
         self._metrics.sessions_created.inc()
         return session
 
-    async def create_durably(self, segments: SegmentSet, metadata: dict[str, Any] | None = None) -> Session:
+    async def create_durably(self, segments: SegmentSet, metadata: dict[str, Any] | None = None,
+                             sampling_masks: bool | None = None) -> Session:
         """POST /sessions: with a journal, the session is on disk before its id is handed out (else 503, no
-        session): a client that got an id can use it after a restart."""
+        session): a client that got an id can use it after a restart. `sampling_masks`: Session.sampling_masks."""
         if self.journal is None:
-            return self.create(segments, metadata)
+            session = self.create(segments, metadata)
+            session.sampling_masks = sampling_masks
+            return session
         self._check_capacity()
-        session = self.registry.create(segments, metadata)
+        session = self.registry.create(segments, metadata, sampling_masks)
         try:
             await self.journal.created(SessionInfo.of(session))
         except BaseException:

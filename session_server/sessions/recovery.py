@@ -48,6 +48,6 @@ def restore_sessions(registry: Registry, family: ModelFamily, restored: Restored
             raise JournalError(f"journal session {saved.id} cannot be replayed: {exc}") from exc
         registry.restore(Session(
             id=saved.id, segments=segments, metadata=saved.metadata, created_at=saved.created_at,
-            last_active=wall_to_monotonic(saved.last_active),
+            last_active=wall_to_monotonic(saved.last_active), sampling_masks=saved.sampling_masks,
         ))
     return len(restored.sessions)

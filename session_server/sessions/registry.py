@@ -30,18 +30,20 @@ class Registry:
         self._tombstones: OrderedDict[str, str] = OrderedDict()  # id -> why it is gone, oldest first
         self._max_tombstones = max_tombstones
 
-    def create(self, segments: SegmentSet, metadata: dict[str, Any] | None = None) -> Session:
+    def create(self, segments: SegmentSet, metadata: dict[str, Any] | None = None,
+               sampling_masks: bool | None = None) -> Session:
         while True:
             sid = self._id_prefix + secrets.token_hex(16)
             if not self.knows(sid):
-                return self.create_named(sid, segments, metadata)
+                return self.create_named(sid, segments, metadata, sampling_masks)
 
-    def create_named(self, sid: str, segments: SegmentSet, metadata: dict[str, Any] | None = None) -> Session:
+    def create_named(self, sid: str, segments: SegmentSet, metadata: dict[str, Any] | None = None,
+                     sampling_masks: bool | None = None) -> Session:
         """A session under an id the client chose (X-Session-ID with --create-sessions-on-demand).
 
         A live or tombstoned id is refused: a late request must never revive a deleted episode under its old id.
         """
-        session = Session(id=sid, segments=segments, metadata=metadata or {})
+        session = Session(id=sid, segments=segments, metadata=metadata or {}, sampling_masks=sampling_masks)
         self._insert(session)
         return session
 

@@ -33,6 +33,9 @@ class Session:
     claims: set[Claim] = field(default_factory=set)  # the turns in flight
     closing: bool = False
     last_active: float = field(default_factory=time.monotonic)  # last request naming this session (idle sweep)
+    # Ask the engine for sampling masks (turns/sampling_masks.py): as POST /sessions said, None for the server's
+    # --return-sampling-masks.
+    sampling_masks: bool | None = None
 
     @property
     def trajectory(self) -> LinearTrajectory:

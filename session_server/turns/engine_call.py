@@ -96,7 +96,7 @@ def decode_and_reply(
     """The strict decode (continuing `before`) and, for a plain turn, the front end's reply: one step on the pool
     (or inline, by size)."""
     out = decode_turn(body, turn.family, turn.rid, turn.request.parse_tool_calls, split, retry_after, turn.plan,
-                      before)
+                      before, turn.request.sampling_mask_bound)
     return out, reply(turn, out) if reply is not None else None
 
 
@@ -217,6 +217,7 @@ class EngineCall(Generic[R]):
             routed_experts_start=plan.routed_experts_start,
             thinking=server.family.thinking_mode(request.template_kwargs),
             images=plan.images, image_pad=vision.tokens.pad if vision is not None else -1,
+            sampling_masks=request.sampling_mask_bound is not None,
         )
 
     async def _encode(self) -> bytes:

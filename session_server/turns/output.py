@@ -29,7 +29,7 @@ def call_id_prefix(rid: str) -> str:
 def decode_turn(
     body: bytes, family: ModelFamily, rid: str, parse_tool_calls: bool = True,
     split: tuple[bytes, memoryview | None] | None = None, retry_after: int = 1, plan: TurnPlan | None = None,
-    before: GenerateResult | None = None,
+    before: GenerateResult | None = None, sampling_mask_bound: int | None = None,
 ) -> TurnOutput:
     """Strictly validate the engine reply (502 on any rule) and parse it with the family. A reply the engine itself
     aborted is EngineAbortedError (503 with `retry_after`): there is nothing to commit.
@@ -38,8 +38,9 @@ def decode_turn(
     `plan` is the turn's: its tools type XML tool-call arguments, and its `reply_opening` (the start of the reply the
     prompt already wrote, Qwen3.5's `<think>\n`) is parsed in front of the engine's text. `before`: what earlier
     engine requests of this turn sampled before the engine aborted them (turns/resume.py); the reply continues it.
+    `sampling_mask_bound`: the turn asked for sampling masks under this top-k (TurnRequest.sampling_mask_bound).
     """
-    result = decode_engine_reply(body, family.vocab_size, split)
+    result = decode_engine_reply(body, family.vocab_size, split, sampling_mask_bound)
     if before is not None:
         result = join_results(before, result)
     if result.finish_reason.get("type") == "abort":

@@ -32,6 +32,7 @@ from session_server.state import ServerState, server_of
 from session_server.tracing import TurnSpan, turn_facts
 from session_server.turns.engine_call import EngineCall, count_failure
 from session_server.turns.limits import TurnLimits
+from session_server.turns.sampling_masks import SamplingMaskPolicy, mask_policy
 from session_server.turns.stream import StreamedTurn
 from session_server.turns.turn import FrontEnd, Turn, TurnRequest, new_rid
 from trajectory import SegmentPlan, SegmentSet
@@ -170,7 +171,7 @@ async def _read_body_or_abort(claim: Claim, request: Request, limit: int, deadli
 
 def prepare_turn(
     body: bytes, segments: SegmentSet, api: FrontEnd[R], limits: TurnLimits = NO_LIMITS,
-    busy: Mapping[int, Message] | None = None,
+    busy: Mapping[int, Message] | None = None, masks: SamplingMaskPolicy | None = None,
 ) -> tuple[TurnRequest[R], SegmentPlan]:
     """Parse the request, match its segment and build the TITO prompt: the CPU work of a turn before the engine call.
 
@@ -178,9 +179,14 @@ def prepare_turn(
     another segment's turn commits on the loop is at worst stale: `Lifecycle.bind` refuses a plan whose segment
     moved since (409), and a commit checks the version again. Rendering the chat template and tokenizing are the most
     expensive steps of a turn; on the loop they would delay every other request, /health included.
+
+    `masks`: the session records sampling masks; a request that cannot be replayed with them is refused here, for
+    every API, before anything is rendered (turns/sampling_masks.py).
     """
     family = segments.main.family
     turn = api.parse(body, segments.main, limits.images)  # previous_response_id: on the session's first segment
+    if masks is not None:
+        turn.sampling_mask_bound = masks.apply(turn.sampling_params)
     limits.before_render(turn.messages, family, len(body))
     plan = segments.prepare(turn.messages, turn.tools, turn.template_kwargs, busy, turn.messages_json)
     limits.after_render(plan.turn, turn.sampling_params)
@@ -203,7 +209,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
     prepare = functools.partial(
         prepare_turn, body, session.segments, api,
         TurnLimits(server.prompt_token_limit, server.config.max_session_tokens, server.config.image_limits),
-        session.busy_segments(),
+        session.busy_segments(), mask_policy(server.config, session),
     )
     # A GRPO group's repeated first request with its ids kept: prepared here, no pool hop (repeated_first_turns.py),
     # if its parse is as small as what runs here anyway.

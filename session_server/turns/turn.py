@@ -44,6 +44,8 @@ class TurnRequest(Generic[R]):
     ignored: Sequence[str] = ()  # request fields accepted without effect on the tokens (counted by front end)
     messages_json: bytes | None = None  # the bytes `messages` were read from, if the front end kept them
     return_token_ids: bool | None = None  # the request's own `return_token_ids` (None: the server's default)
+    # With sampling masks on (turns/sampling_masks.py): the top-k bound of their rows; None: no masks asked for.
+    sampling_mask_bound: int | None = None
 
 
 # Request ids without a urandom read per turn: a 64-bit count from a random start, then 64 random bits per process

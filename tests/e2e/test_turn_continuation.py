@@ -96,10 +96,12 @@ def _continued(server: str) -> float:
 
 
 def _cut(stack: Stack, server: str, versions: list[str], body: dict[str, Any],
-         route: str = "update_weight_version") -> httpx.Response:
-    """Post `body` to a new session of `server` and, while it runs, cut it with one weight update per version
-    (each after the running request emitted some tokens); the chat's response."""
-    sid = new_session(server)
+         route: str = "update_weight_version", masks: bool = False) -> httpx.Response:
+    """Post `body` to a new session of `server` (`masks`: one that records sampling masks) and, while it runs, cut
+    it with one weight update per version (each after the running request emitted some tokens); the chat's
+    response."""
+    sid = new_session(server) if not masks else httpx.post(
+        f"{server}/sessions", json={"return_sampling_masks": True}, timeout=10).json()["session_id"]
     base = _continued(server)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         with _paced(stack.engine):
@@ -210,6 +212,32 @@ def test_a_streamed_reply_simply_goes_on(stack: Stack, versions: None) -> None:
     n_prompt = len(sample.tokens) - sample.response_length
     np.testing.assert_array_equal(np.asarray(logprobs, np.float32), sample.rollout_log_probs[n_prompt:])
     assert [v for v, _, _ in sample.metadata["weight_version_spans"]] == ["default", "step-2"]
+    assert httpx.delete(f"{server}/sessions/{resp.extensions['sid']}").status_code == 204
+    assert_engine_baseline(stack.engine)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_continued_reply_keeps_one_sampling_mask_row_per_token(stack: Stack, versions: None, stream: bool) -> None:
+    """Sampling masks across two continuations: one row per sampled token, each holding its token, the rows the
+    engine sent for the pieces in order (plain: read off the recording proxy)."""
+    server = stack.server
+    assert stack.proxy is not None
+    stack.proxy.clear()
+    body = {**CHAT_TWICE, "stream": stream, "temperature": 1.0, "top_p": 0.9, "top_k": 20}
+    resp = _cut(stack, server, ["step-2", "step-3"], body, masks=True)
+    assert resp.status_code == 200, resp.text
+    sample = _sample(server, resp.extensions["sid"])
+    masks = sample.sampling_masks
+    assert masks is not None and sample.metadata["num_turns"] == 1
+    prompt = len(sample.tokens) - sample.response_length
+    rows = [masks.row(p).tolist() for p in range(len(sample.tokens))]
+    assert rows[:prompt] == [[]] * prompt and all(
+        sample.tokens[p] in rows[p] and len(rows[p]) <= 20 for p in range(prompt, len(sample.tokens)))
+    if not stream:
+        pieces = [c["response"] for c in stack.proxy.settled() if c["path"] == "/generate"]
+        assert len(pieces) == 3 and all(c["request"]["return_sampling_mask"] for c in stack.proxy.settled()
+                                        if c["path"] == "/generate")
+        assert rows[prompt:] == [row for piece in pieces for row in piece["meta_info"]["output_token_sampling_mask"]]
     assert httpx.delete(f"{server}/sessions/{resp.extensions['sid']}").status_code == 204
     assert_engine_baseline(stack.engine)
 

@@ -12,7 +12,6 @@ an in-place update, so tokens sampled after it come from a mix of both weights: 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout.logprob_check import LogprobCheckReport, check_logprobs
-from support.server import chat_url, new_session
+from support.server import chat_content, chat_url, new_session
 from support.sglang_engine import Engines, Served, ServeFactory, assert_engine_clean, paced
 from trajectory import Sample, samples_from_json
 
@@ -92,17 +91,7 @@ def test_chat_completions(served: Served, policy: torch.nn.Module, stream: bool)
     history: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
     for turn in range(3):
         history.append({"role": "user", "content": f"Question {turn}: what is {turn} + {turn}?"})
-        body = {"messages": history, **GREEDY, "stream": stream}
-        if stream:
-            with httpx.stream("POST", chat_url(served.server, sid), json=body, timeout=120) as r:
-                assert r.status_code == 200
-                chunks = [json.loads(line[5:]) for line in r.iter_lines()
-                          if line.startswith("data:") and line.strip() != "data: [DONE]"]
-            content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
-        else:
-            r = httpx.post(chat_url(served.server, sid), json=body, timeout=120)
-            assert r.status_code == 200, r.text
-            content = r.json()["choices"][0]["message"]["content"] or ""
+        content = chat_content(served.server, sid, {"messages": history, **GREEDY, "stream": stream})
         history.append({"role": "assistant", "content": content})
     (merged,) = samples(served, sid)
     assert merged.metadata["num_turns"] == 3

@@ -15,6 +15,7 @@ streaming sessions and reasoning parser.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -243,6 +244,70 @@ def sampling_value_out_of_range_streamed(t: Target) -> dict[str, Any]:
     events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
     return {"status": r.status_code, "content_type": r.headers.get("content-type", "").split(";")[0],
             "events": [e.decode() if e == b"[DONE]" else msgspec.json.decode(e) for e in events]}
+
+
+MASKED = {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "max_new_tokens": 8}
+
+
+def _mask_facts(meta: dict[str, Any], mode: str, top_k: int) -> dict[str, Any]:
+    """What holds of the rows whatever the model: one per output token, the sampled id in each, within top_k, and
+    the sampling logprobs those of a distribution over the row (support: each row's exp sums to 1; selected: at
+    least the full-vocabulary logprob)."""
+    rows, values = meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"]
+    tokens = [entry[1] for entry in meta["output_token_logprobs"]]
+    full = [entry[0] for entry in meta["output_token_logprobs"]]
+    if mode == "support":
+        normalised = all(abs(sum(math.exp(v) for v in row) - 1) < 1e-3 for row in values)
+    else:
+        normalised = all(v >= f - 1e-4 for v, f in zip(values, full, strict=True))
+    return {"rows_per_token": len(rows) == len(tokens) == meta["output_token_sampling_mask_length"],
+            "sampled_in_row": all(t in row for t, row in zip(tokens, rows, strict=True)),
+            "within_top_k": all(1 <= len(row) <= top_k for row in rows), "normalised": normalised}
+
+
+@probe
+def sampling_mask_plain(t: Target) -> dict[str, Any]:
+    """`return_sampling_mask` with both `sampling_logprobs_mode`s, sampled and greedy; the reply keeps the shape the
+    server's fast decode path takes."""
+    out: dict[str, Any] = {}
+    for mode in ("selected", "support"):
+        r = t.generate(sampling_params=MASKED, return_sampling_mask=True, sampling_logprobs_mode=mode)
+        out[mode] = {**reply(r), **_mask_facts(r.json()["meta_info"], mode, 20), "decode_path": decode_path(r.content)}
+    greedy = t.generate(sampling_params={"temperature": 0, "max_new_tokens": 4}, return_sampling_mask=True,
+                        sampling_logprobs_mode="support").json()["meta_info"]
+    out["greedy"] = {"rows": [len(row) for row in greedy["output_token_sampling_mask"]],
+                     "logprobs": greedy["output_token_sampling_logprobs"]}
+    return out
+
+
+@probe
+def sampling_mask_refusals(t: Target) -> dict[str, Any]:
+    """A top_k the mask cannot hold (none, or past --sampling-mask-max-tokens) and a logprobs mode without masks."""
+    out = {}
+    for name, sp in (("no_top_k", {"temperature": 1.0, "top_p": 0.9}), ("all", {"temperature": 1.0, "top_k": -1}),
+                     ("past_cap", {"temperature": 1.0, "top_k": 4097})):
+        out[name] = error(t.generate(sampling_params={**sp, "max_new_tokens": 2}, return_sampling_mask=True))
+    at_cap = t.generate(sampling_params={"temperature": 1.0, "top_k": 4096, "max_new_tokens": 2},
+                        return_sampling_mask=True)
+    out["at_cap"] = {**reply(at_cap), **_mask_facts(at_cap.json()["meta_info"], "selected", 4096)}
+    out["mode_without_masks"] = error(t.generate(sampling_params=MASKED, sampling_logprobs_mode="support"))
+    return out
+
+
+@probe
+def sampling_mask_stream(t: Target) -> dict[str, Any]:
+    """Streamed: each event carries the rows so far (cumulative, as the logprobs)."""
+    with t.http.stream("POST", "/generate", json={
+        "input_ids": t.prompt, "sampling_params": MASKED, "return_logprob": True, "logprob_start_len": -1,
+        "rid": t.rid(), "stream": True, "return_sampling_mask": True,
+    }) as r:
+        events = [e.removeprefix(b"data: ") for e in r.read().split(b"\n\n") if e]
+    chunks = [msgspec.json.decode(e) for e in events[:-1]]
+    return {"status": r.status_code, "last": events[-1].decode(), "chunk_shapes": shape(chunks),
+            "cumulative": all(len(c["meta_info"]["output_token_sampling_mask"]) == len(c["output_ids"])
+                              for c in chunks),
+            "final": _mask_facts(chunks[-1]["meta_info"], "selected", 20),
+            "final_decode_path": decode_path(events[-2])}
 
 
 def _cut_stream(t: Target, cut: Callable[[], httpx.Response]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -107,6 +108,19 @@ def run_in_session(server: str, body: SessionBody, metadata: dict[str, Any] | No
 
 def chat_url(server: str, session_id: str) -> str:
     return f"{server}/sessions/{session_id}/v1/chat/completions"
+
+
+def chat_content(server: str, session_id: str, body: dict[str, Any]) -> str:
+    """One Chat Completions turn (`body["stream"]`: read as the SSE deltas it streams): the reply's content."""
+    if body.get("stream"):
+        with httpx.stream("POST", chat_url(server, session_id), json=body, timeout=120) as r:
+            assert r.status_code == 200
+            chunks = [json.loads(line[5:]) for line in r.iter_lines()
+                      if line.startswith("data:") and line.strip() != "data: [DONE]"]
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    r = httpx.post(chat_url(server, session_id), json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["message"]["content"] or "")
 
 
 def assert_sample_is_what_the_engine_saw(sample: Any, calls: list[dict[str, Any]]) -> list[tuple[int, int]]:

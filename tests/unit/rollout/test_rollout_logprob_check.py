@@ -310,3 +310,75 @@ def test_no_sampled_token_and_bad_arguments() -> None:
 def test_import_rollout_stays_torch_free() -> None:
     code = "import sys, rollout; rollout.__dict__; assert 'torch' not in sys.modules; print('ok')"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "ok\n"
+
+
+def masked_episode(model: torch.nn.Module, top_k: int, temperature: float = 1.0, new: int = 8) -> Sample:
+    """Sampled under top-k as SGLang samples: from the top_k tokens renormalised; each sampled token records its row
+    (the kept ids), its full-vocabulary logprob and its logprob over the row (trajectory/sampling_masks.py)."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = [int(t) for t in np.random.default_rng(5).integers(0, VOCAB, 10)]
+    prompt = len(tokens)
+    full, support, rows = [0.0] * prompt, [0.0] * prompt, [[] for _ in range(prompt)]
+    with torch.no_grad():
+        for _ in range(new):
+            logp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0, -1].float() / temperature, -1)
+            row = torch.topk(logp, top_k).indices
+            kept = logp[row] - torch.logsumexp(logp[row], -1)
+            token = int(row[torch.multinomial(kept.exp(), 1, generator=gen)])
+            tokens.append(token)
+            full.append(float(logp[token]))
+            support.append(float(logp[token] - torch.logsumexp(logp[row], -1)))
+            rows.append(row.tolist())
+    offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
+    return Sample(tokens=np.array(tokens, dtype=np.int32), loss_mask=np.array([0] * prompt + [1] * new, np.uint8),
+                  rollout_log_probs=np.array(full, np.float32), response_length=new, status="completed",
+                  metadata={"num_turns": 1, "turns": [[prompt, new]], "weight_version_spans": [["w", prompt,
+                                                                                                  prompt + new]]},
+                  sampling_mask_ids=np.array([i for r in rows for i in r], np.int32), sampling_mask_offsets=offsets,
+                  sampling_log_probs=np.array(support, np.float32))
+
+
+def test_sampling_masks_are_recomputed_over_their_rows() -> None:
+    """Under top-k the engine's sampling logprob is the row-renormalised one: the support recompute matches it, the
+    full-vocabulary one misses it by the row's missing mass (the bias a ratio without masks carries)."""
+    model = dense(1)
+    sample = masked_episode(model, top_k=5, temperature=0.8)
+    report = check_logprobs([sample], model, temperature=0.8)
+    assert report.ok(1e-4) and report.ok_support(1e-4), report.format()
+    assert report.metrics["rollout_check/support_tokens"] == 8
+    assert report.metrics["rollout_check/unmasked_logprob_abs_diff_mean"] > 0.1
+    assert "over the sampling masks (8 tokens)" in report.format()
+    assert not check_logprobs([sample], model, temperature=1.0).ok_support(1e-2)  # another temperature
+    wrong = masked_episode(model, top_k=5, temperature=0.8)
+    assert wrong.sampling_mask_ids is not None
+    wrong.sampling_mask_ids[wrong.sampling_mask_offsets[-2]] = (wrong.tokens[-1] + 1) % VOCAB  # type: ignore[index]
+    assert not check_logprobs([wrong], model, temperature=0.8).ok_support(1e-3)  # a row the engine did not keep
+    assert "rollout_check/support_tokens" not in check_logprobs([episode([(Engine(model), "default")])],
+                                                                model).metrics
+
+
+def test_the_grpo_pieces_use_support_normalised_ratios() -> None:
+    """to_torch_batch pads each row's CSR; sampled_log_probs renormalised over the rows gives the engine's sampling
+    logprobs back, so the truncated importance weights of an on-policy batch are 1 (without the rows they are not)."""
+    from rollout import to_torch_batch
+    from rollout.grpo import sampled_log_probs, truncated_is_weights
+
+    model = dense(1)
+    masked = masked_episode(model, top_k=5)
+    plain = episode([(Engine(model), "default")])
+    batch = to_torch_batch([masked, plain])
+    n = len(masked.tokens)
+    assert batch["sampling_mask_offsets"].shape == (2, batch["input_ids"].shape[1] + 1)
+    assert batch["sampling_mask_offsets"][0, : n + 1].tolist() == masked.sampling_mask_offsets.tolist()  # type: ignore
+    assert (batch["sampling_mask_offsets"][1] == 0).all() and (batch["sampling_mask_ids"][1] == -1).all()
+    assert (batch["sampling_mask_offsets"][0, n:] == masked.sampling_mask_offsets[-1]).all()  # type: ignore[index]
+    with torch.no_grad():
+        support = sampled_log_probs(model, batch["input_ids"], batch["loss_mask"], batch["attention_mask"],
+                                    sampling_masks=(batch["sampling_mask_ids"], batch["sampling_mask_offsets"]))
+        full = sampled_log_probs(model, batch["input_ids"], batch["loss_mask"], batch["attention_mask"])
+    np.testing.assert_allclose(support[0, :n].numpy(), masked.sampling_log_probs, atol=1e-4)  # type: ignore[arg-type]
+    np.testing.assert_allclose(support[1], full[1], atol=1e-6)  # no rows: the full softmax
+    mask = batch["loss_mask"][:1]
+    weights = truncated_is_weights(support[:1], batch["sampling_log_probs"][:1], mask)
+    assert torch.allclose(weights[mask == 1], torch.ones(8), atol=1e-3)
+    assert (truncated_is_weights(full[:1], batch["sampling_log_probs"][:1], mask)[mask == 1] < 0.99).all()

@@ -7,6 +7,7 @@ turns are real staged commits of a trajectory on the real Qwen3 tokenizer, resto
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sqlite3
 from pathlib import Path
@@ -25,6 +26,7 @@ from session_server.sessions.journal import (
 from support.tito import Reply, generate
 from trajectory import LinearTrajectory
 from trajectory.restore import restore_trajectory
+from trajectory.sampling_masks import SamplingMasks
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +174,8 @@ def test_a_journal_of_schema_2_gains_the_new_tables_and_keeps_its_sessions(tmp_p
 
     asyncio.run(main())
     with sqlite3.connect(path) as db:
-        db.executescript("DROP TABLE pause; DROP TABLE engine_sessions; PRAGMA user_version = 2;")
+        db.executescript("DROP TABLE pause; DROP TABLE engine_sessions; ALTER TABLE turns DROP COLUMN sampling_masks; "
+                         "PRAGMA user_version = 2;")
     restored = Journal(path).open()
     assert [s.id for s in restored.sessions] == ["a"] and restored.paused is None and restored.engine_sessions == []
     with sqlite3.connect(path) as db:
@@ -210,3 +213,32 @@ def test_files_we_must_not_read_are_refused_untouched(tmp_path: Path) -> None:
 def test_journaled_clock_maps_to_the_monotonic_clock() -> None:
     assert wall_to_monotonic(900.0, now_wall=lambda: 1000.0, now_mono=lambda: 50.0) == -50.0
     assert wall_to_monotonic(1100.0, now_wall=lambda: 1000.0, now_mono=lambda: 50.0) == 50.0  # never in the future
+
+
+def test_sampling_masks_and_the_sessions_choice_survive_a_restart(tmp_path: Path, family) -> None:
+    """A turn's sampling-mask rows and the session's `return_sampling_masks` are read back as written."""
+    path = tmp_path / "j.sqlite"
+    traj = LinearTrajectory(family)
+    plan = traj.prepare([{"role": "user", "content": "q"}])
+    result, message = generate(family, plan, Reply("an answer"), rid="r0")
+    ids = result.output_ids.tolist()
+    rows = [[t, (t + 1) % family.vocab_size] for t in ids]
+    result = dataclasses.replace(result, sampling_masks=SamplingMasks.from_rows(rows, [-0.5] * len(ids)))
+    delta = traj.stage(plan, result, message)
+
+    async def main() -> None:
+        journal = Journal(path)
+        journal.open()
+        journal.start()
+        chosen = dataclasses.replace(info("a"), sampling_masks=False)
+        await journal.created(chosen)
+        await journal.write_turn(chosen, delta, [], None)
+        await journal.close()
+
+    asyncio.run(main())
+    (saved,) = Journal(path).open().sessions
+    assert saved.sampling_masks is False
+    back = restore_trajectory(family, saved.turns)
+    masks = back.sampling_masks
+    assert masks is not None
+    assert [masks.row(p).tolist() for p in range(plan.prompt_ids.size, back.num_tokens)] == rows
