@@ -1,7 +1,7 @@
 """`python -m rollout.view SAMPLES -o page.html`: the server's trajectory view, offline, for a samples file.
 
 SAMPLES is what `POST /sessions/{id}/samples` returns (JSON, or safetensors with `Accept: application/octet-stream`);
-the page is one self-contained HTML file (trajectory_view: the same renderer the server's /view/ pages use), one
+the page is one self-contained HTML file (trajectory.view: the same renderer the server's /view/ pages use), one
 section per sample. `--tokenizer DIR` decodes the tokens (else the page shows ids); a sample with pixel values shows
 its images rebuilt from them at their pad runs. With `--checkpoint DIR` every sampled token's logprob is recomputed
 with the policy (`rollout.check_logprobs`, one call per sample) and the page overlays the check: per token the
@@ -24,7 +24,7 @@ import numpy as np
 
 from trajectory import Sample, samples_from_json, samples_from_safetensors
 from trajectory.image_grid import QWEN3_VL, ImageGeometry
-from trajectory_view import SegmentExtras, build_document, offline_page, piece_table, segment_of_sample
+from trajectory.view import SegmentExtras, build_document, offline_page, piece_table, segment_of_sample
 
 ATOL = 1e-3  # the fp32 bar of docs/design.md 6
 

@@ -1,1 +1,1 @@
-"""The read-only trajectory viewer at /view/ (docs/viewer.md): the page (trajectory_view) and the JSON it draws."""
+"""The read-only trajectory viewer at /view/ (docs/viewer.md): the page (trajectory.view) and the JSON it draws."""

@@ -1,4 +1,4 @@
-"""A session's view document (trajectory_view/document.py), built on the CPU pool from a detached snapshot.
+"""A session's view document (trajectory/view/document.py), built on the CPU pool from a detached snapshot.
 
 The snapshot is taken on the event loop without the session lock: every change to a trajectory happens in
 synchronous code on the loop (turns/commit.py), so a synchronous copy cannot interleave with one, and a viewer never
@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from trajectory import LinearTrajectory, ModelFamily, Segment, TurnRecord, build_merged_sample
-from trajectory_view import SegmentExtras, TurnExtras, build_document, piece_table, segment_of_sample
+from trajectory.view import SegmentExtras, TurnExtras, build_document, piece_table, segment_of_sample
 
 MESSAGE_PREVIEW = 400  # characters of an appended message shown on hover
 

@@ -13,12 +13,12 @@ import time
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-import trajectory_view
 from session_server.api.admin import authorize
 from session_server.errors import SessionNotFoundError, json_response
 from session_server.sessions.session import Session
 from session_server.state import server_of
 from session_server.view.documents import session_document
+from trajectory import view as trajectory_view
 from trajectory.errors import RequestValidationError
 
 LIST_LIMIT = 1000  # sessions in one listing, most recently active first (`?limit=N`)

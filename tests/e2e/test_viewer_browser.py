@@ -24,7 +24,7 @@ from support.images import data_url
 from support.server import new_session
 from support.stack import Stack, launch_stack
 from trajectory import Sample, samples_from_json
-from trajectory_view import SegmentExtras, build_document, offline_page, segment_of_sample
+from trajectory.view import SegmentExtras, build_document, offline_page, segment_of_sample
 
 TOKEN = "view-s3cret"
 TOOLS = [{"type": "function", "function": {

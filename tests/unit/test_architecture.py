@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FIRST_PARTY = ("session_server", "trajectory", "rollout", "sglang_sim", "deploy", "harness", "trajectory_view")
+FIRST_PARTY = ("session_server", "trajectory", "rollout", "sglang_sim", "deploy", "harness")
 
 # session_server, bottom to top. A module may import from its own group and from lower layers only.
 LAYERS: list[tuple[str, ...]] = [
@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("frontend",),  # what the three front ends share: the chat-shaped turn request, reply facts, root sessions
     ("openai", "responses", "anthropic"),  # the front ends, one per API; none imports another
     ("api",),
-    ("view",),  # the read-only trajectory viewer (its page and document: the trajectory_view package)
+    ("view",),  # the read-only trajectory viewer (its page and document: trajectory.view)
     ("app",),
     ("cli", ""),  # "" is the package's own __init__
 ]
@@ -141,10 +141,8 @@ def test_every_folder_an_import_can_reach_is_known() -> None:
 @pytest.mark.parametrize("package, allowed", [
     ("trajectory", set()),
     ("sglang_sim", {"trajectory"}),
-    # the viewer's page and document builder, shared by the server and the offline viewer: pure but for its assets
-    ("trajectory_view", {"trajectory"}),
-    ("session_server", {"trajectory", "trajectory_view"}),
-    ("rollout", {"trajectory", "trajectory_view"}),  # the trainer's package: no launcher, no emulated engine, no deploy/
+    ("session_server", {"trajectory"}),
+    ("rollout", {"trajectory"}),  # the trainer's package: no launcher, no emulated engine, no deploy/
     ("deploy", {"session_server"}),
     ("harness", {"deploy", "sglang_sim", "rollout", "trajectory"}),
 ])

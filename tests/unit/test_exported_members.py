@@ -13,7 +13,6 @@ import pytest
 
 PACKAGES = {
     "trajectory": None,
-    "trajectory_view": None,
     "rollout": None,
     "sglang_sim": (),
     "harness": (),  # the loopback harness: its modules are imported by name (harness.launchers, ...)

@@ -1,4 +1,4 @@
-"""The view document (trajectory_view/document.py) from samples, and the page that embeds it."""
+"""The view document (trajectory/view/document.py) from samples, and the page that embeds it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 import numpy as np
 
 from trajectory import Sample
-from trajectory_view import SegmentExtras, TurnExtras, build_document, offline_page, piece_table, segment_of_sample
-from trajectory_view.page import embedded_json, list_page, session_page
+from trajectory.view import SegmentExtras, TurnExtras, build_document, offline_page, piece_table, segment_of_sample
+from trajectory.view.page import embedded_json, list_page, session_page
 
 
 def merged_sample() -> Sample:

@@ -13,7 +13,7 @@ from typing import Any
 
 @functools.cache
 def _asset(name: str) -> str:
-    return resources.files("trajectory_view").joinpath("assets", name).read_text(encoding="utf-8")
+    return resources.files("trajectory.view").joinpath("assets", name).read_text(encoding="utf-8")
 
 
 def _page(mode: str, title: str, source: str, doc: str) -> str:
