@@ -3,8 +3,8 @@
 
 One renderer for both: a static HTML + JS + CSS page (assets/, shipped as package data, no build step, no CDN) that
 draws a *view document*, JSON describing a session's or a sample file's trajectory. The server fetches the document
-from its JSON endpoint; the offline page embeds it. Pure apart from reading its own assets, inside trajectory so that both
-session_server and rollout stand on it without standing on each other.
+from its JSON endpoint; the offline page embeds it. Pure apart from reading its own assets, inside trajectory so
+that both session_server and rollout stand on it without standing on each other.
 """
 
 from trajectory.view.document import SegmentExtras, TurnExtras, build_document, piece_table, segment_of_sample
