@@ -50,7 +50,7 @@ class ChatRequest:
 
 def chat_request(obj: dict[str, Any], stop_token_ids: tuple[int, ...], vocab_size: int | None = None) -> ChatRequest:
     """The chat request of a decoded request object: Chat Completions reads its body into one
-    (openai/protocol.py `parse_chat_request`), the Responses and Anthropic front ends map theirs onto one (their
+    (chat/protocol.py `parse_chat_request`), the Responses and Anthropic front ends map theirs onto one (their
     protocol.py), and all share every check from here on."""
     n = obj.get("n")
     if n is not None and n != 1:

@@ -65,7 +65,7 @@ _UNSUPPORTED = {
 
 
 def bad_request(msg: str) -> RequestValidationError:
-    """A 400 about one request field (openai/protocol.py shares these two helpers)."""
+    """A 400 about one request field (chat_request.py shares these two helpers)."""
     return RequestValidationError(msg)
 
 

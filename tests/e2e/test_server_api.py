@@ -420,7 +420,7 @@ def test_routed_experts_are_cut_out_before_decoding(body: bytes, rest: bytes | N
 def test_an_odd_routed_experts_payload_is_still_decoded_strictly(hf_tokenizers: dict[str, object]) -> None:
     import msgspec
 
-    from session_server.openai.serving import CHAT
+    from session_server.chat.serving import CHAT
     from session_server.turns.output import decode_turn
     from session_server.turns.turn import Turn
     from trajectory import LinearTrajectory, get_family

@@ -19,9 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from session_server.chat.protocol import parse_chat_request
 from session_server.engine.wire import encode_generate
 from session_server.frontend.chat_request import ChatRequest, turn_tools
-from session_server.openai.protocol import parse_chat_request
 from support.examples import examples
 from trajectory import GenerateResult, LinearTrajectory
 from trajectory.errors import RequestValidationError

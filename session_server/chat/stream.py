@@ -7,7 +7,7 @@ committed (the chunks before carry none, so a client that joins the chunks' `tok
 
 The streamed turn itself is the turn's engine call (turns/engine_call.py: the engine stream, the commit, every
 failure rule) and turns/stream.py (the deltas); this only formats what they hand over, the same facts a plain reply
-is built from (protocol.py).
+is built from (reply.py).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any
 
 import msgspec
 
+from session_server.chat.logprobs import openai_logprobs
+from session_server.chat.reply import finish_reason, system_fingerprint, usage
 from session_server.errors import SessionPausedError
 from session_server.frontend.chat_request import ChatRequest
 from session_server.frontend.reply_facts import reply_facts
 from session_server.frontend.token_ids import turn_tokens
-from session_server.openai.logprobs import openai_logprobs
-from session_server.openai.protocol import finish_reason, system_fingerprint, usage
 from session_server.turns.output import TurnOutput
 from session_server.turns.turn import NewTokens, Turn
 from trajectory.errors import SessionError
