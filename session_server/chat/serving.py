@@ -1,6 +1,6 @@
 """Chat Completions as a front end of the turn pipeline (turns/turn.py): the request (protocol.py), the plain reply
-(reply.py), the chat.completion.chunk stream (stream.py) and the error shape. Everything else -- the slot, TITO, the
-engine call and its race, validation, the commit -- is session_server/turns.
+(reply.py), the chat.completion.chunk stream (stream.py) and the error shape (frontend/errors.py). Everything else
+-- the slot, TITO, the engine call and its race, validation, the commit -- is session_server/turns.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from starlette.responses import Response
 from session_server.chat.protocol import parse_request
 from session_server.chat.reply import chat_completion
 from session_server.chat.stream import ChatStream
-from session_server.errors import error_response
 from session_server.frontend.chat_request import ChatRequest
+from session_server.frontend.errors import chat_error
 from session_server.frontend.token_ids import turn_tokens
 from session_server.turns.output import TurnOutput
 from session_server.turns.turn import Turn, TurnRequest
@@ -37,7 +37,7 @@ class ChatCompletions:
         return ChatStream(turn)
 
     def error(self, err: SessionError) -> Response:
-        return error_response(err)
+        return chat_error(err)
 
     def wants_logprobs(self, request: ChatRequest) -> bool:
         return request.options.logprobs

@@ -1,21 +1,20 @@
 """The Anthropic Messages API as a front end of the turn pipeline (turns/turn.py): the request (protocol.py), the
 plain reply (reply.py), the stream (stream.py), and Anthropic's error shape.
 
-Errors are `{"type": "error", "error": {"type", "message"}}` with Anthropic's types. A retryable refusal -- the
-engine aborted the turn, generation is paused, too many sessions -- is `529 overloaded_error` with `Retry-After`:
-Claude Code retries a 529 with growing waits, where a 503 could end the episode. A 400 keeps its message, which
-names the refused field (Claude Code answers a 400 by retrying without beta features, so it must say what it was).
+Errors are Anthropic's (frontend/errors.py): a retryable refusal is `529 overloaded_error` with `Retry-After`, a 400
+keeps its message, which names the refused field (Claude Code answers a 400 by retrying without beta features, so it
+must say what it was).
 """
 
 from __future__ import annotations
 
 from starlette.responses import Response
 
-from session_server.errors import json_response, retry_headers
+from session_server.frontend.errors import messages_error
 from session_server.frontend.reply_facts import encode_json, reply_facts
 from session_server.messages.protocol import MessagesTurn, parse_request
 from session_server.messages.reply import message_body
-from session_server.messages.stream import MessagesStream, error_payload
+from session_server.messages.stream import MessagesStream
 from session_server.turns.output import TurnOutput
 from session_server.turns.turn import Turn, TurnRequest
 from trajectory import LinearTrajectory
@@ -41,8 +40,7 @@ class Messages:
         return MessagesStream(turn)
 
     def error(self, err: SessionError) -> Response:
-        status, body = error_payload(err)
-        return json_response(body, status, retry_headers(err))
+        return messages_error(err)
 
     def wants_logprobs(self, request: MessagesTurn) -> bool:
         return False

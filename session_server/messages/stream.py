@@ -6,27 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from session_server.errors import EngineRefusedError, RetryLaterError, engine_message
-from session_server.frontend.reply_facts import reply_facts, sse_event
+from session_server.frontend.errors import messages_stream_error
+from session_server.frontend.reply_facts import reply_facts
 from session_server.messages.protocol import MessagesTurn
 from session_server.messages.reply import MessageBuilder
 from session_server.turns.output import TurnOutput
 from session_server.turns.turn import NewTokens, Turn
 from trajectory.errors import SessionError
-
-OVERLOADED = 529
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 409: "conflict_error",
-          413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error", OVERLOADED: "overloaded_error"}
-
-
-def error_payload(err: SessionError) -> tuple[int, dict[str, Any]]:
-    status, message = err.status, err.message
-    if isinstance(err, EngineRefusedError):
-        status, message = err.engine_status, engine_message(err.body)
-    elif isinstance(err, RetryLaterError):
-        status = OVERLOADED
-    return status, {"type": "error", "error": {"type": _TYPES.get(status, "api_error"), "message": message}}
 
 
 class MessagesStream:
@@ -53,4 +39,4 @@ class MessagesStream:
         return self.last
 
     def error(self, err: SessionError) -> list[bytes]:
-        return [sse_event("error", error_payload(err)[1])]
+        return [messages_stream_error(err)]

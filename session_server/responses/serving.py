@@ -1,6 +1,6 @@
 """The Responses API as a front end of the turn pipeline (turns/turn.py): the request, with `previous_response_id`
 resolved on the session's own trajectory (protocol.py), the plain reply (reply.py), the stream (stream.py) and the
-OpenAI error shape.
+OpenAI error shape (frontend/errors.py).
 
 Responses are never stored apart from the trajectory: a response id is `resp_<rid>` of a committed turn, so the
 history it continues is the trajectory's messages up to that turn's checkpoint, and a GET rebuilds the response
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from starlette.responses import Response
 
-from session_server.errors import json_response, retry_headers
+from session_server.frontend.errors import responses_error
 from session_server.frontend.reply_facts import encode_json, reply_facts
 from session_server.frontend.token_ids import turn_tokens
 from session_server.responses.protocol import ResponsesTurn, parse_request
 from session_server.responses.reply import response_body
-from session_server.responses.stream import ResponsesStream, error_payload
+from session_server.responses.stream import ResponsesStream
 from session_server.turns.output import TurnOutput
 from session_server.turns.turn import Turn, TurnRequest
 from trajectory import LinearTrajectory
@@ -45,8 +45,7 @@ class Responses:
         return ResponsesStream(turn)
 
     def error(self, err: SessionError) -> Response:
-        status, body = error_payload(err)
-        return json_response(body, status, retry_headers(err))
+        return responses_error(err)
 
     def wants_logprobs(self, request: ResponsesTurn) -> bool:
         return False

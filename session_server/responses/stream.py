@@ -6,27 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from session_server.errors import EngineRefusedError, engine_message
-from session_server.frontend.reply_facts import reply_facts, sse_event
+from session_server.frontend.errors import response_failed
+from session_server.frontend.reply_facts import reply_facts
 from session_server.frontend.token_ids import turn_tokens
 from session_server.responses.protocol import ResponsesTurn
 from session_server.responses.reply import ResponseBuilder
 from session_server.turns.output import TurnOutput
 from session_server.turns.turn import NewTokens, Turn
 from trajectory.errors import SessionError
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 408: "timeout", 409: "conflict", 413: "invalid_request_error",
-          429: "rate_limit_exceeded"}
-
-
-def error_payload(err: SessionError) -> tuple[int, dict[str, Any]]:
-    """(status, body) of an error in OpenAI's shape; the engine's own refusal keeps its status and message."""
-    status, message = err.status, err.message
-    if isinstance(err, EngineRefusedError):
-        status, message = err.engine_status, engine_message(err.body)
-    error = {"message": message, "type": _TYPES.get(status, "server_error"), "param": None, "code": err.code}
-    return status, {"error": error}
 
 
 class ResponsesStream:
@@ -56,8 +43,5 @@ class ResponsesStream:
     def error(self, err: SessionError) -> list[bytes]:
         """`response.failed`: the stream's end when the turn failed after its first byte (nothing committed)."""
         builder = self.builder
-        failed = builder.response("failed")
-        failed["error"] = {"code": err.code, "message": err.message}
-        payload = {"type": "response.failed", "sequence_number": builder.sequence, "response": failed}
         builder.sequence += 1
-        return [sse_event("response.failed", payload)]
+        return [response_failed(err, builder.response("failed"), builder.sequence - 1)]
