@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from session_server.frontend.chat_request import read_chat
-from session_server.frontend.request_items import MAX_TOKENS, bad, non_empty_string, objects
+from session_server.frontend.fields import reply_limit
+from session_server.frontend.request_items import bad, non_empty_string, objects
 from session_server.http.body import decode_object
 from session_server.turns.turn import TurnRequest
 from trajectory import LinearTrajectory, ModelFamily
@@ -289,10 +290,7 @@ def parse_messages(obj: dict[str, Any], thinking_switch: str | None, count_only:
         if obj.get(key) is not None:
             raise bad(key, "is not supported")
     ignored = [key for key in _NEUTRAL if obj.get(key) is not None]
-    max_tokens = obj.get("max_tokens")
-    valid = isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and 1 <= max_tokens <= MAX_TOKENS
-    if not valid and (max_tokens is not None or not count_only):
-        raise bad("max_tokens", f"must be an integer in [1, {MAX_TOKENS}]")
+    max_tokens = reply_limit(obj.get("max_tokens"), "max_tokens", required=not count_only)
     stop = obj.get("stop_sequences")
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
         raise bad("stop_sequences", "must be a list of non-empty strings")

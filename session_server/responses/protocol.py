@@ -23,7 +23,8 @@ from typing import Any
 
 from session_server.errors import SessionNotFoundError
 from session_server.frontend.chat_request import read_chat
-from session_server.frontend.request_items import MAX_TOKENS, bad, non_empty_string, objects
+from session_server.frontend.fields import reply_limit
+from session_server.frontend.request_items import bad, non_empty_string, objects
 from session_server.http.body import decode_object
 from session_server.turns.turn import TurnRequest
 from trajectory import LinearTrajectory
@@ -345,10 +346,7 @@ def parse_responses(obj: dict[str, Any], thinking_switch: str | None,
     previous = obj.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise bad("previous_response_id", "must be a string")
-    max_output = obj.get("max_output_tokens")
-    if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int)
-                                   or not 1 <= max_output <= MAX_TOKENS):
-        raise bad("max_output_tokens", f"must be an integer in [1, {MAX_TOKENS}]")
+    max_output = reply_limit(obj.get("max_output_tokens"), "max_output_tokens")
     template_kwargs, summary = _reasoning(obj.get("reasoning"), thinking_switch, ignored)
     namespaces: dict[str, str] = {}
     chat: dict[str, Any] = {
