@@ -1,4 +1,4 @@
-"""OpenAI request fields -> SGLang sampling keys, prompt tools and template kwargs (session_server/frontend/fields.py).
+"""Request fields -> SGLang sampling keys, prompt tools and template kwargs (the table of frontend/fields.py).
 
 The sampling params the server builds are checked against SGLang 0.5.23's own request schema
 (`sglang.api.v1.api_types.SamplingParams`, which rejects unknown keys and wrong types), loaded from the installed
