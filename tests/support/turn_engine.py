@@ -15,12 +15,14 @@ from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 from starlette.applications import Starlette
 
 from session_server.engine.client import Answer, EngineReply
 from session_server.engine.drains import EngineDrains
 from session_server.http.disconnect import EXTENSION, WATCH
 from session_server.metrics import Metrics
+from session_server.sessions.session import Session
 from session_server.state import ServerState
 from support.bounded import BOUND, bounded
 from support.inprocess_app import StubEngine, in_process_app
@@ -83,13 +85,25 @@ class TurnEngine(StubEngine):
 
 
 @contextlib.contextmanager
-def turn_app(family: ModelFamily, **config: Any) -> Iterator[tuple[Starlette, ServerState, TurnEngine]]:
-    """The in-process app with a TurnEngine and the real drains: an engine call that loses its race is aborted by
-    its rid as in the server (`config`: ServerConfig fields)."""
+def turn_app(family: ModelFamily, **config: Any) -> Iterator[tuple[Starlette, ServerState, TurnEngine, Session]]:
+    """The in-process app with a TurnEngine and the real drains (an engine call that loses its race is aborted by
+    its rid as in the server), and a new session on it (`config`: ServerConfig fields)."""
     engine = TurnEngine()
     drains = EngineDrains(engine, Metrics(), grace=BOUND)  # type: ignore[arg-type]  # the placement's abort
     with in_process_app(family, engine=engine, drains=drains, **config) as (app, server):
-        yield app, server, engine
+        yield app, server, engine, server.lifecycle.create(server.new_segments())
+
+
+def chat_path(session_id: str) -> str:
+    return f"/sessions/{session_id}/v1/chat/completions"
+
+
+def start_chat(http: httpx.AsyncClient, session_id: str, *messages: dict[str, Any],
+               **fields: Any) -> asyncio.Task[httpx.Response]:
+    """A Chat Completions turn on the session, sent in the background: the test answers its engine call meanwhile
+    (`fields`: other request fields)."""
+    body = {"model": "qwen/tiny", "messages": list(messages), **fields}
+    return asyncio.create_task(http.post(chat_path(session_id), json=body))
 
 
 def reply_body(family: ModelFamily, call: GenerateCall, text: str, *, weight_version: str = "w0",

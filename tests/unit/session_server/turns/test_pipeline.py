@@ -20,16 +20,8 @@ from session_server.sessions.lifecycle import Lifecycle
 from session_server.sessions.session import Claim
 from support.bounded import BOUND, bounded, until, user
 from support.inprocess_app import client_of
-from support.turn_engine import Hangups, reply_body, turn_app
+from support.turn_engine import Hangups, chat_path, reply_body, start_chat, turn_app
 from trajectory import ModelFamily
-
-
-def chat_path(session_id: str) -> str:
-    return f"/sessions/{session_id}/v1/chat/completions"
-
-
-def chat(*messages: dict[str, Any]) -> dict[str, Any]:
-    return {"model": "qwen/tiny", "messages": list(messages)}
 
 
 class Releases:
@@ -82,10 +74,9 @@ async def raw_post(app: Any, path: str, body_arrives: asyncio.Event) -> tuple[in
 
 def test_a_second_chat_on_a_busy_single_line_session_is_409_before_its_body(family: ModelFamily) -> None:
     async def main() -> None:
-        with turn_app(family, max_segments=1) as (app, server, engine):
-            session = server.lifecycle.create(server.new_segments())
+        with turn_app(family, max_segments=1) as (app, _server, engine, session):
             async with client_of(app) as http:
-                first = asyncio.create_task(http.post(chat_path(session.id), json=chat(user("hi"))))
+                first = start_chat(http, session.id, user("hi"))
                 call = await engine.next_call()
                 status, asked = await raw_post(app, chat_path(session.id), asyncio.Event())
                 assert (status, asked) == (409, 0)  # refused at once: its body was never waited for
@@ -99,13 +90,12 @@ def test_a_second_chat_on_a_busy_single_line_session_is_409_before_its_body(fami
 def test_a_closing_session_is_404_even_while_a_chat_holds_it(family: ModelFamily) -> None:
     """DELETE waits for the chat in flight; a chat arriving meanwhile hears that the session is gone, not busy."""
     async def main() -> None:
-        with turn_app(family, max_segments=1) as (app, server, engine):
-            session = server.lifecycle.create(server.new_segments())
+        with turn_app(family, max_segments=1) as (app, server, engine, session):
             holder = server.lifecycle.claim(session.id)  # a chat whose handler lets go only when told
             async with client_of(app) as http:
                 deleting = asyncio.create_task(http.delete(f"/sessions/{session.id}"))
                 await until(lambda: session.closing)
-                late = await bounded(http.post(chat_path(session.id), json=chat(user("hi"))))
+                late = await bounded(start_chat(http, session.id, user("hi")))
                 assert late.status_code == 404 and not deleting.done()
                 holder.release()
                 assert (await bounded(deleting)).status_code == 204
@@ -120,16 +110,15 @@ ENDINGS = ["reply", "engine refuses", "malformed reply", "not json", "client gon
 @pytest.mark.parametrize("ending", ENDINGS)
 def test_the_slot_is_released_exactly_once_however_the_turn_ends(family: ModelFamily, ending: str) -> None:
     async def main() -> None:
-        with turn_app(family, max_segments=1) as (app, server, engine):
+        with turn_app(family, max_segments=1) as (app, server, engine, session):
             releases = Releases(server.lifecycle)
-            session = server.lifecycle.create(server.new_segments())
             hangups = Hangups(app)
             async with client_of(hangups) as http:  # type: ignore[arg-type]
                 path = chat_path(session.id)
                 if ending == "not json":
                     turn = asyncio.create_task(http.post(path, content=b"{not json"))
                 else:
-                    turn = asyncio.create_task(http.post(path, json=chat(user("hi"))))
+                    turn = start_chat(http, session.id, user("hi"))
                     call = await engine.next_call()
                     assert session.claims  # held while the engine works
                     if ending == "reply":
@@ -153,7 +142,7 @@ def test_the_slot_is_released_exactly_once_however_the_turn_ends(family: ModelFa
                 assert session.trajectory.version == (1 if ending == "reply" else 0)  # committed only on a reply
                 # The slot is free at once: the next turn is served, not refused as busy.
                 history = session.trajectory.messages
-                retry = asyncio.create_task(http.post(path, json=chat(*history, user("hi again"))))
+                retry = start_chat(http, session.id, *history, user("hi again"))
                 call = await engine.next_call()
                 call.reply(reply_body(family, call, "Hi."))
                 assert (await bounded(retry)).status_code == 200
@@ -164,11 +153,10 @@ def test_the_slot_is_released_exactly_once_however_the_turn_ends(family: ModelFa
 
 def test_a_turn_whose_client_went_away_commits_nothing_and_aborts_its_request(family: ModelFamily) -> None:
     async def main() -> None:
-        with turn_app(family) as (app, server, engine):
-            session = server.lifecycle.create(server.new_segments())
+        with turn_app(family) as (app, _server, engine, session):
             hangups = Hangups(app)
             async with client_of(hangups) as http:  # type: ignore[arg-type]
-                turn = asyncio.create_task(http.post(chat_path(session.id), json=chat(user("hi"))))
+                turn = start_chat(http, session.id, user("hi"))
                 call = await engine.next_call()
                 await until(lambda: hangups.watched == 1)
                 hangups.hang_up()

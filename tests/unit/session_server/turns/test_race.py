@@ -21,7 +21,7 @@ from session_server.sessions.session import Claim
 from session_server.turns.race import Ending, race
 from support.bounded import bounded, until, user
 from support.inprocess_app import client_of
-from support.turn_engine import reply_body, turn_app
+from support.turn_engine import reply_body, start_chat, turn_app
 from trajectory import ModelFamily
 
 NEVER = 3600.0
@@ -158,11 +158,9 @@ def test_a_cancelled_race_leaves_nothing_behind() -> None:
 def test_an_engine_call_that_loses_is_aborted_by_its_rid(family: ModelFamily, loser: str) -> None:
     async def main() -> None:
         timeout = 0.001 if loser == "deadline" else NEVER  # a deadline the engine's reply can never beat: none comes
-        with turn_app(family, request_timeout=timeout) as (app, server, engine):
-            session = server.lifecycle.create(server.new_segments())
+        with turn_app(family, request_timeout=timeout) as (app, _server, engine, session):
             async with client_of(app) as http:
-                path = f"/sessions/{session.id}/v1/chat/completions"
-                turn = asyncio.create_task(http.post(path, json={"model": "m", "messages": [user("hi")]}))
+                turn = start_chat(http, session.id, user("hi"))
                 call = await engine.next_call()
                 if loser == "delete":
                     assert (await bounded(http.delete(f"/sessions/{session.id}"))).status_code == 204
@@ -177,11 +175,9 @@ def test_an_engine_call_that_loses_is_aborted_by_its_rid(family: ModelFamily, lo
 
 def test_an_engine_reply_that_wins_is_committed_and_aborts_nothing(family: ModelFamily) -> None:
     async def main() -> None:
-        with turn_app(family) as (app, server, engine):
-            session = server.lifecycle.create(server.new_segments())
+        with turn_app(family) as (app, _server, engine, session):
             async with client_of(app) as http:
-                path = f"/sessions/{session.id}/v1/chat/completions"
-                turn = asyncio.create_task(http.post(path, json={"model": "m", "messages": [user("hi")]}))
+                turn = start_chat(http, session.id, user("hi"))
                 call = await engine.next_call()
                 call.reply(reply_body(family, call, "Hello."))
                 reply = await bounded(turn)

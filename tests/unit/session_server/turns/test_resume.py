@@ -21,7 +21,7 @@ from session_server.turns.resume import Continuation
 from support.bounded import bounded, user
 from support.inprocess_app import client_of
 from support.tito import engine_body
-from support.turn_engine import ABORTED_BY_ENGINE, reply_body, turn_app
+from support.turn_engine import ABORTED_BY_ENGINE, reply_body, start_chat, turn_app
 from trajectory import GenerateResult, ModelFamily, decode_generate_response
 
 VOCAB = 1000
@@ -82,12 +82,9 @@ def test_the_next_request_is_prompt_plus_what_was_sampled_with_the_budget_reduce
 
 def test_a_continued_turn_reprefills_the_partial_reply_and_keeps_each_tokens_version(family: ModelFamily) -> None:
     async def main() -> None:
-        with turn_app(family) as (app, server, engine):
-            session = server.lifecycle.create(server.new_segments())
+        with turn_app(family) as (app, _server, engine, session):
             async with client_of(app) as http:
-                path = f"/sessions/{session.id}/v1/chat/completions"
-                body = {"model": "m", "messages": [user("hi")], "max_tokens": 50}
-                turn = asyncio.create_task(http.post(path, json=body))
+                turn = start_chat(http, session.id, user("hi"), max_tokens=50)
                 first = await engine.next_call()
                 cut = reply_body(family, first, "Hello", weight_version="w0", finish=ABORTED_BY_ENGINE)
                 first.reply(cut)
@@ -111,11 +108,9 @@ def test_a_continued_turn_reprefills_the_partial_reply_and_keeps_each_tokens_ver
 
 def test_an_abort_past_the_limit_is_a_503_and_commits_nothing(family: ModelFamily) -> None:
     async def main() -> None:
-        with turn_app(family, max_turn_continuations=0) as (app, server, engine):
-            session = server.lifecycle.create(server.new_segments())
+        with turn_app(family, max_turn_continuations=0) as (app, _server, engine, session):
             async with client_of(app) as http:
-                path = f"/sessions/{session.id}/v1/chat/completions"
-                turn = asyncio.create_task(http.post(path, json={"model": "m", "messages": [user("hi")]}))
+                turn = start_chat(http, session.id, user("hi"))
                 first = await engine.next_call()
                 first.reply(reply_body(family, first, "Hello", finish=ABORTED_BY_ENGINE))
                 reply = await bounded(turn)
