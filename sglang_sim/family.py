@@ -55,8 +55,11 @@ class EngineFamily:
     _segments: dict[bytes, str] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, name: str, tokenizer: Any, geometry: ImageGeometry = QWEN3_VL) -> EngineFamily:
-        family: FamilyLike = get_family(name, tokenizer)
+    def create(cls, name: str, tokenizer: Any, geometry: ImageGeometry = QWEN3_VL,
+               family: FamilyLike | None = None) -> EngineFamily:
+        """`family`: `tokenizer` already bound to family `name` (binding one again costs up to seconds; tests share
+        theirs), else bound here."""
+        family = family if family is not None else get_family(name, tokenizer)
         boundary = np.array(sorted(int(i) for i in tokenizer.added_tokens_decoder), dtype=np.int32)
         bos = tokenizer.bos_token_id
         backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -20,6 +20,8 @@ from support.families import FAMILIES
 from support.server import RecordingProxy
 from support.stack import Fleet, FleetFactory, Stack, StackFactory, launch_fleet, launch_stack
 from trajectory import ModelFamily, get_family
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,21 +93,46 @@ def tokenizer_dirs() -> dict[str, Path]:
     return {name: TOKENIZER_CACHE / name for name in FAMILIES}
 
 
+class OnFirstUse(Mapping[str, T]):
+    """A read-only mapping over fixed keys whose values are made on their first lookup, then kept: a test process
+    pays only for what its tests read."""
+
+    def __init__(self, keys: tuple[str, ...], make: Callable[[str], T]) -> None:
+        self._keys = keys
+        self._make = make
+        self._made: dict[str, T] = {}
+
+    def __getitem__(self, key: str) -> T:
+        if key not in self._made:
+            if key not in self._keys:
+                raise KeyError(key)
+            self._made[key] = self._make(key)
+        return self._made[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 @pytest.fixture(scope="session")
-def hf_tokenizers(tokenizer_dirs: dict[str, Path]) -> dict[str, object]:
+def hf_tokenizers(tokenizer_dirs: dict[str, Path]) -> Mapping[str, Any]:
+    """Each family's tokenizer (AutoTokenizer), loaded when a test first reads it."""
     from transformers import AutoTokenizer
 
-    return {name: AutoTokenizer.from_pretrained(path) for name, path in tokenizer_dirs.items()}
+    return OnFirstUse(tuple(tokenizer_dirs), lambda name: AutoTokenizer.from_pretrained(tokenizer_dirs[name]))
 
 
 @pytest.fixture(scope="session")
-def families(hf_tokenizers: dict[str, object]) -> dict[str, ModelFamily]:
-    """Every family bound to its real tokenizer, once per test process: binding one compiles its template and indexes
-    its vocabulary (about half a second), which a fixture per module paid a dozen times over."""
-    bound = {name: get_family(name, tok) for name, tok in hf_tokenizers.items()}
-    # A vision family reads its text through its base family's vocabulary (qwen3-vl: Qwen3's own files).
-    bound.update({name: get_family(name, hf_tokenizers[base]) for name, base in SHARED_VOCABULARIES.items()})
-    return bound
+def families(hf_tokenizers: Mapping[str, Any]) -> Mapping[str, ModelFamily]:
+    """Every family bound to its real tokenizer, once per test process and only when a test first reads it: binding
+    one loads its tokenizer, compiles its template, indexes its vocabulary and judges its fast encoder (0.4-3 s of
+    CPU each, 14 s for all nine), which every xdist worker paid in full at its first test, even one whose tests read
+    Qwen3 only (a fixture per module paid it a dozen times over before that).
+    A vision family reads its text through its base family's vocabulary (qwen3-vl: Qwen3's own files)."""
+    names = (*hf_tokenizers, *SHARED_VOCABULARIES)
+    return OnFirstUse(names, lambda name: get_family(name, hf_tokenizers[SHARED_VOCABULARIES.get(name, name)]))
 
 
 @pytest.fixture(scope="session")

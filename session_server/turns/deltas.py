@@ -19,7 +19,7 @@ equals the parse), later text that brings no marker is appended to that field wi
 trailing whitespace (a parser may strip it at the end of a field) and any partial marker. Text that brings a
 marker goes through the full parse again; text inside an unclosed tool-call block waits for the block's end without
 parsing. Parses are then proportional to the markers in a reply, not to its events, and the property tests
-(tests/unit/session_server/turns/test_turn_deltas.py) hold every registered family to "the deltas assemble to the
+(tests/unit/session_server/turns/test_deltas.py) hold every registered family to "the deltas assemble to the
 final message".
 
 Pure and synchronous: no I/O, usable from a worker thread or the loop.

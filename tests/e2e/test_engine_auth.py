@@ -1,7 +1,7 @@
 """Engine API keys (issue 9 point 7) and the cheap readiness probe (point 4), end to end.
 
 The sim enforces SGLang's key rules (checked against SGLang's own `decide_request_auth` in
-tests/unit/sglang_sim/test_sim_auth.py): the api key on /generate and sessions, the admin key on abort and pause. A
+tests/unit/sglang_sim/test_auth.py): the api key on /generate and sessions, the admin key on abort and pause. A
 recording proxy shows which engine paths the server called and with what result.
 """
 

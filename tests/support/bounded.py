@@ -7,7 +7,8 @@ whatever the code must not wait out is made far longer than BOUND by constructio
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -16,6 +17,14 @@ BOUND = 10.0  # seconds
 
 async def bounded(awaitable: Awaitable[T]) -> T:
     return await asyncio.wait_for(awaitable, BOUND)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Yield to the loop until `condition` holds (bounded by BOUND)."""
+    deadline = time.monotonic() + BOUND
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.001)
 
 
 def user(text: str) -> dict[str, str]:

@@ -104,7 +104,7 @@ class ModelFamily(ABC):
     # (begin prefix, begin suffix, end, trigger) around one tool call's JSON arguments, as SGLang's tool-call
     # detector for the family declares it (`structure_info`); used to constrain forced tool calls. None: no format.
     # The template writes `tools` only in its preamble, never into how a later message renders. Then an appended
-    # turn is rendered without the tool schemas: the same text (tests/unit/trajectory/test_trajectory_tito.py checks
+    # turn is rendered without the tool schemas: the same text (tests/unit/trajectory/test_tito.py checks
     # incremental
     # prompts against full renders with tools), without re-rendering kilobytes of schemas on every turn.
     tools_only_in_preamble: ClassVar[bool] = False
@@ -338,7 +338,7 @@ class ModelFamily(ABC):
         Why: an appended turn is a user or tool message or two, and running the Jinja template for them was the
         largest share of a turn's CPU. A family opts in by overriding this where its template is plain enough to
         mirror and naming that template in `mirrored_templates`; it returns None for every request outside what it
-        mirrors (then the template decides, as always). tests/unit/trajectory/test_trajectory_tito.py holds every
+        mirrors (then the template decides, as always). tests/unit/trajectory/test_tito.py holds every
         family's
         answer to its template's, byte for byte."""
         return None

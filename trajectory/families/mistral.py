@@ -15,7 +15,7 @@ user message carries them: appended tool results alone are written as such.
 
 A call list is `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, the whole rest of the reply. Parsed as SGLang
 0.5.23's `mistral` detector parses `[TOOL_CALLS] [...]` (the SentencePiece models' spelling; it finds no call in the
-tekken spelling without the space, tests/unit/trajectory/families/test_family_mistral.py); text that is not such a
+tekken spelling without the space, tests/unit/trajectory/families/test_mistral.py); text that is not such a
 list stays content,
 verbatim. An `id` the model writes into a call is not kept (SGLang drops it too); the template writes the call ids of
 the history, as mistral-common does.

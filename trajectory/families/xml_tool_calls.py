@@ -4,7 +4,7 @@ Qwen3.5/3.6 (and Qwen3-Coder) write arguments as one XML element per top-level k
 value's JSON type is not in the text: `42` may be a string or an integer. The tool's JSON schema decides, exactly as
 SGLang 0.5.23's `Qwen3CoderDetector` decides (string types stay text, integer/number/boolean types are converted,
 objects and arrays are JSON, `null` is null whatever the type, a parameter the schema does not know stays text).
-Parsing follows that detector's rules too (tests/unit/trajectory/families/test_family_oracles.py holds us to them):
+Parsing follows that detector's rules too (tests/unit/trajectory/families/test_oracles.py holds us to them):
 the content is the text
 before the first `<tool_call>`, a `<tool_call>` block without a `<function=` inside yields no call, and a reply cut off
 inside a call still yields the call as far as it was written when no block was closed. Where SGLang would produce

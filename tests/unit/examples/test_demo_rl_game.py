@@ -6,21 +6,18 @@ is the final answer against today's weather, whichever way the episode got there
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from examples.demo_rl.game import ITEMS, Prompt, WeatherGame
 from rollout.episodes import EpisodeResult
-from trajectory.families import ModelFamily, get_family
+from trajectory.families import ModelFamily
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tokenizer_dirs: dict[str, Path]) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dirs["qwen3"])
+def tokenizer(hf_tokenizers: dict[str, Any]) -> Any:
+    return hf_tokenizers["qwen3"]
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +25,9 @@ def game(tokenizer: Any) -> WeatherGame:
     return WeatherGame(tokenizer)
 
 
-def test_a_demonstration_is_the_episode_the_server_builds(game: WeatherGame, tokenizer: Any) -> None:
-    family: ModelFamily = get_family("qwen3", tokenizer)
+def test_a_demonstration_is_the_episode_the_server_builds(game: WeatherGame,
+                                                         families: dict[str, ModelFamily]) -> None:
+    family = families["qwen3"]
     prompt_text = family.render([{"role": "user", "content": "wear?"}], None, add_generation_prompt=True,
                                 template_kwargs={"enable_thinking": False})
     assert game.first == family.encode(prompt_text)

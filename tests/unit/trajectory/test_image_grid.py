@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from transformers import AutoImageProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
+from support.examples import examples
 from trajectory import image_grid
 from trajectory.image_grid import (
     QWEN3_VL,
@@ -60,7 +61,7 @@ def test_the_shipped_config_is_the_published_qwen3_vl_one(processor: object) -> 
 sides = st.integers(min_value=1, max_value=20000)
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=examples(2000), deadline=None)
 @given(height=sides, width=sides)
 def test_smart_resize_is_transformers_smart_resize(height: int, width: int) -> None:
     try:
@@ -88,7 +89,7 @@ def processors(tmp_path_factory: pytest.TempPathFactory) -> dict[ImageGeometry, 
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(height=sides, width=sides, geometry=st.sampled_from([QWEN3_VL, LEGACY]))
 def test_the_pad_count_is_the_processors_patch_count_over_merge_squared(
     processors: dict[ImageGeometry, object], height: int, width: int, geometry: ImageGeometry
@@ -100,7 +101,7 @@ def test_the_pad_count_is_the_processors_patch_count_over_merge_squared(
     assert placeholder_count(grid_thw(height, width, geometry)) == patches // 4
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(height=st.integers(min_value=1, max_value=700), width=st.integers(min_value=1, max_value=700))
 def test_grid_matches_the_processor_on_real_images(processor: object, height: int, width: int) -> None:
     if max(height, width) / min(height, width) > 200:

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from support.families import FAMILIES, RERENDER_MOVES_GLUE
 from support.tito import Reply, engine_body, generate
 from trajectory import LinearTrajectory, ModelFamily, decode_generate_response
@@ -289,7 +290,7 @@ def test_to_dict_is_json_and_keeps_heavy_payloads_out(qwen):
     assert traj.to_dict(include_routed_experts=True)["records"][0]["routed_experts"] == [[1, 2], [3, 4]]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=5000), min_size=1, max_size=40))
 def test_token_buffer_stays_under_ten_bytes_per_token(appends: list[int]) -> None:
     """docs/design.md 7's bar for token arrays, after any sequence of appends: at most 10 bytes per stored token once

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from sglang_sim import directives
 from sglang_sim.family import EngineFamily
 from sglang_sim.generation import find_script
+from support.examples import examples
 from support.families import FAMILIES
 
 _TEXT = st.text(max_size=12).filter(lambda s: "[[" not in s)  # a directive only where the test puts one
@@ -38,7 +39,7 @@ def _message(before: Any, after: Any, call: str, sep: str, placement: str) -> st
     return sep.join(parts)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # a shared machine
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])  # a shared machine
 @given(before=JSON_VALUES, after=JSON_VALUES, name=NAMES, args=ARGS, sep=SEPARATORS,
        placement=st.sampled_from(["before", "after", "around"]),
        quoting=st.sampled_from(["plain", "tojson", "tojson-ascii"]))
@@ -73,8 +74,8 @@ def test_other_directives_beside_json() -> None:
 
 
 @pytest.fixture(scope="module")
-def engine_families(hf_tokenizers: dict[str, Any]) -> dict[str, EngineFamily]:
-    return {name: EngineFamily.create(name, hf_tokenizers[name]) for name in FAMILIES}
+def engine_families(hf_tokenizers: dict[str, Any], families: dict[str, Any]) -> dict[str, EngineFamily]:
+    return {name: EngineFamily.create(name, hf_tokenizers[name], family=families[name]) for name in FAMILIES}
 
 
 _TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
@@ -82,7 +83,7 @@ _TOOLS = [{"type": "function", "function": {"name": "get_weather", "description"
 
 
 @pytest.mark.parametrize("family_name", FAMILIES)
-@settings(max_examples=15, deadline=None,
+@settings(max_examples=examples(15), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(result=JSON_VALUES, placement=st.sampled_from(["before", "after", "around"]))
 def test_every_family_reads_the_call_in_a_json_tool_result(engine_families: dict[str, EngineFamily],

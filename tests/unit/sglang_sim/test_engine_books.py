@@ -22,8 +22,8 @@ from support.examples import examples
 
 
 @pytest.fixture(scope="module")
-def family(hf_tokenizers):
-    return EngineFamily.create("qwen3", hf_tokenizers["qwen3"])
+def family(hf_tokenizers, families):
+    return EngineFamily.create("qwen3", hf_tokenizers["qwen3"], family=families["qwen3"])
 
 
 steps = st.lists(st.one_of(

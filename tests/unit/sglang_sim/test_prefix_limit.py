@@ -19,8 +19,8 @@ from sglang_sim.requests import GenerateInput
 
 
 @pytest.fixture(scope="module")
-def family(hf_tokenizers):
-    return EngineFamily.create("qwen3", hf_tokenizers["qwen3"])
+def family(hf_tokenizers, families):
+    return EngineFamily.create("qwen3", hf_tokenizers["qwen3"], family=families["qwen3"])
 
 
 async def _cached(engine: Engine, rid: str, ids: np.ndarray, **options) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 
@@ -19,19 +18,11 @@ from session_server.errors import AbortReason, SessionPausedError
 from session_server.sessions.journal import JournalUnavailableError
 from session_server.sessions.session import Claim
 from session_server.state import ServerState
-from support.bounded import BOUND, bounded
+from support.bounded import bounded, until
 from support.inprocess_app import StubEngine, client_of, in_process_app
 from trajectory import ModelFamily
 
 LONG = 60.0  # a drain deadline the test must never reach
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Yield to the loop until `condition` holds (bounded by BOUND)."""
-    deadline = time.monotonic() + BOUND
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.001)
 
 
 class PauseJournal:
