@@ -80,6 +80,8 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
             logger.warning("paused (mode %s) as journal %s says: POST /admin/continue resumes", journaled[1].paused,
                            config.journal)
     engine.on_move.append(lambda _session_id, _worker: metrics.sessions_moved.inc())
+    for worker in engine.workers:
+        worker.client.on_control_failure = lambda path, kind: metrics.engine_control_failures.labels(path, kind).inc()
     watch_state(server)
     return server
 
