@@ -159,6 +159,13 @@ class GenerateResult:
     top_logprobs: list[list[tuple[float, int]]] | None = None
     # Which weights sampled which output tokens: (version, start, end) spans covering [0, completion_tokens).
     weight_versions: tuple[tuple[str, int, int], ...] | None = None
+    # How the turn used an engine session (--engine-sessions; None without): ENGINE_SESSION_MODES.
+    engine_session: str | None = None
+
+
+# "reused": only the tokens past what the engine session held were sent; "opened": a fresh engine session got the whole
+# prompt; "without": none could be opened in time, so the whole history was sent and prefilled without one.
+ENGINE_SESSION_MODES = ("reused", "opened", "without")
 
 
 def _finish_reason(reason: _Stop | _Length | _Abort) -> dict[str, Any]:

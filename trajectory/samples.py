@@ -137,6 +137,8 @@ def build_turn_samples(traj: LinearTrajectory, max_seq_len: int | None = None) -
                       "weight_version": record.weight_version, "prompt_len": record.prompt_len,
                       "cached_tokens": record.cached_tokens},
         )
+        if record.engine_session is not None:
+            sample.metadata["engine_session"] = record.engine_session
         samples.append(truncate_sample(sample, max_seq_len) if max_seq_len is not None else sample)
     return samples
 
@@ -169,6 +171,8 @@ def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) 
                   "weight_version_spans": weight_version_spans(traj)},
         routed_experts=assemble_routed_experts(traj),
     )
+    if any(r.engine_session is not None for r in records):  # per turn; "without": its whole history was prefilled
+        sample.metadata["engine_sessions"] = [r.engine_session for r in records]
     if images := sample_images(traj):
         sample.metadata["images"] = images
         assert traj.family.vision is not None  # images exist only in a vision family's trajectory

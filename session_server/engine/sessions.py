@@ -94,6 +94,7 @@ class EngineSessions:
         self._on_gone = on_gone or (lambda _sid: None)
         self._metrics = metrics or Metrics()
         self._states: dict[str, EngineSessionState] = {}  # by session id: the sessions that hold one now
+        self._modes: dict[str, str] = {}  # by session id: how its turn in flight uses an engine session
         self._orphans: set[asyncio.Task[Any]] = set()
         self._retiring: set[asyncio.Task[None]] = set()  # DELETE's closes under way (their first attempt)
         self.unclosed: deque[str] = deque(maxlen=UNCLOSED_KEPT)  # the latest ids whose close never landed
@@ -115,6 +116,7 @@ class EngineSessions:
         gives (0, None): the whole prompt, no engine session (counted)."""
         st = self._states.get(session_id)
         if st is not None and not st.dirty and st.tokens > 0 and st.tokens == new_token_start:
+            self._modes[session_id] = "reused"
             return new_token_start, {"id": st.sid}
         if st is not None:
             await self.close(session_id)  # first: its KV is freed before the new one fills (a failed close retries)
@@ -129,9 +131,16 @@ class EngineSessions:
             self._spawn(self._orphan_closer(sid, session_id))
             logger.warning("session %s: no engine session (%s); the turn goes without one", session_id, exc)
             self._metrics.engine_session_fallbacks.inc()
+            self._modes[session_id] = "without"  # the next turn tries to open one again
             return 0, None
         self._states[session_id] = EngineSessionState(opened)
+        self._modes[session_id] = "opened"
         return 0, {"id": opened}
+
+    def take_mode(self, session_id: str) -> str | None:
+        """How the session's latest turn used an engine session (trajectory.ENGINE_SESSION_MODES), once: the commit
+        records it on the turn, so a turn that went without one says so in the samples."""
+        return self._modes.pop(session_id, None)
 
     def committed(self, session_id: str, total_tokens: int) -> None:
         st = self._states.get(session_id)
@@ -163,6 +172,7 @@ class EngineSessions:
         """DELETE's close: the engine session is forgotten now and closed in the background, once `first` (the wait
         for the abort of what ran in it: an engine defers a close behind a running request) has returned; retried
         like any failed close. The caller never waits for the engine."""
+        self._modes.pop(session_id, None)
         st = self._states.pop(session_id, None)
         if st is None:
             return

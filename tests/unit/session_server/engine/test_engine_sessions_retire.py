@@ -99,10 +99,13 @@ def test_a_turn_whose_open_fails_goes_without_and_the_next_turn_tries_again() ->
         sessions = EngineSessions(engine, metrics=metrics)  # type: ignore[arg-type]
         assert await sessions.begin_turn("s", 0) == (0, None)  # the whole prompt, no engine session
         assert _count(metrics, "engine_session_fallbacks") == 1 and sessions.state("s") is None
+        assert sessions.take_mode("s") == "without" and sessions.take_mode("s") is None  # for the turn's record
         engine.open_ok = True
         start, params = await sessions.begin_turn("s", 120)
         assert start == 0 and params is not None and sessions.state("s") is not None
-        assert [what for what, _ in engine.log].count("open") == 2
+        assert [what for what, _ in engine.log].count("open") == 2 and sessions.take_mode("s") == "opened"
+        sessions.committed("s", 150)
+        assert (await sessions.begin_turn("s", 150))[0] == 150 and sessions.take_mode("s") == "reused"
         await sessions.aclose()
 
     asyncio.run(main())
