@@ -202,7 +202,8 @@ def measure(args: argparse.Namespace, config: str, n: int, figures: Figures, log
     server_args = [*CONFIGS[config], "--request-timeout", str(args.request_timeout), *args.server_arg]
     server_cpu, engine_cpu, _ = pinning_plan(args.server_cpu, args.engine_cpu)
     sim, server = start_pair(tokenizer=args.tokenizer, family=args.family, engine_cpu=engine_cpu,
-                             server_cpu=server_cpu, log_dir=log_dir, engine_args=engine_args, server_args=server_args)
+                             server_cpu=server_cpu, log_dir=log_dir, engine_args=engine_args, server_args=server_args,
+                             server_src=args.server_src)
     try:
         lines_before = len(server.output)
         load = os.getloadavg()[0]
@@ -255,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--request-timeout", type=float, default=4.0)
     p.add_argument("--kv-per-session", type=int, default=400, help="KV tokens the sim gets per session")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-src", default=None,
+                   help="run the session server from this source tree (`git archive COMMIT | tar -x -C DIR`): before")
     add_stack_args(p)
     args = parse_stack_args(p, argv)
     log_dir = Path(args.log_dir) if args.log_dir else None
