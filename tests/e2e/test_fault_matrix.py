@@ -29,7 +29,14 @@ import httpx
 import pytest
 
 from rollout.processes import start_sim
-from support.server import assert_engine_baseline, engine_info, metric, new_session, wait_engine_idle
+from support.server import (
+    assert_engine_baseline,
+    engine_info,
+    metric,
+    new_session,
+    wait_engine_idle,
+    wait_engine_sessions,
+)
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
@@ -318,6 +325,7 @@ def _outcome(stack: Stack, name: str, api: str, streamed: bool) -> Outcome:
         return Outcome(seen, _committed(server, sid), idle["open_sessions"], counted)
     finally:  # whatever happened, the next case starts from an engine that holds nothing
         assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code in (204, 404)
+        wait_engine_sessions(stack.engine, 0)  # the DELETE's close lands in the background
         assert_engine_baseline(stack.engine)
 
 
