@@ -109,11 +109,14 @@ class EngineSessions:
 
     async def begin_turn(
         self, session_id: str, new_token_start: int, remaining: float | None = None,
+        on_abort: Callable[[Callable[[], object]], Callable[[], None]] | None = None,
     ) -> tuple[int, dict[str, Any] | None]:
         """Return (first prompt index to send, session_params), opening or replacing the engine session as needed.
 
         `remaining`: seconds left of the turn's deadline; an open may take OPEN_SHARE of it. An open that fails
-        gives (0, None): the whole prompt, no engine session (counted)."""
+        gives (0, None): the whole prompt, no engine session (counted). `on_abort` (the claim's): an abort of the
+        turn (a DELETE) cuts a pending open short, so nothing waits for the engine's answer; the turn then raises its
+        abort, and the id, which the engine may still open, is closed later."""
         st = self._states.get(session_id)
         if st is not None and not st.dirty and st.tokens > 0 and st.tokens == new_token_start:
             self._modes[session_id] = "reused"
@@ -123,9 +126,23 @@ class EngineSessions:
         sid = f"{session_id}-{secrets.token_hex(4)}"
         deadline = None if remaining is None else max(remaining * OPEN_SHARE, 0.001)
         self._on_opening(session_id, sid)  # before the open: a crash after it leaves the id in the book
+        opening = asyncio.ensure_future(self._engine.open_session(CAPACITY_OF_STR_LEN, session_id,
+                                                                  self.engine_timeout, sid, deadline))
+        unsubscribe = on_abort(opening.cancel) if on_abort is not None else None
         try:
-            opened = await self._engine.open_session(CAPACITY_OF_STR_LEN, session_id, self.engine_timeout, sid,
-                                                     deadline)
+            await asyncio.wait((opening,))
+        except asyncio.CancelledError:
+            opening.cancel()
+            self._spawn(self._orphan_closer(sid, session_id))
+            raise
+        finally:
+            if unsubscribe is not None:
+                unsubscribe()
+        if opening.cancelled():  # the turn was aborted meanwhile: it commits nothing, its open may still land
+            self._spawn(self._orphan_closer(sid, session_id))
+            return 0, None
+        try:
+            opened = opening.result()
         except EngineUnavailableError as exc:
             # A timed-out open may still be carried out once the engine moves again: close that id later.
             self._spawn(self._orphan_closer(sid, session_id))

@@ -23,10 +23,13 @@ class FakeEngine:
         self.close_gate.set()
         self.close_ok = True
         self.open_ok = True
+        self.open_gate = asyncio.Event()
+        self.open_gate.set()
 
     async def open_session(self, capacity: int, routing_key: str, idle_timeout: float | None, sid: str,
                            deadline: float | None) -> str:
         self.log.append(("open", sid))
+        await self.open_gate.wait()
         if not self.open_ok:
             raise EngineUnavailableError("engine POST /open_session did not answer within 1s")
         return sid
@@ -106,6 +109,36 @@ def test_a_turn_whose_open_fails_goes_without_and_the_next_turn_tries_again() ->
         assert [what for what, _ in engine.log].count("open") == 2 and sessions.take_mode("s") == "opened"
         sessions.committed("s", 150)
         assert (await sessions.begin_turn("s", 150))[0] == 150 and sessions.take_mode("s") == "reused"
+        await sessions.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_abort_cuts_a_pending_open_short_and_its_id_is_closed_later() -> None:
+    """A DELETE while the turn's open is still unanswered: the turn does not wait for the engine's answer (its
+    handler releases the slot, so the DELETE does not wait either); the id the engine may still open is closed."""
+    async def main() -> None:
+        engine = FakeEngine()
+        engine.open_gate.clear()  # the engine does not answer the open
+        sessions = EngineSessions(engine)  # type: ignore[arg-type]
+        callbacks: list[Any] = []
+
+        def on_abort(callback: Any) -> Any:
+            callbacks.append(callback)
+            return lambda: callbacks.remove(callback)
+
+        turn = asyncio.ensure_future(sessions.begin_turn("s", 0, 60.0, on_abort))
+        while not engine.log:
+            await asyncio.sleep(0)
+        (abort,) = callbacks
+        abort()  # the claim is aborted (DELETE)
+        assert await bounded(turn) == (0, None) and callbacks == [] and sessions.state("s") is None
+        sid = engine.log[0][1]
+        for _ in range(20):
+            await asyncio.sleep(0)
+            if ("close", sid) in engine.log:
+                break
+        assert ("close", sid) in engine.log  # the engine answers /ready: the orphaned id is closed
         await sessions.aclose()
 
     asyncio.run(main())
