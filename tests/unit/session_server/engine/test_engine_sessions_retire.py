@@ -25,10 +25,12 @@ class FakeEngine:
         self.open_ok = True
         self.open_gate = asyncio.Event()
         self.open_gate.set()
+        self.open_called = asyncio.Event()
 
     async def open_session(self, capacity: int, routing_key: str, idle_timeout: float | None, sid: str,
                            deadline: float | None) -> str:
         self.log.append(("open", sid))
+        self.open_called.set()
         await self.open_gate.wait()
         if not self.open_ok:
             raise EngineUnavailableError("engine POST /open_session did not answer within 1s")
@@ -128,8 +130,7 @@ def test_an_abort_cuts_a_pending_open_short_and_its_id_is_closed_later() -> None
             return lambda: callbacks.remove(callback)
 
         turn = asyncio.ensure_future(sessions.begin_turn("s", 0, 60.0, on_abort))
-        while not engine.log:
-            await asyncio.sleep(0)
+        await bounded(engine.open_called.wait())
         (abort,) = callbacks
         abort()  # the claim is aborted (DELETE)
         assert await bounded(turn) == (0, None) and callbacks == [] and sessions.state("s") is None
