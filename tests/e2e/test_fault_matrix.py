@@ -321,6 +321,9 @@ def _outcome(stack: Stack, name: str, api: str, streamed: bool) -> Outcome:
             with contextlib.suppress(AssertionError):
                 _wait(lambda: metric(server, fault.counts, 0.0) > counted, f"{fault.counts} counted", timeout=10)
             counted = metric(server, fault.counts, 0.0) - counted
+        # A DELETE closes its engine session in the background: the count is read once no close is under way.
+        _wait(lambda: metric(server, "session_server_engine_session_closes_under_way", 0.0) == 0, "closes landed",
+              timeout=30)
         idle = wait_engine_idle(stack.engine, timeout=30)
         return Outcome(seen, _committed(server, sid), idle["open_sessions"], counted)
     finally:  # whatever happened, the next case starts from an engine that holds nothing
