@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOKENIZERS := .cache/tokenizers
 
-.PHONY: demo test test-sglang test-fast lint browser harnesses bench bench-overhead bench-stream bench-scale bench-compare soak soak-crash tokenizers clean nginx demo-cluster demo-rl demo-gui test-trainers
+.PHONY: demo test test-sglang test-fast lint browser harnesses bench bench-overhead bench-stream bench-scale bench-burst bench-compare soak soak-crash tokenizers clean nginx demo-cluster demo-rl demo-gui test-trainers
 
 $(STAMP): pyproject.toml requirements-lock.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -146,6 +146,11 @@ bench-stream: $(STAMP) $(TOKENIZERS)/.built
 # One process at scale: 10k live sessions of 4k tokens; RSS, CPU per turn, /health p99 while 64 chat; the floor beside.
 bench-scale: $(STAMP) $(TOKENIZERS)/.built
 	$(PY) -m benchmarks.bench_scale --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/scale.json $(BENCH_ARGS)
+
+# The GRPO burst (issue 43): 300 and 1,000 sessions open at once, one turn each (10 % of the clients vanish), then all
+# deleted; with and without --engine-sessions: burst and cleanup time, DELETE p99, control-call timeouts, engine books.
+bench-burst: $(STAMP) $(TOKENIZERS)/.built
+	$(PY) -m benchmarks.bench_burst --tokenizer $(TOKENIZERS)/qwen3 --json-out $(BENCH_OUT)/burst.json $(BENCH_ARGS)
 
 # What the CPU pool and the lean engine client buy: the same run with the engine-response decode on the event loop,
 # and with httpx as the /generate client, each diffed against the default run.

@@ -42,6 +42,9 @@ from trajectory import ModelFamily
 logger = logging.getLogger("session_server")
 
 
+CLOSE_WAIT_FACTOR = 3  # a shutdown waits this many control timeouts at most for the engine sessions being closed
+
+
 def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpened | None = None) -> ServerState:
     registry = Registry(config.tombstones, id_prefix=config.session_id_prefix)
     engine = build_engines(config)
@@ -84,6 +87,8 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
     if config.otlp_endpoint is not None:
         replica = {"session_server.replica": config.replica_name} if config.replica_name else {}
         server.tracer = Tracer(config.otlp_endpoint, attributes={"service.instance.id": server.instance_id, **replica})
+    for worker in engine.workers:
+        worker.client.on_control_failure = lambda path, kind: metrics.engine_control_failures.labels(path, kind).inc()
     watch_state(server)
     return server
 
@@ -154,6 +159,9 @@ def watch_state(server: ServerState) -> None:
     watch("engine_retries_pending", "failed engine control calls (aborts, closes) being retried in the background",
           lambda: (drains.retries_pending if drains is not None else 0)
           + (engine_sessions.closes_pending if engine_sessions is not None else 0))
+    watch("engine_session_closes_under_way", "engine sessions being closed in the background (DELETE's closes not "
+          "yet answered, failed ones being retried)",
+          lambda: engine_sessions.closes_under_way if engine_sessions is not None else 0)
     first_turns, watch_count = server.family.first_turns, server.metrics.watch_count
     watch_count("first_turn_cache_hits", "first turns whose prompt ids came from the first-turn cache (the repeats "
                 "of a GRPO group's shared first request)", lambda: first_turns.hits)
@@ -175,6 +183,9 @@ async def shutdown(server: ServerState) -> None:
         await server.drains.wait_all()  # every engine abort sent (each drain is bounded) before the client closes
         await server.drains.aclose()  # unanswered aborts stop being retried: their connections close
     if server.engine_sessions is not None:
+        # DELETE's closes still under way (each first waits for its abort, then one bounded call), and the failed
+        # ones being retried for as long: what is left then is the engine's idle timeout's to close.
+        await server.engine_sessions.wait_closes(CLOSE_WAIT_FACTOR * server.config.engine_control_timeout)
         await server.engine_sessions.aclose()
     await server.engine.aclose()
     server.pool.shutdown()

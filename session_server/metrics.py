@@ -198,6 +198,15 @@ class Metrics:
         self.engine_session_fallbacks = counter(
             "engine_session_fallbacks", "turns sent without an engine session because none could be opened in time"
         )
+        self.engine_control_failures = counter(
+            "engine_control_failures", "engine control calls (abort, open/close session, ready, ...) that failed, by "
+            "path and kind: timeout (no answer within the call's deadline, the wait for a connection included) or "
+            "transport (a refused or broken connection)", ("path", "kind"),
+        )
+        self.engine_sessions_unclosed = counter(
+            "engine_sessions_unclosed", "engine sessions whose close never landed (its retries reached their horizon, "
+            "or too many were being retried): the engine's idle timeout frees them; GET /admin/sessions lists the "
+            "latest")
         self.engine_close_retries = counter(
             "engine_close_retries", "close_session calls retried in the background after a failure, by outcome: "
             "retry (one more attempt), closed (it landed), moot (the engine's own idle timeout closes it)",

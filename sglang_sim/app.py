@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from sglang_sim import wire
 from sglang_sim.auth import ApiKeyMiddleware
+from sglang_sim.close_gate import CloseGate
 from sglang_sim.engine import Engine
 from sglang_sim.faults import BODY_FAULTS, Fault, FaultInjector, corrupt
 from sglang_sim.images import EngineCrash, ImageRefusal
@@ -146,6 +147,7 @@ class SimServer:
     health_latency_s: float = 1.0  # real SGLang's GET /health runs a one-token generation: at least a second
     # rid -> its abort, while a delay fault holds the request
     delayed: dict[str, asyncio.Event] = field(default_factory=dict)
+    close_gate: CloseGate = field(default_factory=CloseGate)
 
     # -- /generate ------------------------------------------------------------------------------------------------
 
@@ -309,9 +311,11 @@ class SimServer:
             body = await _json_fields(request)
         except BadRequest as exc:
             return error_response(str(exc))
+        await self.close_gate.passage()  # held by the /sim/hold_closes test hook, else at once
         sid = body.get("session_id")
         if isinstance(sid, str):
             self.engine.close_session(sid)
+        self.close_gate.answered += 1
         return Response(status_code=200)
 
     async def pause_generation(self, request: Request) -> Response:
@@ -438,6 +442,18 @@ class SimServer:
         except BadRequest as exc:
             return error_response(str(exc))
 
+    async def sim_hold_closes(self, request: Request) -> Response:
+        """GET: the close gate's counts; POST `{"hold": bool}`: hold `/close_session` calls, or release them."""
+        if request.method == "POST":
+            try:
+                hold = (await _json_fields(request)).get("hold")
+            except BadRequest as exc:
+                return error_response(str(exc))
+            if not isinstance(hold, bool):
+                return error_response("'hold' must be true or false")
+            self.close_gate.hold(hold)
+        return json_response(self.close_gate.state())
+
     async def sim_books(self, request: Request) -> Response:
         return json_response(self.engine.check_books())
 
@@ -469,6 +485,7 @@ class SimServer:
             Route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"]),
             Route("/sim/faults", self.sim_faults, methods=get_post),
             Route("/sim/books", self.sim_books, methods=["GET"]),
+            Route("/sim/hold_closes", self.sim_hold_closes, methods=get_post),
         ]
 
     def app(self) -> Starlette:

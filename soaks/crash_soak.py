@@ -249,7 +249,8 @@ class CrashSoak:
             deadline = time.monotonic() + 60  # only a hang fails: a loaded machine may take seconds to go idle
             while True:
                 idle = (await http.get(f"{engine}/server_info")).json()
-                if engine_idle(idle) or time.monotonic() > deadline:
+                # DELETE closes engine sessions in the background: wait for them too
+                if (engine_idle(idle) and not idle["open_sessions"]) or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.05)
             flushed = await http.post(f"{engine}/flush_cache")

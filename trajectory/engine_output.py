@@ -167,6 +167,13 @@ class GenerateResult:
     weight_versions: tuple[tuple[str, int, int], ...] | None = None
     # Per output token, the ids the sampler kept and the sampled token's logprob over them (when asked for).
     sampling_masks: SamplingMasks | None = None
+    # How the turn used an engine session (--engine-sessions; None without): ENGINE_SESSION_MODES.
+    engine_session: str | None = None
+
+
+# "reused": only the tokens past what the engine session held were sent; "opened": a fresh engine session got the whole
+# prompt; "without": none could be opened in time, so the whole history was sent and prefilled without one.
+ENGINE_SESSION_MODES = ("reused", "opened", "without")
 
 
 def _finish_reason(reason: _Stop | _Length | _Abort) -> dict[str, Any]:

@@ -100,6 +100,9 @@ class TurnRecord:
     # a turn whose stop token a later prompt trimmed keeps its rows too.
     tail_mask_rows: tuple[tuple[int, ...], ...] = ()
     tail_sampling_logprobs: tuple[float, ...] = ()
+    # How the turn used an engine session (engine_output.ENGINE_SESSION_MODES; None without --engine-sessions):
+    # "without" says it prefilled its whole history because no engine session could be opened.
+    engine_session: str | None = None
 
     @property
     def routed_experts_rows(self) -> int:
@@ -117,6 +120,7 @@ class TurnRecord:
             "trimmed": self.trimmed, "rolled_back": self.rolled_back,
             "rollback_reason": self.rollback_reason, "e2e_latency": self.e2e_latency,
             "routed_experts_bytes": len(self.routed_experts or b""), "merged": self.merged,
+            "engine_session": self.engine_session,
         }
         if include_routed_experts:
             raw = bytes(self.routed_experts) if self.routed_experts else b""
@@ -462,7 +466,7 @@ class LinearTrajectory:
             tail_logprobs=tuple(np.asarray(result.logprobs[-tail:]).tolist()) if n_out else (),
             routed_experts=result.routed_experts,
             routed_experts_start=plan.routed_experts_start if result.routed_experts is not None else 0,
-            weight_versions=result.weight_versions, merged=plan.merged,
+            weight_versions=result.weight_versions, merged=plan.merged, engine_session=result.engine_session,
             tail_mask_rows=() if tail_rows is None else tuple(
                 tuple(tail_rows.row(i).tolist()) for i in range(len(tail_rows))),
             tail_sampling_logprobs=() if tail_rows is None else tuple(tail_rows.logprobs.tolist()),

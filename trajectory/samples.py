@@ -183,6 +183,8 @@ def build_turn_samples(traj: LinearTrajectory, max_seq_len: int | None = None) -
                       "cached_tokens": record.cached_tokens},
         )
         sample.set_masks(masks)
+        if record.engine_session is not None:
+            sample.metadata["engine_session"] = record.engine_session
         samples.append(truncate_sample(sample, max_seq_len) if max_seq_len is not None else sample)
     return samples
 
@@ -216,6 +218,8 @@ def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) 
         routed_experts=assemble_routed_experts(traj),
     )
     sample.set_masks(traj.sampling_masks)
+    if any(r.engine_session is not None for r in records):  # per turn; "without": its whole history was prefilled
+        sample.metadata["engine_sessions"] = [r.engine_session for r in records]
     if images := sample_images(traj):
         sample.metadata["images"] = images
         assert traj.family.vision is not None  # images exist only in a vision family's trajectory

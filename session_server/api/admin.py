@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import hmac
 import time
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -82,7 +83,9 @@ SESSION_LIST_LIMIT = 10_000  # entries of one listing (about 200 bytes each); `?
 async def sessions(request: Request) -> Response:
     """GET /admin/sessions: this replica's live sessions, most recently active first (`?limit=N`, default
     SESSION_LIST_LIMIT): id, metadata, turns, tokens, seconds since creation and since the last request, whether a
-    chat is in flight. What `session-server-admin sessions` gathers from every replica."""
+    chat is in flight. What `session-server-admin sessions` gathers from every replica. With --engine-sessions,
+    `engine_sessions` says how many engine sessions are being closed in the background and lists the latest whose
+    close never landed (the engine's idle timeout frees those)."""
     server = server_of(request)
     authorize(request)
     raw = request.query_params.get("limit", str(SESSION_LIST_LIMIT))
@@ -91,13 +94,18 @@ async def sessions(request: Request) -> Response:
     live = server.registry.sessions()
     now, wall = time.monotonic(), time.time()
     newest = heapq.nlargest(int(raw), live, key=lambda s: s.last_active)
-    return json_response({
+    body: dict[str, Any] = {
         "replica": server.config.replica_name, "total": len(live), "sessions": [{
             "id": s.id, "metadata": s.metadata, "turns": len(s.trajectory.records), "tokens": s.trajectory.num_tokens,
             "age_s": round(wall - s.created_at, 3), "idle_s": round(now - s.last_active, 3),
             "in_flight": bool(s.claims),
         } for s in newest],
-    })
+    }
+    engine_sessions = server.engine_sessions
+    if engine_sessions is not None:
+        body["engine_sessions"] = {"closes_under_way": engine_sessions.closes_under_way,
+                                   "unclosed": list(engine_sessions.unclosed)}
+    return json_response(body)
 
 
 async def resume(request: Request) -> Response:

@@ -1,8 +1,11 @@
 """The one HTTP client to the engine (SGLang's native API, docs/design.md 5.1).
 
-Two pools for the whole process: the hot POST /generate runs on a lean keep-alive HTTP/1.1 pool (engine/http11.py,
-up to ServerConfig.engine_connections sockets), and control calls (abort, open/close session, ready, models) on a small
-httpx.AsyncClient, so an abort never queues behind a saturated generate pool. Transport failures become 502
+Two pools for the whole process, both lean keep-alive HTTP/1.1 (engine/http11.py): the hot POST /generate (up to
+ServerConfig.engine_connections sockets), and the control calls (abort, open/close session, ready, models; up to
+CONTROL_CONNECTIONS), so an abort never queues behind a saturated generate pool. The control pool is sized for a
+GRPO step's burst (hundreds of opens, then as many closes and aborts at once) and every connection it opens is kept
+alive: it was an httpx pool of 32 connections that kept 8, and under such a burst it was the queue (http11.py says
+how it broke). Transport failures become 502
 (EngineUnavailableError); the engine's own non-2xx answers are returned as they are, so the chat handler can pass them
 through unrecorded. Client headers are never forwarded; we add only the sticky-routing key and the engine's key (and,
 with --otlp-endpoint, the turn span's `traceparent`: session_server/tracing.py).
@@ -23,7 +26,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +43,7 @@ logger = logging.getLogger("session_server.engine")
 _json = msgspec.json.Encoder()
 ROUTING_HEADER = "X-SMG-Routing-Key"
 DEFAULT_CONTROL_TIMEOUT = 1.0
+CONTROL_CONNECTIONS = 256  # control calls at once per engine; more wait for a free one, within their own deadline
 
 
 @dataclass(slots=True)
@@ -136,12 +140,9 @@ class EngineClient:
         else:
             raise ValueError(f"unknown engine client {hot_path!r}; one of {', '.join(ENGINE_CLIENTS)}")
         # Control calls (abort, close) must not queue behind a saturated generate pool: they are what frees it.
-        self._control = httpx.AsyncClient(
-            base_url=base_url,
-            timeout=httpx.Timeout(control_timeout),
-            limits=httpx.Limits(max_connections=32, max_keepalive_connections=8, keepalive_expiry=IDLE_LIMIT),
-            headers={"Content-Type": "application/json"},
-        )
+        self._control = EngineHTTP(base_url, connections=CONTROL_CONNECTIONS, connect_timeout=connect_timeout)
+        # Told of every control call that failed (the call's path, "timeout" or "transport"): the metrics count them.
+        self.on_control_failure: Callable[[str, str], None] = lambda _path, _kind: None
         # `stream: true` generates (SSE) on their own pool: a stream holds its connection for the whole reply.
         self._streaming = httpx.AsyncClient(
             base_url=base_url,
@@ -173,7 +174,7 @@ class EngineClient:
         self._generate.close()
         if isinstance(self._generate, _HttpxGenerate):
             await self._generate.aclose()
-        await self._control.aclose()
+        self._control.close()
 
     async def _request(
         self, method: str, path: str, body: bytes | None = None, *, headers: dict[str, str] | None = None,
@@ -181,17 +182,18 @@ class EngineClient:
     ) -> EngineReply:
         limit = self.control_timeout if deadline is None else deadline
         try:
-            # httpx's timeout is per phase (connect, write, read, pool); the caller needs a bound on the whole call.
+            # The whole call is bounded, the wait for a free connection included; a call cut short closes its
+            # connection whatever the phase (http11.py), so no deadline ever costs the pool a connection.
             async with asyncio.timeout(limit):
-                resp = await self._control.request(method, path, content=body, headers=headers,
-                                                   timeout=httpx.Timeout(limit))
+                status, content, content_type = await self._control.request(method, path, body or b"",
+                                                                            headers or {})
         except TimeoutError as exc:
+            self.on_control_failure(path, "timeout")
             raise EngineUnavailableError(f"engine {method} {path} did not answer within {limit:g}s") from exc
-        except httpx.TimeoutException as exc:
-            raise EngineUnavailableError(f"engine {method} {path} timed out: {type(exc).__name__}") from exc
-        except httpx.HTTPError as exc:
-            raise EngineUnavailableError(f"engine {method} {path} failed: {type(exc).__name__}: {exc}") from exc
-        return EngineReply(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))
+        except EngineUnavailableError as exc:
+            self.on_control_failure(path, "transport")
+            raise EngineUnavailableError(f"engine {method} {path} failed: {exc}") from exc
+        return EngineReply(status, content, content_type)
 
     async def _control_call(self, path: str, body: dict[str, Any], *, headers: dict[str, str],
                        deadline: float | None = None) -> EngineReply:

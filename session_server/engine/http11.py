@@ -1,11 +1,17 @@
-"""A minimal keep-alive HTTP/1.1 client for the one hot call, POST /generate.
+"""A minimal keep-alive HTTP/1.1 client for the engine: the hot POST /generate, and the control calls on a pool of
+their own.
 
 Why not httpx here: profiling the server at zero engine latency showed about half of its CPU per turn inside
 httpx/httpcore -- request/URL/header model objects, and a connection pool that polls every idle socket for
 readability on every request, so the cost grows with the number of concurrent sessions. The engine is one known
 origin speaking plain HTTP/1.1 with Content-Length or chunked bodies, so a pool of asyncio protocols with the
 httptools parser (the same parser uvicorn uses) does the job in a few microseconds per request. Control calls
-(abort, sessions, health, models) stay on httpx, where robustness matters more than microseconds.
+(abort, engine sessions, ready, models) left httpx as well, for robustness rather than microseconds: under a burst of
+hundreds of control calls (a GRPO step's opens and closes) httpcore's pool let its waiters time out while its own
+connections were still connecting, and a connection whose connect was cancelled by a deadline stayed in the pool as
+CONNECTING for good, so after 32 such cancellations every control call waited out its whole deadline (issue 43:
+each DELETE took the 1 s control timeout long after the engine was idle, and 150 engine sessions were never closed).
+Here a cancelled connect or request closes its connection and frees its slot, whatever the phase.
 
 Semantics the chat handler relies on: a cancelled request closes its connection (the engine sees the client go
 away and aborts), transport failures raise EngineUnavailableError (502), a request is never resent once written,
@@ -225,7 +231,7 @@ IDLE_LIMIT = 2.0
 
 
 class EngineHTTP:
-    """POST-only HTTP/1.1 client for one origin with a bounded keep-alive pool."""
+    """HTTP/1.1 client for one origin with a bounded keep-alive pool (a request waits for a free slot)."""
 
     def __init__(self, base_url: str, *, connections: int, connect_timeout: float = 10.0,
                  idle_limit: float = IDLE_LIMIT) -> None:
@@ -251,9 +257,9 @@ class EngineHTTP:
             raise EngineUnavailableError(f"cannot connect to the engine: {type(exc).__name__}: {exc}") from exc
         return conn
 
-    def _head(self, path: str, length: int, headers: dict[str, str]) -> bytes:
+    def _head(self, path: str, length: int, headers: dict[str, str], method: str = "POST") -> bytes:
         lines = [
-            f"POST {self._prefix}{path} HTTP/1.1\r\n".encode("latin-1"),
+            f"{method} {self._prefix}{path} HTTP/1.1\r\n".encode("latin-1"),
             b"Host: " + self._host_header + b"\r\n",
             b"Content-Type: application/json\r\n",
             b"Content-Length: " + str(length).encode() + b"\r\n",
@@ -271,9 +277,13 @@ class EngineHTTP:
         the write instead: the loop delivers their EOF to the protocol while they sit in the pool, and one idle for
         longer than the engine may keep it (IDLE_LIMIT) is not reused.
         """
+        return await self.request("POST", path, body, headers)
+
+    async def request(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, str]:
+        """`post` for any method (the control calls' GETs); the same guarantees."""
         if self._closed:
             raise EngineUnavailableError("engine client is closed")
-        request = self._head(path, len(body), headers) + body
+        request = self._head(path, len(body), headers, method) + body
         async with self._slots:
             conn = self._take_idle() or await self._connect()
             return await self._roundtrip(conn, request)

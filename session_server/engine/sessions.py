@@ -15,6 +15,13 @@ moment) is retried in the background with backoff (engine/retries.py, the same m
 lands or the engine session's own idle timeout (sent with the open) has closed it anyway; at most MAX_CLOSE_RETRIES run
 at once, beyond which the idle timeout is left to do it. Both are counted in /metrics.
 
+DELETE never waits for the engine (`retire`): the session's engine session is forgotten at once and closed in the
+background, after the abort of what ran in it has landed (bounded by the caller's wait), with the same bounded retries.
+An engine session whose close never landed (the retries' horizon passed, or too many were being retried) is kept in a
+short list of UNCLOSED_KEPT ids and counted (`engine_sessions_unclosed_total`; `GET /admin/sessions` shows both), and
+its KV is then the engine's idle timeout's to free. A shutdown waits for the closes under way, bounded
+(`wait_closes`).
+
 A server killed outright (SIGKILL, OOM) cannot close its engine sessions, and their KV would stay until the engine's
 idle timeout (the request timeout plus a minute at least). So every engine session id is put in a book before its
 open is sent (`on_opening`; with --journal, the journal's engine_sessions table) and taken out once it is closed or
@@ -27,7 +34,8 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +60,7 @@ NO_IDLE_TIMEOUT_ENGINE_TIMEOUT = 24 * 3600.0
 OPEN_SHARE = 0.5  # of the turn's remaining deadline an open on its path may take; the rest is for the turn itself
 CLOSE_BACKOFF = (0.5, 30.0)  # first and largest pause between retries of a failed close (doubling)
 MAX_CLOSE_RETRIES = 10_000  # failed closes retried at once (a task each); beyond, the engine's idle timeout closes
+UNCLOSED_KEPT = 100  # the latest engine session ids whose close never landed, for /admin/sessions
 
 # SGLang's 400 messages for a session the engine does not hold (scheduler.py handle_generate_request): after an
 # engine restart, or once the engine's own idle timeout closed it.
@@ -85,7 +94,10 @@ class EngineSessions:
         self._on_gone = on_gone or (lambda _sid: None)
         self._metrics = metrics or Metrics()
         self._states: dict[str, EngineSessionState] = {}  # by session id: the sessions that hold one now
+        self._modes: dict[str, str] = {}  # by session id: how its turn in flight uses an engine session
         self._orphans: set[asyncio.Task[Any]] = set()
+        self._retiring: set[asyncio.Task[None]] = set()  # DELETE's closes under way (their first attempt)
+        self.unclosed: deque[str] = deque(maxlen=UNCLOSED_KEPT)  # the latest ids whose close never landed
         self._closing = ControlRetries(self._metrics.engine_close_retries, "closed", backoff=CLOSE_BACKOFF,
                                        limit=MAX_CLOSE_RETRIES)
         self.engine_timeout = (max(idle_timeout, request_timeout) + ENGINE_TIMEOUT_MARGIN if idle_timeout > 0
@@ -97,30 +109,55 @@ class EngineSessions:
 
     async def begin_turn(
         self, session_id: str, new_token_start: int, remaining: float | None = None,
+        on_abort: Callable[[Callable[[], object]], Callable[[], None]] | None = None,
     ) -> tuple[int, dict[str, Any] | None]:
         """Return (first prompt index to send, session_params), opening or replacing the engine session as needed.
 
         `remaining`: seconds left of the turn's deadline; an open may take OPEN_SHARE of it. An open that fails
-        gives (0, None): the whole prompt, no engine session (counted)."""
+        gives (0, None): the whole prompt, no engine session (counted). `on_abort` (the claim's): an abort of the
+        turn (a DELETE) cuts a pending open short, so nothing waits for the engine's answer; the turn then raises its
+        abort, and the id, which the engine may still open, is closed later."""
         st = self._states.get(session_id)
         if st is not None and not st.dirty and st.tokens > 0 and st.tokens == new_token_start:
+            self._modes[session_id] = "reused"
             return new_token_start, {"id": st.sid}
         if st is not None:
             await self.close(session_id)  # first: its KV is freed before the new one fills (a failed close retries)
         sid = f"{session_id}-{secrets.token_hex(4)}"
         deadline = None if remaining is None else max(remaining * OPEN_SHARE, 0.001)
         self._on_opening(session_id, sid)  # before the open: a crash after it leaves the id in the book
+        opening = asyncio.ensure_future(self._engine.open_session(CAPACITY_OF_STR_LEN, session_id,
+                                                                  self.engine_timeout, sid, deadline))
+        unsubscribe = on_abort(opening.cancel) if on_abort is not None else None
         try:
-            opened = await self._engine.open_session(CAPACITY_OF_STR_LEN, session_id, self.engine_timeout, sid,
-                                                     deadline)
+            await asyncio.wait((opening,))
+        except asyncio.CancelledError:
+            opening.cancel()
+            self._spawn(self._orphan_closer(sid, session_id))
+            raise
+        finally:
+            if unsubscribe is not None:
+                unsubscribe()
+        if opening.cancelled():  # the turn was aborted meanwhile: it commits nothing, its open may still land
+            self._spawn(self._orphan_closer(sid, session_id))
+            return 0, None
+        try:
+            opened = opening.result()
         except EngineUnavailableError as exc:
             # A timed-out open may still be carried out once the engine moves again: close that id later.
             self._spawn(self._orphan_closer(sid, session_id))
             logger.warning("session %s: no engine session (%s); the turn goes without one", session_id, exc)
             self._metrics.engine_session_fallbacks.inc()
+            self._modes[session_id] = "without"  # the next turn tries to open one again
             return 0, None
         self._states[session_id] = EngineSessionState(opened)
+        self._modes[session_id] = "opened"
         return 0, {"id": opened}
+
+    def take_mode(self, session_id: str) -> str | None:
+        """How the session's latest turn used an engine session (trajectory.ENGINE_SESSION_MODES), once: the commit
+        records it on the turn, so a turn that went without one says so in the samples."""
+        return self._modes.pop(session_id, None)
 
     def committed(self, session_id: str, total_tokens: int) -> None:
         st = self._states.get(session_id)
@@ -145,13 +182,34 @@ class EngineSessions:
         A close that fails is retried in the background until it lands or the engine's idle timeout (from its last
         use, which was before the first failed close) has closed it anyway."""
         st = self._states.pop(session_id, None)
+        if st is not None:
+            await self._close_sid(st.sid, session_id)
+
+    def retire(self, session_id: str, first: Callable[[], Awaitable[Any]] | None = None) -> None:
+        """DELETE's close: the engine session is forgotten now and closed in the background, once `first` (the wait
+        for the abort of what ran in it: an engine defers a close behind a running request) has returned; retried
+        like any failed close. The caller never waits for the engine."""
+        self._modes.pop(session_id, None)
+        st = self._states.pop(session_id, None)
         if st is None:
             return
-        if await self._engine.close_session(st.sid, session_id):
-            self._on_gone(st.sid)
-        elif not self._closing.start(self._retry_close(st.sid, session_id)):
+        task = asyncio.get_running_loop().create_task(self._close_after(st.sid, session_id, first),
+                                                      name=f"close-{st.sid}")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _close_after(self, sid: str, routing_key: str, first: Callable[[], Awaitable[Any]] | None) -> None:
+        if first is not None:
+            await first()
+        await self._close_sid(sid, routing_key)
+
+    async def _close_sid(self, sid: str, routing_key: str) -> None:
+        if await self._engine.close_session(sid, routing_key):
+            self._on_gone(sid)
+        elif not self._closing.start(self._retry_close(sid, routing_key)):
             logger.warning("engine session %s not closed; %d closes are already being retried: the engine's idle "
-                           "timeout will close it", st.sid, self._closing.pending)
+                           "timeout will close it", sid, self._closing.pending)
+            self._unclosed(sid)
 
     async def _retry_close(self, sid: str, routing_key: str) -> None:
         async def attempt() -> Answer:
@@ -159,7 +217,27 @@ class EngineSessions:
 
         if not await self._closing.until_landed(attempt, horizon=self.engine_timeout):
             logger.warning("engine session %s: close failed until its idle timeout closes it", sid)
+            self._unclosed(sid)
         self._on_gone(sid)
+
+    def _unclosed(self, sid: str) -> None:
+        """A close that never landed: reported (metrics, /admin/sessions); the engine's idle timeout frees it."""
+        self.unclosed.append(sid)
+        self._metrics.engine_sessions_unclosed.inc()
+
+    @property
+    def closes_under_way(self) -> int:
+        """DELETE's closes not yet answered, and failed closes still being retried."""
+        return len(self._retiring) + self._closing.pending
+
+    async def wait_closes(self, within: float) -> bool:
+        """Shutdown: wait (at most `within` s) for DELETE's closes under way and the retried ones; True when all
+        ended."""
+        deadline = time.monotonic() + within
+        retiring = list(self._retiring)
+        if retiring and within > 0:
+            await asyncio.wait(retiring, timeout=within)
+        return all(t.done() for t in retiring) and await self._closing.wait(deadline - time.monotonic())
 
     def close_stale(self, stale: Iterable[tuple[str, str]]) -> int:
         """Close the engine sessions (session id, engine sid) a previous server process left in the book, on every
@@ -208,6 +286,6 @@ class EngineSessions:
         self._on_gone(sid)
 
     async def aclose(self) -> None:
-        for task in self._orphans:
+        for task in [*self._orphans, *self._retiring]:
             task.cancel()
         await self._closing.aclose()

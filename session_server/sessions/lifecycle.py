@@ -13,8 +13,10 @@ still when every segment is busy and no new one fits. Claiming and binding are s
 check and the set), so on a single event loop they are race-free without a lock (the claim itself: session.py).
 
 Closing: DELETE marks the session closing (new chats get 404 at once), asks the in-flight chat to abort and waits
-until its handler has released the slot -- by then the engine request is aborted -- and only then closes the engine
-session and forgets the session behind a tombstone. The idle sweep expires sessions through the same path.
+until its handler has released the slot -- the handler hands the engine request's abort to the background at once
+(engine/drains.py) -- and forgets the session behind a tombstone. The engine session is closed in the background
+after that abort (engine/sessions.py `retire`): a DELETE never waits for the engine. The idle sweep expires sessions
+through the same path.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ class Lifecycle:
             )
 
     async def close(self, session: Session, reason: AbortReason) -> None:
-        """Abort every turn in flight, wait for their handlers, close the engine session, forget. Safe to call twice."""
+        """Abort every turn in flight, wait for their handlers, forget; the engine session closes in the background.
+        Safe to call twice."""
         session.closing = True
         claims = list(session.claims)
         for claim in claims:
@@ -111,11 +114,11 @@ class Lifecycle:
         for claim in claims:
             await claim.done.wait()
         if self._engine_sessions is not None:
-            if self._drains is not None:
-                # Abort before close, as long as the engine answers; a stalled engine delays DELETE by this bound
-                # at most (the close is bounded by the control timeout too), never by the abort's full grace.
-                await self._drains.settle(session.id, self._drain_wait)
-            await self._engine_sessions.close(session.id)
+            # The engine session is closed in the background, never on DELETE's path: after the abort of what ran
+            # in it (an engine defers a close behind a running request), waited for at most the drain bound.
+            drains, session_id, wait = self._drains, session.id, self._drain_wait
+            self._engine_sessions.retire(
+                session_id, None if drains is None else lambda: drains.settle(session_id, wait))
         if self.registry.get(session.id) is session and self.journal is not None:
             why = "expired after being idle" if reason is AbortReason.EXPIRY else "was deleted"
             try:  # the tombstone is on disk before the session is gone: a restart must not bring it back

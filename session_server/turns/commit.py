@@ -11,6 +11,7 @@ the session lock, so it cannot interleave with a reader's snapshot.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -28,6 +29,8 @@ async def commit_turn(
     server: ServerState, session: Session, plan: SegmentPlan, result: GenerateResult, message: dict[str, Any]
 ) -> TurnRecord:
     """Commit (and journal, with --journal) one turn; InvariantError (500) or JournalUnavailableError (503)."""
+    if server.engine_sessions is not None:  # how the turn used its engine session, on its record and in the samples
+        result = dataclasses.replace(result, engine_session=server.engine_sessions.take_mode(session.id))
     segments = session.segments
     journal = server.journal
     async with session.lock:

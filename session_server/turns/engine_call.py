@@ -199,7 +199,7 @@ class EngineCall(Generic[R]):
         self.start, self.session_params = 0, None
         if self.sessions is not None:
             self.start, self.session_params = await self.sessions.begin_turn(
-                self.claim.session.id, self.turn.plan.new_token_start, self.remaining())
+                self.claim.session.id, self.turn.plan.new_token_start, self.remaining(), self.claim.on_abort)
             self.claim.raise_if_aborted()
 
     def _request(self) -> GenerateRequest:

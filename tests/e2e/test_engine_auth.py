@@ -15,6 +15,7 @@ import pytest
 
 from harness.launchers import start_session_server
 from support.server import chat_url, new_session
+from support.sim import wait_for
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
@@ -93,6 +94,7 @@ def test_keyed_server_chats_with_engine_sessions_and_aborts_on_disconnect(stack:
     assert all(c["status"] == 200 for c in calls), calls
     for s in (sid, long_sid):
         assert httpx.delete(f"{server}/sessions/{s}", timeout=10).status_code == 204
+    wait_for(lambda: _info(stack.engine)["open_sessions"] == 0, 60)  # the closes run after the DELETEs answered
     info = _info(stack.engine)
     assert info["open_sessions"] == 0 and info["running_requests"] == 0, info
 

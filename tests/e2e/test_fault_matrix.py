@@ -29,7 +29,14 @@ import httpx
 import pytest
 
 from harness.launchers import start_sim
-from support.server import assert_engine_baseline, engine_info, metric, new_session, wait_engine_idle
+from support.server import (
+    assert_engine_baseline,
+    engine_info,
+    metric,
+    new_session,
+    wait_engine_idle,
+    wait_engine_sessions,
+)
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
@@ -314,10 +321,14 @@ def _outcome(stack: Stack, name: str, api: str, streamed: bool) -> Outcome:
             with contextlib.suppress(AssertionError):
                 _wait(lambda: metric(server, fault.counts, 0.0) > counted, f"{fault.counts} counted", timeout=10)
             counted = metric(server, fault.counts, 0.0) - counted
+        # A DELETE closes its engine session in the background: the count is read once no close is under way.
+        _wait(lambda: metric(server, "session_server_engine_session_closes_under_way", 0.0) == 0, "closes landed",
+              timeout=30)
         idle = wait_engine_idle(stack.engine, timeout=30)
         return Outcome(seen, _committed(server, sid), idle["open_sessions"], counted)
     finally:  # whatever happened, the next case starts from an engine that holds nothing
         assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code in (204, 404)
+        wait_engine_sessions(stack.engine, 0)  # the DELETE's close lands in the background
         assert_engine_baseline(stack.engine)
 
 

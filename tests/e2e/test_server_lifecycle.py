@@ -32,6 +32,7 @@ from support.server import (
     wait_engine_idle,
     wait_running,
 )
+from support.sim import wait_for
 from support.stack import Stack, StackFactory
 
 FAMILY = "qwen3"
@@ -121,7 +122,8 @@ def test_delete_aborts_before_closing_the_engine_session(stack: dict) -> None:
             return deleted.status_code, (await chat).status_code
 
     assert asyncio.run(main()) == (204, 404)
-    calls = {c["path"]: c for c in proxy.calls}
+    wait_for(lambda: "/close_session" in proxy.paths(), 60)  # the close runs after the DELETE was answered
+    calls = {c["path"]: c for c in proxy.settled()}
     assert proxy.paths() == ["/open_session", "/generate", "/abort_request", "/close_session"]
     assert calls["/close_session"]["started"] >= calls["/abort_request"]["finished"]
     assert calls["/close_session"]["started"] >= calls["/generate"]["finished"]  # the abort was acknowledged

@@ -48,6 +48,17 @@ def wait_engine_idle(engine: str, timeout: float = 60.0) -> dict[str, Any]:
         time.sleep(0.02)
 
 
+def wait_engine_sessions(engine: str, open_sessions: int = 0, timeout: float = 60.0) -> dict[str, Any]:
+    """Poll until the engine is idle and holds `open_sessions` engine sessions (DELETE closes them in the background);
+    return its server_info, as it is at the bound if it never gets there (the caller's check then fails)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = wait_engine_idle(engine, timeout)
+        if info["open_sessions"] == open_sessions or time.monotonic() > deadline:
+            return info
+        time.sleep(0.02)
+
+
 def wait_emitted(engine: str, at_least: int = 1, timeout: float = 60.0) -> None:
     """Poll until the engine's live requests have emitted `at_least` tokens: a test that needs some tokens generated
     before it acts waits for them instead of sleeping a guess (a starved engine emits later, never sooner)."""
@@ -59,8 +70,9 @@ def wait_emitted(engine: str, at_least: int = 1, timeout: float = 60.0) -> None:
 
 def assert_engine_baseline(engine: str, *, open_sessions: int = 0) -> None:
     """Nothing runs, no session is held, and after a cache flush no KV slot is in use; the books balance
-    (sglang_sim.baseline)."""
-    idle = wait_engine_idle(engine)
+    (sglang_sim.baseline). A DELETE closes its engine session in the background (engine/sessions.py `retire`): the
+    count is waited for, bounded, before it is checked."""
+    idle = wait_engine_sessions(engine, open_sessions)
     flushed = httpx.post(f"{engine}/flush_cache", timeout=60)
     books = httpx.get(f"{engine}/sim/books", timeout=60).json()
     problems = baseline_problems(idle, flushed.status_code, engine_info(engine), books, open_sessions=open_sessions)

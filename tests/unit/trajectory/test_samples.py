@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -91,6 +92,24 @@ def test_samples_from_a_trajectory_carry_statuses(qwen):
         len(turns[0].tokens)] * 3
     with pytest.raises(ValueError, match="no generated turn"):
         build_merged_sample(LinearTrajectory(qwen))
+
+
+def test_a_turn_that_went_without_its_engine_session_says_so_in_the_samples(qwen):
+    """--engine-sessions: each turn's record says how it used its engine session; a turn that went without one
+    ("without": its whole history was prefilled) is named in the merged sample and in its turn sample."""
+    traj = LinearTrajectory(qwen)
+    for k, mode in enumerate(["opened", "reused", "without"]):
+        plan = traj.prepare([*traj.messages, {"role": "user", "content": f"q{k}"}])
+        result, message = generate(qwen, plan, Reply(f"a{k}"), rid=f"r{k}")
+        traj.commit(plan, dataclasses.replace(result, engine_session=mode), message)
+    assert build_merged_sample(traj).metadata["engine_sessions"] == ["opened", "reused", "without"]
+    assert [s.metadata["engine_session"] for s in build_turn_samples(traj)] == ["opened", "reused", "without"]
+    assert [r.to_dict()["engine_session"] for r in traj.records] == ["opened", "reused", "without"]
+    plain = LinearTrajectory(qwen)  # without --engine-sessions the samples are as they always were
+    plan = plain.prepare([{"role": "user", "content": "q"}])
+    plain.commit(plan, *generate(qwen, plan, Reply("a"), rid="r"))
+    assert "engine_sessions" not in build_merged_sample(plain).metadata
+    assert "engine_session" not in build_turn_samples(plain)[0].metadata
 
 
 @st.composite

@@ -101,7 +101,8 @@ class _EngineSessions:
     dirty: int = 0
     committed: list[int] = field(default_factory=list)
 
-    async def begin_turn(self, session_id: str, new_token_start: int, remaining: float) -> tuple[int, dict[str, Any]]:
+    async def begin_turn(self, session_id: str, new_token_start: int, remaining: float,
+                         on_abort: Any = None) -> tuple[int, dict[str, Any]]:
         self.opened += 1
         return 0, {"id": f"s-{self.opened}"}
 

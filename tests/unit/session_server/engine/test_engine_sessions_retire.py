@@ -1,0 +1,145 @@
+"""engine/sessions.py: DELETE's close (`retire`) never waits for the engine, comes after the abort it is given, is
+retried when it fails, and what never closes is reported; a turn whose open failed goes without and the next tries
+again."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from session_server.engine.sessions import EngineSessions
+from session_server.errors import EngineUnavailableError
+from session_server.metrics import Metrics
+from support.bounded import bounded
+
+
+class FakeEngine:
+    """The placement side of EngineSessions: every call logged; close and open answer when told to."""
+
+    def __init__(self) -> None:
+        self.on_move: list[Any] = []
+        self.log: list[tuple[str, str]] = []
+        self.close_gate = asyncio.Event()
+        self.close_gate.set()
+        self.close_ok = True
+        self.open_ok = True
+        self.open_gate = asyncio.Event()
+        self.open_gate.set()
+        self.open_called = asyncio.Event()
+
+    async def open_session(self, capacity: int, routing_key: str, idle_timeout: float | None, sid: str,
+                           deadline: float | None) -> str:
+        self.log.append(("open", sid))
+        self.open_called.set()
+        await self.open_gate.wait()
+        if not self.open_ok:
+            raise EngineUnavailableError("engine POST /open_session did not answer within 1s")
+        return sid
+
+    async def close_session(self, sid: str, routing_key: str) -> bool:
+        self.log.append(("close", sid))
+        await self.close_gate.wait()
+        return self.close_ok
+
+    async def ready(self) -> bool:
+        return True
+
+
+def _count(metrics: Metrics, name: str, labels: dict[str, str] | None = None) -> float:
+    return metrics.registry.get_sample_value(f"session_server_{name}_total", labels or {}) or 0.0
+
+
+def test_retire_returns_at_once_and_closes_after_the_abort() -> None:
+    async def main() -> None:
+        engine = FakeEngine()
+        engine.close_gate.clear()  # the engine does not answer closes: a caller that waited would hang
+        sessions = EngineSessions(engine)  # type: ignore[arg-type]
+        await sessions.begin_turn("s", 0)
+        sid = engine.log[-1][1]
+        abort_landed = asyncio.Event()
+
+        async def abort() -> None:
+            engine.log.append(("abort landed", ""))
+            await abort_landed.wait()
+
+        sessions.retire("s", abort)  # synchronous: nothing here can wait for the engine
+        assert sessions.state("s") is None and sessions.closes_under_way == 1
+        await asyncio.sleep(0)
+        assert engine.log[-1] == ("abort landed", "")  # the close waits for the abort
+        abort_landed.set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert engine.log[-1] == ("close", sid)  # then closes, in the background
+        engine.close_gate.set()
+        assert await bounded(sessions.wait_closes(10.0))
+        assert sessions.closes_under_way == 0 and not sessions.unclosed
+
+    asyncio.run(main())
+
+
+def test_a_failed_close_is_retried_and_one_that_never_lands_is_reported() -> None:
+    async def main() -> None:
+        metrics = Metrics()
+        engine = FakeEngine()
+        engine.close_ok = False
+        sessions = EngineSessions(engine, metrics=metrics)  # type: ignore[arg-type]
+        sessions.engine_timeout = 0.3  # the retries' horizon: the engine's idle timeout closes it after that
+        await sessions.begin_turn("s", 0)
+        sid = engine.log[-1][1]
+        sessions.retire("s")
+        assert await bounded(sessions.wait_closes(10.0))
+        closes = [entry for entry in engine.log if entry == ("close", sid)]
+        assert len(closes) >= 1 and list(sessions.unclosed) == [sid]
+        assert _count(metrics, "engine_sessions_unclosed") == 1
+        await sessions.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_turn_whose_open_fails_goes_without_and_the_next_turn_tries_again() -> None:
+    async def main() -> None:
+        metrics = Metrics()
+        engine = FakeEngine()
+        engine.open_ok = False
+        sessions = EngineSessions(engine, metrics=metrics)  # type: ignore[arg-type]
+        assert await sessions.begin_turn("s", 0) == (0, None)  # the whole prompt, no engine session
+        assert _count(metrics, "engine_session_fallbacks") == 1 and sessions.state("s") is None
+        assert sessions.take_mode("s") == "without" and sessions.take_mode("s") is None  # for the turn's record
+        engine.open_ok = True
+        start, params = await sessions.begin_turn("s", 120)
+        assert start == 0 and params is not None and sessions.state("s") is not None
+        assert [what for what, _ in engine.log].count("open") == 2 and sessions.take_mode("s") == "opened"
+        sessions.committed("s", 150)
+        assert (await sessions.begin_turn("s", 150))[0] == 150 and sessions.take_mode("s") == "reused"
+        await sessions.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_abort_cuts_a_pending_open_short_and_its_id_is_closed_later() -> None:
+    """A DELETE while the turn's open is still unanswered: the turn does not wait for the engine's answer (its
+    handler releases the slot, so the DELETE does not wait either); the id the engine may still open is closed."""
+    async def main() -> None:
+        engine = FakeEngine()
+        engine.open_gate.clear()  # the engine does not answer the open
+        sessions = EngineSessions(engine)  # type: ignore[arg-type]
+        callbacks: list[Any] = []
+
+        def on_abort(callback: Any) -> Any:
+            callbacks.append(callback)
+            return lambda: callbacks.remove(callback)
+
+        turn = asyncio.ensure_future(sessions.begin_turn("s", 0, 60.0, on_abort))
+        await bounded(engine.open_called.wait())
+        (abort,) = callbacks
+        abort()  # the claim is aborted (DELETE)
+        assert await bounded(turn) == (0, None) and callbacks == [] and sessions.state("s") is None
+        sid = engine.log[0][1]
+        for _ in range(20):
+            await asyncio.sleep(0)
+            if ("close", sid) in engine.log:
+                break
+        assert ("close", sid) in engine.log  # the engine answers /ready: the orphaned id is closed
+        await sessions.aclose()
+
+    asyncio.run(main())
