@@ -49,7 +49,7 @@ from benchmarks.benchlib import (
     start_pair,
     write_report,
 )
-from rollout.processes import RunningProcess
+from harness.launchers import RunningProcess
 from sglang_sim import directives
 
 CONFIGS = {"plain": [], "engine_sessions": ["--engine-sessions"]}

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout.processes import EngineProcess, start_session_server, start_sglang
+from harness.launchers import EngineProcess, start_session_server, start_sglang
 from support.otlp_collector import OtlpCollector, otlp_collector
 from support.server import new_session
 from support.sglang_engine import CONSTRAINED, PLUGIN_DIR, Engines, wait_engine_idle
