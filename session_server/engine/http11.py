@@ -257,7 +257,9 @@ class EngineStream(_Parsed):
                 self._taker = loop.create_future()
                 self._enough = enough if whole < enough else 1 << 62  # enough already: only the time wakes it
                 resume = self._expected(enough - whole, due) if whole < enough else None
-                if resume is not None and resume > now + _MIN_PAUSE:
+                if whole >= enough:
+                    self._pause(True)  # only the time wakes it: what comes meanwhile waits in the kernel
+                elif resume is not None and resume > now + _MIN_PAUSE:
                     self._pause(True)  # the events wait in the kernel until they are expected all to be there
                     self._resume = loop.call_at(resume, self._pause, False)
                 else:
@@ -288,7 +290,9 @@ class EngineStream(_Parsed):
         if not self._chunked or self._arrivals < 3:
             return None
         spacing = (self._last_at - self._first_at) / (self._arrivals - 1)
-        at = self._first_at + (self._arrivals - 1 + more) * spacing + max(_MIN_PAUSE, spacing / 8)
+        # a margin of half an event's time (at most 10 ms): an engine's pace jitters, and an event a little late
+        # would cost a wake-up of its own
+        at = self._first_at + (self._arrivals - 1 + more) * spacing + max(_MIN_PAUSE, min(spacing / 2, 0.01))
         return at if due is None else min(at, due - _MIN_PAUSE)
 
     def _pause(self, paused: bool) -> None:
