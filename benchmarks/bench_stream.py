@@ -19,7 +19,13 @@ interval asked for, the chunks the agent got and the largest gap between two of 
 reply retokenized) and in ms (with an unpaced engine the ms say how fast the server relays, not how fast a GPU
 decodes; `--engine-arg=--token-latency-ms --engine-arg=20` paces it).
 
+`--paced` measures at a real engine's pace instead: the sim decodes at `--pace-ms` (0.5 ms) a token, so each event
+the server asks for (32 tokens, a delta engine by default) is a socket read, a wake-up and a chunk of its own, as on
+a GPU; by default 16k and 32k tokens of deltas. There a streamed reply pays per event, not per byte, and the goal is
+the same (at most 2x the plain reply's server CPU).
+
     python -m benchmarks.bench_stream --tokenizer .cache/tokenizers/qwen3 --json-out out/bench/stream.json
+    python -m benchmarks.bench_stream --tokenizer .cache/tokenizers/qwen3 --paced --reps 3
 """
 
 from __future__ import annotations
@@ -170,6 +176,8 @@ def run_mode(mode: str, args: argparse.Namespace, cpus: tuple[int | None, int | 
     context = max(args.tokens) + 4096
     engine_args = ["--stream-interval", "1", "--context-length", str(context),
                    "--kv-capacity-tokens", str(4 * context), *args.engine_arg]
+    if args.paced:
+        engine_args += ["--token-latency-ms", str(args.pace_ms)]
     floor_flags = ["--engine-stream-interval", str(args.engine_stream_interval)]
     # 0 leaves the choice to the server; -1 asks nothing of the engine (its own interval, 1), as a --server-src
     # tree from before the flag does
@@ -202,8 +210,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", default=".cache/tokenizers/qwen3")
     p.add_argument("--model-family", default="qwen3")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 32768], help="reply lengths")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="reply lengths (default 1024 4096 16384 32768; paced: 16384 32768)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                   help="engine streaming modes (default both; paced: deltas)")
+    p.add_argument("--paced", action="store_true",
+                   help="the sim decodes at --pace-ms a token (a real engine's pace: an event is a read of its own)")
+    p.add_argument("--pace-ms", type=float, default=0.5, help="the sim's decode time per token with --paced")
     p.add_argument("--reps", type=int, default=2, help="chats of each kind per length (the median is reported)")
     p.add_argument("--chat-timeout", type=float, default=300.0, help="a chat slower than this is reported, not waited")
     p.add_argument("--no-floor", action="store_true", help="skip the floor proxy's run")
@@ -214,7 +227,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-arg", action="append", default=[], help="extra sglang-sim argument (repeatable)")
     p.add_argument("--server-src", default=None, help="run session-server from this source tree (a patched copy)")
     add_stack_args(p)
-    return parse_stack_args(p, argv)
+    args = parse_stack_args(p, argv)
+    if args.tokens is None:
+        args.tokens = [16384, 32768] if args.paced else [1024, 4096, 16384, 32768]
+    if args.modes is None:
+        args.modes = ["deltas"] if args.paced else list(MODES)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                      floor)
     errors = 0
     print()
-    print(f"streamed vs unstreamed server CPU per chat, the engine configured for one event per token ({pin_note})")
+    engine = (f"the engine paced at {args.pace_ms:g} ms a token" if args.paced
+              else "the engine configured for one event per token")
+    print(f"streamed vs unstreamed server CPU per chat, {engine} ({pin_note})")
     print("| mode | reply tokens | unstreamed ms | streamed ms | streamed / unstreamed | floor unstreamed ms | "
           "floor streamed ms | streamed x floor streamed | engine MiB streamed | tokens per engine event | "
           "agent chunks | largest gap, tokens | largest gap, ms |")
@@ -240,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             plain, streamed = row["plain"], row["streamed"]
             errors += len(plain["errors"]) + len(streamed["errors"])
             ratio = streamed["cpu_ms"] / plain["cpu_ms"] if plain["cpu_ms"] else None
-            k = f"{mode}_{tokens // 1024}k"
+            k = f"{'paced_' if args.paced else ''}{mode}_{tokens // 1024}k"
             figs.add(f"{k}_unstreamed_cpu_ms", plain["cpu_ms"], "ms", "lower", floor=1.0)
             figs.add(f"{k}_streamed_cpu_ms", streamed["cpu_ms"], "ms", "lower", floor=1.0)
             figs.add(f"{k}_streamed_over_unstreamed", ratio, "x", "lower", floor=0.1)

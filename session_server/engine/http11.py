@@ -124,6 +124,7 @@ class EngineStream(_Parsed):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
         # The parser's per-chunk callbacks are C calls (at one event per token a Python callback per chunk is a
         # good part of what a stream costs): a chunk's bytes and a None at its end go to `_fed`, sorted out once
         # per socket read (data_received).
@@ -131,8 +132,14 @@ class EngineStream(_Parsed):
         self.on_body = self._fed.append
         self.on_chunk_complete = functools.partial(self._fed.append, None)
         self._parser = httptools.HttpResponseParser(self)
-        self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._head: asyncio.Future[None] = self._loop.create_future()
         self._wake = asyncio.Event()
+        self._taker: asyncio.Future[None] | None = None  # take() waiting, for `_enough` whole pieces
+        self._enough = 1
+        self._held = 0  # bytes received and not yet taken (reading pauses past HIGH_WATER)
+        self._arrivals = 0  # whole pieces received (each an engine event, in SGLang's framing) ...
+        self._first_at = self._last_at = 0.0  # ... the loop time the first and the last of them came
+        self._resume: asyncio.TimerHandle | None = None
         self._chunks: list[bytes] = []
         self._chunked = False  # Transfer-Encoding: chunked
         self._open = False  # the last of _chunks is an HTTP chunk not yet complete (a socket read ended inside it)
@@ -170,10 +177,21 @@ class EngineStream(_Parsed):
         if pieces:
             self._chunks += pieces
             self._wake.set()
+            self._held += len(data)
+            self._last_at = self._loop.time()
+            if not self._arrivals:
+                self._first_at = self._last_at
+            self._arrivals += len(pieces) - self._open
+            if self._taker is not None:
+                if len(self._chunks) - self._open >= self._enough:
+                    self._wake_taker()
+            elif self._held > HIGH_WATER:  # the reader is away (sending to the agent): let the kernel hold the rest
+                self._pause(True)
 
     def on_message_complete(self) -> None:
         self._done = True
         self._wake.set()
+        self._wake_taker()
 
     def _fail(self, exc: Exception) -> None:
         if self._error is None:
@@ -181,6 +199,11 @@ class EngineStream(_Parsed):
         if not self._head.done():
             self._head.set_exception(exc)
         self._wake.set()
+        self._wake_taker()
+
+    def _wake_taker(self) -> None:
+        if self._taker is not None and not self._taker.done():
+            self._taker.set_result(None)
 
     # -- reader side ------------------------------------------------------------------------------------
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
@@ -206,6 +229,78 @@ class EngineStream(_Parsed):
             self._wake.clear()
             await self._wake.wait()
 
+    async def take(self, enough: int, after: float, within: float | None) -> list[bytes] | None:
+        """The whole pieces received since the last take (a chunk still arriving stays for the next), once `enough`
+        are there and `after` seconds have passed, or after `within` seconds whatever is there (maybe nothing);
+        None once the body has ended and all of it was taken (engine/sse.py Reads).
+
+        The socket is read all along (each read a parser feed and a count, no wake-up of the reader): only the
+        `enough`-th piece, the time bound or the body's end wakes it. Past HIGH_WATER bytes unread by the reader,
+        reading pauses (what the engine sends then waits in the kernel)."""
+        loop = self._loop
+        now = loop.time()
+        not_before = now + after
+        due = None if within is None else now + within
+        timer: asyncio.TimerHandle | None = None
+        try:
+            while True:
+                whole = len(self._chunks) - (self._open and not self._done)
+                if self._error is not None:
+                    if whole:
+                        break
+                    raise self._error
+                if self._done:
+                    if not self._chunks:
+                        return None
+                    break
+                now = loop.time()
+                if (due is not None and now >= due) or (whole >= enough and now >= not_before):
+                    break
+                wake = due if whole < enough else (not_before if due is None else min(due, not_before))
+                if timer is not None:
+                    timer.cancel()
+                timer = loop.call_at(wake, self._wake_taker) if wake is not None else None
+                self._taker = loop.create_future()
+                self._enough = enough if whole < enough else 1 << 62  # enough already: only the time wakes it
+                resume = self._expected(enough - whole, due) if whole < enough else None
+                if whole >= enough:
+                    self._pause(True)  # only the time wakes it: what comes meanwhile waits in the kernel
+                elif resume is not None and resume > now + _MIN_PAUSE:
+                    self._pause(True)  # the events wait in the kernel until they are expected all to be there
+                    self._resume = loop.call_at(resume, self._pause, False)
+                else:
+                    self._pause(False)
+                await self._taker
+                if self._resume is not None:
+                    self._resume.cancel()
+                    self._resume = None
+        finally:
+            self._taker = None
+            if timer is not None:
+                timer.cancel()
+            if self._resume is not None:
+                self._resume.cancel()
+                self._resume = None
+        if whole == len(self._chunks):
+            pieces, self._chunks = self._chunks, []
+        else:
+            pieces = self._chunks[:whole]
+            del self._chunks[:whole]
+        self._held = 0
+        return pieces
+
+    def _expected(self, more: int, due: float | None) -> float | None:
+        """When `more` engine events will have come, by the pace of those so far (SGLang's events come at a steady
+        pace: a decode step's time times the stream interval), a little after; None while the pace is unknown.
+        Reading pauses until then: the events wait in the kernel and wake the process once, not once each."""
+        if not self._chunked or self._arrivals < 3:
+            return None
+        spacing = (self._last_at - self._first_at) / (self._arrivals - 1)
+        # a margin of half an event's time (at most 10 ms): an engine's pace jitters, and an event a little late
+        # would cost a wake-up of its own
+        at = self._first_at + (self._arrivals - 1 + more) * spacing + max(_MIN_PAUSE, min(spacing / 2, 0.01))
+        return at if due is None else min(at, due - _MIN_PAUSE)
+
     def _pause(self, paused: bool) -> None:
         transport = self.transport
         if paused == self._paused or transport is None or transport.is_closing():
@@ -223,6 +318,9 @@ class EngineStream(_Parsed):
         if self.transport is not None:
             self.transport.close()
 
+
+HIGH_WATER = 4 * 2**20  # bytes of a stream received and not yet taken before reading pauses
+_MIN_PAUSE = 0.001  # seconds: reading pauses for an expected event only when it is at least this far off
 
 # How long a connection may sit idle and still be reused. SGLang's uvicorn closes a keep-alive connection idle for
 # SGLANG_TIMEOUT_KEEP_ALIVE (5 s by default); one it closes while our request is on the wire cannot be told from an

@@ -1,5 +1,5 @@
 """How finely a streamed reply reaches the agent, and what that costs: the `stream_interval` a streamed /generate asks
-SGLang for, and the agent's chunks (engine/sse.py engine_events).
+SGLang for, and the agent's chunks (their rules applied by engine/chunker.py).
 
 The agent's side: it gets new text at least every CHUNK_TOKENS tokens or CHUNK_SECONDS, whichever comes first --
 the first text at once, nothing held back past the engine's last event, and what arrives faster than that coalesced
@@ -14,8 +14,9 @@ twice the unstreamed reply):
   meta_info repeated every time: at one event per token a 32k-token reply is ~13 MB of events against the unstreamed
   reply's 1.4 MB, and reading them (the socket, the HTTP chunks, one msgspec pass over every byte) costs ~3-7x the
   unstreamed reply however they are batched (`make bench-stream`, docs/benchmarks.md). An engine that decodes at a
-  GPU's pace costs per event read instead (a wake-up, a read, a decode: measured ~0.6 ms each on a loaded machine),
-  so halving the interval doubles that cost: a paced 2k-token reply cost 2.1x unstreamed at 32 tokens per event and
+  GPU's pace costs per event read instead (a wake-up, a read, a decode: measured ~0.6 ms each on a loaded machine;
+  since the stream loop wakes once per agent chunk rather than per event, engine/sse.py, mostly per chunk), so
+  halving the interval raises that cost: a paced 2k-token reply cost 2.1x unstreamed at 32 tokens per event and
   4x at 16. One event per DELTA_INTERVAL tokens keeps a streamed reply near twice the unstreamed one and still finer
   than the agent's chunks; at a decode speed of 320 tokens/s per request or more it is also an event per 100 ms
   (`--engine-stream-interval` trades CPU for time granularity on slower decoders).

@@ -338,12 +338,14 @@ class EngineCall(Generic[R]):
                 content_type = engine.headers.get("content-type", "application/json")
                 raise EngineRefusedError(engine.status_code, await engine.aread(), content_type)
             self._running = True
-            reads = engine.aiter_pieces() if isinstance(engine, EngineStream) else reads_of(engine.aiter_bytes())
+            reads = engine if isinstance(engine, EngineStream) else reads_of(engine.aiter_bytes())
             raw = None
             progressed = False
             try:
-                async for event in engine_events(reads, config.engine_incremental_streaming, listener.logprobs,
-                                                 config.stream_coalesce_ms / 1000):
+                async for event in engine_events(
+                        reads, config.engine_incremental_streaming, listener.logprobs, config.stream_coalesce_ms / 1000,
+                        vocab_size=self.turn.family.vocab_size,
+                        event_tokens=stream_interval(config.engine_stream_interval, True, None, None)):
                     if isinstance(event, Final):
                         raw = event.raw
                         break

@@ -29,7 +29,8 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 from starlette.types import Receive, Scope, Send
 
-from session_server.engine.sse import Progress
+from session_server.engine.chunker import Progress
+from session_server.engine.reader import Tokens
 from session_server.errors import AbortReason, EngineRefusedError, engine_message
 from session_server.http.disconnect import disconnects
 from session_server.turns.deltas import DeltaTracker, StreamDivergedError
@@ -64,8 +65,8 @@ class StreamedTurn(Generic[R]):
                                     opening=turn.plan.reply_opening, tools=turn.plan.tools)
         self.logprobs = call.api.wants_logprobs(turn.request.api)
         self.started = False  # response headers sent: from here on, failures are error events
-        self.lp_sent: list[float] = []
-        self._lp_broken = False  # an unsound logprob entry: the rest come with the final event
+        self.lp_sent: list[np.ndarray] = []  # the logprobs sent, in order (float32, as the engine's were validated)
+        self._lp_count = 0
         self._settled = False
         self._text_seen = 0  # characters of reply text handed to the tracker, over every engine request
         self._send: Send | None = None
@@ -124,7 +125,7 @@ class StreamedTurn(Generic[R]):
             rest = self.tracker.finish(out.message)
         except StreamDivergedError as exc:
             raise InvariantError(f"streamed deltas disagree with the final reply: {exc}") from exc
-        sent = np.asarray(self.lp_sent, dtype=np.float32)
+        sent = np.concatenate(self.lp_sent) if self.lp_sent else np.zeros(0, dtype=np.float32)
         if not np.array_equal(sent, result.logprobs[: len(sent)]):
             raise UpstreamError("engine stream logprobs changed between events", rule="stream_logprobs")
         tail = None
@@ -176,9 +177,9 @@ class StreamedTurn(Generic[R]):
 
     async def progress(self, progress: Progress) -> None:
         """What a batch of intermediate events adds: whatever it settles, one front-end chunk per chunk of it
-        (`progress.cuts`, engine_events' chunk rules), all in one write. Not yet validated, so only what the final,
-        validated event is later checked against (text deltas, logprobs of new tokens) is taken from it."""
-        tokens = self._new_tokens(progress.logprobs, progress.top_logprobs)
+        (`progress.cuts`, engine/chunker.py), all in one write. Its logprob entries come validated (engine/reader.py);
+        the text and the logprobs sent are checked against the final event before the commit."""
+        tokens = self._new_tokens(progress.tokens)
         if progress.cuts is None or len(progress.cuts) == 1:
             await self._send_new(progress.text, tokens)
             return
@@ -202,12 +203,11 @@ class StreamedTurn(Generic[R]):
     async def resumed(self, before: GenerateResult) -> None:
         """Before a continuation's events: what the aborted request's last event added (its text and tokens were
         not sent as progress), so the continuation's text and logprobs follow on exactly."""
-        n = len(self.lp_sent)
+        n = self._lp_count
         tokens = None
-        if self.logprobs and not self._lp_broken and n < len(before.output_ids):
+        if self.logprobs and n < len(before.output_ids):
             top = before.top_logprobs[n:] if before.top_logprobs is not None else None
-            tokens = NewTokens(before.output_ids[n:], before.logprobs[n:], top)
-            self.lp_sent.extend(tokens.logprobs.tolist())
+            tokens = self._new_tokens(Tokens(before.output_ids[n:], before.logprobs[n:], top))
         await self._send_new(before.text[self._text_seen:], tokens)
 
     async def _send_new(self, text: str, tokens: NewTokens | None) -> None:
@@ -217,29 +217,12 @@ class StreamedTurn(Generic[R]):
             return
         await self._start()
         await self._events(self.format.delta(delta, tokens))
-    def _new_tokens(self, fresh: list[Any] | None, rows: list[Any] | None) -> NewTokens | None:
-        """The new tokens' logprobs, if the entries are sound (else they are left to the final, validated event,
-        and so is every later token: the logprobs sent must stay a prefix of the final ones)."""
-        if not self.logprobs or not fresh or self._lp_broken:
+
+    def _new_tokens(self, tokens: Tokens | None) -> NewTokens | None:
+        """The new tokens for the front end, when it wants logprobs; recorded, so the final event can be checked to
+        extend what was sent."""
+        if not self.logprobs or tokens is None or not len(tokens):
             return None
-        try:
-            values = np.asarray([float(e[0]) for e in fresh], dtype=np.float32)
-            ids = np.asarray([int(e[1]) for e in fresh], dtype=np.int64)
-        except (TypeError, ValueError, IndexError):
-            self._lp_broken = True
-            return None
-        if not np.isfinite(values).all() or (len(ids) and (ids.min() < 0 or ids.max() >= self.family.vocab_size)):
-            self._lp_broken = True
-            return None
-        top = None
-        if self.turn.request.top_logprobs and rows is not None and len(rows) == len(fresh):
-            try:
-                top = [[(float(a[0]), int(a[1])) for a in (row or ())] for row in rows]
-            except (TypeError, ValueError, IndexError):
-                self._lp_broken = True
-                return None
-            if any(not 0 <= t < self.family.vocab_size for row in top for _, t in row):
-                self._lp_broken = True
-                return None
-        self.lp_sent.extend(values.tolist())
-        return NewTokens(ids, values, top)
+        self.lp_sent.append(tokens.logprobs)
+        self._lp_count += len(tokens)
+        return NewTokens(tokens.ids, tokens.logprobs, tokens.top if self.turn.request.top_logprobs else None)

@@ -28,7 +28,7 @@ import msgspec
 import pytest
 
 from harness.launchers import RunningProcess, start_sim
-from session_server.engine import sse
+from session_server.engine import reader
 from support.images import IMG, RED, TALL, collapse_pads, data_url, pad_runs, pipelined_statuses, png, user_turn
 from support.sglang_engine import Engines, assert_engine_clean, loads, paced
 from trajectory import engine_output
@@ -170,10 +170,10 @@ def decode_paths(t: Target) -> dict[str, Any]:
 
 
 def _bulk_cut(payload: bytes) -> str:
-    """Whether the streamed turn's intermediate-event shortcut (session_server/engine/sse.py) finds SGLang's layout
+    """Whether the streamed turn's intermediate-event shortcut (session_server/engine/reader.py) finds SGLang's layout
     in an event, cuts its `output_ids` and `output_token_logprobs` out, and leaves the fields the stream reads as
     the whole event has them; "whole" where it falls back to decoding the event as it came."""
-    cut = sse._lean_event(payload, ids=True, logprobs=True)
+    cut = reader.lean_event(payload, ids=True, logprobs=True)
     if cut == payload:
         return "whole"
     whole, short = msgspec.json.decode(payload), msgspec.json.decode(cut)

@@ -134,6 +134,29 @@ def test_a_stream_is_read_in_pieces_one_per_chunk() -> None:
     run(main())
 
 
+def test_a_take_waits_for_enough_whole_pieces_or_its_time() -> None:
+    """EngineStream.take (engine/sse.py Reads): whole chunks only (a chunk still arriving stays for the next take),
+    once `enough` are there; after `within` seconds whatever is there, maybe nothing; None once the body ended and
+    was all taken. Fed by hand, so no wait depends on the machine's speed (the time bounds are only there to fail)."""
+    chunks = [b"data: %d\n\n" % i for i in range(4)]
+    framed = [b"%x\r\n%s\r\n" % (len(c), c) for c in chunks]
+
+    async def main() -> None:
+        stream = EngineStream()
+        stream.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + framed[0] + framed[1][:5])
+        assert await asyncio.wait_for(stream.take(1, 0.0, None), 5) == chunks[:1]  # the cut chunk stays
+        assert await stream.take(2, 0.0, 0.0) == []  # its time is up: nothing whole is there
+        waiting = asyncio.ensure_future(stream.take(2, 0.0, None))
+        stream.data_received(framed[1][5:])
+        await asyncio.sleep(0)
+        assert not waiting.done()  # one whole piece of the two asked for
+        stream.data_received(framed[2] + framed[3] + b"0\r\n\r\n")
+        assert await asyncio.wait_for(waiting, 5) == chunks[1:]
+        assert await stream.take(1, 0.0, None) is None
+
+    run(main())
+
+
 def test_connection_close_response_is_not_reused() -> None:
     async def closing(o: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if (body := await o.read_request(reader)) is not None:
