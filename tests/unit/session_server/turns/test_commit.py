@@ -60,7 +60,8 @@ def state(session: Session) -> tuple[int, list[int], list[Any], int]:
 
 
 def server(journal: Journal | None = None) -> Any:
-    return SimpleNamespace(journal=journal, metrics=SimpleNamespace(stage=lambda name, seconds: None))
+    metrics = SimpleNamespace(stage=lambda name, seconds: None)
+    return SimpleNamespace(journal=journal, engine_sessions=None, metrics=metrics)
 
 
 def test_a_commit_applies_the_whole_turn(session: Session) -> None:
