@@ -55,6 +55,9 @@ class GenerateRequest:
     thinking: bool = False
     images: Sequence[Image] = ()
     image_pad: int = -1
+    # SGLang's `extra_key`: the radix-cache namespace, derived from the weight version the request is meant for
+    # (engine/versions.py), so no prefix computed by other weights is reused. None sends none.
+    extra_key: str | None = None
 
     @property
     def size(self) -> int:
@@ -91,6 +94,8 @@ def encode_generate(request: GenerateRequest) -> bytes:
         payload["routed_experts_start_len"] = request.routed_experts_start
     if request.top_logprobs > 0:
         payload["top_logprobs_num"] = request.top_logprobs
+    if request.extra_key is not None:
+        payload["extra_key"] = request.extra_key
     if request.thinking and any(sp.get(key) is not None for key in CONSTRAINED_KEYS):
         payload["require_reasoning"] = True
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
