@@ -201,17 +201,18 @@ class EnginePlacement:
     async def continue_in_place(self) -> None:
         await asyncio.gather(*(w.client.generation_control("/continue_generation", {}) for w in self.workers))
 
-    async def pause_cutting(self) -> None:
+    async def pause_cutting(self, deadline: float) -> None:
         """SGLang's `/pause_generation` mode `abort` on every worker: every running request ends now with what it
         sampled (a continuable abort, turns/resume.py), and its turn goes on after the update under the new
         weights' cache key, re-prefilling prompt + partial reply (issue 38: exact across an update). Refused behind a
-        router as `pause_in_place` is."""
+        router as `pause_in_place` is. `deadline`: seconds the engines may take (they answer once every running
+        request has ended)."""
         blocked = [f"{w.url} is {w.kind}" for w in self.workers if w.kind in (EngineKind.SGLANG_ROUTER, EngineKind.SMG)]
         if blocked:
             raise EngineUnavailableError(
                 f"a pause for a weight update needs /pause_generation on the engines, and {'; '.join(blocked)}, which "
                 "answers it 404: start smg with --enable-rl (the server then pauses every engine through its fan-out)")
-        await asyncio.gather(*(w.client.generation_control("/pause_generation", {"mode": "abort"})
+        await asyncio.gather(*(w.client.generation_control("/pause_generation", {"mode": "abort"}, deadline)
                                for w in self.workers))
 
     # -- weight versions (engine/versions.py) ---------------------------------------------------------------

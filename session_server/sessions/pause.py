@@ -111,7 +111,7 @@ class Pause:
             self._set_running()
             try:
                 if self.cut_replies:
-                    await self._engines.pause_cutting()  # a refusal is a 502 and nothing is paused
+                    await self._engines.pause_cutting(drain_timeout)  # a refusal is a 502 and nothing is paused
                 else:
                     await self._engines.pause_in_place()
             except BaseException:

@@ -23,6 +23,7 @@ import pytest
 from sglang_sim.engine import STALE_KV_SHIFT
 from support.server import assert_engine_baseline, chat_url, engine_info, metric, new_session
 from support.stack import Stack, StackFactory
+from trajectory import sample_metadata, samples_from_json
 
 FAMILY = "qwen3"
 LONG = 200
@@ -35,7 +36,8 @@ RECOMPUTED = 'session_server_turn_continuations_total{result="continued"}'
 @pytest.fixture(scope="module")
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
     with stack_factory(family=FAMILY, sim_args=["--token-latency-ms", "5"], proxied={"server"},
-                       servers={"server": []}) as stack:
+                       servers={"server": [], "bound": ["--max-staleness", "0"],
+                                "refuse": ["--max-staleness", "0", "--stale-turns", "refuse"]}) as stack:
         yield stack
 
 
@@ -115,4 +117,43 @@ def test_a_push_while_a_reply_runs_leaves_every_token_exact_and_the_control_is_n
     for sid in (a, b):
         assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
     httpx.post(f"{engine}/update_weight_version", json={"new_version": "default", "abort_all_requests": False})
+    assert_engine_baseline(engine)
+
+
+@pytest.mark.parametrize("name", ["bound", "refuse"])
+def test_a_turn_past_max_staleness_is_sampled_again_from_its_prompt_or_refused(stack: Stack, name: str) -> None:
+    """--max-staleness 0: a turn cut by a push is more than 0 versions behind the new weights. regenerate (default):
+    it is sampled again from its prompt, so every token of the reply is the new weights'; refuse: a 503 to retry."""
+    server, engine = stack.servers[name], stack.engine
+    assert httpx.post(f"{server}/admin/continue").status_code == 200  # the server asks the engine what it serves
+    sid = new_session(server)
+    counted = "regenerated" if name == "bound" else "stale"
+    before = metric(server, f'session_server_turn_continuations_total{{result="{counted}"}}', default=0.0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert httpx.post(f"{engine}/slow_down", json={"forward_sleep_time": PACE}).status_code == 200
+        try:
+            chat = pool.submit(httpx.post, chat_url(server, sid), json=CHAT, timeout=180)
+            _wait(lambda: engine_info(engine)["output_tokens_in_flight"] >= CUT_AFTER, "tokens under the old weights")
+            assert httpx.post(f"{server}/admin/pause", json={"mode": "in_place"}).status_code == 200
+            updated = httpx.post(f"{engine}/update_weights_from_disk", json={
+                "model_path": "step-7", "weight_version": "7", "abort_all_requests": False, "flush_cache": False})
+            assert updated.status_code == 200, updated.text
+            assert httpx.post(f"{server}/admin/continue", json={"weight_version": "7"}).status_code == 200
+        finally:
+            httpx.post(f"{engine}/slow_down", json={"forward_sleep_time": None})
+        reply = chat.result()
+    assert metric(server, f'session_server_turn_continuations_total{{result="{counted}"}}', default=0.0) == before + 1
+    if name == "bound":
+        assert reply.status_code == 200, reply.text
+        sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples", json={}).json())[0]
+        sampled = np.flatnonzero(sample.loss_mask)
+        assert len(sampled) == reply.json()["usage"]["completion_tokens"]
+        # sampled again from the prompt: no token of the old weights is left (a continuation would keep them)
+        assert {sample_metadata(sample).token_versions[p] for p in sampled.tolist()} == {"7"}
+    else:
+        assert reply.status_code == 503 and "retry-after" in reply.headers, reply.text
+        assert "max-staleness" in reply.text
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    httpx.post(f"{engine}/update_weight_version", json={"new_version": "default", "abort_all_requests": False})
+    assert httpx.post(f"{server}/admin/continue").status_code == 200
     assert_engine_baseline(engine)

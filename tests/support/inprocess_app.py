@@ -62,7 +62,7 @@ class StubEngine:
         if self.refuse_continue:
             raise EngineUnavailableError("the engine refused /continue_generation")
 
-    async def pause_cutting(self) -> None:
+    async def pause_cutting(self, deadline: float) -> None:
         self.calls.append("pause_cutting")
         if self.refuse_pause:
             raise EngineUnavailableError("the engine refused /pause_generation")

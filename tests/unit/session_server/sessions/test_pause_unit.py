@@ -59,7 +59,7 @@ class World:
         if self.refuse_continue:
             raise EngineUnavailableError("the engine refused /continue_generation")
 
-    async def pause_cutting(self) -> None:
+    async def pause_cutting(self, deadline: float) -> None:
         self.log.append(("engines", "cut"))
 
     async def learn_versions(self, version: str | None) -> bool:
