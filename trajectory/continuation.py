@@ -121,9 +121,13 @@ def cut_to_version(result: GenerateResult, version: str, decode: Callable[[np.nd
     """
     if result.weight_versions is None and result.weight_version is None:
         return None  # an engine that names no weights: nothing to check against
+    if continuable_abort(result.finish_reason):
+        # An abort of everything (an update with abort_all_requests): SGLang loads new weights only once the request
+        # has ended, so a token it labels with the new version at the boundary was sampled by the old ones.
+        return None
     kept = sampled_by(result, version)
     n = len(result.output_ids)
-    if kept == n and (n or result.weight_version in (None, version)):
+    if kept == n:  # every token (or none: nothing was sampled) of the keyed weights
         return None
     ids = result.output_ids[:kept]
     return dataclasses.replace(

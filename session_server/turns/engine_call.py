@@ -421,7 +421,10 @@ class EngineCall(Generic[R]):
             out = await self.server.pool.run_decode(
                 len(split[0]), decode_and_reply, body, split, self.turn,
                 self.api.reply if self.listener is None else None, config.retry_after, self.continuation.before,
-                self.version if config.straddled_replies == "recompute" else None)
+                # A streamed reply's tokens reached the agent as they came: it is not cut (the key is corrected by
+                # `_learn` for its next request); at an abort of everything SGLang may label a token the old weights
+                # sampled with the new version, which would make every such stream a 503.
+                self.version if config.straddled_replies == "recompute" and self.listener is None else None)
         except EngineAbortedError as aborted:
             if aborted.partial is not None:
                 self._learn(aborted.partial)
