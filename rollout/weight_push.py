@@ -9,12 +9,16 @@ The order (docs/design.md 5.1, the session server's admin routes):
    sampled from now on is recorded with) and `abort_all_requests: false` (the default of 0.5.23, said explicitly: an
    update that aborts would cost each running turn a continuation); the radix cache is flushed only when asked,
    since SGLang refuses a flush (and fails the call) while requests hold KV;
-3. `POST /admin/continue` on every server, always, even when the update failed: an engine left paused stalls every
-   episode.
+3. `POST /admin/continue {"weight_version"}` on every server, always, even when the update failed (then without a
+   version: each server asks the engine what it serves): an engine left paused stalls every episode. The version is
+   what each server keys the engine's radix cache by from now on (`extra_key`), so no turn reuses a prefix the old
+   weights computed.
 
-The paused chats resume on the new weights: a reply that straddles the update has tokens of both versions, which the
-sample's `weight_version_spans` records. Saving is `save_pretrained` (safetensors) into a directory SGLang reads; the
-engine must serve the same architecture.
+With the server's default `--straddled-replies recompute`, the pause cuts the replies running on the engine and the
+server continues each under the new weights, re-prefilling prompt + partial reply: every token is its version's own,
+the old ones keep their version (the sample's `weight_version_spans`). With `keep`, they run on in place and their
+later tokens are the new weights' on KV of the old. Saving is `save_pretrained` (safetensors) into a directory SGLang
+reads; the engine must serve the same architecture.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class WeightPusher:
         """Load `checkpoint` into the engine as `version` with every server paused in place; continue them all."""
         started = time.perf_counter()
         paused: list[str] = []
+        loaded: str | None = None
         try:
             for server in self.servers:
                 await self._post(f"{server}/admin/pause", {"mode": "in_place"})
@@ -90,9 +95,11 @@ class WeightPusher:
             update_seconds = time.perf_counter() - load_started
             if not out.get("success"):
                 raise WeightPushError(f"update_weights_from_disk refused: {out}")
+            loaded = version
         finally:
             # Every server paused is continued, whatever failed above.
-            results = await asyncio.gather(*(self._post(f"{s}/admin/continue") for s in paused),
+            body = {"weight_version": loaded} if loaded is not None else {}
+            results = await asyncio.gather(*(self._post(f"{s}/admin/continue", body) for s in paused),
                                            return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:

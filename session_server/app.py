@@ -65,7 +65,7 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
             registry, retry_after=config.retry_after, metrics=metrics, engine_sessions=engine_sessions,
             journal=journal, drains=drains, drain_wait=config.engine_control_timeout,
             max_sessions=config.max_sessions,
-            engines=engine,
+            engines=engine, cut_replies=config.straddled_replies == "recompute",
         ),
         engine=engine,
         pool=CpuPool(config.cpu_workers, inline_decode=config.inline_decode,

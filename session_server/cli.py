@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 
-from session_server.config import ServerConfig
+from session_server.config import STALE_TURNS, STRADDLED_REPLIES, ServerConfig
 from session_server.engine import pacing
 from session_server.engine.client import ENGINE_CLIENTS
 from session_server.http.limits import limited_httptools
@@ -134,6 +134,15 @@ def flags() -> tuple[Flag, ...]:
         Flag("--max-turn-continuations", "times a turn goes on after the engine aborted every in-flight request (a "
              "weight update): prompt + the tokens sampled so far are resubmitted and the agent sees one reply; past it "
              "the turn is a 503 to retry; 0 never continues (default %(default)s)"),
+        Flag("--straddled-replies", "a reply running while new weights are pushed (POST /admin/pause in_place): "
+             "'recompute' cuts it and continues it under the new weights and their cache key, so every token is the "
+             "new weights' on their own KV; 'keep' lets it run on in place, its later tokens marked in the sample's "
+             "weight-version spans (default %(default)s)", choices=STRADDLED_REPLIES),
+        Flag("--max-staleness", "weight versions a turn may fall behind at a push before it is sampled again from its "
+             "prompt (see --stale-turns); -1: no bound (default %(default)s)"),
+        Flag("--stale-turns", "a turn past --max-staleness: 'regenerate' samples it again under the new weights (the "
+             "agent sees one reply, later), 'refuse' answers 503 + Retry-After (default %(default)s)",
+             choices=STALE_TURNS),
         Flag("--max-request-bytes", "largest accepted request body in bytes; larger ones get 413 (default "
              "%(default)s)"),
         Flag("--max-images", "images per request"),

@@ -30,6 +30,10 @@ def default_cpu_workers() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
+STRADDLED_REPLIES = ("recompute", "keep")
+STALE_TURNS = ("regenerate", "refuse")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     engine_url: str
@@ -48,6 +52,14 @@ class ServerConfig:
     request_timeout: float = 600.0
     # Times one turn is continued after the engine aborted every in-flight request (turns/resume.py); 0: never.
     max_turn_continuations: int = 4
+    # A reply running when new weights are pushed (issue 38): "recompute" cuts it at the pause and continues it under
+    # the new weights and their cache key (exact); "keep" lets it run on in place (its later tokens are sampled by the
+    # new weights on KV of the old, marked by the sample's weight-version spans).
+    straddled_replies: str = "recompute"
+    # Versions a turn may fall behind at a push before it is sampled again from its prompt (-1: no bound); what then
+    # happens to it: "regenerate" (the agent sees one reply, later) or "refuse" (a 503 to retry).
+    max_staleness: int = -1
+    stale_turns: str = "regenerate"
     max_request_bytes: int = 16 * 1024 * 1024
     max_metadata_bytes: int = 64 * 1024  # POST /sessions metadata, encoded (413 beyond)
     body_timeout: float = 30.0  # seconds for a request body to arrive in full (408 after)
@@ -132,6 +144,12 @@ class ServerConfig:
             problems.append(f"--on-divergence must be one of {', '.join(DIVERGENCE_POLICIES)}")
         if self.max_segments < 1:
             problems.append("--max-segments must be >= 1")
+        if self.straddled_replies not in STRADDLED_REPLIES:
+            problems.append(f"--straddled-replies must be one of {', '.join(STRADDLED_REPLIES)}")
+        if self.max_staleness < -1:
+            problems.append("--max-staleness must be >= 0, or -1 for no bound")
+        if self.stale_turns not in STALE_TURNS:
+            problems.append(f"--stale-turns must be one of {', '.join(STALE_TURNS)}")
         if self.max_turn_continuations < 0:
             problems.append("--max-turn-continuations must be >= 0")
         if self.request_timeout <= 0:

@@ -64,7 +64,8 @@ LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 STAGES = ("prepare", "decode", "commit", "journal")
 TOKEN_KINDS = ("prompt", "cached", "completion")
 LIMITS = ("sessions", "session_tokens", "context")
-CONTINUATION_RESULTS = ("continued", "limit", "constrained", "budget", "foreign")
+CONTINUATION_RESULTS = ("continued", "limit", "constrained", "budget", "foreign", "recomputed", "regenerated", "stale",
+                        "streamed")
 
 
 class Tally:
@@ -190,7 +191,10 @@ class Metrics:
             "turn_continuations", "engine aborts of a turn for every in-flight request (a weight update), by what "
             "followed: continued (prompt + the tokens sampled so far resubmitted), or the 503 the agent got instead: "
             "limit (--max-turn-continuations reached), constrained (a grammar would restart), budget (no tokens "
-            "left), foreign (an abort with a reason of its own)", ("result",),
+            "left), foreign (an abort with a reason of its own); issue 38: recomputed (tokens the weights of the "
+            "request's cache key did not sample, cut off and sampled again), regenerated (a turn past --max-staleness "
+            "sampled again from its prompt), stale (one refused instead), streamed (a streamed reply whose streamed "
+            "tokens were of other weights: the 503)", ("result",),
         )
         self.engine_session_reopens = counter(
             "engine_session_reopens", "turns resent in a reopened engine session after the engine lost the old one"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import math
 import time
 from dataclasses import dataclass
@@ -39,6 +40,20 @@ _MIN_SLEEP_S = 0.01  # emit at least this much latency per wake-up, so per-token
 _EMPTY = np.zeros(0, dtype=np.int32)
 _MAX_ROUTING_KEYS = 4096
 _MAX_CUT_REPLIES = 1024
+# What a token sampled by new weights on KV the old weights computed has off its exact logprob (the real engine's
+# measured 0.2: docs/design.md 5.4), so a fast-tier test sees stale KV as a real one does.
+STALE_KV_SHIFT = -0.25
+_MIXED = -1  # a slot version: KV partly computed by other weights (an update while its request ran)
+
+
+def weight_shift(version: str, first: str = "default") -> float:
+    """What weights `version` add to a planned logprob, on KV of their own: 0 under the engine's `first` weights (its
+    --weight-version), else a small amount in [-0.2, 0) fixed by the version's name. The sim's outputs stay those of
+    the plan, their logprobs move with the weights, so a test can tell which weights (and KV) sampled a token."""
+    if version == first:
+        return 0.0
+    digest = hashlib.blake2b(version.encode(), digest_size=4).digest()
+    return float(np.float32(-(int.from_bytes(digest, "little") % 1000 + 1) / 5000))
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,11 @@ class Engine:
         self._tasks: set[asyncio.Task[None]] = set()
         # Replies an abort cut, by prompt + the tokens emitted before the cut (bounded, oldest dropped): see `_plan`.
         self._cut: dict[bytes, tuple[ReplyPlan, int]] = {}
+        # Weight-dependent logprobs (logprob_shift): which weights computed each KV slot, by version number, and the
+        # partitions of the radix cache by `extra_key`.
+        self._versions: dict[str, int] = {config.weight_version: 0}
+        self._slot_versions = np.zeros(self.pool.capacity, dtype=np.int32)
+        self._namespaces: dict[str, int] = {}
 
     # -- submission -----------------------------------------------------------------------------------------------
 
@@ -129,7 +149,8 @@ class Engine:
             # The mask's distribution has no sampled token less likely than this (sampling_masks.py).
             plan.logprobs = np.maximum(plan.logprobs, np.float32(sampling_masks.floor(self.family.vocab_size)))
         req = SimRequest(inp=inp, prompt=prompt, plan=plan, session=session,
-                         key=key if expanded.images else None, images=expanded.images)
+                         key=key if expanded.images else None, images=expanded.images,
+                         namespace=self._namespace(inp.extra_key))
         if len(req.kv_tokens) > self.pool.capacity:
             raise BadRequest(f"Input length ({len(prompt)} tokens) plus the reply exceeds the maximum number of "
                              f"KV tokens ({self.pool.capacity}).")
@@ -178,10 +199,34 @@ class Engine:
             ids, logprobs, finish = ids[:limit], logprobs[:limit], {"type": "length", "length": limit}
         return ReplyPlan(output_ids=ids, logprobs=logprobs, finish_reason=finish)
 
+    def _namespace(self, extra_key: str | None) -> int:
+        """The radix-cache partition of an `extra_key` (0: none), numbered in order of first use."""
+        if not extra_key:
+            return 0
+        return self._namespaces.setdefault(extra_key, len(self._namespaces) + 1)
+
+    def logprob_shift(self, version: str, stale: bool) -> float:
+        """What weights `version` add to a planned logprob (`weight_shift`), and on `stale` KV (computed by other
+        weights) STALE_KV_SHIFT more."""
+        return weight_shift(version, self.config.weight_version) + (STALE_KV_SHIFT if stale else 0.0)
+
+    def _version_number(self) -> int:
+        return self._versions.setdefault(self.weight_version, len(self._versions))
+
+    def _computed(self, req: SimRequest, prefix: np.ndarray, new: np.ndarray) -> None:
+        """At admission: the request's new slots are computed by the weights now; its tokens from here on are
+        sampled by them, on KV of them unless the reused `prefix` slots were computed by other weights."""
+        current = self._version_number()
+        stale = bool(len(prefix)) and bool(np.any(self._slot_versions[prefix] != current))
+        self._slot_versions[new] = _MIXED if stale else current
+        if len(req.shift) != len(req.plan.output_ids):
+            req.shift = np.zeros(len(req.plan.output_ids), dtype=np.float32)
+        req.shift[req.generated:] = self.logprob_shift(self.weight_version, stale)
+
     def _remember_cut(self, req: SimRequest) -> None:
         if not 0 < req.generated < len(req.plan.output_ids):
             return
-        key = np.concatenate([req.cache_key, req.output_ids]).astype(np.int32, copy=False).tobytes()
+        key = np.concatenate([req.content_key, req.output_ids]).astype(np.int32, copy=False).tobytes()
         self._cut.pop(key, None)
         self._cut[key] = (req.plan, req.generated)
         if len(self._cut) > _MAX_CUT_REPLIES:
@@ -241,6 +286,7 @@ class Engine:
             req.node, req.prefix_len = hold.node, hold.prefix_len
             req.private = np.concatenate([hold.private, slots])
             self._reused(req, hold.length)
+            self._computed(req, hold.private, slots)
             return True
         # schedule_batch.py `_compute_max_prefix_len`: the prompt's last token is always computed, and input logprobs
         # asked from `logprob_start_len` on are computed, not read from the cache.
@@ -256,6 +302,7 @@ class Engine:
             return False
         req.node, req.prefix_len, req.private = match.node, match.length, slots
         self._reused(req, match.length)
+        self._computed(req, match.slots, slots)
         return True
 
     @staticmethod
@@ -438,6 +485,10 @@ class Engine:
             if req.generated > 0:
                 req.weight_events.append((self.weight_version, req.generated))
         self.weight_version = version
+        for req in self.requests.values():
+            if req.node is not None:  # admitted: the rest is sampled by the new weights on KV of the old
+                self._slot_versions[req.private] = _MIXED
+                req.shift[req.generated:] = self.logprob_shift(version, stale=True)
 
     def resume(self) -> None:
         self.paused, self.pause_mode = False, None

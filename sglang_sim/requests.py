@@ -24,6 +24,7 @@ from sglang_sim.serde_display import unexpected
 from sglang_sim.sessions import EngineSession, SessionParams
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_EMPTY_F = np.zeros(0, dtype=np.float32)
 
 
 class BadRequest(Exception):
@@ -67,6 +68,7 @@ class GenerateInput:
     return_prompt_token_ids: bool = False  # the reply carries `prompt_token_ids`: the prompt with images expanded
     return_sampling_mask: bool = False  # the reply carries the kept ids per output token (sampling_masks.py)
     sampling_logprobs_mode: str | None = None  # "selected" (the default with masks) or "support"
+    extra_key: str | None = None  # the radix cache's namespace (SGLang's `extra_key`; "" is none)
 
 
 def _is_int(v: Any) -> bool:
@@ -233,8 +235,11 @@ def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> Gener
         raise
     except BadRequest as exc:
         raise ValueRefusal(str(exc)) from None
+    extra_key = body.get("extra_key")
+    if extra_key is not None and not isinstance(extra_key, str):
+        raise BadRequest("extra_key must be a string")
     return GenerateInput(
-        rid=rid, input_ids=input_ids, text=text, sampling=sampling,
+        rid=rid, extra_key=extra_key or None, input_ids=input_ids, text=text, sampling=sampling,
         return_logprob=bool(body.get("return_logprob", False)),
         logprob_start_len=_opt(body, "logprob_start_len", int, -1),
         top_logprobs_num=_opt(body, "top_logprobs_num", int, 0),
@@ -297,6 +302,10 @@ class SimRequest:
     # the image's bytes (sglang_sim/images.py), so the cache tells images apart as SGLang's does.
     key: np.ndarray | None = None
     images: tuple[SimImage, ...] = ()  # the images the prompt's pads expanded to
+    namespace: int = 0  # the radix cache's partition for the request's `extra_key` (0: none)
+    # Per output token, what the engine's weights and the KV the token was sampled on add to the planned logprob
+    # (Engine.logprob_shift): zero under the engine's first weights on KV of those weights.
+    shift: np.ndarray = field(default_factory=lambda: _EMPTY_F)
     created: float = field(default_factory=time.perf_counter)
     state: str = "waiting"  # waiting | running | finished
     generated: int = 0
@@ -325,15 +334,34 @@ class SimRequest:
         return self.inp.sampling
 
     @property
-    def cache_key(self) -> np.ndarray:
-        """The prompt as the radix cache keys it."""
+    def content_key(self) -> np.ndarray:
+        """The prompt with each image's pads as its content key: what the reply depends on."""
         return self.prompt if self.key is None else self.key
+
+    @property
+    def cache_key(self) -> np.ndarray:
+        """The prompt as the radix cache keys it: the content key, moved into the `extra_key`'s partition (ids
+        offset by the partition's number, so no entry of one partition is a prefix of another's)."""
+        return self.in_namespace(self.content_key)
+
+    def in_namespace(self, ids: np.ndarray) -> np.ndarray:
+        if not self.namespace:
+            return ids
+        return ((ids.astype(np.int64) + (self.namespace << 21)) % (1 << 31)).astype(np.int32)
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        """The planned logprobs as emitted: plus the weights' and the KV's shift (`shift`)."""
+        planned = self.plan.logprobs
+        if not len(self.shift):
+            return planned
+        return (planned + self.shift[: len(planned)]).astype(np.float32)
 
     @property
     def kv_tokens(self) -> np.ndarray:
         """Tokens whose KV the request computes, as the cache keys them: prompt + output, minus the last token (never
         fed back)."""
-        full = np.concatenate([self.cache_key, self.plan.output_ids])
+        full = np.concatenate([self.cache_key, self.in_namespace(self.plan.output_ids)])
         return full[:-1] if len(full) else full
 
     @property

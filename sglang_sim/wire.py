@@ -47,7 +47,7 @@ def _input_logprobs(req: SimRequest, start: int) -> list[list[Any]]:
         return []
     ids = req.prompt[start:]
     if req.images:  # SGLang reports an image's pads by the id 0 (their key in its cache is no vocabulary id)
-        ids = np.where(req.cache_key[start:] != ids, 0, ids)
+        ids = np.where(req.content_key[start:] != ids, 0, ids)
     ids = ids.tolist()
     rng = np.random.default_rng(len(req.prompt))
     values = np.log(rng.uniform(0.05, 0.95, size=len(ids))).tolist()
@@ -107,7 +107,7 @@ def _output_logprobs(engine: Engine, req: SimRequest, start: int, end: int) -> d
     out_ids = req.plan.output_ids[start:end]
     texts: list[str | None] = (engine.family.token_texts(out_ids) if inp.return_text_in_logprobs
                                else [None] * len(out_ids))
-    lps = req.plan.logprobs[start:end].tolist()
+    lps = req.logprobs[start:end].tolist()
     ids = out_ids.tolist()
     lists: dict[str, list[Any]] = {"output_token_logprobs": [[lp, t, s] for lp, t, s in zip(lps, ids, texts,
                                                                                             strict=True)]}

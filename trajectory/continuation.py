@@ -20,6 +20,7 @@ engine for everyone.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,10 @@ import numpy as np
 from .engine_output import GenerateResult
 from .sampling_masks import SamplingMasks
 
-CONTINUABLE_ABORT_MESSAGES = ("Aborted", "Abort in waiting queue")
+# Ours, never the engine's: a reply cut where its tokens stop being of the weights its request was keyed for
+# (`cut_to_version`); continued like an abort of everything.
+WEIGHTS_CHANGED = "Weights changed under the request"
+CONTINUABLE_ABORT_MESSAGES = ("Aborted", "Abort in waiting queue", WEIGHTS_CHANGED)
 
 
 def continuable_abort(finish_reason: dict[str, Any]) -> bool:
@@ -98,3 +102,43 @@ def join_results(before: GenerateResult, after: GenerateResult) -> GenerateResul
         weight_versions=_joined_spans(before, after),
         sampling_masks=masks,
     )
+
+
+def sampled_by(result: GenerateResult, version: str) -> int:
+    """How many leading tokens of `result` the weights `version` sampled."""
+    n = 0
+    for span_version, start, end in _spans(result):
+        if span_version != version or start != n:
+            break
+        n = end
+    return n
+
+
+def cut_to_version(result: GenerateResult, version: str, decode: Callable[[np.ndarray], str]
+                   ) -> GenerateResult | None:
+    """None when weights `version` sampled every token of `result` (the version its request's cache key named);
+    else `result` cut to its leading tokens of that version, as an abort (WEIGHTS_CHANGED) to continue from.
+
+    Why: a token sampled after the engine's weights changed under the request was sampled on KV the old weights
+    computed (SGLang keeps a running request's KV across an update in place) or on a prefix cached under the old key,
+    so no single checkpoint gives its logprob. The tokens before the change are exact and are kept; the rest is
+    sampled again under the new version's key. `decode` gives the kept tokens' text. The cut keeps the reply's
+    `weight_version`: the weights the engine serves now.
+    """
+    if result.weight_versions is None and result.weight_version is None:
+        return None  # an engine that names no weights: nothing to check against
+    if continuable_abort(result.finish_reason):
+        # An abort of everything (an update with abort_all_requests): SGLang loads new weights only once the request
+        # has ended, so a token it labels with the new version at the boundary was sampled by the old ones.
+        return None
+    kept = sampled_by(result, version)
+    n = len(result.output_ids)
+    if kept == n:  # every token (or none: nothing was sampled) of the keyed weights
+        return None
+    ids = result.output_ids[:kept]
+    return dataclasses.replace(
+        result, text=decode(ids) if kept else "", output_ids=ids, logprobs=result.logprobs[:kept],
+        finish_reason={"type": "abort", "message": WEIGHTS_CHANGED}, completion_tokens=kept,
+        top_logprobs=result.top_logprobs[:kept] if result.top_logprobs is not None else None,
+        weight_versions=((version, 0, kept),) if kept else None, routed_experts=None,
+        sampling_masks=result.sampling_masks.rows(0, kept) if result.sampling_masks is not None else None)

@@ -214,7 +214,9 @@ def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) 
         metadata={"num_turns": len(records), "turns": [[r.prompt_len, r.completion_len] for r in records],
                   "rids": [r.rid for r in records], "weight_versions": [r.weight_version for r in records],
                   "rollbacks": sum(traj.rollbacks.values()), "rollbacks_by_reason": dict(traj.rollbacks),
-                  "weight_version_spans": weight_version_spans(traj)},
+                  "weight_version_spans": weight_version_spans(traj),
+                  # per turn, the prompt tokens the engine's prefix cache served (cached / prompt: its hit rate)
+                  "cached_tokens": [r.cached_tokens for r in records]},
         routed_experts=assemble_routed_experts(traj),
     )
     sample.set_masks(traj.sampling_masks)

@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_by_staleness": {k: sum(r.tokens_by_staleness.get(k, 0) for r in records)
                                 for k in sorted({k for r in records for k in r.tokens_by_staleness})},
         "straddled_tokens": sum(r.straddled_tokens for r in records),
+        "straddled_replies": sum(r.straddled_replies for r in records),
+        "cache_hit_rate_per_step": [round(r.cache_hit_rate, 3) for r in records],
         "steps_check_ok": sum(r.check_ok for r in records),
         "steps_check_ok_on_one_version_replies": sum(verdict(r) in ("ok", "ok*") for r in records),
         "worst_clean_mismatch": float(np.nanmax([r.mismatch_max_clean for r in records])),

@@ -22,7 +22,9 @@ def plot(records: list[StepRecord], path: Path, title: str) -> Path:
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
     ax1.plot(steps, [r.reward_mean for r in records], marker="o", label="mean reward")
     ax1.plot(steps, [r.lookup_rate for r in records], linestyle="--", marker=".", label="episodes that called the tool")
-    ax1.set_ylabel("per episode")
+    ax1.plot(steps, [r.cache_hit_rate for r in records], linestyle=":", marker="s",
+             label="prefix cache hit rate (cached / prompt tokens)")
+    ax1.set_ylabel("per episode / rate")
     ax1.legend(fontsize=7, loc="lower right")
     ax1.set_ylim(-0.02, 1.02)
     ax1.set_title(title)

@@ -24,6 +24,8 @@ class StepRecord:
     mismatch_max_clean: float       # over tokens whose reply ran on one version only
     mismatch_max_straddled: float   # over tokens sampled after an update, on KV of the older weights (nan: none)
     straddled_tokens: int
+    straddled_replies: int          # replies that ran across a push (recomputed under the new weights by the server)
+    cache_hit_rate: float           # prompt tokens served by the engine's prefix cache / prompt tokens (nan: none)
     k3_kl: float
     train_rollout_logprob_abs_diff: float
     pg_clipfrac: float

@@ -24,6 +24,17 @@ from rollout.weight_push import WeightPusher, save_weights
 from trajectory import Sample
 
 
+def cache_hit_rate(samples: list[Sample]) -> float:
+    """Prompt tokens the engine's prefix cache served over all prompt tokens, every turn of `samples` (the engine's
+    `cached_tokens`); nan when there were none."""
+    cached = prompt = 0
+    for sample in samples:
+        turns = sample.metadata.get("turns") or []
+        cached += sum(sample.metadata.get("cached_tokens") or [])
+        prompt += sum(int(t[0]) for t in turns)
+    return cached / prompt if prompt else math.nan
+
+
 def straddled_mask(sample: Sample) -> np.ndarray:
     """Sampled tokens of a reply that started under older weights than theirs: each turn's completion is one engine
     request (continued requests aside) whose KV its first version computed."""
@@ -40,6 +51,16 @@ def straddled_mask(sample: Sample) -> np.ndarray:
             elif version != first:
                 out[max(a, prompt_len):min(b, end)] = True
     return out & sample.loss_mask.astype(bool)
+
+
+def _straddled_turns(sample: Sample) -> int:
+    """Turns of `sample` whose reply holds tokens of more than one weight version."""
+    spans = sample.metadata.get("weight_version_spans") or []
+    count = 0
+    for prompt_len, completion_len in sample.metadata.get("turns", []):
+        versions = {v for v, a, b in spans if a < prompt_len + completion_len and b > prompt_len}
+        count += len(versions) > 1
+    return count
 
 
 class Trainer:
@@ -94,7 +115,9 @@ class Trainer:
                             dropped_groups=staleness.dropped_groups,
                             tokens_by_staleness=dict(sorted(staleness.tokens_by_staleness.items())), check_ok=True,
                             mismatch_max=0.0, mismatch_mean=0.0, mismatch_max_clean=0.0,
-                            mismatch_max_straddled=math.nan, straddled_tokens=0, k3_kl=0.0,
+                            mismatch_max_straddled=math.nan, straddled_tokens=0, straddled_replies=0,
+                            cache_hit_rate=cache_hit_rate([s for g in groups for r in g.results for s in r.samples]),
+                            k3_kl=0.0,
                             train_rollout_logprob_abs_diff=0.0, pg_clipfrac=0.0, is_weight_mean=1.0,
                             push_seconds=0.0, seconds=0.0)
         if used:
@@ -130,6 +153,7 @@ class Trainer:
             straddled.append(diff[cut])
         record.mismatch_max_clean = float(np.concatenate(clean).max(initial=0.0))
         joined = np.concatenate(straddled)
+        record.straddled_replies = sum(_straddled_turns(s) for s in samples)
         record.straddled_tokens = int(joined.size)
         record.mismatch_max_straddled = float(joined.max()) if joined.size else math.nan
 

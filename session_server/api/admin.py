@@ -109,7 +109,8 @@ async def sessions(request: Request) -> Response:
 
 
 async def resume(request: Request) -> Response:
-    """POST /admin/continue: the pause ends (sessions/pause.py)."""
+    """POST /admin/continue, optional body `{"weight_version": "N"}` (the weights the engines serve now, as the push
+    named them; else asked of each engine): the pause ends (sessions/pause.py)."""
     server = server_of(request)
     with admin_span(server.tracer, "admin.continue", request.headers):
         return await _resume(request, server)
@@ -117,5 +118,10 @@ async def resume(request: Request) -> Response:
 
 async def _resume(request: Request, server: ServerState) -> Response:
     authorize(request)
-    await server.lifecycle.pause.resume()
+    config = server.config
+    obj = await read_object(request, config.max_request_bytes, config.body_timeout)
+    version = obj.get("weight_version")
+    if version is not None and (not isinstance(version, str) or not version):
+        raise RequestValidationError("'weight_version' must be a non-empty string")
+    await server.lifecycle.pause.resume(version)
     return json_response({"status": "running"})

@@ -252,10 +252,11 @@ class EngineClient:
             logger.warning("abort of rid %s refused by the engine (%d): %r", rid, reply.status, reply.body[:200])
         return Answer.of(reply.status)
 
-    async def generation_control(self, path: str, body: dict[str, Any]) -> None:
+    async def generation_control(self, path: str, body: dict[str, Any], deadline: float | None = None) -> None:
         """POST /pause_generation or /continue_generation (admin calls); an engine that refuses is a 502 that says
-        so, since the operator's weight update depends on it."""
-        reply = await self._control_call(path, body, headers=self._admin_auth)
+        so, since the operator's weight update depends on it. `deadline`: the seconds it may take (default: the
+        control timeout; a pause that aborts waits for every running request to end)."""
+        reply = await self._control_call(path, body, headers=self._admin_auth, deadline=deadline)
         if not reply.ok:
             raise EngineUnavailableError(f"engine refused {path} ({reply.status}): {reply.body[:200]!r}")
 

@@ -37,6 +37,7 @@ import msgspec
 from session_server.engine.client import Answer, EngineClient, EngineReply, StreamedReply
 from session_server.engine.http11 import IDLE_LIMIT
 from session_server.engine.routers import EngineKind, classify, refusal
+from session_server.engine.versions import DEFAULT_VERSION
 from session_server.errors import EngineUnavailableError
 
 logger = logging.getLogger("session_server.engine.placement")
@@ -55,6 +56,7 @@ class Worker:
     load: int = 0  # running + waiting requests at the last probe (tie-break only)
     kind: EngineKind | None = None  # an engine or a router (engine/routers.py); None until it first answers
     ready_path: str = "/ready"
+    weight_version: str = DEFAULT_VERSION  # the weights it serves, as this server believes (engine/versions.py)
     probing: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def describe(self) -> dict[str, Any]:
@@ -198,6 +200,64 @@ class EnginePlacement:
 
     async def continue_in_place(self) -> None:
         await asyncio.gather(*(w.client.generation_control("/continue_generation", {}) for w in self.workers))
+
+    async def pause_cutting(self, deadline: float) -> None:
+        """SGLang's `/pause_generation` mode `abort` on every worker: every running request ends now with what it
+        sampled (a continuable abort, turns/resume.py), and its turn goes on after the update under the new
+        weights' cache key, re-prefilling prompt + partial reply (issue 38: exact across an update). Refused behind a
+        router as `pause_in_place` is. `deadline`: seconds the engines may take (they answer once every running
+        request has ended)."""
+        blocked = [f"{w.url} is {w.kind}" for w in self.workers if w.kind in (EngineKind.SGLANG_ROUTER, EngineKind.SMG)]
+        if blocked:
+            raise EngineUnavailableError(
+                f"a pause for a weight update needs /pause_generation on the engines, and {'; '.join(blocked)}, which "
+                "answers it 404: start smg with --enable-rl (the server then pauses every engine through its fan-out)")
+        await asyncio.gather(*(w.client.generation_control("/pause_generation", {"mode": "abort"}, deadline)
+                               for w in self.workers))
+
+    # -- weight versions (engine/versions.py) ---------------------------------------------------------------
+    def version_of(self, routing_key: str) -> str:
+        """The weights the session's worker serves, as this server believes."""
+        return self._client(routing_key).weight_version
+
+    def learn_version(self, routing_key: str, version: str) -> bool:
+        """An engine reply named the weights of the session's worker; True when that is news."""
+        worker = self._client(routing_key)
+        if worker.weight_version == version:
+            return False
+        logger.warning("engine %s serves weights %r, not %r as believed", worker.url, version,
+                       worker.weight_version)
+        worker.weight_version = version
+        return True
+
+    async def learn_versions(self, version: str | None) -> bool:
+        """After a push: every worker serves `version`, or (None) what its `/model_info` says (a worker that does not
+        answer keeps its belief; its next reply corrects it). True when any belief changed."""
+        if version is not None:
+            found: list[str | None] = [version] * len(self.workers)
+        else:
+            found = list(await asyncio.gather(*(self._model_version(w) for w in self.workers)))
+        changed = False
+        for worker, new in zip(self.workers, found, strict=True):
+            if new is not None and new != worker.weight_version:
+                worker.weight_version, changed = new, True
+        return changed
+
+    async def refresh_version(self, routing_key: str) -> None:
+        """Ask the session's worker what it serves now (`/model_info`): after the engine aborted every request,
+        which a weight update the server was not told of does, before the turn goes on."""
+        worker = self._client(routing_key)
+        version = await self._model_version(worker)
+        if version is not None:
+            worker.weight_version = version
+
+    async def _model_version(self, worker: Worker) -> str | None:
+        try:
+            body = (await self._get(worker, "/model_info")).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        version = body.get("weight_version") if isinstance(body, dict) else None
+        return version if isinstance(version, str) else None
 
     async def open_session(
         self, capacity_of_str_len: int, routing_key: str, idle_timeout: float | None = None,

@@ -165,6 +165,12 @@ class EngineSessions:
             st.tokens = total_tokens
             st.dirty = False
 
+    def retire_all(self) -> None:
+        """The engines' weights changed: every engine session holds KV of the old ones, so each is replaced by a
+        fresh one on its session's next turn (engine/versions.py)."""
+        for st in self._states.values():
+            st.dirty = True
+
     def mark_dirty(self, session_id: str) -> None:
         st = self._states.get(session_id)
         if st is not None:

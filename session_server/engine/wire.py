@@ -58,6 +58,9 @@ class GenerateRequest:
     # Ask for the ids the sampler kept per output token and the sampled token's logprob over them (SGLang's
     # `return_sampling_mask`, mode "selected"; trajectory/sampling_masks.py).
     sampling_masks: bool = False
+    # SGLang's `extra_key`: the radix-cache namespace, derived from the weight version the request is meant for
+    # (engine/versions.py), so no prefix computed by other weights is reused. None sends none.
+    extra_key: str | None = None
 
     @property
     def size(self) -> int:
@@ -94,6 +97,8 @@ def encode_generate(request: GenerateRequest) -> bytes:
         payload["routed_experts_start_len"] = request.routed_experts_start
     if request.top_logprobs > 0:
         payload["top_logprobs_num"] = request.top_logprobs
+    if request.extra_key is not None:
+        payload["extra_key"] = request.extra_key
     if request.thinking and any(sp.get(key) is not None for key in CONSTRAINED_KEYS):
         payload["require_reasoning"] = True
     if request.sampling_masks:

@@ -42,7 +42,7 @@ class Lifecycle:
         self, registry: Registry, *, retry_after: int, metrics: Metrics,
         engine_sessions: EngineSessions | None = None, journal: Journal | None = None,
         drains: EngineDrains | None = None, drain_wait: float = 1.0, max_sessions: int = 0,
-        engines: EnginePlacement | None = None,
+        engines: EnginePlacement | None = None, cut_replies: bool = False,
     ) -> None:
         self.registry = registry
         self.max_sessions = max_sessions  # 0: unbounded
@@ -55,7 +55,8 @@ class Lifecycle:
         self._in_flight: set[Claim] = set()
         self._drains = drains  # aborted engine requests ending in the background (engine/drains.py)
         self._drain_wait = drain_wait
-        self.pause = Pause(self, registry, engines=engines, journal=journal, drains=drains)
+        self.pause = Pause(self, registry, engines=engines, journal=journal, drains=drains,
+                           engine_sessions=engine_sessions, cut_replies=cut_replies)
 
     @property
     def paused(self) -> bool:

@@ -9,7 +9,14 @@ uploading its body is refused when it arrives, `Lifecycle.admit`); `abort` abort
 nothing committed; the agent retries the same turn after continue); `in_place` leaves them in the engine (SGLang's
 `/pause_generation` mode `in_place` on every worker: requests keep their KV) while the trainer updates the weights,
 and continue resumes the engines, so those replies record which tokens each weight version sampled. Engines paused in
-place stay so until a continue, whatever mode a later pause asks for. A pause while paused runs its mode again (a
+place stay so until a continue, whatever mode a later pause asks for.
+
+With `cut_replies` (--straddled-replies recompute, the default) an `in_place` pause cuts the engines' running requests
+instead (SGLang's pause mode `abort`): each reply ends with what it sampled under the old weights, and its turn waits
+(`wait_running`) and goes on after the continue under the new weights and their cache key, re-prefilling prompt +
+partial reply (turns/resume.py), so no token is sampled by new weights on KV of old ones (issue 38). Continue learns
+the new weight version (`weight_version` in its body, else each engine's /model_info: engine/versions.py) and
+retires the engine sessions opened under older weights. A pause while paused runs its mode again (a
 drain after an abort waits for what is in flight now); a continue while running is harmless.
 
 With --journal the pause is durable: it is journaled before it is acknowledged (a failed write is a 503 and nothing
@@ -26,6 +33,7 @@ from typing import Literal, Protocol
 
 from session_server.engine.drains import EngineDrains
 from session_server.engine.placement import EnginePlacement
+from session_server.engine.sessions import EngineSessions
 from session_server.errors import AbortReason
 from session_server.sessions.journal import Journal
 from session_server.sessions.registry import Registry
@@ -47,9 +55,14 @@ class Pause:
     """The server's pause: `mode` is the pause in force (None: running), written here only."""
 
     def __init__(self, chats: Chats, registry: Registry, *, engines: EnginePlacement | None = None,
-                 journal: Journal | None = None, drains: EngineDrains | None = None) -> None:
+                 journal: Journal | None = None, drains: EngineDrains | None = None,
+                 engine_sessions: EngineSessions | None = None, cut_replies: bool = False) -> None:
         self.mode: PauseMode | None = None
         self.in_place = False  # the engines are paused in place too (until a continue)
+        self.cut_replies = cut_replies
+        self._running = asyncio.Event()
+        self._running.set()
+        self._engine_sessions = engine_sessions
         self._chats = chats
         self._registry = registry
         self._engines = engines
@@ -66,6 +79,21 @@ class Pause:
         it was, engines included (an in_place pause is the engines', and they kept it across our restart)."""
         self.mode = None if mode is None else next((m for m in MODES if m == mode), "drain")
         self.in_place = self.mode == "in_place"
+        self._set_running()
+
+    def _set_running(self) -> None:
+        if self.mode is None:
+            self._running.set()
+        else:
+            self._running.clear()
+
+    async def wait_running(self, within: float) -> bool:
+        """Until the pause ends (a cut reply's turn goes on then, under the new weights); False past `within` s."""
+        try:
+            await asyncio.wait_for(self._running.wait(), max(within, 0.0))
+        except TimeoutError:
+            return False
+        return True
 
     async def pause(self, mode: PauseMode, drain_timeout: float) -> int:
         """Pause in `mode` (`drain_timeout`: the drain's bound); returns how many chats were aborted."""
@@ -76,15 +104,25 @@ class Pause:
         if mode == "in_place":
             if self._engines is None:
                 raise InvariantError("a pause in place needs the engines")
+            was_in_place = self.in_place
+            # Paused before the engines are: a reply the cut ends comes back while the call runs, and its turn must
+            # wait for the continue (the new weights' key), not go on at once.
+            self.mode, self.in_place = mode, True
+            self._set_running()
             try:
-                await self._engines.pause_in_place()  # a refusal is a 502 and nothing is paused
+                if self.cut_replies:
+                    await self._engines.pause_cutting(drain_timeout)  # a refusal is a 502 and nothing is paused
+                else:
+                    await self._engines.pause_in_place()
             except BaseException:
+                self.mode, self.in_place = previous, was_in_place
+                self._set_running()
                 if journal is not None:
                     await journal.paused("in_place" if self.in_place else previous)
                 raise
-            self.mode, self.in_place = mode, True
             return 0
         self.mode = "in_place" if self.in_place else mode
+        self._set_running()
         return await self._settle(mode == "abort", drain_timeout)
 
     async def _settle(self, abort: bool, drain_timeout: float) -> int:
@@ -108,9 +146,13 @@ class Pause:
             await self._drains.wait_all(retries_within=deadline - time.monotonic())
         return aborted
 
-    async def resume(self) -> None:
-        """Continue: the engines first when they are paused in place (a refusal is a 502 and the server stays
-        paused), then the journal (a failure is a 503 and the server stays paused, as the journal says)."""
+    async def resume(self, weight_version: str | None = None) -> None:
+        """Continue: the weights the engines serve now learned (`weight_version`, else asked of each engine), the
+        engines first when they are paused in place (a refusal is a 502 and the server stays paused), then the
+        journal (a failure is a 503 and the server stays paused, as the journal says)."""
+        changed = self._engines is not None and await self._engines.learn_versions(weight_version)
+        if changed and self._engine_sessions is not None:
+            self._engine_sessions.retire_all()  # their KV is of the old weights: reopened on the next turn
         if self.in_place:
             assert self._engines is not None  # only a pause with engines, or a journal's, pauses in place
             await self._engines.continue_in_place()
@@ -118,4 +160,5 @@ class Pause:
         if self._journal is not None:
             await self._journal.paused(None)
         self.mode = None
+        self._set_running()
         self._registry.touch_all()  # the pause does not count as idleness (see sessions/sweeper.py)

@@ -29,6 +29,7 @@ from session_server.engine.http11 import EngineStream
 from session_server.engine.pacing import stream_interval
 from session_server.engine.sessions import engine_session_gone
 from session_server.engine.sse import EngineError, Final, Progress, engine_events, reads_of
+from session_server.engine.versions import cache_key, version_lag
 from session_server.engine.wire import GenerateRequest, encode_generate, split_routed_experts
 from session_server.errors import (
     AbortReason,
@@ -49,6 +50,7 @@ from session_server.turns.race import Ending, race
 from session_server.turns.resume import Continuation
 from session_server.turns.turn import FrontEnd, Turn, new_rid
 from trajectory import GenerateResult, TurnRecord
+from trajectory.continuation import WEIGHTS_CHANGED
 from trajectory.errors import InvariantError, RequestValidationError, SessionError, UpstreamError
 
 logger = logging.getLogger("session_server.turns.engine_call")
@@ -92,11 +94,12 @@ def count_failure(metrics: Metrics, err: SessionError) -> None:
 def decode_and_reply(
     body: bytes, split: tuple[bytes, memoryview | None], turn: Turn[R],
     reply: Callable[[Turn[R], TurnOutput], bytes] | None, retry_after: int, before: GenerateResult | None = None,
+    version: str | None = None,
 ) -> tuple[TurnOutput, bytes | None]:
-    """The strict decode (continuing `before`) and, for a plain turn, the front end's reply: one step on the pool
-    (or inline, by size)."""
+    """The strict decode (continuing `before`; tokens of other weights than `version` cut off) and, for a plain turn,
+    the front end's reply: one step on the pool (or inline, by size)."""
     out = decode_turn(body, turn.family, turn.rid, turn.request.parse_tool_calls, split, retry_after, turn.plan,
-                      before, turn.request.sampling_mask_bound)
+                      before, turn.request.sampling_mask_bound, version)
     return out, reply(turn, out) if reply is not None else None
 
 
@@ -167,6 +170,10 @@ class EngineCall(Generic[R]):
         self._running = False  # a streamed request whose end the engine has not sent yet
         self._reopened = False
         self._resumed: GenerateResult | None = None  # what a streamed continuation hands its listener first
+        # The weights the request running now is keyed for (engine/versions.py), and those of the turn's first request
+        # (--max-staleness counts from it).
+        self.version = ""
+        self.start_version: str | None = None
 
     # -- before the first request -----------------------------------------------------------------------------------
 
@@ -208,6 +215,9 @@ class EngineCall(Generic[R]):
         server, config, request, plan = self.server, self.server.config, self.turn.request, self.turn.plan
         prompt, params = self.continuation.request(plan.prompt_ids, request.sampling_params)
         vision = server.family.vision
+        self.version = server.engine.version_of(self.claim.session.id)
+        if self.start_version is None:
+            self.start_version = self.version
         return GenerateRequest(
             input_ids=prompt, start=self.start, sampling_params=params, rid=self.rid,
             session_params=self.session_params, stream=request.stream,
@@ -218,6 +228,7 @@ class EngineCall(Generic[R]):
             thinking=server.family.thinking_mode(request.template_kwargs),
             images=plan.images, image_pad=vision.tokens.pad if vision is not None else -1,
             sampling_masks=request.sampling_mask_bound is not None,
+            extra_key=cache_key(self.version),
         )
 
     async def _encode(self) -> bytes:
@@ -240,20 +251,56 @@ class EngineCall(Generic[R]):
                 await self._reopen(refused)
 
     async def _go_on(self, aborted: EngineAbortedError) -> None:
-        """After an abort by the engine for everyone: the next request, or `aborted` when the turn cannot go on."""
-        params = self.turn.request.sampling_params
+        """After an abort by the engine for everyone, or a reply cut where its weights changed (turns/output.py): the
+        next request, or `aborted` when the turn cannot go on. A reply cut by a pause for a weight update goes on once
+        the pause is over, under the new weights' cache key (sessions/pause.py)."""
+        server, params = self.server, self.turn.request.sampling_params
+        cut = aborted.partial is not None and aborted.partial.finish_reason.get("message") == WEIGHTS_CHANGED
+        if cut and self.listener is not None:
+            server.metrics.continuation("streamed")  # what the agent was streamed is not all of one weight version
+            raise aborted
         result = self.continuation.go_on(params, aborted)
-        self.server.metrics.continuation(result)
+        server.metrics.continuation("recomputed" if cut and result == "continued" else result)
         if result != "continued":
             raise aborted
+        pause = server.lifecycle.pause
+        if pause.in_place and pause.cut_replies:
+            if not await pause.wait_running(self.remaining()):
+                raise self._timed_out("the pause for a weight update did not end", "the turn was not continued")
+        elif not cut:  # an abort of everything the server did not ask for: a weight update it was not told of?
+            await server.engine.refresh_version(self.claim.session.id)
+        self.claim.raise_if_aborted()
+        await self._bound_staleness(aborted)
         before = self.continuation.before
-        assert before is not None
         old, self.rid = self.rid, new_rid()
         logger.info("turn %s: the engine aborted %s after %d tokens (%r); continuing as %s", self.turn.rid, old,
-                    len(before.output_ids), before.finish_reason.get("message"), self.rid)
+                    len(before.output_ids) if before is not None else 0, aborted.partial and
+                    aborted.partial.finish_reason.get("message"), self.rid)
+        if self.sessions is not None and server.engine.version_of(self.claim.session.id) != self.version:
+            self.sessions.mark_dirty(self.claim.session.id)  # its KV is of the old weights: a fresh one, whole prompt
+            await self._open_session()
         self.payload = await self._encode()
         self.claim.raise_if_aborted()
         self._resumed = before if self.listener is not None else None
+
+    async def _bound_staleness(self, aborted: EngineAbortedError) -> None:
+        """--max-staleness: a turn begun more than K versions before the weights it would go on under is sampled
+        again from its prompt (--stale-turns regenerate; the tokens sampled so far are dropped), or refused (503)."""
+        config = self.server.config
+        if config.max_staleness < 0 or self.start_version is None:
+            return
+        now = self.server.engine.version_of(self.claim.session.id)
+        if version_lag(self.start_version, now) <= config.max_staleness:
+            return
+        if config.stale_turns == "refuse" or self.listener is not None:
+            self.server.metrics.continuation("stale")
+            raise EngineAbortedError(
+                f"the turn began under weights {self.start_version!r}, more than --max-staleness "
+                f"{config.max_staleness} versions before {now!r}; retry the same turn", config.retry_after,
+                aborted.partial) from None
+        self.server.metrics.continuation("regenerated")
+        self.continuation.before = None
+        self.start_version = now
 
     async def _reopen(self, refused: EngineRefusedError) -> None:
         """The engine lost the engine session (restarted, or its idle timeout closed it): the request never ran there.
@@ -372,11 +419,30 @@ class EngineCall(Generic[R]):
         # The cut is a memchr over the routed-experts megabytes (~0.1 ms); what is left to decode is what the pool-or-
         # inline choice should weigh, and it is usually small enough that a pool hop would cost more than the decode.
         split = split_routed_experts(body)
-        out = await self.server.pool.run_decode(
-            len(split[0]), decode_and_reply, body, split, self.turn, self.api.reply if self.listener is None else None,
-            self.server.config.retry_after, self.continuation.before)
-        self.server.metrics.stage("decode", time.perf_counter() - t0)
+        config = self.server.config
+        try:
+            out = await self.server.pool.run_decode(
+                len(split[0]), decode_and_reply, body, split, self.turn,
+                self.api.reply if self.listener is None else None, config.retry_after, self.continuation.before,
+                # A streamed reply's tokens reached the agent as they came: it is not cut (the key is corrected by
+                # `_learn` for its next request); at an abort of everything SGLang may label a token the old weights
+                # sampled with the new version, which would make every such stream a 503.
+                self.version if config.straddled_replies == "recompute" and self.listener is None else None)
+        except EngineAbortedError as aborted:
+            if aborted.partial is not None:
+                self._learn(aborted.partial)
+            raise
+        finally:
+            self.server.metrics.stage("decode", time.perf_counter() - t0)
+        self._learn(out[0].result)
         return out
+
+    def _learn(self, result: GenerateResult) -> None:
+        """A reply that names other weights than its request was keyed for: the engine serves those now (a reply
+        naming the expected ones says nothing new, and one sent before a push may arrive after it)."""
+        version = result.weight_version
+        if version is not None and version != self.version:
+            self.server.engine.learn_version(self.claim.session.id, version)
 
     # -- after the reply --------------------------------------------------------------------------------------------
 

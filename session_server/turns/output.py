@@ -12,6 +12,7 @@ from typing import Any
 from session_server.engine.wire import decode_engine_reply
 from session_server.errors import EngineAbortedError
 from trajectory import GenerateResult, ModelFamily, TurnPlan, join_results
+from trajectory.continuation import cut_to_version
 
 
 @dataclass(slots=True)
@@ -29,7 +30,7 @@ def call_id_prefix(rid: str) -> str:
 def decode_turn(
     body: bytes, family: ModelFamily, rid: str, parse_tool_calls: bool = True,
     split: tuple[bytes, memoryview | None] | None = None, retry_after: int = 1, plan: TurnPlan | None = None,
-    before: GenerateResult | None = None, sampling_mask_bound: int | None = None,
+    before: GenerateResult | None = None, sampling_mask_bound: int | None = None, version: str | None = None,
 ) -> TurnOutput:
     """Strictly validate the engine reply (502 on any rule) and parse it with the family. A reply the engine itself
     aborted is EngineAbortedError (503 with `retry_after`): there is nothing to commit.
@@ -39,8 +40,12 @@ def decode_turn(
     prompt already wrote, Qwen3.5's `<think>\n`) is parsed in front of the engine's text. `before`: what earlier
     engine requests of this turn sampled before the engine aborted them (turns/resume.py); the reply continues it.
     `sampling_mask_bound`: the turn asked for sampling masks under this top-k (TurnRequest.sampling_mask_bound).
+    `version`: the weights the request's cache key named; tokens of other weights are cut off (cut_to_version) and
+    the turn goes on from the rest, as after an abort.
     """
     result = decode_engine_reply(body, family.vocab_size, split, sampling_mask_bound)
+    if version is not None:
+        result = cut_to_version(result, version, family.decode) or result
     if before is not None:
         result = join_results(before, result)
     if result.finish_reason.get("type") == "abort":

@@ -255,6 +255,8 @@ def _weight_update(stack: Stack, turn: Turn) -> tuple[int, bytes]:
 
 def _back_to_default_weights(stack: Stack) -> None:
     _post_control(f"{stack.engine}/update_weight_version", {"new_version": "default", "abort_all_requests": False})
+    for server in stack.servers.values():  # a continue asks the engine which weights it serves (engine/versions.py)
+        _post_control(f"{server}/admin/continue", {})
 
 
 def _pause(mode: str) -> Callable[[Stack, Turn], tuple[int, bytes]]:

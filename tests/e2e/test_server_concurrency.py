@@ -55,7 +55,8 @@ def stack(stack_factory: StackFactory) -> Iterator[Stack]:
         family=FAMILY,
         sim_args=["--token-latency-ms", str(TOKEN_MS)],
         servers={"server": ["--admin-token", "s3cret"], "timeout_server": ["--request-timeout", "0.5"],
-                 "one_line": ["--on-divergence", "reject"]},
+                 "one_line": ["--on-divergence", "reject"],
+                 "keep_server": ["--admin-token", "s3cret", "--straddled-replies", "keep"]},
     ) as stack:
         yield stack
 
@@ -267,10 +268,13 @@ def test_pause_drain_waits_for_in_flight_chats(stack: dict[str, str]) -> None:
     assert_engine_baseline(engine)
 
 
-def test_pause_in_place_keeps_in_flight_chats_across_a_weight_update(stack: dict[str, str]) -> None:
-    """Mode in_place: new chats are refused, the in-flight one stays parked in the engine (SGLang's own in_place
-    pause) while the weights change, and completes after continue with each token's weight version recorded."""
-    server, engine = stack["server"], stack["engine"]
+@pytest.mark.parametrize("straddled", ["keep", "recompute"])
+def test_pause_in_place_keeps_in_flight_chats_across_a_weight_update(stack: dict[str, str], straddled: str) -> None:
+    """Mode in_place: new chats are refused, the in-flight one goes on across the weight update and completes after
+    continue with each token's weight version recorded. --straddled-replies keep: it stays parked in the engine
+    (SGLang's own in_place pause) and runs on on its old KV; recompute (the default): the engine's request is cut, and
+    the chat goes on after continue in a new request keyed by the new weights (extra_key), re-prefilled."""
+    server, engine = stack["server" if straddled == "recompute" else "keep_server"], stack["engine"]
     sid, other = new_session(server), new_session(server)
 
     async def main() -> httpx.Response:
@@ -282,7 +286,10 @@ def test_pause_in_place_keeps_in_flight_chats_across_a_weight_update(stack: dict
             assert paused.status_code == 200 and paused.json() == {"status": "paused", "mode": "in_place",
                                                                    "aborted": 0}
             info = engine_info(engine)
-            assert info["paused"] and info["pause_mode"] == "in_place" and info["running_requests"] == 1
+            if straddled == "keep":
+                assert info["paused"] and info["pause_mode"] == "in_place" and info["running_requests"] == 1
+            else:  # cut: nothing runs on the engine while its weights change
+                assert info["paused"] and info["pause_mode"] == "abort" and info["running_requests"] == 0
             refused = await http.post(chat_url(server, other), json=SHORT_CHAT)
             assert refused.status_code == 503 and "retry-after" in refused.headers
             updated = await http.post(f"{engine}/update_weight_version",
@@ -298,7 +305,11 @@ def test_pause_in_place_keeps_in_flight_chats_across_a_weight_update(stack: dict
     sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples", json={}).json())[0]
     spans = sample.metadata["weight_version_spans"]
     assert [v for v, _, _ in spans] == ["default", "step-2"] and spans[0][2] == spans[1][1], spans
+    metrics = httpx.get(f"{server}/metrics").text
+    continued = 'session_server_turn_continuations_total{result="continued"} '
+    assert (continued + ("0.0" if straddled == "keep" else "1.0")) in metrics, metrics
     httpx.post(f"{engine}/update_weight_version", json={"new_version": "default", "abort_all_requests": False})
+    httpx.post(f"{server}/admin/continue", headers=ADMIN)  # which the server learns from the engine
     for s in (sid, other):
         assert httpx.delete(f"{server}/sessions/{s}").status_code == 204
     assert_engine_baseline(engine)

@@ -22,9 +22,10 @@ import httpx
 import numpy as np
 import pytest
 
+from sglang_sim.engine import weight_shift
 from support.server import assert_engine_baseline, chat_url, engine_info, metric, new_session, sse_events
 from support.stack import Stack, StackFactory
-from trajectory import samples_from_json
+from trajectory import sample_metadata, samples_from_json
 
 FAMILY = "qwen3"
 TOKEN_MS = 10
@@ -56,6 +57,8 @@ def versions(stack: Stack) -> Iterator[None]:
     httpx.post(f"{stack.engine}/continue_generation", json={}, timeout=10)
     httpx.post(f"{stack.engine}/update_weight_version", json={"new_version": "default", "abort_all_requests": False},
                timeout=10)
+    for server in stack.servers.values():  # a continue asks the engine which weights it serves (engine/versions.py)
+        assert httpx.post(f"{server}/admin/continue", timeout=10).status_code == 200
 
 
 def _wait(predicate: Any, what: str, timeout: float = 30.0) -> None:
@@ -185,7 +188,11 @@ def test_a_weight_update_mid_reply_is_continued_exactly(stack: Stack, versions: 
     assert [usage[k] for k in ("prompt_tokens", "completion_tokens")] == [
         whole_usage[k] for k in ("prompt_tokens", "completion_tokens")]
     assert sample.tokens.tolist() == whole_sample.tokens.tolist()
-    np.testing.assert_array_equal(sample.rollout_log_probs, whole_sample.rollout_log_probs)
+    # each token's logprob is the uninterrupted run's under the weights that sampled it (the sim's logprobs move with
+    # the weights, sglang_sim.engine.weight_shift; a token sampled on KV of other weights would be off by more)
+    whole_shift = weight_shift(sample_metadata(whole_sample).token_versions[len(prompt)] or "default")
+    shifts = np.asarray([0.0] * len(prompt) + [weight_shift(v) - whole_shift for v in engine_versions], np.float32)
+    np.testing.assert_allclose(sample.rollout_log_probs, whole_sample.rollout_log_probs + shifts, atol=1e-6)
     record = httpx.get(f"{server}/sessions/{sid}", timeout=10).json()["records"][0]
     assert record["finish_reason"]["type"] == "stop" and record["completion_len"] == len(sampled)
     assert record["rid"] == first["request"]["rid"] and record["prompt_tokens"] == len(prompt)
@@ -341,9 +348,10 @@ def test_delete_while_the_continuation_waits(stack: Stack, versions: None, strea
     assert_engine_baseline(engine)
 
 
-def test_a_continuation_in_an_engine_session_sends_only_what_the_session_lacks(stack: Stack, versions: None) -> None:
-    """--engine-sessions: the second turn's engine request carries only its new tokens; cut, its continuation carries
-    those + the tokens sampled, in the same SGLang streaming session (an abort left it at the last good turn)."""
+def test_a_continuation_in_an_engine_session_reopens_it_under_the_new_weights(stack: Stack, versions: None) -> None:
+    """--engine-sessions: the second turn's engine request carries only its new tokens; cut by a weight update, its
+    continuation goes to a fresh SGLang streaming session with the whole prompt + the tokens sampled, keyed by the new
+    weights: the old session's KV is the old weights' (issue 38)."""
     server, engine = stack["sessions"], stack.engine
     assert stack.proxy is not None
     sid = new_session(server)
@@ -362,9 +370,13 @@ def test_a_continuation_in_an_engine_session_sends_only_what_the_session_lacks(s
     assert resp.status_code == 200, resp.text
     assert _continued(server) == before + 1
     cut, rest = (call for call in stack.proxy.settled() if call["path"] == "/generate")
-    assert cut["request"]["session_params"] == rest["request"]["session_params"]
-    assert rest["request"]["input_ids"] == cut["request"]["input_ids"] + cut["response"]["output_ids"]
+    assert cut["request"]["session_params"] != rest["request"]["session_params"]  # a fresh engine session
+    assert (cut["request"]["extra_key"], rest["request"]["extra_key"]) == ("weights:default", "weights:step-2")
     sample = _sample(server, sid)
+    prompt = sample.tokens.tolist()[: len(sample.tokens) - len(cut["response"]["output_ids"])
+                                    - len(rest["response"]["output_ids"])]
+    assert cut["request"]["input_ids"] == prompt[-len(cut["request"]["input_ids"]):] != prompt  # only the new tokens
+    assert rest["request"]["input_ids"] == prompt + cut["response"]["output_ids"]  # all of it
     sampled = cut["response"]["output_ids"] + rest["response"]["output_ids"]
     assert sample.tokens.tolist()[-len(sampled):] == sampled
     assert sample.loss_mask.tolist()[-len(sampled):] == [1] * len(sampled)

@@ -61,8 +61,9 @@ async def _long_story(served: Served, sid: str, during: Callable[[httpx.AsyncCli
 @pytest.fixture(scope="module")
 def served(serve: ServeFactory, engines: Engines) -> Iterator[Served]:
     """The dense engine is shared with the tier's other modules: whatever a test here leaves behind (a pause, the
-    second weights), they get it back running on the first weights."""
-    with serve("dense") as s:
+    second weights), they get it back running on the first weights. The server runs `--straddled-replies keep`: this
+    module measures SGLang's own in-place run (test_real_weight_cache_key.py the default, exact path)."""
+    with serve("dense", "--straddled-replies", "keep") as s:
         try:
             with paced(s.engine, PACE):
                 yield s

@@ -38,6 +38,7 @@ class StubEngine:
         self.models_reply = EngineReply(200, MODELS, "application/json")
         self.refuse_pause = False
         self.refuse_continue = False
+        self.weight_version = "default"
 
     async def ready(self) -> bool:
         self.calls.append("ready")
@@ -61,6 +62,17 @@ class StubEngine:
         if self.refuse_continue:
             raise EngineUnavailableError("the engine refused /continue_generation")
 
+    async def pause_cutting(self, deadline: float) -> None:
+        self.calls.append("pause_cutting")
+        if self.refuse_pause:
+            raise EngineUnavailableError("the engine refused /pause_generation")
+
+    async def learn_versions(self, version: str | None) -> bool:
+        changed = version is not None and version != self.weight_version
+        if version is not None:
+            self.weight_version = version
+        return changed
+
     def forget(self, session_id: str) -> None:
         self.calls.append("forget")
 
@@ -76,7 +88,8 @@ def in_process_app(family: ModelFamily, *, engine: Any = None, journal: Any = No
     registry = Registry(cfg.tombstones, id_prefix=cfg.session_id_prefix)
     engine = engine if engine is not None else StubEngine()
     lifecycle = Lifecycle(registry, retry_after=cfg.retry_after, metrics=metrics, journal=journal, drains=drains,
-                          max_sessions=cfg.max_sessions, engines=engine)
+                          max_sessions=cfg.max_sessions, engines=engine,
+                          cut_replies=cfg.straddled_replies == "recompute")
     server = ServerState(config=cfg, family=family, registry=registry, lifecycle=lifecycle, engine=engine,
                          pool=CpuPool(1), engine_sessions=None, metrics=metrics, journal=journal, drains=drains)
     app.state.server = server

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -9,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trajectory import GenerateResult, continuable_abort, decode_generate_response, join_results
+from trajectory.continuation import WEIGHTS_CHANGED, cut_to_version, sampled_by
 
 ABORTED = {"type": "abort", "message": "Aborted"}
 
@@ -83,3 +85,33 @@ def test_which_aborts_are_continued() -> None:
     body = b'{"text":"","output_ids":[],"meta_info":{"finish_reason":{"type":"abort","message":"Timeout",' \
            b'"status_code":503,"err_type":null},"completion_tokens":0,"output_token_logprobs":[]}}'
     assert not continuable_abort(decode_generate_response(body, 10).finish_reason)
+
+
+def test_a_reply_of_the_weights_its_key_named_is_left_alone() -> None:
+    whole = _result([5, 6, 7], [-0.1, -0.2, -0.3], {"type": "stop", "matched": 7}, "3", 4, "")
+    assert cut_to_version(whole, "3", _text) is None
+    unnamed = dataclasses.replace(whole, weight_version=None)
+    assert cut_to_version(unnamed, "4", _text) is None  # an engine that names no weights: nothing to check
+
+
+def test_tokens_of_other_weights_are_cut_off_as_a_continuable_abort() -> None:
+    """Issue 38: the tokens the keyed weights sampled are kept (with their logprobs), the rest is sampled again."""
+    spans = (("3", 0, 2), ("4", 2, 5))
+    reply = dataclasses.replace(
+        _result([5, 6, 7, 8, 9], [-0.1, -0.2, -0.3, -0.4, -0.5], {"type": "length", "length": 5}, "4", 4, ""),
+        weight_versions=spans)
+    cut = cut_to_version(reply, "3", _text)
+    assert cut is not None and continuable_abort(cut.finish_reason) and cut.finish_reason["message"] == WEIGHTS_CHANGED
+    assert cut.output_ids.tolist() == [5, 6] and cut.logprobs.tolist() == np.float32([-0.1, -0.2]).tolist()
+    assert cut.text == "5 6" and cut.completion_tokens == 2 and cut.weight_versions == (("3", 0, 2),)
+    assert cut.weight_version == "4"  # what the engine serves now: the server learns it
+    assert sampled_by(reply, "3") == 2 and sampled_by(reply, "4") == 0
+    # a reply wholly of other weights (a prefix cached under the old key, sampled by the new) keeps nothing
+    stale = cut_to_version(_result([5, 6], [-0.1, -0.2], {"type": "stop", "matched": 6}, "4", 4, ""), "3", _text)
+    assert stale is not None and len(stale.output_ids) == 0 and stale.text == "" and stale.weight_versions is None
+    joined = join_results(stale, _result([5, 6], [-0.3, -0.4], {"type": "stop", "matched": 6}, "4", 4, ""))
+    assert joined.output_ids.tolist() == [5, 6] and joined.prompt_tokens == 4
+
+
+def _text(ids: np.ndarray) -> str:
+    return " ".join(str(i) for i in ids.tolist())

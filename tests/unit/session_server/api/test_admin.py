@@ -180,7 +180,7 @@ def test_pause_abort_cuts_every_chat_at_once_and_waits_for_their_handlers(family
 def test_pause_in_place_leaves_the_chats_in_the_engines_and_continue_resumes_them(family: ModelFamily) -> None:
     async def main() -> None:
         engine, journal = StubEngine(), PauseJournal()
-        with in_process_app(family, engine=engine, journal=journal) as (app, server):
+        with in_process_app(family, engine=engine, journal=journal, straddled_replies="keep") as (app, server):
             running = chat(server, release_on_abort=False)
             session = server.registry.sessions()[0]
             async with client_of(app) as http:
@@ -200,6 +200,28 @@ def test_pause_in_place_leaves_the_chats_in_the_engines_and_continue_resumes_the
             assert not server.lifecycle.pause.in_place and not server.lifecycle.paused
             assert session.last_active > 0.0  # the pause does not count as idleness
             assert journal.modes == ["in_place", "in_place", None]
+
+    asyncio.run(main())
+
+
+def test_pause_in_place_cuts_the_engines_replies_by_default_and_continue_learns_the_weights(
+        family: ModelFamily) -> None:
+    """--straddled-replies recompute (the default): the engines' running requests are cut (SGLang's pause mode
+    abort), the server stays paused in place until continue, which names the new weights."""
+    async def main() -> None:
+        engine = StubEngine()
+        with in_process_app(family, engine=engine) as (app, server):
+            async with client_of(app) as http:
+                reply = await bounded(http.post("/admin/pause", json={"mode": "in_place"}))
+                assert reply.json() == {"status": "paused", "mode": "in_place", "aborted": 0}
+                assert engine.calls == ["pause_cutting"] and server.lifecycle.pause.in_place
+                assert not await server.lifecycle.pause.wait_running(0.01)  # a cut turn waits for the continue
+                bad = await http.post("/admin/continue", json={"weight_version": 3})
+                assert bad.status_code == 400 and server.lifecycle.paused
+                resumed = await http.post("/admin/continue", json={"weight_version": "3"})
+            assert resumed.json() == {"status": "running"} and engine.weight_version == "3"
+            assert engine.calls == ["pause_cutting", "continue_in_place"]
+            assert await server.lifecycle.pause.wait_running(0.01)
 
     asyncio.run(main())
 

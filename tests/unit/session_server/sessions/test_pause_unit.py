@@ -59,6 +59,12 @@ class World:
         if self.refuse_continue:
             raise EngineUnavailableError("the engine refused /continue_generation")
 
+    async def pause_cutting(self, deadline: float) -> None:
+        self.log.append(("engines", "cut"))
+
+    async def learn_versions(self, version: str | None) -> bool:
+        return False
+
     # the journal
     async def paused(self, mode: str | None) -> None:
         if self.journal_fails:
@@ -232,3 +238,22 @@ def test_restore_holds_the_journals_pause() -> None:
         assert (pause.mode, pause.in_place) == expected
         assert pause.active is (mode is not None)
     assert world.log == []  # restoring touches neither the engines nor the journal
+
+
+def test_a_cutting_pause_cuts_the_engines_and_holds_cut_turns_until_continue() -> None:
+    """--straddled-replies recompute: in_place cuts the engines' replies (mode abort), and a cut turn's wait for the
+    pause to end returns only once the pause is continued."""
+    async def main() -> None:
+        world = World()
+        pause = Pause(world, Registry(), engines=world, journal=world, drains=world,  # type: ignore[arg-type]
+                      cut_replies=True)
+        assert await pause.wait_running(0.01)
+        await pause.pause("in_place", 1.0)
+        assert ("engines", "cut") in world.log and ("engines", "pause") not in world.log
+        waiter = asyncio.ensure_future(pause.wait_running(30.0))
+        assert not await pause.wait_running(0.01) and not waiter.done()
+        await pause.resume()
+        assert await asyncio.wait_for(waiter, 5.0)
+        assert world.log[-2:] == [("engines", "continue"), ("journal", None)]
+
+    asyncio.run(main())

@@ -91,6 +91,15 @@ class _Engine:
     async def abort(self, rid: str, routing_key: str | None = None) -> None:
         self.aborted.append(rid)
 
+    def version_of(self, routing_key: str) -> str:
+        return "default"
+
+    def learn_version(self, routing_key: str, version: str) -> bool:
+        return False
+
+    async def refresh_version(self, routing_key: str) -> None:
+        return None
+
 
 @dataclass
 class _EngineSessions:
@@ -141,7 +150,8 @@ def _call(family: ModelFamily, engine: _Engine, sessions: _EngineSessions | None
                           request_timeout=timeout)
     metrics = Metrics()
     server = SimpleNamespace(config=config, engine=engine, engine_sessions=sessions, drains=None, pool=_Pool(),
-                             metrics=metrics, family=family, prompt_token_limit=None)
+                             metrics=metrics, family=family, prompt_token_limit=None,
+                             lifecycle=SimpleNamespace(pause=SimpleNamespace(in_place=False, cut_replies=True)))
     body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "stream": stream}).encode()
     trajectory = LinearTrajectory(family)
     request = CHAT.parse(body, trajectory)
