@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from trajectory import GenerateResult, continuable_abort, decode_generate_response, join_results
 from trajectory.continuation import WEIGHTS_CHANGED, cut_to_version, sampled_by
+from trajectory.sampling_masks import SamplingMasks
 
 ABORTED = {"type": "abort", "message": "Aborted"}
 
@@ -111,6 +112,25 @@ def test_tokens_of_other_weights_are_cut_off_as_a_continuable_abort() -> None:
     assert stale is not None and len(stale.output_ids) == 0 and stale.text == "" and stale.weight_versions is None
     joined = join_results(stale, _result([5, 6], [-0.3, -0.4], {"type": "stop", "matched": 6}, "4", 4, ""))
     assert joined.output_ids.tolist() == [5, 6] and joined.prompt_tokens == 4
+
+
+def test_a_cut_keeps_one_sampling_mask_row_per_kept_token() -> None:
+    """Issues 38 + 42: the kept tokens keep their rows (and their logprobs over them); a continuation joins the rest,
+    so the turn still has one row per token."""
+    rows = [[5, 1], [6], [7, 2, 3], [8], [9, 4]]
+    masks = SamplingMasks.from_rows(rows, [-0.05, 0.0, -0.2, 0.0, -0.3])
+    reply = dataclasses.replace(
+        _result([5, 6, 7, 8, 9], [-0.1, -0.2, -0.3, -0.4, -0.5], {"type": "length", "length": 5}, "4", 4, ""),
+        weight_versions=(("3", 0, 3), ("4", 3, 5)), sampling_masks=masks)
+    cut = cut_to_version(reply, "3", _text)
+    assert cut is not None and cut.sampling_masks is not None and len(cut.sampling_masks) == 3
+    assert [cut.sampling_masks.row(i).tolist() for i in range(3)] == rows[:3]
+    assert cut.sampling_masks.logprobs.tolist() == np.float32([-0.05, 0.0, -0.2]).tolist()
+    rest = dataclasses.replace(
+        _result([8, 9], [-0.4, -0.5], {"type": "length", "length": 2}, "4", 4, ""),
+        sampling_masks=SamplingMasks.from_rows(rows[3:], [0.0, -0.3]))
+    joined = join_results(cut, rest)
+    assert joined.sampling_masks is not None and len(joined.sampling_masks) == len(joined.output_ids) == 5
 
 
 def _text(ids: np.ndarray) -> str:
