@@ -73,6 +73,17 @@ class StubEngine:
             self.weight_version = version
         return changed
 
+    def version_of(self, routing_key: str) -> str:
+        return self.weight_version
+
+    def learn_version(self, routing_key: str, version: str) -> bool:
+        changed = version != self.weight_version
+        self.weight_version = version
+        return changed
+
+    async def refresh_version(self, routing_key: str) -> None:
+        self.calls.append("refresh_version")
+
     def forget(self, session_id: str) -> None:
         self.calls.append("forget")
 

@@ -58,6 +58,7 @@ class TurnEngine(StubEngine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.weight_version = "w0"  # what reply_body names by default: the weights the server keys its calls by
         self.generated: list[GenerateCall] = []
         self.aborted: list[str] = []
         self._arrived: asyncio.Queue[GenerateCall] = asyncio.Queue()
