@@ -18,8 +18,9 @@ The loss is the one TRL's GRPOTrainer and verl's actor compute (their documented
   DAPO's).
 
 Staleness: a sample carries the weight version of every sampled token (`weight_version_spans`, written by the
-session server from SGLang's `meta_info.weight_version(s)`); with integer versions, a token's staleness is the
-trainer's version minus its own. `filter_stale` drops (or keeps and marks) the groups with a token older than
+session server from SGLang's `meta_info.weight_version(s)`, read by `trajectory.sample_metadata`); with integer
+versions (`parse`, by default `trajectory.parse_version`: "default" is step 0), a token's staleness is the trainer's
+version minus its own. `filter_stale` drops (or keeps and marks) the groups with a token older than
 `max_staleness` versions, as TRL's and SkyRL's `max_staleness` and miles' `--max-weight-staleness` bound it, and
 counts what it did.
 
@@ -31,12 +32,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
 
-from trajectory import Sample
+from trajectory import Sample, parse_version, sample_metadata
 
 StaleMode = Literal["drop", "mark"]
 
@@ -162,25 +163,10 @@ def sampled_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask
 
 # -- weight versions and staleness -----------------------------------------------------------------------------------
 
-def token_versions(sample: Sample, parse: Callable[[Any], int] = int) -> np.ndarray:
-    """int64 [len(tokens)]: the weight version that sampled each token, -1 where nothing was sampled. From the
-    sample's `weight_version_spans` (merged and segment samples) or its `weight_version` (a turn sample)."""
-    out = np.full(len(sample.tokens), -1, dtype=np.int64)
-    spans = sample.metadata.get("weight_version_spans")
-    if spans is None:
-        out[sample.loss_mask.astype(bool)] = parse(sample.metadata["weight_version"])
-        return out
-    for version, start, end in spans:
-        out[start:end] = parse(version)
-    out[~sample.loss_mask.astype(bool)] = -1  # spans past a truncation, or on masked positions, do not count
-    return out
-
-
-def sample_staleness(sample: Sample, current: int, parse: Callable[[Any], int] = int) -> int:
+def sample_staleness(sample: Sample, current: int, parse: Callable[[str], int] = parse_version) -> int:
     """How many versions behind `current` the sample's oldest sampled token is (0 when every one is current)."""
-    versions = token_versions(sample, parse)
-    sampled = versions[versions >= 0]
-    return int(current - sampled.min()) if sampled.size else 0
+    oldest, _ = sample_metadata(sample).version_range(parse)
+    return current - oldest if oldest is not None else 0
 
 
 @dataclass
@@ -193,15 +179,16 @@ class StalenessReport:
     dropped_samples: int = 0
     tokens_by_staleness: dict[int, int] = field(default_factory=dict)
 
-    def add_tokens(self, sample: Sample, current: int, parse: Callable[[Any], int]) -> None:
-        versions = token_versions(sample, parse)
-        for staleness, count in zip(*np.unique(current - versions[versions >= 0], return_counts=True), strict=True):
+    def add_tokens(self, sample: Sample, current: int, parse: Callable[[str], int]) -> None:
+        versions = sample_metadata(sample).version_ids(parse)
+        sampled = versions[sample.loss_mask.astype(bool)]
+        for staleness, count in zip(*np.unique(current - sampled, return_counts=True), strict=True):
             key = int(staleness)
             self.tokens_by_staleness[key] = self.tokens_by_staleness.get(key, 0) + int(count)
 
 
 def filter_stale(groups: Sequence[Sequence[Sample]], current: int, max_staleness: int, *, mode: StaleMode = "drop",
-                 parse: Callable[[Any], int] = int) -> tuple[list[list[Sample]], StalenessReport]:
+                 parse: Callable[[str], int] = parse_version) -> tuple[list[list[Sample]], StalenessReport]:
     """Bound staleness at collection: a group (the samples of one prompt's G episodes: GRPO's baseline needs them
     together) holding a token more than `max_staleness` versions older than `current` is dropped, or with
     mode="mark" kept with `metadata["stale"] = True` on each of its samples. Returns the groups kept and the report

@@ -41,10 +41,10 @@ record (the last token, which no forward pass routed) keep the router's own choi
 depends on them. The routers are found by shape (transformers' `*TopKRouter` modules: `top_k`, `num_experts`,
 returning logits, scores and indices), so nothing here imports transformers.
 
-Weight versions: a merged or segment sample's `weight_version_spans` (`[version, start, end)` over its positions)
-says which weights sampled each token; a turn sample's `weight_version` covers its completion. With a callable
-policy, tokens of version v are scored by `policy(v)` (v as the engine reported it: SGLang's versions are strings,
-"default" until the trainer names one in `/update_weights_from_disk`), one forward pass per sample and version.
+Weight versions: which weights sampled each token is read by `trajectory.sample_metadata` (a merged sample's spans, a
+turn sample's one version; a sampled token without one is a ValueError). With a callable policy, tokens of version v
+are scored by `policy(v)` (v as the engine reported it: SGLang's versions are strings, "default" until the trainer
+names one in `/update_weights_from_disk`, and where the engine named none), one forward pass per sample and version.
 
 torch is imported here and by rollout.torch_batch only: `import rollout` stays torch-free.
 """
@@ -57,12 +57,12 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from trajectory import Sample
+from trajectory import Sample, SampleMetadata, sample_metadata
 
 # A policy: the model itself, or weight version -> the model holding those weights.
 Policy = torch.nn.Module | Callable[[Any], torch.nn.Module]
@@ -83,7 +83,7 @@ class TokenMismatch:
     trainer_log_prob: float     # recomputed
     abs_diff: float
     turn: int | None            # the trajectory turn that sampled it (None when the sample does not say)
-    weight_version: Any         # the weights that sampled it, as the engine reported them
+    weight_version: str | None  # the weights that sampled it, as the engine reported them
     switched: bool = False      # sampled after its turn's weights changed (an update inside the request)
 
 
@@ -103,7 +103,7 @@ class SampleCheck:
     replayed: bool                  # routing replayed from the sample's routed experts
     routing_rows: int               # (token, layer) rows compared with the engine's routing
     routing_mismatched: int         # of those, where the trainer's router chose other experts
-    weight_versions: tuple[Any, ...]
+    weight_versions: tuple[str, ...]
     switched_tokens: int = 0        # sampled after their turn's weights changed (see `check_logprobs`)
 
 
@@ -170,8 +170,9 @@ def check_logprobs(samples: Sequence[Sample], policy: Policy, *, replay_routing:
         for index, sample in enumerate(samples):
             positions = np.flatnonzero(sample.loss_mask)
             positions = positions[positions > 0]  # position 0 has no context to predict it from
-            versions = _versions_of(sample, positions)
-            switched = _switched(sample, positions, versions)
+            meta = sample_metadata(sample)
+            versions = _versions_of(meta, positions)
+            switched = _switched(meta, positions, versions)
             trainer = np.zeros(len(sample.tokens), dtype=np.float32)
             rows = sample.routed_experts
             routing_rows = routing_mismatched = 0
@@ -217,25 +218,18 @@ def _resolver(policy: Policy) -> Callable[[Any], torch.nn.Module]:
     raise TypeError(f"policy must be a torch module or a callable version -> module, got {type(policy).__name__}")
 
 
-def _versions_of(sample: Sample, positions: np.ndarray) -> list[Any]:
-    """The weight version of each position in `positions`: the sample's spans, else its one version, else None."""
-    meta = sample.metadata
-    default = meta.get("weight_version")
-    out: list[Any] = [default] * len(positions)
-    for span in meta.get("weight_version_spans") or ():
-        version, start, end = span
-        lo, hi = np.searchsorted(positions, [start, end])
-        out[lo:hi] = [version] * (hi - lo)
-    return out
+def _versions_of(meta: SampleMetadata, positions: np.ndarray) -> list[str]:
+    """The weight version of each of `positions` (sampled tokens, so each has one)."""
+    return [cast(str, meta.token_versions[p]) for p in positions.tolist()]
 
 
-def _switched(sample: Sample, positions: np.ndarray, versions: list[Any]) -> np.ndarray:
+def _switched(meta: SampleMetadata, positions: np.ndarray, versions: list[str]) -> np.ndarray:
     """Which of `positions` were sampled after their turn's weights changed: an update inside the request (SGLang's
     `weight_versions` spans). Paused in place, the request keeps the KV its prefix got from the old weights, so no
     single checkpoint reproduces these tokens; aborted and re-prefilled after a cache flush, they are exact."""
     out = np.zeros(len(positions), dtype=bool)
-    for start, n in sample.metadata.get("turns") or ():
-        lo, hi = np.searchsorted(positions, [start, start + n])
+    for turn in meta.turns:
+        lo, hi = np.searchsorted(positions, [turn.start, turn.end])
         out[lo:hi] = [v != versions[lo] for v in versions[lo:hi]] if hi > lo else []
     return out
 
@@ -265,7 +259,7 @@ def _images(sample: Sample | None, end: int, device: torch.device, dtype: torch.
     engine did. {} for a sample without images."""
     if sample is None or sample.pixel_values is None or sample.image_grid_thw is None:
         return {}
-    spans = [image["span"] for image in sample.metadata.get("images") or ()]
+    spans = sample_metadata(sample).image_spans
     keep = sum(1 for _, stop in spans if stop <= end)
     if not keep:
         return {}
@@ -462,16 +456,6 @@ def _metrics(checks: list[SampleCheck], rollout: list[np.ndarray], trainer: list
     return metrics
 
 
-def _turn_of(sample: Sample, position: int) -> int | None:
-    meta = sample.metadata
-    if isinstance(meta.get("turn"), int):
-        return int(meta["turn"])
-    for k, (prompt_len, completion_len) in enumerate(meta.get("turns") or ()):
-        if prompt_len <= position < prompt_len + completion_len:
-            return k
-    return None
-
-
 def _worst(samples: Sequence[Sample], where: list[tuple[int, np.ndarray]], rollout: list[np.ndarray],
            trainer: list[np.ndarray], flags: list[np.ndarray], count: int) -> list[TokenMismatch]:
     if count <= 0 or not any(len(p) for _, p in where):
@@ -486,9 +470,10 @@ def _worst(samples: Sequence[Sample], where: list[tuple[int, np.ndarray]], rollo
     out = []
     for k in order:
         sample = samples[int(owner[k])]
+        meta = sample_metadata(sample)
         pos = int(position[k])
         out.append(TokenMismatch(
             sample=int(owner[k]), position=pos, token_id=int(sample.tokens[pos]), rollout_log_prob=float(r[k]),
-            trainer_log_prob=float(t[k]), abs_diff=float(diff[k]), turn=_turn_of(sample, pos),
-            weight_version=_versions_of(sample, np.array([pos]))[0], switched=bool(switched[k])))
+            trainer_log_prob=float(t[k]), abs_diff=float(diff[k]), turn=meta.turn_at(pos),
+            weight_version=meta.token_versions[pos], switched=bool(switched[k])))
     return out

@@ -75,8 +75,7 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
         if restored:
             logger.warning("restored %d sessions from journal %s", restored, config.journal)
         if journaled[1].paused is not None:  # restarted during a pause: keep refusing chats until /admin/continue
-            server.lifecycle.paused = True
-            server.paused_in_place = journaled[1].paused == "in_place"
+            server.lifecycle.pause.restore(journaled[1].paused)
             logger.warning("paused (mode %s) as journal %s says: POST /admin/continue resumes", journaled[1].paused,
                            config.journal)
     engine.on_move.append(lambda _session_id, _worker: metrics.sessions_moved.inc())

@@ -34,7 +34,6 @@ class ServerState:
     drains: EngineDrains | None = None  # aborted engine requests ending in the background (engine/drains.py)
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))
     prompt_token_limit: int | None = None  # the engine's largest input, once learned (turns/limits.py)
-    paused_in_place: bool = False  # /admin/pause mode in_place paused the engines too (api/admin.py)
     # First requests seen before: a repeat whose ids are kept is prepared on the loop (repeated_first_turns.py).
     first_turn_repeats: RepeatedFirstTurns = field(default_factory=RepeatedFirstTurns)
 

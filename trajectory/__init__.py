@@ -22,6 +22,7 @@ from .engine_output import GenerateResult, decode_generate_response
 from .families import ModelFamily, ParsedCompletion, ToolCall, family_names, get_family, register_family
 from .linear import Checkpoint, LinearTrajectory, TurnPlan, TurnRecord
 from .messages import MATCHER_NAMES, MessageMatcher, normalize_messages, normalize_tools
+from .sample_metadata import INITIAL_VERSION, GeneratedTurn, SampleMetadata, parse_version, sample_metadata
 from .samples import (
     Sample,
     build_merged_sample,
@@ -36,14 +37,17 @@ from .samples import (
 from .session_segments import Segment, SegmentPlan, SegmentSet
 
 __all__ = [
+    "INITIAL_VERSION",
     "MATCHER_NAMES",
     "Checkpoint",
     "GenerateResult",
+    "GeneratedTurn",
     "LinearTrajectory",
     "MessageMatcher",
     "ModelFamily",
     "ParsedCompletion",
     "Sample",
+    "SampleMetadata",
     "Segment",
     "SegmentPlan",
     "SegmentSet",
@@ -61,7 +65,9 @@ __all__ = [
     "join_results",
     "normalize_messages",
     "normalize_tools",
+    "parse_version",
     "register_family",
+    "sample_metadata",
     "samples_from_json",
     "samples_from_safetensors",
     "samples_to_json",

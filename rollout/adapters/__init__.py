@@ -19,27 +19,17 @@ from __future__ import annotations
 from rollout.adapters._common import (
     Agent,
     SessionEpisode,
-    generation_spans,
-    parse_version,
     prompt_length,
     request_kwargs,
     response_part,
     run_session,
-    token_versions,
-    token_weight_versions,
-    version_range,
 )
 
 __all__ = [
     "Agent",
     "SessionEpisode",
-    "generation_spans",
-    "parse_version",
     "prompt_length",
     "request_kwargs",
     "response_part",
     "run_session",
-    "token_versions",
-    "token_weight_versions",
-    "version_range",
 ]

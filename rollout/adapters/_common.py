@@ -2,10 +2,9 @@
 
 A sample is one segment of one session (rollout.client `SessionClient.collect`): `tokens`, `loss_mask` and
 `rollout_log_probs` all span the whole sequence, the first `len(tokens) - response_length` tokens are the first
-turn's prompt, and the metadata of a merged sample says which weights sampled which tokens
-(`weight_version_spans`, `[version, start, end)` on the sample's positions) and where each generated turn sits
-(`turns`, `[prompt_len, completion_len]` per turn). Each trainer wants some cut of that; the cuts are here so that the
-seven adapters cannot disagree on an offset.
+turn's prompt, and the metadata of a merged sample says which weights sampled which tokens and where each generated
+turn sits, read the one way `trajectory.sample_metadata` reads it. Each trainer wants some cut of that; the cuts are
+here so that the seven adapters cannot disagree on an offset.
 
 The agent contract every session-driving seam shares is miles' custom agent function: `async def agent(base_url,
 prompt, request_kwargs, metadata) -> float | dict | None` (a reward, a dict of metadata with an optional "reward",
@@ -26,8 +25,6 @@ from trajectory import Sample
 
 Agent = Callable[..., Awaitable[Any]]
 
-# SGLang's initial weight_version (server_args.weight_version) before any update names one.
-INITIAL_VERSION = "default"
 # OpenAI chat fields a trainer's sampling params may carry, after renaming SGLang's spellings.
 _REQUEST_KEYS = frozenset({"temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "seed",
                            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"})
@@ -44,69 +41,6 @@ def response_part(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The response's token ids, loss mask and rollout logprobs (tool output and glue inside it masked 0)."""
     p = prompt_length(sample)
     return sample.tokens[p:], sample.loss_mask[p:], sample.rollout_log_probs[p:]
-
-
-def parse_version(version: Any) -> int:
-    """A weight version as an integer step: SGLang's versions are strings; the initial one counts as step 0."""
-    if version == INITIAL_VERSION:
-        return 0
-    try:
-        return int(version)
-    except (TypeError, ValueError):
-        raise ValueError(f"weight version {version!r} is not an integer step: pass version_of= to map it") from None
-
-
-def token_weight_versions(sample: Sample) -> list[str | None]:
-    """The version that sampled each token (None where the mask is 0), from the sample's spans.
-
-    A sample without spans (a per-turn sample) has one `weight_version` for all of its sampled tokens. A sampled
-    token that no span covers is an error: the trainer would otherwise file it under the wrong weights.
-    """
-    n = len(sample.tokens)
-    versions: list[str | None] = [None] * n
-    spans = sample.metadata.get("weight_version_spans")
-    if spans is None:
-        spans = [[sample.metadata.get("weight_version", INITIAL_VERSION), 0, n]]
-    sampled = sample.loss_mask.astype(bool)
-    for version, start, end in spans:
-        for i in range(max(0, int(start)), min(n, int(end))):
-            if sampled[i]:
-                versions[i] = str(version)
-    missing = [i for i in np.flatnonzero(sampled).tolist() if versions[i] is None]
-    if missing:
-        raise ValueError(f"sampled tokens {missing[:5]} have no weight version in the sample's spans")
-    return versions
-
-
-def token_versions(sample: Sample, *, fill: int = -1,
-                   version_of: Callable[[str], int] = parse_version) -> np.ndarray:
-    """int64 per token: the integer version that sampled it, `fill` where the mask is 0 (AReaL's -1)."""
-    out = np.full(len(sample.tokens), fill, dtype=np.int64)
-    for i, version in enumerate(token_weight_versions(sample)):
-        if version is not None:
-            out[i] = version_of(version)
-    return out
-
-
-def version_range(sample: Sample, version_of: Callable[[str], int] = parse_version) -> tuple[int | None, int | None]:
-    """The oldest and newest integer version among the sample's sampled tokens (None, None if it has none)."""
-    versions = {version_of(v) for v in token_weight_versions(sample) if v is not None}
-    return (min(versions), max(versions)) if versions else (None, None)
-
-
-def turn_versions(sample: Sample) -> list[str]:
-    """One version per generated turn (the engine call's `weight_version`, as slime and miles record them)."""
-    versions = sample.metadata.get("weight_versions")
-    if versions is not None:
-        return [str(v) for v in versions]
-    return [str(sample.metadata.get("weight_version", INITIAL_VERSION))]
-
-
-def generation_spans(sample: Sample) -> list[tuple[int, int]]:
-    """`(start, end)` of each engine call's kept generation: the runs of mask 1, in order (one per turn)."""
-    mask = np.concatenate([[0], sample.loss_mask.astype(np.int8), [0]])
-    edges = np.flatnonzero(np.diff(mask))
-    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def routed_experts(sample: Sample, layers: int | None) -> np.ndarray | None:

@@ -22,13 +22,11 @@ from typing import Any
 from rollout.adapters._common import (
     Agent,
     load_function,
-    parse_version,
     request_kwargs,
     require_samples,
     run_session,
-    token_versions,
 )
-from trajectory import Sample
+from trajectory import Sample, parse_version, sample_metadata
 
 
 def to_tensor_dict(samples: Sequence[Sample], *, reward: float | None = None,
@@ -44,7 +42,7 @@ def to_tensor_dict(samples: Sequence[Sample], *, reward: float | None = None,
             "input_ids": torch.from_numpy(sample.tokens.copy()).to(torch.int32).unsqueeze(0),
             "loss_mask": torch.from_numpy(sample.loss_mask.astype("int32")).unsqueeze(0),
             "logprobs": torch.from_numpy(sample.rollout_log_probs.copy()).unsqueeze(0),
-            "versions": torch.from_numpy(token_versions(sample, version_of=version_of)).to(torch.int32).unsqueeze(0),
+            "versions": torch.from_numpy(sample_metadata(sample).version_ids(version_of)).to(torch.int32).unsqueeze(0),
             "attention_mask": torch.ones(n, dtype=torch.bool).unsqueeze(0),
             "rewards": torch.tensor([float(reward or 0.0)], dtype=torch.float32),
         })

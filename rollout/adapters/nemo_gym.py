@@ -21,15 +21,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rollout.adapters._common import generation_spans, routed_experts
-from trajectory import Sample
+from rollout.adapters._common import routed_experts
+from trajectory import Sample, sample_metadata
 
 
 def call_token_fields(sample: Sample, *, expert_layers: int | None = None) -> list[dict[str, Any]]:
     """One dict of NeMo Gym's token fields per engine call of `sample`, in order."""
-    spans = generation_spans(sample)
-    turns = sample.metadata.get("turns")
-    if turns is not None and len(turns) != len(spans):
+    meta = sample_metadata(sample)
+    spans, turns = meta.generations, meta.turns
+    if turns and len(turns) != len(spans):
         raise ValueError(f"{len(spans)} sampled runs for {len(turns)} turns: a turn's generation is not one run")
     rows = routed_experts(sample, expert_layers) if expert_layers is not None else None
     calls = []

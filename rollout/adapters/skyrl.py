@@ -29,9 +29,8 @@ from rollout.adapters._common import (
     request_kwargs,
     require_samples,
     run_session,
-    token_weight_versions,
 )
-from trajectory import Sample
+from trajectory import Sample, sample_metadata
 
 if TYPE_CHECKING:
     from skyrl.train.generators.base import GeneratorOutput, TrajectoryID
@@ -61,7 +60,7 @@ def to_generator_output(
             stops.append(STOP_REASONS[sample.status])
             rows_reward.append(float(rewards[e] or 0.0))
             last.append(k == len(episode) - 1)
-            versions.append(token_weight_versions(sample)[p:])
+            versions.append(list(sample_metadata(sample).token_versions[p:]))
             if trajectory_ids is not None:
                 ids.append(trajectory_ids[e])
             if with_routes:

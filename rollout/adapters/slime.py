@@ -31,9 +31,8 @@ from rollout.adapters._common import (
     prompt_length,
     request_kwargs,
     run_session,
-    turn_versions,
 )
-from trajectory import Sample
+from trajectory import Sample, sample_metadata
 
 _STATUS = {"completed": "COMPLETED", "truncated": "TRUNCATED", "aborted": "ABORTED"}
 
@@ -56,7 +55,7 @@ def to_samples(samples: Sequence[Sample], base: Any, *, reward: Any = None, roll
         item.response_length = sample.response_length
         item.loss_mask = sample.loss_mask[p:].astype(int).tolist()
         item.rollout_log_probs = sample.rollout_log_probs[p:].astype(float).tolist()
-        item.weight_versions = turn_versions(sample)
+        item.weight_versions = sample_metadata(sample).turn_versions()
         item.status = getattr(type(base).Status, _STATUS[sample.status])
         item.reward = reward
         item.rollout_id = rollout_id

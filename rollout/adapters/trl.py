@@ -32,9 +32,8 @@ from rollout.adapters._common import (
     prompt_length,
     request_kwargs,
     run_session,
-    token_weight_versions,
 )
-from trajectory import Sample
+from trajectory import Sample, sample_metadata
 
 RolloutFunc = Callable[[list[Any], Any], dict[str, Any]]
 
@@ -54,7 +53,7 @@ def to_rollout_output(episodes: Sequence[Sequence[Sample]],
         out["completion_ids"].append(sample.tokens[p:].tolist())
         out["logprobs"].append(sample.rollout_log_probs[p:].astype(float).tolist())
         out["env_mask"].append(sample.loss_mask[p:].astype(int).tolist())
-        out["weight_versions"].append(token_weight_versions(sample)[p:])
+        out["weight_versions"].append(list(sample_metadata(sample).token_versions[p:]))
     if rewards is not None:
         out["rollout_reward"] = list(rewards)
     return out

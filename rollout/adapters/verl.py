@@ -27,16 +27,13 @@ from typing import TYPE_CHECKING, Any
 from rollout.adapters._common import (
     Agent,
     load_function,
-    parse_version,
     prompt_length,
     request_kwargs,
     require_samples,
     routed_experts,
     run_session,
-    token_weight_versions,
-    version_range,
 )
-from trajectory import Sample
+from trajectory import Sample, parse_version, sample_metadata
 
 if TYPE_CHECKING:
     from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
@@ -61,7 +58,8 @@ def to_agent_loop_outputs(
         if experts is not None:
             experts = experts.copy()
             experts[experts < 0] = 0
-        low, high = version_range(sample, version_of)
+        meta = sample_metadata(sample)
+        low, high = meta.version_range(version_of)
         segment = {k: sample.metadata[k] for k in ("segment", "parent", "branch_turn", "reason")
                    if k in sample.metadata}
         outputs.append(AgentLoopOutput(
@@ -76,7 +74,7 @@ def to_agent_loop_outputs(
             extra_fields={
                 "min_global_steps": low,
                 "max_global_steps": high,
-                "weight_versions": token_weight_versions(sample)[p:],
+                "weight_versions": list(meta.token_versions[p:]),
                 "rollout_id": rollout_id,
                 "segment_index": index,
                 "status": sample.status,

@@ -1,25 +1,15 @@
 """Operational routes: liveness, readiness, metrics, and pause/continue for weight updates.
 
 /health must stay cheap and never touch the engine: it is what a load balancer (and the responsiveness benchmark)
-polls while chats are in flight. Pause has three modes: `drain` refuses new chats (503 + Retry-After) and waits for
-the in-flight ones that reached the engine to finish, for at most --drain-timeout seconds, then aborts the rest (a chat
-still uploading its body is refused when it arrives); `abort` aborts them at once. An
-aborted chat returns 503 + Retry-After and commits nothing, and its agent retries the same turn after `continue`.
-`in_place` loses no turn: new chats are refused as in a drain, but the in-flight ones stay where they are, in the
-engine (SGLang's `/pause_generation` mode `in_place` on every worker: requests keep their KV), while the trainer
-updates the weights; `continue` resumes the engine, and each of those replies records which tokens each weight
-version sampled (the sample's `weight_version_spans`).
-
-With --journal the pause is durable: it is journaled before it is acknowledged, and a replica restarted during it
-(a crash, an OOM kill, a redeploy) comes back paused in the same mode, refusing new chats until `continue` -- a weight
-update in progress never gets traffic from a replica that forgot it. The admin plane cannot re-apply a pause itself:
-it does not see a replica restart between its calls. Without a journal nothing of a replica survives a restart, the
-pause included; `session-server-admin health` shows each replica's `paused`.
+polls while chats are in flight. Pause and continue only parse and answer here: the pause's modes, its journal row
+and the engines' own pause are the session lifecycle's (sessions/pause.py). The admin plane cannot re-apply a pause
+itself: it does not see a replica restart between its calls, so with --journal the replica keeps it; without a journal
+nothing of a replica survives a restart, the pause included; `session-server-admin health` shows each replica's
+`paused`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import hmac
 import time
@@ -27,9 +17,10 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
-from session_server.errors import AbortReason, AdminAuthError, json_response
+from session_server.errors import AdminAuthError, json_response
 from session_server.http.body import read_object
 from session_server.metrics import CONTENT_TYPE
+from session_server.sessions.pause import MODES
 from session_server.state import server_of
 from trajectory.errors import RequestValidationError
 
@@ -64,46 +55,15 @@ def _authorize(request: Request) -> None:
 
 
 async def pause(request: Request) -> Response:
+    """POST /admin/pause `{"mode": "drain" | "abort" | "in_place"}` (default drain): the pause of sessions/pause.py."""
     server = server_of(request)
     _authorize(request)
     config = server.config
     obj = await read_object(request, config.max_request_bytes, config.body_timeout)
     mode = obj.get("mode", "drain")
-    if not isinstance(mode, str) or mode not in ("drain", "abort", "in_place"):
+    if mode not in MODES:
         raise RequestValidationError("'mode' must be 'drain', 'abort' or 'in_place'")
-    lifecycle = server.lifecycle
-    # Journaled first: a pause acknowledged is a pause a restart keeps (a failed write is a 503, nothing paused).
-    # Engines paused in place stay so until a continue, whatever mode a later pause asks for.
-    previous = ("in_place" if server.paused_in_place else "drain") if lifecycle.paused else None
-    if server.journal is not None:
-        await server.journal.paused("in_place" if server.paused_in_place else mode)
-    if mode == "in_place":
-        try:
-            await server.engine.pause_in_place()  # a refusal is a 502 and nothing is paused
-        except BaseException:
-            if server.journal is not None:
-                await server.journal.paused(previous)
-            raise
-        lifecycle.paused = True
-        server.paused_in_place = True
-        return json_response({"status": "paused", "mode": mode, "aborted": 0})
-    lifecycle.paused = True
-    deadline = time.monotonic() + config.drain_timeout
-    aborted = len(lifecycle.abort_all(AbortReason.PAUSE)) if mode == "abort" else 0
-    try:
-        # A drain waits for the chats that reached the engine, but not forever: an engine that never answers must
-        # not hold a weight update. Past the deadline the rest are aborted (503 + Retry-After, nothing committed)
-        # like mode=abort. Chats still uploading their bodies are not waited for: they are refused when their body
-        # arrives (Lifecycle.admit).
-        await asyncio.wait_for(lifecycle.wait_idle(admitted_only=True), config.drain_timeout)
-    except TimeoutError:
-        aborted = len(lifecycle.abort_all(AbortReason.PAUSE))
-        await lifecycle.wait_idle()
-    if server.drains is not None:
-        # Aborted chats answer at once and their engine requests end in the background (engine/drains.py); the
-        # pause returns once those have ended too (each drain is bounded), so the engine is quiet for the update;
-        # aborts the engine did not answer are retried until it does, waited for until the drain's deadline.
-        await server.drains.wait_all(retries_within=deadline - time.monotonic())
+    aborted = await server.lifecycle.pause.pause(mode, config.drain_timeout)
     return json_response({"status": "paused", "mode": mode, "aborted": aborted})
 
 
@@ -132,13 +92,8 @@ async def sessions(request: Request) -> Response:
 
 
 async def resume(request: Request) -> Response:
+    """POST /admin/continue: the pause ends (sessions/pause.py)."""
     server = server_of(request)
     _authorize(request)
-    if server.paused_in_place:
-        await server.engine.continue_in_place()  # a refusal is a 502 and the server stays paused
-        server.paused_in_place = False
-    if server.journal is not None:
-        await server.journal.paused(None)  # a failure (503) leaves the server paused, as the journal says
-    server.lifecycle.paused = False
-    server.registry.touch_all()  # the pause does not count as idleness (see sessions/sweeper.py)
+    await server.lifecycle.pause.resume()
     return json_response({"status": "running"})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -21,23 +22,14 @@ from trajectory.images import Image, collapse
 CONSTRAINED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
-def encode_generate(
-    prompt_ids: Any,
-    start: int,
-    sp: dict[str, Any],
-    rid: str,
-    session_params: dict[str, Any] | None,
-    routed_experts: bool = False,
-    top_logprobs: int = 0,
-    stream: bool = False,
-    routed_experts_start: int = 0,
-    stream_interval: int | None = None,
-    thinking: bool = False,
-    images: Sequence[Image] = (),
-    image_pad: int = -1,
-) -> bytes:
-    """The /generate body of docs/design.md 5.1. `start` > 0 sends only the tokens an engine session does not hold;
-    `stream_interval`: tokens per stream event (engine/pacing.py), for a streamed request.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerateRequest:
+    """One /generate request of docs/design.md 5.1, as data: what the turn asks of the engine, built in one place
+    (turns/engine_call.py) and encoded in one (`encode_generate`). A new engine knob is one field here and one line
+    there.
+
+    `start` > 0 sends only the tokens an engine session does not hold; `stream_interval`: tokens per stream event
+    (engine/pacing.py), sent for a streamed request only.
 
     `thinking`: the turn is in thinking mode (`ModelFamily.thinking_mode`). SGLang's chat server then sends
     `require_reasoning: true`, and an engine run with `--reasoning-parser` holds a grammar back until the reasoning
@@ -48,32 +40,58 @@ def encode_generate(
     `image_pad` ids collapsed to one pad and `image_data` with all of them, on every turn: SGLang expands the pads
     itself (a pre-expanded run is a 500 in 0.5.23) and keys its radix cache by image content, so earlier images are
     neither re-sent as runs nor re-computed. A prompt with images is sent whole (`start` 0: no engine session).
+    """
+
+    input_ids: Any  # the whole prompt, int32 (numpy or a list)
+    sampling_params: dict[str, Any]
+    rid: str  # our own id, so we can abort it by exact match
+    start: int = 0
+    session_params: dict[str, Any] | None = None
+    stream: bool = False
+    stream_interval: int | None = None
+    top_logprobs: int = 0  # top_logprobs_num
+    routed_experts: bool = False
+    routed_experts_start: int = 0  # routed_experts_start_len: the first position the trajectory does not hold
+    thinking: bool = False
+    images: Sequence[Image] = ()
+    image_pad: int = -1
+
+    @property
+    def size(self) -> int:
+        """About how many bytes encoding costs: what picks the CPU pool over running inline."""
+        return 4 * (len(self.input_ids) - self.start) + sum(len(image.data) for image in self.images)
+
+
+def encode_generate(request: GenerateRequest) -> bytes:
+    """The /generate body of `request` (docs/design.md 5.1).
 
     orjson writes the int32 id array straight from numpy: the prompt is the one part of the body that grows with the
     history, and going through a Python list first costs ~5x more per token.
     """
-    if stream and stream_interval is not None:
-        sp = {**sp, "stream_interval": stream_interval}
+    sp = request.sampling_params
+    if request.stream and request.stream_interval is not None:
+        sp = {**sp, "stream_interval": request.stream_interval}
+    images = request.images
     payload: dict[str, Any] = {
-        "input_ids": collapse(prompt_ids, image_pad) if images else prompt_ids[start:],
+        "input_ids": collapse(request.input_ids, request.image_pad) if images else request.input_ids[request.start:],
         "sampling_params": sp,
         "return_logprob": True,
         "logprob_start_len": -1,
-        "rid": rid,
-        "stream": stream,
+        "rid": request.rid,
+        "stream": request.stream,
     }
     if images:
         payload["image_data"] = [image.data_url() for image in images]
-    if session_params is not None:
-        payload["session_params"] = session_params
-    if routed_experts:
+    if request.session_params is not None:
+        payload["session_params"] = request.session_params
+    if request.routed_experts:
         payload["return_routed_experts"] = True
         # Positions [routed_experts_start, ...) only: earlier ones are in the trajectory's records already (the
         # engine would otherwise resend the whole prompt's routing every turn: quadratic over a trajectory).
-        payload["routed_experts_start_len"] = routed_experts_start
-    if top_logprobs > 0:
-        payload["top_logprobs_num"] = top_logprobs
-    if thinking and any(sp.get(key) is not None for key in CONSTRAINED_KEYS):
+        payload["routed_experts_start_len"] = request.routed_experts_start
+    if request.top_logprobs > 0:
+        payload["top_logprobs_num"] = request.top_logprobs
+    if request.thinking and any(sp.get(key) is not None for key in CONSTRAINED_KEYS):
         payload["require_reasoning"] = True
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 

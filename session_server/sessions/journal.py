@@ -9,7 +9,7 @@ can open with the `sqlite3` shell. What is stored (docs/design.md 7, durability)
                 the segment it belongs to, and on a segment's first turn where the segment came from (Segment.info)
     tombstones  ids of deleted sessions and why, bounded like the in-memory ones (oldest pruned first)
     pause       at most one row: the /admin/pause in force (its mode), so a replica restarted during a weight update
-                comes back paused (api/admin.py) instead of sending traffic to engines whose weights are changing
+                comes back paused (sessions/pause.py) instead of sending traffic to engines whose weights are changing
     engine_sessions  the engine session ids that may be open (engine/sessions.py's book): written before an open
                 is sent, removed once closed, so a restart after a SIGKILL closes what the killed process left
 

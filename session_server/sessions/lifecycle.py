@@ -1,7 +1,8 @@
 """Session lifecycle, in one owner: create, claim and release the in-flight slot, close (DELETE), expire, shut down.
 
 Routes, the idle sweep, the admin pause and the process shutdown all go through `Lifecycle`; nothing else mutates a
-session's slot or removes a session, so every path that ends a chat or a session is written once.
+session's slot or removes a session, so every path that ends a chat or a session is written once. The pause for
+weight updates is its part `pause` (pause.py), which alone changes whether the server is paused.
 
 The in-flight gate: at most one turn per segment. A segment's trajectory is linear, so two concurrent turns on it
 cannot both be right; miles' contract is that the second one is refused with 409 rather than queued. Under
@@ -28,6 +29,7 @@ from session_server.engine.sessions import EngineSessions
 from session_server.errors import AbortReason, SessionBusyError, SessionPausedError, TooManySessionsError
 from session_server.metrics import Metrics
 from session_server.sessions.journal import Journal, SessionInfo
+from session_server.sessions.pause import Pause
 from session_server.sessions.registry import Registry
 from session_server.sessions.session import Claim, Session
 from trajectory import SegmentPlan, SegmentSet
@@ -43,7 +45,6 @@ class Lifecycle:
         self.registry = registry
         self.max_sessions = max_sessions  # 0: unbounded
         self.retry_after = retry_after
-        self.paused = False
         self.shutting_down = False
         self._metrics = metrics
         self._engine_sessions = engine_sessions
@@ -52,6 +53,12 @@ class Lifecycle:
         self._in_flight: set[Claim] = set()
         self._drains = drains  # aborted engine requests ending in the background (engine/drains.py)
         self._drain_wait = drain_wait
+        self.pause = Pause(self, registry, engines=engines, journal=journal, drains=drains)
+
+    @property
+    def paused(self) -> bool:
+        """New chats are refused for a pause (pause.py)."""
+        return self.pause.active
 
     # -- sessions ----------------------------------------------------------------------------------------
     def create(self, segments: SegmentSet, metadata: dict[str, Any] | None = None,

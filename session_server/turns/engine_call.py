@@ -29,7 +29,7 @@ from session_server.engine.http11 import EngineStream
 from session_server.engine.pacing import stream_interval
 from session_server.engine.sessions import engine_session_gone
 from session_server.engine.sse import EngineError, Final, Progress, engine_events, reads_of
-from session_server.engine.wire import encode_generate, split_routed_experts
+from session_server.engine.wire import GenerateRequest, encode_generate, split_routed_experts
 from session_server.errors import (
     AbortReason,
     ClientDisconnectedError,
@@ -202,21 +202,27 @@ class EngineCall(Generic[R]):
                 self.claim.session.id, self.turn.plan.new_token_start, self.remaining())
             self.claim.raise_if_aborted()
 
-    async def _encode(self) -> bytes:
-        """The /generate body of the request to send now (`self.rid`): the prompt past `self.start`, on the pool when
-        large; after an engine abort, the prompt + the tokens sampled so far (resume.py)."""
-        server, config, request = self.server, self.server.config, self.turn.request
-        prompt, params = self.continuation.request(self.turn.plan.prompt_ids, request.sampling_params)
-        interval = stream_interval(config.engine_stream_interval, config.engine_incremental_streaming,
-                                   params.get("max_new_tokens"), server.prompt_token_limit)
-        images = self.turn.plan.images
-        size = 4 * (len(prompt) - self.start) + sum(len(image.data) for image in images)
-        return await server.pool.run_sized(
-            size, encode_generate, prompt, self.start, params, self.rid,
-            self.session_params, config.return_routed_experts, request.top_logprobs, request.stream,
-            self.turn.plan.routed_experts_start, interval, server.family.thinking_mode(request.template_kwargs),
-            images, server.family.vision.tokens.pad if server.family.vision is not None else -1,
+    def _request(self) -> GenerateRequest:
+        """The request to send now (`self.rid`): the prompt past `self.start`; after an engine abort, the prompt + the
+        tokens sampled so far (resume.py). The one place a turn's engine request is built."""
+        server, config, request, plan = self.server, self.server.config, self.turn.request, self.turn.plan
+        prompt, params = self.continuation.request(plan.prompt_ids, request.sampling_params)
+        vision = server.family.vision
+        return GenerateRequest(
+            input_ids=prompt, start=self.start, sampling_params=params, rid=self.rid,
+            session_params=self.session_params, stream=request.stream,
+            stream_interval=stream_interval(config.engine_stream_interval, config.engine_incremental_streaming,
+                                            params.get("max_new_tokens"), server.prompt_token_limit),
+            top_logprobs=request.top_logprobs, routed_experts=config.return_routed_experts,
+            routed_experts_start=plan.routed_experts_start,
+            thinking=server.family.thinking_mode(request.template_kwargs),
+            images=plan.images, image_pad=vision.tokens.pad if vision is not None else -1,
         )
+
+    async def _encode(self) -> bytes:
+        """The /generate body of the request to send now, on the pool when large."""
+        generate = self._request()
+        return await self.server.pool.run_sized(generate.size, encode_generate, generate)
 
     # -- the engine requests ----------------------------------------------------------------------------------------
 

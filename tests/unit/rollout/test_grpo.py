@@ -16,10 +16,9 @@ from rollout.grpo import (
     group_advantages,
     sample_staleness,
     sampled_log_probs,
-    token_versions,
     truncated_is_weights,
 )
-from trajectory import Sample
+from trajectory import Sample, sample_metadata
 
 
 def test_advantages_are_relative_to_the_group_and_scaled_by_its_std() -> None:
@@ -154,12 +153,12 @@ def _sample(spans: list[list[object]], n: int = 10, sampled: tuple[int, int] = (
 
 def test_token_versions_follow_the_spans_and_only_on_sampled_tokens() -> None:
     s = _sample([["3", 4, 7], ["4", 7, 10]])
-    assert token_versions(s).tolist() == [-1] * 4 + [3, 3, 3, 4, 4, 4]
+    assert sample_metadata(s).version_ids().tolist() == [-1] * 4 + [3, 3, 3, 4, 4, 4]
     assert sample_staleness(s, 4) == 1 and sample_staleness(s, 3) == 0
     turn = Sample(tokens=np.arange(4, dtype=np.int32), loss_mask=np.array([0, 0, 1, 1], np.uint8),
                   rollout_log_probs=np.zeros(4, np.float32), response_length=2, status="completed",
                   metadata={"weight_version": "7"})
-    assert token_versions(turn).tolist() == [-1, -1, 7, 7]
+    assert sample_metadata(turn).version_ids().tolist() == [-1, -1, 7, 7]
 
 
 def test_filter_stale_drops_whole_groups_beyond_the_bound_and_counts_tokens() -> None:

@@ -59,7 +59,7 @@ def test_each_state_has_its_own_identity_metrics_and_caches(family: ModelFamily)
     try:
         assert re.fullmatch(r"[0-9a-f]{16}", a.instance_id) and a.instance_id != b.instance_id
         assert a.metrics is not b.metrics and a.first_turn_repeats is not b.first_turn_repeats
-        assert (a.journal, a.drains, a.prompt_token_limit, a.paused_in_place) == (None, None, None, False)
+        assert (a.journal, a.drains, a.prompt_token_limit, a.lifecycle.pause.mode) == (None, None, None, None)
     finally:
         a.pool.shutdown()
         b.pool.shutdown()

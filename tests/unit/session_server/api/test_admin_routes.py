@@ -70,7 +70,7 @@ def test_health_is_cheap_and_says_whether_paused(family: ModelFamily) -> None:
             async with client_of(app) as http:
                 body = (await http.get("/health")).json()
                 assert body == {"status": "ok", "instance_id": server.instance_id, "replica": "r1", "paused": False}
-                server.lifecycle.paused = True
+                server.lifecycle.pause.restore("drain")
                 assert (await http.get("/health")).json()["paused"] is True
                 assert server.engine.calls == []  # type: ignore[attr-defined]  # never touches the engine
 
@@ -196,16 +196,17 @@ def test_pause_in_place_leaves_the_chats_in_the_engines_and_continue_resumes_the
                 reply = await bounded(http.post("/admin/pause", json={"mode": "in_place"}))
                 assert reply.json() == {"status": "paused", "mode": "in_place", "aborted": 0}
                 assert running.reason is None and not running.done.is_set()  # still in the engine
-                assert engine.calls == ["pause_in_place"] and server.paused_in_place and server.lifecycle.paused
+                assert engine.calls == ["pause_in_place"]
+                assert server.lifecycle.pause.in_place and server.lifecycle.paused
                 # A later pause keeps the engines paused in place, and the journal keeps saying so.
                 running.release()
                 again = await bounded(http.post("/admin/pause", json={"mode": "drain"}))
-                assert again.status_code == 200 and server.paused_in_place
+                assert again.status_code == 200 and server.lifecycle.pause.in_place
                 session.last_active = 0.0
                 resumed = await http.post("/admin/continue")
             assert resumed.json() == {"status": "running"}
             assert engine.calls == ["pause_in_place", "continue_in_place"]
-            assert not server.paused_in_place and not server.lifecycle.paused
+            assert not server.lifecycle.pause.in_place and not server.lifecycle.paused
             assert session.last_active > 0.0  # the pause does not count as idleness
             assert journal.modes == ["in_place", "in_place", None]
 
@@ -220,7 +221,7 @@ def test_a_pause_the_engines_refuse_is_a_502_and_undone_in_the_journal(family: M
             async with client_of(app) as http:
                 reply = await http.post("/admin/pause", json={"mode": "in_place"})
             assert reply.status_code == 502
-            assert not server.lifecycle.paused and not server.paused_in_place
+            assert not server.lifecycle.paused and not server.lifecycle.pause.in_place
             assert journal.modes == ["in_place", None]  # a restart must not come back paused
 
     asyncio.run(main())
@@ -235,7 +236,7 @@ def test_continue_the_engines_refuse_leaves_the_server_paused(family: ModelFamil
                 assert (await http.post("/admin/pause", json={"mode": "in_place"})).status_code == 200
                 reply = await http.post("/admin/continue")
             assert reply.status_code == 502
-            assert server.lifecycle.paused and server.paused_in_place and journal.modes == ["in_place"]
+            assert server.lifecycle.paused and server.lifecycle.pause.in_place and journal.modes == ["in_place"]
 
     asyncio.run(main())
 

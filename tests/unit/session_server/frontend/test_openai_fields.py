@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from session_server.engine.wire import encode_generate
+from session_server.engine.wire import GenerateRequest, encode_generate
 from session_server.frontend.chat_request import ChatRequest, turn_tools
 from session_server.openai.protocol import parse_chat_request
 from support.examples import examples
@@ -84,8 +84,9 @@ def test_every_field_maps_to_a_key_sglang_accepts(sglang_api: Any, qwen3: Any) -
     assert sp["min_p"] == 0.05 and sp["logit_bias"] == {"15": -100.0, "16": 5.0} and sp["sampling_seed"] == 2**63 - 1
     parsed = sglang_api.SamplingParams.from_json_value(sp)  # SGLang's own schema: unknown keys are refused
     assert parsed.structural_tag == sp["structural_tag"]
-    body = msgspec.json.decode(encode_generate(np.arange(3, dtype="int32"), 0, sp, "r" * 32, None,
-                                               False, chat.options.top_logprobs))
+    body = msgspec.json.decode(encode_generate(GenerateRequest(
+        input_ids=np.arange(3, dtype="int32"), sampling_params=sp, rid="r" * 32,
+        top_logprobs=chat.options.top_logprobs)))
     assert body["top_logprobs_num"] == 5
     sglang_api.GenerateRequest.from_json_value(body)
     assert tools == TOOLS
@@ -186,7 +187,8 @@ def test_any_numeric_field_is_accepted_within_sglang_bounds_or_refused(body: dic
     assert 0 < sp.get("repetition_penalty", 1) <= 2 and 0 <= sp.get("min_p", 0) <= 1
     assert 0 < sp.get("top_p", 1) <= 1 and 1 <= (sp["max_new_tokens"] or 1) < 2**31  # null: up to the context
     assert -(2**63) <= sp.get("sampling_seed", 0) < 2**63 and sp.get("top_k", 1) < 2**31
-    encode_generate(np.arange(2, dtype="int32"), 0, sp, "r" * 32, None)  # never overflows
+    # never overflows
+    encode_generate(GenerateRequest(input_ids=np.arange(2, dtype="int32"), sampling_params=sp, rid="r" * 32))
 
 
 def test_enable_thinking_changes_the_prompt_and_keeps_tito_prefixes(qwen3: Any) -> None:

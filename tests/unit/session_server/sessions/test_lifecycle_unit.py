@@ -121,7 +121,7 @@ def test_a_claim_is_refused_404_then_503_then_409_in_that_order(family: ModelFam
     lc.claim(session.id)
     with pytest.raises(SessionBusyError):
         lc.claim(session.id)
-    lc.paused = True
+    lc.pause.restore("drain")
     with pytest.raises(SessionPausedError, match="paused") as paused:  # paused beats busy
         lc.claim(session.id)
     assert paused.value.retry_after == 3
@@ -130,7 +130,8 @@ def test_a_claim_is_refused_404_then_503_then_409_in_that_order(family: ModelFam
     session.closing = True
     with pytest.raises(SessionNotFoundError, match="being deleted"):
         lc.claim(session.id)
-    lc.paused, lc.shutting_down = False, True
+    lc.pause.restore(None)
+    lc.shutting_down = True
     with pytest.raises(SessionPausedError, match="shutting down"):
         lc.check_accepting()
 
@@ -203,12 +204,13 @@ def test_admit_refuses_a_chat_whose_body_arrived_during_a_pause_or_shutdown(fami
     lc.admit(early)
     uploading = lc.claim(session.id)
     assert lc.in_flight == 2 and lc.at_engine == 1
-    lc.paused = True
+    lc.pause.restore("drain")
     with pytest.raises(SessionPausedError) as refused:
         lc.admit(uploading)
     assert refused.value.abort_reason is AbortReason.PAUSE and uploading.reason is AbortReason.PAUSE  # type: ignore[attr-defined]
     assert not uploading.admitted and lc.at_engine == 1
-    lc.paused, lc.shutting_down = False, True
+    lc.pause.restore(None)
+    lc.shutting_down = True
     late = Claim(session, lc.release, 3)
     with pytest.raises(SessionPausedError, match="shutting down"):
         lc.admit(late)

@@ -88,7 +88,7 @@ def test_nothing_expires_while_paused(family: ModelFamily) -> None:
     async def main() -> None:
         lc, metrics = lifecycle()
         idle = new(lc, family, idle_for=100)
-        lc.paused = True
+        lc.pause.restore("drain")
         assert await Sweeper(lc, 10, 60).sweep_once() == 0
         assert lc.registry.get(idle.id) is idle and not idle.closing and expired(metrics) == 0
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from session_server.engine.reasoning import ungated_grammar_warning
-from session_server.engine.wire import encode_generate
+from session_server.engine.wire import GenerateRequest, encode_generate
 from session_server.frontend.chat_request import turn_tools
 from session_server.openai.protocol import parse_chat_request
 from support.families import FAMILIES
@@ -80,9 +80,9 @@ def test_the_generate_body_asks_to_hold_the_grammar_back_exactly_for_a_constrain
                 body["chat_template_kwargs"] = _kwargs(switch, value)
             chat = parse_chat_request(json.dumps(body).encode(), family.stop_token_ids, family.vocab_size)
             turn_tools(chat, family)
-            sent = msgspec.json.decode(encode_generate(
-                np.arange(3, dtype="int32"), 0, chat.sampling_params, "r" * 32, None,
-                thinking=family.thinking_mode(chat.options.chat_template_kwargs)))
+            sent = msgspec.json.decode(encode_generate(GenerateRequest(
+                input_ids=np.arange(3, dtype="int32"), sampling_params=chat.sampling_params, rid="r" * 32,
+                thinking=family.thinking_mode(chat.options.chat_template_kwargs))))
             case = (value, choice, parallel, response_format)
             assert ("require_reasoning" in sent) is (thinks and constrained), case
             if "require_reasoning" in sent:
