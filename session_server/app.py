@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from session_server.anthropic import routes as messages
 from session_server.api import admin, samples, sessions
+from session_server.chat import routes as chat
 from session_server.config import ServerConfig
 from session_server.cpu_pool import CpuPool
 from session_server.engine.client import EngineClient
@@ -25,8 +25,8 @@ from session_server.engine.placement import EnginePlacement, classify_before_ser
 from session_server.engine.sessions import EngineSessions
 from session_server.errors import method_not_allowed, not_found
 from session_server.http.front_door import FrontDoorApp
+from session_server.messages import routes as messages
 from session_server.metrics import LoopLagTicker, Metrics
-from session_server.openai import routes as chat
 from session_server.responses import routes as responses
 from session_server.sessions.journal import Journal, JournalError, Restored
 from session_server.sessions.lifecycle import Lifecycle

@@ -3,14 +3,42 @@
 The pure core's errors (bad request, template, rollback, invariant, engine reply that breaks a rule) come from
 trajectory/errors.py; the failure modes that exist only because there is a server -- unknown, busy or paused
 sessions, an engine that cannot be reached or does not answer in time, a body too large, a client gone, admin auth --
-are defined here as subclasses of the same base. A handler lets them escape: the error boundary
-(http/front_door.py) renders every one with its status, so there is one renderer and no handler repeats the catch.
-Why a chat was cut off is one enum, `AbortReason`: what a claim is aborted for, and the label it is counted by.
+are defined here as subclasses of the same base. What an error may say is declared on the base (trajectory/errors.py):
+`status`, `code`, `retryable` with `retry_after`, and `abort_reason` (why a chat was cut off: `AbortReason`, the
+label it is counted by). A handler lets them escape: the error boundary (http/front_door.py) renders the server's own
+routes' errors here; the three APIs render theirs in their own shapes (frontend/errors.py). The whole tree:
+
+    SessionError                       500 internal_error          (trajectory/errors.py: the base)
+    ├── RequestValidationError         400 invalid_request
+    │   ├── RollbackLimitError         400 rollback_limit_exceeded
+    │   ├── TemplateError              400 template_error
+    │   └── LimitExceededError         400 limit_exceeded          (+ `limit`, the refusal's metric label)
+    ├── InvariantError                 500 invariant_violation
+    ├── TokenizationError              500 tokenization_error
+    ├── UpstreamError                  502 upstream_error          (+ `rule`, the engine reply's broken rule)
+    ├── SessionNotFoundError           404 session_not_found
+    ├── RouteNotFoundError             404 not_found
+    ├── MethodNotAllowedError          405 method_not_allowed
+    ├── AdminAuthError                 401 unauthorized
+    ├── RequestTimeoutError            408 request_timeout
+    ├── SessionBusyError               409 session_busy
+    ├── RequestTooLargeError           413 request_too_large
+    ├── ClientDisconnectedError        499 client_disconnected
+    ├── EngineUnavailableError         502 engine_unavailable
+    ├── EngineTimeoutError             504 engine_timeout
+    ├── EngineRefusedError             the engine's own status     engine_refused (its body passed on)
+    └── RetryLaterError                503, retryable: Retry-After: `retry_after`
+        ├── SessionPausedError         503 session_paused
+        ├── TooManySessionsError       503 too_many_sessions
+        └── EngineAbortedError         503 engine_aborted          (abort_reason ENGINE; + `partial`)
+
+An abort is any of them with an `abort_reason` (`tag_abort`): a client gone (ClientDisconnectedError), a DELETE or
+an expiry (SessionNotFoundError), a pause or a shutdown (SessionPausedError), the deadline (EngineTimeoutError), the
+engine's own abort (EngineAbortedError).
 """
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import msgspec
@@ -18,25 +46,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from trajectory import GenerateResult
+from trajectory.errors import AbortReason as AbortReason
 from trajectory.errors import RequestValidationError, SessionError, UpstreamError
-
-
-class AbortReason(enum.Enum):
-    """Why a chat was cut off before its commit (its engine request aborted, nothing committed): the reason a claim
-    is aborted for, the error the agent hears, and the `cause` label of session_server_aborts_total."""
-
-    DISCONNECT = "disconnect"  # the client went away
-    DELETE = "delete"  # DELETE /sessions/{id}
-    PAUSE = "pause"  # /admin/pause with mode=abort
-    TIMEOUT = "timeout"  # the engine did not answer within --request-timeout
-    EXPIRY = "expiry"  # the idle sweep deleted the session (a chat stuck past the request timeout)
-    SHUTDOWN = "shutdown"  # SIGTERM
-    ENGINE = "engine"  # the engine aborted the request itself (its own pause, a weight update)
 
 
 def tag_abort(err: SessionError, reason: AbortReason) -> SessionError:
     """Mark an error as the end of an aborted chat, so the handler counts it once, by reason (metrics.abort)."""
-    err.abort_reason = reason  # type: ignore[attr-defined]
+    err.abort_reason = reason
     return err
 
 
@@ -51,16 +67,19 @@ class SessionBusyError(SessionError):
     status = 409
     code = "session_busy"
 
+
 class EngineUnavailableError(SessionError):
     """The engine could not be reached or the connection failed mid-request (502)."""
 
     status = 502
     code = "engine_unavailable"
 
+
 class RetryLaterError(SessionError):
-    """A 503 that says when to come back: `retry_after` seconds, sent as the Retry-After header (error_response)."""
+    """A 503 that says when to come back: `retry_after` seconds, sent as the Retry-After header (retry_headers)."""
 
     status = 503
+    retryable = True
 
     def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)
@@ -73,7 +92,7 @@ class SessionPausedError(RetryLaterError):
     code = "session_paused"
 
 
-class EngineAbortedError(SessionPausedError):
+class EngineAbortedError(RetryLaterError):
     """The engine ended the request itself (its own pause, a weight update, an abort in its queue): nothing was
     generated that could be committed, and the same turn can be retried (503). Counted as an abort by the engine."""
 
@@ -154,7 +173,8 @@ class MethodNotAllowedError(SessionError):
 
 
 def error_body(err: BaseException) -> dict[str, Any]:
-    """OpenAI-style error JSON; anything that is not a SessionError is an opaque 500 (no internals leak)."""
+    """The server's own routes' error JSON (miles' session server's shape: `type` the code, `code` the status);
+    anything that is not a SessionError is an opaque 500 (no internals leak)."""
     if isinstance(err, SessionError):
         error: dict[str, Any] = {"message": err.message, "type": err.code, "code": err.status}
         if isinstance(err, UpstreamError):
@@ -184,7 +204,7 @@ def engine_message(body: bytes) -> str:
 
 def retry_headers(err: SessionError) -> dict[str, str] | None:
     """`Retry-After` for the refusals that say when to come back (pause, full, drain, an engine abort)."""
-    if isinstance(err, RetryLaterError):
+    if err.retryable:
         return {"Retry-After": str(max(1, int(err.retry_after)))}
     return None
 

@@ -79,6 +79,12 @@ TURN_OK = {200, 500, 502, 503}
 MAX_TOKENS = 512  # above the longest scripted reply, so a reply's length (and time at the engine) is as scripted
 
 
+# A stream that fails after its 200 says what failed by the error's code (OpenAI's shape, frontend/errors.py): the
+# status each code a streamed chat can end with stands for. Any other code counts as a 500, which the soak reports.
+STREAMED_ERROR_STATUS = {"session_paused": 503, "engine_aborted": 503, "session_not_found": 404,
+                         "upstream_error": 502, "engine_unavailable": 502, "engine_timeout": 504}
+
+
 @dataclass
 class SoakConfig:
     chats: int = 3000
@@ -577,7 +583,7 @@ class Episode:
             event = json.loads(raw)
             if "error" in event:
                 error = event["error"]
-                return ChatResult(int(error.get("code") or 500), text=raw[:300],
+                return ChatResult(STREAMED_ERROR_STATUS.get(error.get("code"), 500), text=raw[:300],
                                   retry_after=str(error["retry_after"]) if "retry_after" in error else None)
             for choice in event.get("choices") or []:
                 delta = choice.get("delta") or {}

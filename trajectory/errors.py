@@ -2,19 +2,39 @@
 
 Every class carries the HTTP status it maps to, so the server renders any of them without a mapping table; the
 errors that exist only because there is a server (unknown session, busy, paused, engine transport, timeouts) live
-with the HTTP layer in session_server/errors.py, as subclasses of the same base.
+with the HTTP layer in session_server/errors.py, as subclasses of the same base, whose docstring draws the whole tree.
+What any error may say is declared here, on the base, so no reader asks an error for an attribute it may lack.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import ClassVar
 
 
+class AbortReason(enum.Enum):
+    """Why a chat was cut off before its commit (its engine request aborted, nothing committed): the reason a claim
+    is aborted for, the error the agent hears, and the `cause` label of session_server_aborts_total."""
+
+    DISCONNECT = "disconnect"  # the client went away
+    DELETE = "delete"  # DELETE /sessions/{id}
+    PAUSE = "pause"  # /admin/pause with mode=abort
+    TIMEOUT = "timeout"  # the engine did not answer within --request-timeout
+    EXPIRY = "expiry"  # the idle sweep deleted the session (a chat stuck past the request timeout)
+    SHUTDOWN = "shutdown"  # SIGTERM
+    ENGINE = "engine"  # the engine aborted the request itself (its own pause, a weight update)
+
+
 class SessionError(Exception):
-    """Base class: `status` is the HTTP status, `code` the machine-readable error type."""
+    """Base class: `status` is the HTTP status, `code` the machine-readable error type, `retryable` whether the same
+    request may succeed after `retry_after` seconds (sent as Retry-After), `abort_reason` why the chat was cut off
+    when it was (counted once, by that reason), else None."""
 
     status: ClassVar[int] = 500
     code: ClassVar[str] = "internal_error"
+    retryable: ClassVar[bool] = False
+    retry_after: int = 0
+    abort_reason: AbortReason | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

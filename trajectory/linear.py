@@ -151,7 +151,7 @@ class SentHistory:
 
     Why: an agent resends its whole history every turn, mostly byte for byte. A front end that knows the bytes can
     recognise the repeated part of the next request and decode, check and match only what is new
-    (session_server/openai/chat_body.py); bytes equal to what was read before are read the same way again. The bytes
+    (session_server/chat/chat_body.py); bytes equal to what was read before are read the same way again. The bytes
     are kept as their length and a 128-bit digest (XXH3, seeded at random per process), not themselves: a session
     would otherwise hold its history a second time (~4.6 B per stored token), and the digest of 20 KB costs ~0.3 us.
     A collision found by a client would only make its own session read its own earlier, checked messages."""

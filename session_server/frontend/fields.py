@@ -1,9 +1,16 @@
-"""The OpenAI request fields beyond messages/tools/stream, honoured the way SGLang 0.5.23's OpenAI server honours them.
+"""The request fields as one table (CHAT_FIELDS), honoured the way SGLang 0.5.23's OpenAI server honours them.
 
-Why a module of its own: each field maps to something different -- sampling keys (penalties, `min_p`, `logit_bias`),
-constrained decoding (`response_format`, `tool_choice`), what the prompt renders (`tool_choice: none` drops the tools,
-a named function keeps only that tool, `chat_template_kwargs` reaches the template), what the reply carries
-(`logprobs`, `stream_options`). The reference is `serving_chat.py` / `protocol.py` of the released SGLang:
+Every field of a chat request is one row: its name, where its value goes (the chat request, its options, or a key of
+SGLang's `sampling_params`) and its one rule (type and range), in the order the checks run; refused fields are rows
+too, with the reason their 400 gives. One loop reads a request by the table (`read_fields`), so parsing a body stays
+in this module, and a new field is one row. Every API's reply limit (Chat's `max_tokens` / `max_completion_tokens`,
+Responses' `max_output_tokens`, Messages' `max_tokens`) is the one rule REPLY_LIMIT, whose 400 names the API's own
+field. Responses and Messages map their requests onto these fields (their protocol.py).
+
+The fields map to different things -- sampling keys (penalties, `min_p`, `logit_bias`), constrained decoding
+(`response_format`, `tool_choice`), what the prompt renders (`tool_choice: none` drops the tools, a named function
+keeps only that tool, `chat_template_kwargs` reaches the template), what the reply carries (`logprobs`,
+`stream_options`). The reference is `serving_chat.py` / `protocol.py` of the released SGLang:
 
 - `response_format` json_schema -> `json_schema` sampling key (the schema as JSON text); json_object ->
   `json_schema = '{"type": "object"}'`; `text` -> nothing.
@@ -27,7 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -40,7 +47,6 @@ from trajectory.errors import RequestValidationError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_INT32 = 2**31 - 1
 SCHEMA_VERDICTS = 1024  # distinct tool/response schemas whose validity is remembered...
 CACHED_SCHEMA_BYTES = 16 * 1024  # ...if their sorted JSON is at most this long (real tool schemas: 0.2-2 KB)
 # OpenAI's own limit on tools per request; each new schema costs a metaschema check (1-2 ms) before anything is cached.
@@ -52,46 +58,14 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "chat_template", "messages", "conversation", "tools", "documents", "tokenize", "add_generation_prompt",
     "continue_final_message", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
-# Fields SGLang's chat server does not honour for a token-in-token-out session either: refused, not dropped.
-_UNSUPPORTED = {
-    "functions": "the legacy 'functions' field is not supported; send 'tools'",
-    "function_call": "the legacy 'function_call' field is not supported; send 'tool_choice'",
-    "audio": "audio output is not supported",
-    "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported",
-    "regex": "'regex' constrained decoding is not supported by the session server",
-    "ebnf": "'ebnf' constrained decoding is not supported by the session server",
-}
-
-
 def bad_request(msg: str) -> RequestValidationError:
-    """A 400 about one request field (openai/protocol.py shares these two helpers)."""
+    """A 400 about one request field."""
     return RequestValidationError(msg)
 
 
 def is_int(v: object) -> TypeGuard[int]:
     """A JSON integer: Python's bool is an int subclass, but `true` is not a number."""
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _optional_bool(obj: Mapping[str, Any], key: str) -> bool | None:
-    """A boolean field, None when absent or null; a truthy string or number is a 400, not a silent True."""
-    value = obj.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise bad_request(f"'{key}' must be a boolean")
-    return value
-
-
-def number(obj: Mapping[str, Any], key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
-    """`obj[key]` as a float in [lo, hi] (or (lo, hi]), None when absent; anything else is a 400 naming the field."""
-    v = obj.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or abs(v) > 1e300:
-        raise bad_request(f"'{key}' must be a finite number")
-    if (v <= lo if lo_open else v < lo) or v > hi:
-        raise bad_request(f"'{key}' must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
-    return float(v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,36 +96,154 @@ class RequestOptions:
         return self.tool_choice.mode != "none" and self.response_format == "text"
 
 
-# Every field parse_options reads: a request with none of them (most agents' turns) gets the shared defaults.
-_OPTION_FIELDS = frozenset({"logprobs", "top_logprobs", "parallel_tool_calls", "response_format", "stream_options",
-                            "tool_choice", "chat_template_kwargs", "modalities", token_ids.FIELD,
-                            "return_tokens_as_token_ids", *_UNSUPPORTED})
 _DEFAULT_OPTIONS = RequestOptions()
 
 
-def refuse_unsupported(obj: Mapping[str, Any]) -> None:
-    for key, why in _UNSUPPORTED.items():
-        if obj.get(key) is not None:
-            raise bad_request(f"'{key}': {why}")
-    modalities = obj.get("modalities")
-    if modalities is not None and modalities != ["text"]:
-        raise bad_request("'modalities': only [\"text\"] is supported")
+# -- the rules: what a field's value must be, and what it becomes ------------------------------------------------------
+# A rule is called with the field's value (never None: an absent or null field is not read), the field's name as a
+# 400 names it, and what it may read beyond its value (`Context`); it returns what goes where its row says, or None
+# for nothing.
 
 
-def _tool_choice(raw: Any) -> ToolChoice:
-    if raw is None:
-        return ToolChoice("auto")
-    if isinstance(raw, str):
-        if raw not in ("auto", "none", "required"):
-            raise bad_request(f"'tool_choice' must be 'auto', 'none', 'required' or a function object, got {raw!r}")
-        return ToolChoice(raw)
-    if isinstance(raw, dict):
-        fn = raw.get("function")
+@dataclass(slots=True)
+class Context:
+    """What a rule may read beyond its own value: the whole request (top_logprobs needs logprobs) and the
+    vocabulary's size (logit_bias), when known."""
+
+    request: Mapping[str, Any]
+    vocab_size: int | None = None
+
+
+NO_CONTEXT = Context({})
+Rule = Callable[[Any, str, Context], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Integer:
+    """An integer in [lo, hi] (or -1, where -1 means "no limit")."""
+
+    lo: int
+    hi: int
+    or_minus_one: bool = False
+
+    def __call__(self, value: Any, label: str, context: Context) -> int:
+        if not is_int(value) or not (self.lo <= value <= self.hi or (self.or_minus_one and value == -1)):
+            raise bad_request(f"{label} must be an integer in [{self.lo}, {self.hi}]"
+                              + (" or -1" if self.or_minus_one else ""))
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class Number:
+    """A finite number in [lo, hi] (or (lo, hi]), as a float."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+
+    def __call__(self, value: Any, label: str, context: Context) -> float:
+        if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+                or abs(value) > 1e300):
+            raise bad_request(f"{label} must be a finite number")
+        if (value <= self.lo if self.lo_open else value < self.lo) or value > self.hi:
+            raise bad_request(f"{label} must be in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}], "
+                              f"got {value!r}")
+        return float(value)
+
+
+def boolean(value: Any, label: str, context: Context) -> bool:
+    """A boolean; a truthy string or number is a 400, not a silent True."""
+    if not isinstance(value, bool):
+        raise bad_request(f"{label} must be a boolean")
+    return value
+
+
+def raw(value: Any, label: str, context: Context) -> Any:
+    """Passed on as it is: checked where it is used (messages and tools by the trajectory's prepare)."""
+    return value
+
+
+def string_or_none(value: Any, label: str, context: Context) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A field the server cannot honour: a 400 that says why, never a silent drop."""
+
+    why: str
+
+    def __call__(self, value: Any, label: str, context: Context) -> None:
+        raise bad_request(f"{label}: {self.why}")
+
+
+# What a reply may be long: SGLang's max_new_tokens is an int32. The one check of every API's reply limit (Chat's
+# max_tokens and max_completion_tokens, Responses' max_output_tokens, Messages' max_tokens), each 400 naming the
+# API's own field.
+MAX_INT32 = 2**31 - 1
+REPLY_LIMIT = Integer(1, MAX_INT32)
+
+
+def reply_limit(value: Any, field_name: str, required: bool = False) -> int | None:
+    """A reply limit by REPLY_LIMIT (None when absent and not `required`), the 400 naming `field_name`."""
+    if value is None and not required:
+        return None
+    return REPLY_LIMIT(value, f"'{field_name}'", NO_CONTEXT)
+
+
+def _n(value: Any, label: str, context: Context) -> None:
+    if value != 1:
+        raise bad_request("only n=1 is supported: a session holds one linear trajectory")
+
+
+def _modalities(value: Any, label: str, context: Context) -> None:
+    if value != ["text"]:
+        raise bad_request(f"{label}: only [\"text\"] is supported")
+
+
+def _top_logprobs(value: Any, label: str, context: Context) -> int:
+    top = Integer(0, MAX_TOP_LOGPROBS)(value, label, context)
+    if top and not context.request.get("logprobs"):
+        raise bad_request(f"{label} requires 'logprobs': true")
+    return top
+
+
+def _stop(value: Any, label: str, context: Context) -> list[str] | None:
+    stop = [value] if isinstance(value, str) else value
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad_request(f"{label} must be a non-empty string or a list of them")
+    if len(stop) > 32:  # SGLang's MAX_STOP_COUNT
+        raise bad_request(f"{label} may have at most 32 entries")
+    return stop or None
+
+
+def _seed(value: Any, label: str, context: Context) -> int:
+    if not is_int(value) or not -(2**63) <= value < 2**63:
+        raise bad_request(f"{label} must be a 64-bit integer")
+    return value
+
+
+def _stream_options(value: Any, label: str, context: Context) -> bool:
+    if not isinstance(value, dict):
+        raise bad_request(f"{label} must be an object")
+    include_usage = value.get("include_usage") or False
+    if not isinstance(include_usage, bool):
+        raise bad_request("'stream_options.include_usage' must be a boolean")
+    return include_usage
+
+
+def _tool_choice(value: Any, label: str, context: Context) -> ToolChoice:
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise bad_request(f"{label} must be 'auto', 'none', 'required' or a function object, got {value!r}")
+        return ToolChoice(value)
+    if isinstance(value, dict):
+        fn = value.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
-        if raw.get("type", "function") != "function" or not isinstance(name, str) or not name:
-            raise bad_request("'tool_choice' object must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if value.get("type", "function") != "function" or not isinstance(name, str) or not name:
+            raise bad_request(f"{label} object must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
         return ToolChoice("function", name)
-    raise bad_request("'tool_choice' must be a string or an object")
+    raise bad_request(f"{label} must be a string or an object")
 
 
 def _check_schema(schema: Any, field: str) -> None:
@@ -190,18 +282,16 @@ def _metaschema_problem(key: bytes) -> str | None:
 _schema_problem = functools.lru_cache(maxsize=SCHEMA_VERDICTS)(_metaschema_problem)
 
 
-def _response_format(raw: Any) -> tuple[str, Any]:
-    if raw is None:
-        return "text", None
-    if not isinstance(raw, dict):
-        raise bad_request("'response_format' must be an object")
-    kind = raw.get("type")
+def _response_format(value: Any, label: str, context: Context) -> tuple[str, Any]:
+    if not isinstance(value, dict):
+        raise bad_request(f"{label} must be an object")
+    kind = value.get("type")
     if kind == "text":
         return "text", None
     if kind == "json_object":
         return "json_object", None
     if kind == "json_schema":
-        spec = raw.get("json_schema")
+        spec = value.get("json_schema")
         if not isinstance(spec, dict):
             raise bad_request("'response_format.json_schema' must be an object with a 'schema'")
         if not isinstance(spec.get("name", "schema"), str):
@@ -214,87 +304,159 @@ def _response_format(raw: Any) -> tuple[str, Any]:
     raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
-def _template_kwargs(raw: Any) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise bad_request("'chat_template_kwargs' must be an object")
-    for key in raw:
+def _template_kwargs(value: Any, label: str, context: Context) -> dict[str, Any] | None:
+    if not isinstance(value, dict):
+        raise bad_request(f"{label} must be an object")
+    for key in value:
         if key in _RESERVED_TEMPLATE_KWARGS:
             raise bad_request(f"'chat_template_kwargs.{key}' may not be set by a request")
     try:
-        json.dumps(raw, allow_nan=False)
+        json.dumps(value, allow_nan=False)
     except ValueError:
-        raise bad_request("'chat_template_kwargs' must be plain JSON") from None
-    return dict(raw) or None
+        raise bad_request(f"{label} must be plain JSON") from None
+    return dict(value) or None
 
 
-def parse_options(obj: Mapping[str, Any]) -> RequestOptions:
-    if obj.keys().isdisjoint(_OPTION_FIELDS):  # what the rest would build, without its ~20 lookups and two objects
-        return _DEFAULT_OPTIONS
-    refuse_unsupported(obj)
-    logprobs = _optional_bool(obj, "logprobs")
-    top = obj.get("top_logprobs")
-    if top is not None:
-        if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise bad_request(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-        if top and not logprobs:
-            raise bad_request("'top_logprobs' requires 'logprobs': true")
-    parallel = _optional_bool(obj, "parallel_tool_calls")
-    fmt, schema = _response_format(obj.get("response_format"))
-    stream_options = obj.get("stream_options")
-    include_usage = False
-    if stream_options is not None:
-        if not isinstance(stream_options, dict):
-            raise bad_request("'stream_options' must be an object")
-        include_usage = stream_options.get("include_usage") or False
-        if not isinstance(include_usage, bool):
-            raise bad_request("'stream_options.include_usage' must be a boolean")
-    return RequestOptions(
-        logprobs=bool(logprobs), top_logprobs=top or 0, tool_choice=_tool_choice(obj.get("tool_choice")),
-        parallel_tool_calls=parallel is not False, response_format=fmt, json_schema=schema,
-        chat_template_kwargs=_template_kwargs(obj.get("chat_template_kwargs")), include_usage=include_usage,
-        return_token_ids=_optional_bool(obj, token_ids.FIELD),
-        tokens_as_token_ids=_optional_bool(obj, "return_tokens_as_token_ids") is True,
-    )
-
-
-_PENALTIES = (
-    ("presence_penalty", -2.0, 2.0, False),
-    ("frequency_penalty", -2.0, 2.0, False),
-    ("repetition_penalty", 0.0, 2.0, True),
-    ("min_p", 0.0, 1.0, False),
-)
-_PENALTY_FIELDS = frozenset({"logit_bias", *(key for key, *_ in _PENALTIES)})
-
-
-def penalty_params(obj: Mapping[str, Any], sp: dict[str, Any], vocab_size: int | None) -> None:
-    """Penalties, `min_p` and `logit_bias` into SGLang sampling keys, with SamplingParams.verify's bounds."""
-    if obj.keys().isdisjoint(_PENALTY_FIELDS):
-        return
-    for key, lo, hi, lo_open in _PENALTIES:
-        value = number(obj, key, lo, hi, lo_open=lo_open)
-        if value is not None:
-            sp[key] = value
-    bias = obj.get("logit_bias")
-    if bias is None:
-        return
-    if not isinstance(bias, dict):
-        raise bad_request("'logit_bias' must be an object of token id -> bias")
-    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise bad_request(f"'logit_bias' may have at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+def _logit_bias(value: Any, label: str, context: Context) -> dict[str, float] | None:
+    """Token id -> bias; the ids within the vocabulary, when its size is known."""
+    if not isinstance(value, dict):
+        raise bad_request(f"{label} must be an object of token id -> bias")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(f"{label} may have at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    vocab_size = context.vocab_size
     out: dict[str, float] = {}
-    for key, value in bias.items():
+    for key, bias in value.items():
         if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
-            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}")
+            raise bad_request(f"{label} keys must be token ids, got {key!r}")
         token = int(key)
         if vocab_size is not None and token >= vocab_size:
-            raise bad_request(f"'logit_bias' token id {token} is outside the vocabulary [0, {vocab_size})")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise bad_request(f"{label} token id {token} is outside the vocabulary [0, {vocab_size})")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
             raise bad_request(f"'logit_bias[{key}]' must be a number in [-100, 100]")
-        out[str(token)] = float(value)
-    if out:
-        sp["logit_bias"] = out
+        out[str(token)] = float(bias)
+    return out or None
+
+
+# -- the table ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One request field: its name, where its value goes and its one rule.
+
+    `to` is "request.<attr>" (the chat request itself), "options.<attr>" (RequestOptions), "sampling.<key>"
+    (SGLang's `sampling_params`), several of them for a rule that returns as many values, or nothing for a field that
+    is only checked. `label` is how a 400 names the field, when not by its name alone."""
+
+    name: str
+    to: tuple[str, ...]
+    rule: Rule
+    label: str = ""
+
+
+def _field(name: str, to: str, rule: Rule, label: str = "") -> Field:
+    return Field(name, tuple(to.split()), rule, label or f"'{name}'")
+
+
+def _refused(name: str, why: str) -> Field:
+    return _field(name, "", Refused(why))
+
+
+_CHAT_LIMIT = "'max_tokens' / 'max_completion_tokens'"
+
+# Every field of a Chat Completions request the server reads, in the order its checks run (the first broken rule is
+# the 400). Responses and Messages map their requests onto these (their protocol.py), so every API honours a field the
+# same way. A field not here has no effect on the turn (OpenAI's `user`, `metadata`, `store`, ...); a new field is one
+# row.
+CHAT_FIELDS: tuple[Field, ...] = (
+    _field("n", "", _n),
+    _field("stream", "request.stream", boolean),
+    _field("model", "request.model", string_or_none),
+    _field("messages", "request.messages", raw),
+    _field("tools", "request.tools", raw),
+    _refused("functions", "the legacy 'functions' field is not supported; send 'tools'"),
+    _refused("function_call", "the legacy 'function_call' field is not supported; send 'tool_choice'"),
+    _refused("audio", "audio output is not supported"),
+    _refused("prediction", "predicted outputs are not supported"),
+    _refused("web_search_options", "web search is not supported"),
+    _refused("regex", "'regex' constrained decoding is not supported by the session server"),
+    _refused("ebnf", "'ebnf' constrained decoding is not supported by the session server"),
+    _field("modalities", "", _modalities),
+    _field("logprobs", "options.logprobs", boolean),
+    _field("top_logprobs", "options.top_logprobs", _top_logprobs),
+    _field("parallel_tool_calls", "options.parallel_tool_calls", boolean),
+    _field("response_format", "options.response_format options.json_schema", _response_format),
+    _field("stream_options", "options.include_usage", _stream_options),
+    _field("tool_choice", "options.tool_choice", _tool_choice),
+    _field("chat_template_kwargs", "options.chat_template_kwargs", _template_kwargs),
+    _field(token_ids.FIELD, "options.return_token_ids", boolean),
+    _field("return_tokens_as_token_ids", "options.tokens_as_token_ids", boolean),
+    # max_completion_tokens wins over max_tokens: a row whose place an earlier row filled is not read.
+    _field("max_completion_tokens", "sampling.max_new_tokens", REPLY_LIMIT, _CHAT_LIMIT),
+    _field("max_tokens", "sampling.max_new_tokens", REPLY_LIMIT, _CHAT_LIMIT),
+    _field("temperature", "sampling.temperature", Number(0, 1e6)),
+    _field("top_p", "sampling.top_p", Number(0, 1, lo_open=True)),
+    _field("top_k", "sampling.top_k", Integer(1, MAX_INT32, or_minus_one=True)),
+    _field("stop", "sampling.stop", _stop),
+    _field("seed", "sampling.sampling_seed", _seed),
+    # Penalties, min_p and logit_bias with SamplingParams.verify's bounds.
+    _field("presence_penalty", "sampling.presence_penalty", Number(-2.0, 2.0)),
+    _field("frequency_penalty", "sampling.frequency_penalty", Number(-2.0, 2.0)),
+    _field("repetition_penalty", "sampling.repetition_penalty", Number(0.0, 2.0, lo_open=True)),
+    _field("min_p", "sampling.min_p", Number(0.0, 1.0)),
+    _field("logit_bias", "sampling.logit_bias", _logit_bias),
+)
+
+
+@dataclass(slots=True)
+class ChatFields:
+    """A chat request's fields as the table reads them."""
+
+    request: dict[str, Any]  # stream, model, messages, tools
+    sampling: dict[str, Any]  # SGLang's sampling_params
+    options: RequestOptions
+
+
+# The table as read: a field's row by its name, and each row's places as (place's index in PLACES, key) pairs.
+PLACES = ("request", "sampling", "options")
+_ROW = {row.name: i for i, row in enumerate(CHAT_FIELDS)}
+_PLACES = tuple(tuple((PLACES.index(place), key) for place, _, key in (to.partition(".") for to in row.to))
+                for row in CHAT_FIELDS)
+
+
+def read_fields(obj: Mapping[str, Any], stop_token_ids: tuple[int, ...],
+                vocab_size: int | None = None) -> ChatFields:
+    """Every field of CHAT_FIELDS present (and not null) in `obj`, by its rule, in the table's order: only the rows
+    of the fields the request has are visited (an agent's turn carries a handful)."""
+    places: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = (
+        {"stream": False, "model": None, "messages": None, "tools": None},
+        # tool-call markup of some families is made of special tokens; no max_tokens from the agent is an explicit
+        # null, as SGLang's own chat endpoint sends (up to the context length): left out it would be 128 tokens.
+        {"stop_token_ids": list(stop_token_ids), "skip_special_tokens": False, "no_stop_trim": False,
+         "max_new_tokens": None},
+        {},
+    )
+    context = Context(obj, vocab_size)
+    filled: set[tuple[int, str]] = set()
+    rows = [i for i in map(_ROW.get, obj) if i is not None]
+    rows.sort()
+    for i in rows:
+        row, to = CHAT_FIELDS[i], _PLACES[i]
+        value = obj[row.name]
+        if value is None or (to and to[0] in filled):
+            continue
+        out = row.rule(value, row.label, context)
+        if len(to) == 1:
+            filled.add(to[0])
+            if out is not None:
+                places[to[0][0]][to[0][1]] = out
+        elif to:
+            filled.update(to)
+            for (place, key), got in zip(to, out, strict=True):
+                if got is not None:
+                    places[place][key] = got
+    request, sampling, options = places
+    return ChatFields(request, sampling, RequestOptions(**options) if options else _DEFAULT_OPTIONS)
 
 
 # -- tools and constraints ------------------------------------------------------------------------------------------

@@ -9,8 +9,6 @@ from typing import Any
 
 from trajectory.errors import RequestValidationError
 
-MAX_TOKENS = 2**31 - 1  # what a reply limit may be (SGLang's max_new_tokens is an int32)
-
 
 def bad(field_name: str, why: str) -> RequestValidationError:
     return RequestValidationError(f"'{field_name}' {why}")

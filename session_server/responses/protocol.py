@@ -21,7 +21,14 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any
 
-from session_server.frontend.request_items import MAX_TOKENS, bad, non_empty_string, objects
+from session_server.errors import SessionNotFoundError
+from session_server.frontend.chat_request import read_chat
+from session_server.frontend.fields import reply_limit
+from session_server.frontend.request_items import bad, non_empty_string, objects
+from session_server.http.body import decode_object
+from session_server.turns.turn import TurnRequest
+from trajectory import LinearTrajectory
+from trajectory.images import NO_IMAGE_LIMITS, ImageLimits
 
 # Accepted, echoed where the response has a place for them, and without effect on the tokens.
 _NEUTRAL = ("store", "metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
@@ -32,6 +39,7 @@ _KNOWN = frozenset({
     "background", "max_tool_calls", "top_logprobs", "conversation", "prompt", "return_token_ids", *_NEUTRAL,
 })
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
+RESPONSE_PREFIX = "resp_"  # a response id is `resp_<rid>` of the committed turn that answered it
 # The reasoning text travels back and forth in `encrypted_content` for clients that keep no server state
 # (`store: false`): encoded, not encrypted -- there is no secret to keep from the agent that generated it.
 _REASONING_STATE = "session-server-reasoning.v1."
@@ -338,10 +346,7 @@ def parse_responses(obj: dict[str, Any], thinking_switch: str | None,
     previous = obj.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise bad("previous_response_id", "must be a string")
-    max_output = obj.get("max_output_tokens")
-    if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int)
-                                   or not 1 <= max_output <= MAX_TOKENS):
-        raise bad("max_output_tokens", f"must be an integer in [1, {MAX_TOKENS}]")
+    max_output = reply_limit(obj.get("max_output_tokens"), "max_output_tokens")
     template_kwargs, summary = _reasoning(obj.get("reasoning"), thinking_switch, ignored)
     namespaces: dict[str, str] = {}
     chat: dict[str, Any] = {
@@ -366,3 +371,30 @@ def parse_responses(obj: dict[str, Any], thinking_switch: str | None,
         encrypted_reasoning=_include(obj.get("include")), reasoning_summary=summary, echo=echo, ignored=ignored,
         namespaces=namespaces,
     )
+
+
+def turn_of_response(trajectory: LinearTrajectory, response_id: str) -> int:
+    """The index of the committed turn that answered `response_id`, else a 404."""
+    if response_id.startswith(RESPONSE_PREFIX):
+        rid = response_id[len(RESPONSE_PREFIX):]
+        for k, record in enumerate(trajectory.records):
+            if record.rid == rid:
+                return k
+    raise SessionNotFoundError(f"response {response_id} is not a turn of this session")
+
+
+def parse_request(body: bytes, trajectory: LinearTrajectory,
+                  images: ImageLimits = NO_IMAGE_LIMITS) -> TurnRequest[ResponsesTurn]:
+    """A Responses body as the turn's request, with `previous_response_id` resolved on the session's own
+    trajectory: the history it continues is the trajectory's messages up to that turn's checkpoint (the matcher
+    meets the stored messages themselves and appends: nothing is re-rendered)."""
+    obj = decode_object(body)
+    previous = obj.get("previous_response_id")
+    history = None
+    if isinstance(previous, str):
+        turn = turn_of_response(trajectory, previous)
+        history = trajectory.messages[: trajectory.checkpoints[turn].num_messages]
+    mapped = parse_responses(obj, trajectory.family.thinking_switch, history)
+    request = read_chat(mapped.chat, trajectory.family, mapped, images, trajectory.images)
+    request.ignored = mapped.ignored
+    return request

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from session_server.frontend.reply_facts import ReplyFacts, sse_event, whole_delta
+from session_server.frontend.reply_facts import ReplyFacts, sse_event, turn_facts, whole_delta
 from session_server.frontend.token_ids import TurnTokens
-from session_server.responses.protocol import ResponsesTurn, encode_reasoning_state
+from session_server.responses.protocol import RESPONSE_PREFIX, ResponsesTurn, encode_reasoning_state, turn_of_response
+from trajectory import LinearTrajectory
 
 
 def _usage(facts: ReplyFacts) -> dict[str, Any]:
@@ -38,7 +39,7 @@ def _usage(facts: ReplyFacts) -> dict[str, Any]:
 
 class ResponseBuilder:
     def __init__(self, rid: str, model: str, created: int, turn: ResponsesTurn) -> None:
-        self.id = f"resp_{rid}"
+        self.id = f"{RESPONSE_PREFIX}{rid}"
         self.rid = rid
         self.model = model
         self.created = created
@@ -213,3 +214,15 @@ def response_body(rid: str, model: str, created: int, turn: ResponsesTurn, messa
     builder = ResponseBuilder(rid, model, created, turn)
     builder.finish(whole_delta(message), facts, tokens)
     return builder.final
+
+
+def stored_response(trajectory: LinearTrajectory, response_id: str) -> dict[str, Any]:
+    """GET /v1/responses/{id}: the response of a committed turn, rebuilt from its record (the request's echo
+    fields are not kept, only what the turn produced)."""
+    k = turn_of_response(trajectory, response_id)
+    record = trajectory.records[k]
+    ids, _ = trajectory.turn_tokens(k)
+    family = trajectory.family
+    facts = turn_facts(family, record.finish_reason, record.prompt_tokens, record.cached_tokens,
+                       ids[record.prompt_len:], record.message)
+    return response_body(record.rid or "", family.name, 0, ResponsesTurn(chat={}), record.message, facts)

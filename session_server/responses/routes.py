@@ -9,12 +9,11 @@ from starlette.responses import Response
 
 from session_server.errors import json_response
 from session_server.frontend.root_session import serve_at_root, serve_root_turn
-from session_server.responses.serving import Responses, stored_response
+from session_server.responses.reply import stored_response
+from session_server.responses.serving import RESPONSES
 from session_server.state import server_of
 from session_server.turns.pipeline import serve_turn
 from trajectory.errors import SessionError
-
-RESPONSES = Responses()
 
 
 async def create(request: Request) -> Response:

@@ -80,7 +80,7 @@ def client_gone() -> SessionError:
 def count_failure(metrics: Metrics, err: SessionError) -> None:
     """A turn that ended in an error, counted once by what it was: an abort by its reason, a refused limit, an engine
     reply that broke a rule. Every other error is counted only as its response."""
-    reason: AbortReason | None = getattr(err, "abort_reason", None)
+    reason = err.abort_reason
     if reason is not None:
         metrics.abort(reason)
     elif isinstance(err, LimitExceededError):

@@ -137,7 +137,8 @@ def test_previous_response_id_chains_on_the_session_and_get_returns_the_turn(sta
         elsewhere = responses_client(f"{server}/sessions/{other}/v1")
         with pytest.raises(openai.NotFoundError) as missing:
             await elsewhere.responses.create(model="m", input="x", previous_response_id=first.id)
-        assert missing.value.body["type"] == "not_found_error" and first.id in missing.value.body["message"]
+        assert missing.value.body["type"] == "invalid_request_error" and first.id in missing.value.body["message"]
+        assert missing.value.body["code"] == "session_not_found"
         with pytest.raises(openai.NotFoundError):
             await elsewhere.responses.retrieve(first.id)
 

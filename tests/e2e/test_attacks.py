@@ -99,20 +99,20 @@ def after(stack: Stack, witness: Witness) -> Iterator[None]:
 
 
 ANTHROPIC_ERROR_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
-                         "request_too_large", "rate_limit_error", "timeout_error", "api_error", "overloaded_error",
-                         "conflict_error"}
+                         "request_too_large", "rate_limit_error", "timeout_error", "api_error", "overloaded_error"}
 
 
 def assert_error(resp: httpx.Response, status: int, *words: str) -> dict[str, Any]:
-    """The error in its route's API shape: Chat Completions' (`code` is the status), the Responses API's (OpenAI's
-    `type` and a string `code`) or Anthropic's (`{"type": "error", "error": {"type", "message"}}`)."""
+    """The error in its route's API shape: OpenAI's for Chat Completions and Responses (`type` by status and a string
+    `code`), Anthropic's (`{"type": "error", "error": {"type", "message"}}`), or the server's own routes' (`code` is
+    the status)."""
     assert resp.status_code == status, (resp.status_code, resp.text[:500])
     assert resp.headers["content-type"].startswith("application/json")
     body = resp.json()
     error = body["error"]
     if body.get("type") == "error":  # Anthropic Messages
         assert set(error) == {"type", "message"} and error["type"] in ANTHROPIC_ERROR_TYPES
-    elif isinstance(error.get("code"), str):  # Responses
+    elif isinstance(error.get("code"), str):  # Chat Completions, Responses
         assert {"message", "type", "param", "code"} <= set(error)
     else:
         assert error["code"] == status
@@ -508,7 +508,7 @@ def test_prompt_beyond_the_context_is_400_before_rendering(stack: Stack, after: 
     resp = httpx.post(chat_url(stack.server, new_session(stack.server)),
                       json={"messages": [{"role": "user", "content": words}], "max_tokens": 4}, timeout=30)
     error = assert_error(resp, 400, "engine accepts at most")
-    assert error["type"] == "limit_exceeded"
+    assert error["code"] == "limit_exceeded"
     assert httpx.get(f"{stack.engine}/server_info", timeout=10).json()["finished_requests"] == before
     assert 'session_server_limit_refusals_total{limit="context"}' in httpx.get(f"{stack.server}/metrics").text
 

@@ -182,7 +182,7 @@ def test_bad_requests_are_400_and_release_the_slot(stack: dict[str, str], case: 
     resp = httpx.post(chat_url(server, sid), content=BAD_BODIES[case], headers={"content-type": "application/json"})
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
-    assert error["code"] == 400 and error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_request" and error["message"]
     assert engine_info(stack["engine"])["finished_requests"] == before  # never reached the engine
     ok = httpx.post(chat_url(server, sid), json={"messages": [{"role": "user", "content": "hi [[sim: tokens 4]]"}]})
     assert ok.status_code == 200, ok.text
@@ -273,7 +273,7 @@ def test_request_body_limit_is_413(stack: dict[str, str]) -> None:
     huge = {"messages": [{"role": "user", "content": "x" * (MAX_REQUEST_BYTES + 10)}]}
     resp = httpx.post(chat_url(server, sid), json=huge)
     assert resp.status_code == 413
-    assert resp.json()["error"]["code"] == 413
+    assert resp.json()["error"]["code"] == "request_too_large"
 
     def chunks():  # no content-length: the limit is enforced while reading
         yield b'{"messages": [{"role": "user", "content": "'
@@ -317,7 +317,7 @@ def test_unknown_session_is_404_on_every_route(stack: dict[str, str]) -> None:
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 404
     assert httpx.post(f"{server}/sessions/{sid}/samples").status_code == 404
     resp = httpx.post(chat_url(server, sid), json={"messages": [{"role": "user", "content": "hi"}]})
-    assert resp.status_code == 404 and resp.json()["error"]["type"] == "session_not_found"
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "session_not_found"
 
 
 def test_reply_headers_are_not_duplicated(stack: dict[str, str]) -> None:
@@ -420,7 +420,7 @@ def test_routed_experts_are_cut_out_before_decoding(body: bytes, rest: bytes | N
 def test_an_odd_routed_experts_payload_is_still_decoded_strictly(hf_tokenizers: dict[str, object]) -> None:
     import msgspec
 
-    from session_server.openai.serving import CHAT
+    from session_server.chat.serving import CHAT
     from session_server.turns.output import decode_turn
     from session_server.turns.turn import Turn
     from trajectory import LinearTrajectory, get_family

@@ -331,7 +331,7 @@ def test_malformed_engine_output_is_502_and_commits_nothing(
     assert httpx.post(f"{engine}/sim/faults", json={fault: 1.0}).status_code == 200
     resp = httpx.post(chat_url(server, sid), json={"messages": history})
     assert resp.status_code == 502, resp.text
-    assert resp.json()["error"]["code"] == 502
+    assert resp.json()["error"]["type"] == "server_error"
     httpx.post(f"{engine}/sim/faults", json={})
     assert httpx.get(f"{server}/sessions/{sid}").json() == before
     assert httpx.post(chat_url(server, sid), json={"messages": history}).status_code == 200

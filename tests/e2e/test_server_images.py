@@ -104,10 +104,8 @@ def test_a_bad_image_is_a_400_in_the_apis_shape(stack: Stack, proxy: RecordingPr
     field = {"chat": "messages[0].content[", "responses": "input[0].content[", "messages": "messages[0].content["}
     if api == "messages":  # Anthropic's shape
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    elif api == "responses":  # OpenAI's, as the Responses API writes it
+    else:  # OpenAI's, as Chat Completions and the Responses API write it
         assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "invalid_request"
-    else:  # the server's chat shape (as miles' session server writes it)
-        assert body["error"]["type"] == "invalid_request" and body["error"]["code"] == 400
     message = body["error"]["message"]
     assert why in message and field[api] in message, message
     assert not [c for c in proxy.calls if c["path"] == "/generate" and c["routing_key"] == sid]

@@ -46,7 +46,7 @@ def test_invariant_error_at_commit_is_500_and_logged(
         with caplog.at_level(logging.ERROR, logger="session_server"):
             resp = client.post(f"/sessions/{sid}/v1/chat/completions", json=CHAT)
         assert resp.status_code == 500
-        assert resp.json()["error"]["type"] == "invariant_violation"
+        assert resp.json()["error"]["code"] == "invariant_violation"
         assert any(sid in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
         assert client.get(f"/sessions/{sid}").json()["records"] == []
         monkeypatch.setattr(LinearTrajectory, "stage", real_stage)

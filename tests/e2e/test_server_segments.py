@@ -153,7 +153,7 @@ def test_reject_policy_is_a_400_and_one_turn_at_a_time(stack: Stack) -> None:
         resp = httpx.post(chat_url(server, sid), json={"messages": [*history, {"role": "user", "content": f"q{k}"}]})
         assert resp.status_code == 200, resp.text
     diverged = httpx.post(chat_url(server, sid), json={"messages": [{"role": "user", "content": "other"}]})
-    assert diverged.status_code == 400 and diverged.json()["error"]["type"] == "rollback_limit_exceeded"
+    assert diverged.status_code == 400 and diverged.json()["error"]["code"] == "rollback_limit_exceeded"
     assert len(samples(server, sid)) == 1 and "segment" not in samples(server, sid)[0]["metadata"]
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
 

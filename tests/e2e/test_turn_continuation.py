@@ -240,7 +240,7 @@ def test_past_the_bound_the_turn_is_a_503_and_commits_nothing(stack: Stack, vers
     sid = resp.extensions["sid"]
     if stream:  # the reply had begun: it ends with an error event
         assert resp.status_code == 200
-        assert sse_events(resp.content)[-1]["error"]["code"] == 503
+        assert sse_events(resp.content)[-1]["error"]["code"] == "engine_aborted"
     else:
         assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
     assert metric(server, 'session_server_turn_continuations_total{result="limit"}') == limit + 1
@@ -254,7 +254,7 @@ def test_past_the_bound_the_turn_is_a_503_and_commits_nothing(stack: Stack, vers
 def test_zero_continuations_keeps_the_old_503(stack: Stack, versions: None) -> None:
     server = stack["never"]
     resp = _cut(stack, server, ["step-2"], CHAT)
-    assert resp.status_code == 503 and resp.json()["error"]["code"] == 503, resp.text
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_aborted", resp.text
     assert httpx.get(f"{server}/sessions/{resp.extensions['sid']}", timeout=10).json()["records"] == []
     assert httpx.delete(f"{server}/sessions/{resp.extensions['sid']}").status_code == 204
 
@@ -303,7 +303,8 @@ def test_delete_while_the_continuation_waits(stack: Stack, versions: None, strea
 
     resp = asyncio.run(main())
     if stream:
-        assert resp.status_code == 200 and sse_events(resp.content)[-1]["error"]["code"] == 404, resp.text
+        assert resp.status_code == 200, resp.text
+        assert sse_events(resp.content)[-1]["error"]["code"] == "session_not_found", resp.text
     else:
         assert resp.status_code == 404, resp.text
     _wait(lambda: engine_info(engine)["waiting_requests"] == 0, "the queued continuation aborted")

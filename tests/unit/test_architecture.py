@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("state",),
     ("turns",),
     ("frontend",),  # what the three front ends share: the chat-shaped turn request, reply facts, root sessions
-    ("openai", "responses", "anthropic"),  # the front ends, one per API; none imports another
+    ("chat", "responses", "messages"),  # the front ends, one per API; none imports another
     ("api",),
     ("app",),
     ("cli", ""),  # "" is the package's own __init__

@@ -42,7 +42,7 @@ def _plumbing(name: str, value: object) -> bool:
     return isinstance(value, types.ModuleType) or name == "annotations" or getattr(typing, name, None) is value
 
 
-@pytest.mark.parametrize("sub", ["anthropic", "api", "engine", "http", "openai", "responses", "sessions", "turns"])
+@pytest.mark.parametrize("sub", ["api", "chat", "engine", "http", "messages", "responses", "sessions", "turns"])
 def test_server_subpackages_export_nothing(sub: str) -> None:
     package = importlib.import_module(f"session_server.{sub}")
     submodules = {m.name for m in pkgutil.iter_modules(package.__path__)}

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from session_server.anthropic.protocol import parse_messages
-from session_server.anthropic.reply import MessageBuilder, message_body
 from session_server.frontend.reply_facts import ReplyFacts, reply_facts
+from session_server.messages.protocol import parse_messages
+from session_server.messages.reply import MessageBuilder, message_body
 from session_server.responses.protocol import decode_reasoning_state, parse_responses
 from session_server.responses.reply import ResponseBuilder, response_body
 from session_server.turns.deltas import DeltaTracker

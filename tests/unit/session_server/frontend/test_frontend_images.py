@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image as PILImage
 
-from session_server.anthropic.protocol import parse_messages
 from session_server.frontend.images import read_image, read_images
+from session_server.messages.protocol import parse_messages
 from session_server.responses.protocol import parse_responses
 from trajectory.errors import RequestValidationError
 from trajectory.images import Image, ImageLimits, image_digest

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
+from session_server.chat.serving import CHAT
 from session_server.config import ServerConfig
 from session_server.engine.client import EngineReply
 from session_server.engine.sessions import engine_session_gone
 from session_server.engine.sse import Progress
 from session_server.errors import AbortReason, EngineRefusedError, EngineTimeoutError
 from session_server.metrics import Metrics
-from session_server.openai.serving import CHAT
 from session_server.sessions.session import Claim
 from session_server.turns.engine_call import EngineCall, refused_in_stream
 from session_server.turns.turn import Turn

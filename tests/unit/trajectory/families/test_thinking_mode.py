@@ -17,10 +17,10 @@ import msgspec
 import numpy as np
 import pytest
 
+from session_server.chat.protocol import parse_chat_request
 from session_server.engine.reasoning import ungated_grammar_warning
 from session_server.engine.wire import GenerateRequest, encode_generate
 from session_server.frontend.chat_request import turn_tools
-from session_server.openai.protocol import parse_chat_request
 from support.families import FAMILIES
 from support.families import THINKING as EXPECTED
 from trajectory import ModelFamily

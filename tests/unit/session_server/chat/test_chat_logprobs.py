@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from session_server.openai.logprobs import openai_logprobs
+from session_server.chat.logprobs import openai_logprobs
 from support.families import FAMILIES
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from session_server.chat.serving import CHAT
 from session_server.frontend.root_session import serve_root_turn
-from session_server.openai.serving import CHAT
 from session_server.turns.pipeline import serve_turn
 
 

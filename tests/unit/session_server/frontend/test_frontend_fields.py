@@ -1,4 +1,4 @@
-"""OpenAI request fields -> SGLang sampling keys, prompt tools and template kwargs (session_server/frontend/fields.py).
+"""Request fields -> SGLang sampling keys, prompt tools and template kwargs (the table of frontend/fields.py).
 
 The sampling params the server builds are checked against SGLang 0.5.23's own request schema
 (`sglang.api.v1.api_types.SamplingParams`, which rejects unknown keys and wrong types), loaded from the installed
@@ -19,9 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from session_server.chat.protocol import parse_chat_request
 from session_server.engine.wire import GenerateRequest, encode_generate
 from session_server.frontend.chat_request import ChatRequest, turn_tools
-from session_server.openai.protocol import parse_chat_request
 from support.examples import examples
 from trajectory import GenerateResult, LinearTrajectory
 from trajectory.errors import RequestValidationError
@@ -344,15 +344,50 @@ def test_the_tools_list_is_held_to_the_body_rules_once_per_distinct_list(qwen3: 
     assert len(walked) == 1
 
 
-def test_a_request_without_option_or_penalty_fields_reads_as_one_with_them_all_null() -> None:
-    """parse_options and penalty_params skip their lookups when none of their fields is present: the same result as
-    reading every field as null, which goes through each check."""
+def test_a_request_with_every_field_null_reads_as_one_without_them() -> None:
+    """The table reads a field only when it is present and not null: every row's rule is skipped for a null."""
     from session_server.frontend import fields
 
-    nulls = {key: None for key in fields._OPTION_FIELDS | fields._PENALTY_FIELDS}
-    assert fields.parse_options({"messages": []}) == fields.parse_options(nulls) == fields.RequestOptions()
-    absent: dict[str, Any] = {}
-    null: dict[str, Any] = {}
-    fields.penalty_params({"messages": []}, absent, 100)
-    fields.penalty_params(nulls, null, 100)
-    assert absent == null == {}
+    nulls = {row.name: None for row in fields.CHAT_FIELDS}
+    assert fields.read_fields(nulls, STOP, 100) == fields.read_fields({}, STOP, 100)
+    assert fields.read_fields(nulls, STOP, 100).options is fields.read_fields({}, STOP).options
+
+
+def test_every_row_names_one_field_and_goes_to_a_known_place() -> None:
+    """One row per field; each goes to the chat request, its options or a sampling key (or nowhere: refused or
+    only checked), and max_completion_tokens and max_tokens, which fill one place, are read in that order."""
+    from session_server.frontend import fields
+
+    names = [row.name for row in fields.CHAT_FIELDS]
+    assert len(names) == len(set(names))
+    option_names = set(fields.RequestOptions.__dataclass_fields__)
+    for row in fields.CHAT_FIELDS:
+        for to in row.to:
+            place, key = to.split(".")
+            assert place in ("request", "options", "sampling") and (place != "options" or key in option_names)
+    shared = [row.name for row in fields.CHAT_FIELDS if row.to == ("sampling.max_new_tokens",)]
+    assert shared == ["max_completion_tokens", "max_tokens"]
+    both = fields.read_fields({"max_completion_tokens": 7, "max_tokens": "ignored when the newer field is set"}, STOP)
+    assert both.sampling["max_new_tokens"] == 7
+
+
+def test_every_apis_reply_limit_is_one_rule_naming_the_apis_own_field() -> None:
+    from session_server.frontend.fields import MAX_INT32
+    from session_server.messages.protocol import parse_messages
+    from session_server.responses.protocol import parse_responses
+
+    range_ = f"must be an integer in [1, {MAX_INT32}]"
+    for bad in (0, MAX_INT32 + 1, 2.5, True, "8"):
+        with pytest.raises(RequestValidationError) as chat:
+            parse_chat_request(json.dumps({"messages": MESSAGES, "max_completion_tokens": bad}).encode(), STOP)
+        assert chat.value.message == f"'max_tokens' / 'max_completion_tokens' {range_}"
+        with pytest.raises(RequestValidationError) as responses:
+            parse_responses({"input": "hi", "max_output_tokens": bad}, None)
+        assert responses.value.message == f"'max_output_tokens' {range_}"
+        with pytest.raises(RequestValidationError) as messages:
+            parse_messages({"messages": MESSAGES, "max_tokens": bad}, None)
+        assert messages.value.message == f"'max_tokens' {range_}"
+    with pytest.raises(RequestValidationError, match=f"'max_tokens' {range_}".replace("[", r"\[")):
+        parse_messages({"messages": MESSAGES}, None)  # Messages requires it, except to count tokens
+    assert parse_messages({"messages": MESSAGES}, None, count_only=True).chat.get("max_tokens") is None
+    assert parse_responses({"input": "hi", "max_output_tokens": MAX_INT32}, None).chat["max_tokens"] == MAX_INT32

@@ -1,5 +1,6 @@
 """`stream: true` chats as OpenAI writes them: chat.completion.chunk events, then `finish_reason`, a usage chunk with
-empty `choices` when `stream_options.include_usage`, and `[DONE]`; an error after the first byte is an error event.
+empty `choices` when `stream_options.include_usage`, and `[DONE]`; an error after the first byte is an error chunk
+(frontend/errors.py).
 
 With token ids asked for (frontend/token_ids.py) the first chunk carries `prompt_token_ids`, as vLLM's does, and the
 finishing chunk carries them again with the choice's `token_ids`: every token of the reply at once, as it is
@@ -7,7 +8,7 @@ committed (the chunks before carry none, so a client that joins the chunks' `tok
 
 The streamed turn itself is the turn's engine call (turns/engine_call.py: the engine stream, the commit, every
 failure rule) and turns/stream.py (the deltas); this only formats what they hand over, the same facts a plain reply
-is built from (protocol.py).
+is built from (reply.py).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from typing import Any
 
 import msgspec
 
-from session_server.errors import SessionPausedError
+from session_server.chat.logprobs import openai_logprobs
+from session_server.chat.reply import finish_reason, system_fingerprint, usage
 from session_server.frontend.chat_request import ChatRequest
+from session_server.frontend.errors import chat_stream_error
 from session_server.frontend.reply_facts import reply_facts
 from session_server.frontend.token_ids import turn_tokens
-from session_server.openai.logprobs import openai_logprobs
-from session_server.openai.protocol import finish_reason, system_fingerprint, usage
 from session_server.turns.output import TurnOutput
 from session_server.turns.turn import NewTokens, Turn
 from trajectory.errors import SessionError
@@ -96,7 +97,4 @@ class ChatStream:
         return DONE
 
     def error(self, err: SessionError) -> list[bytes]:
-        error: dict[str, Any] = {"message": err.message, "type": err.code, "code": err.status}
-        if isinstance(err, SessionPausedError):
-            error["retry_after"] = max(1, int(err.retry_after))
-        return [_event({"error": error})]
+        return [chat_stream_error(err)]

@@ -7,16 +7,13 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from session_server.anthropic.serving import Messages, parse_body
 from session_server.errors import json_response
 from session_server.frontend.root_session import serve_at_root, serve_root_turn
+from session_server.messages.protocol import count_tokens
+from session_server.messages.serving import MESSAGES
 from session_server.state import server_of
 from session_server.turns.pipeline import read_body, serve_turn
-from trajectory import LinearTrajectory
 from trajectory.errors import SessionError
-from trajectory.images import NO_IMAGE_LIMITS, ImageLimits
-
-MESSAGES = Messages()
 
 
 async def create(request: Request) -> Response:
@@ -27,20 +24,8 @@ async def create_at_root(request: Request) -> Response:
     return await serve_root_turn(request, MESSAGES)
 
 
-def count_tokens(body: bytes, trajectory: LinearTrajectory, images: ImageLimits = NO_IMAGE_LIMITS) -> int:
-    """The length of the prompt the request would get on this trajectory (a snapshot; pure): the stored tokens plus
-    the appended messages when it continues the stored history, else the conversation rendered afresh."""
-    turn = parse_body(body, trajectory.family, count_only=True, images=images, known=trajectory.images)
-    try:
-        plan = trajectory.prepare(turn.messages, turn.tools, turn.template_kwargs)
-    except SessionError:  # not a continuation of the stored history
-        fresh = LinearTrajectory(trajectory.family, special_tokens="text" if trajectory.text_only else "engine")
-        plan = fresh.prepare(turn.messages, turn.tools, turn.template_kwargs)
-    return len(plan.prompt_ids)
-
-
 async def _count(request: Request, session_id: str) -> Response:
-    """Reads a snapshot of the session, on the CPU pool; never claims the session."""
+    """Counts on a snapshot of the session, on the CPU pool; never claims the session."""
     server = server_of(request)
     config = server.config
     try:

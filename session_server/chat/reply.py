@@ -1,11 +1,9 @@
-"""Chat Completions' protocol: its request body read into the chat request every API shares
-(frontend/chat_request.py), and its reply, a chat completion built from the turn's output (the validated engine
-reply and the family's parse of it, turns/output.py) with the facts every API's reply reads (frontend/reply_facts.py).
+"""Chat Completions' plain reply: a chat completion built from the turn's output (the validated engine reply and the
+family's parse of it, turns/output.py) with the facts every API's reply reads (frontend/reply_facts.py); stream.py
+builds its chunks from the same pieces (finish reason, fingerprint, usage).
 
-Everything here is a pure function of its arguments, so it runs on the CPU pool. The body is decoded once (msgspec,
-straight to builtins; chat_body.py keeps the bytes of a history the session already holds). The reply is encoded
-once, from the already parsed completion, and never carries the heavy replay payloads (routed experts stay in the
-trajectory's records).
+Pure, so it runs on the CPU pool. The reply is encoded once, from the already parsed completion, and never carries
+the heavy replay payloads (routed experts stay in the trajectory's records).
 """
 
 from __future__ import annotations
@@ -14,33 +12,14 @@ from typing import Any
 
 import msgspec
 
-from session_server.frontend.chat_request import ChatRequest, chat_request
+from session_server.chat.logprobs import openai_logprobs
 from session_server.frontend.fields import RequestOptions
 from session_server.frontend.reply_facts import ReplyFacts, reply_facts
 from session_server.frontend.token_ids import TurnTokens
-from session_server.openai.chat_body import read_chat_body
-from session_server.openai.logprobs import openai_logprobs
 from session_server.turns.output import TurnOutput
 from trajectory import GenerateResult, ModelFamily
-from trajectory.linear import SentHistory
 
 _encoder = msgspec.json.Encoder()
-
-
-def parse_chat_request(
-    body: bytes, stop_token_ids: tuple[int, ...], vocab_size: int | None = None, sent: SentHistory | None = None,
-) -> ChatRequest:
-    """Decode the body and map the sampling fields to SGLang's `sampling_params`.
-
-    `messages` and `tools` are passed on raw: the trajectory's prepare, which runs right after this in the same
-    step, owns their validation (one check, one set of error messages) and rejects bad ones with a 400 as well. The
-    tools list's depth and integers are checked with its schemas, once per distinct list (`turn_tools`). `sent`:
-    the session's last request messages, whose bytes this body may repeat (chat_body.py).
-    """
-    read = read_chat_body(body, sent)
-    chat = chat_request(read.obj, stop_token_ids, vocab_size)
-    chat.messages_json, chat.tools_json = read.messages_json, read.tools_json
-    return chat
 
 
 # Chat's names for how a turn ended (frontend/reply_facts.py); a matched stop string is a plain "stop" here.

@@ -21,10 +21,18 @@ block or field. Pure: no I/O.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from session_server.frontend.request_items import MAX_TOKENS, bad, non_empty_string, objects
+from session_server.frontend.chat_request import read_chat
+from session_server.frontend.fields import reply_limit
+from session_server.frontend.request_items import bad, non_empty_string, objects
+from session_server.http.body import decode_object
+from session_server.turns.turn import TurnRequest
+from trajectory import LinearTrajectory, ModelFamily
+from trajectory.errors import SessionError
+from trajectory.images import NO_IMAGE_LIMITS, Image, ImageLimits
 
 # Accepted, without effect on the tokens.
 _NEUTRAL = ("cache_control", "metadata", "context_management", "service_tier", "speed", "inference_geo",
@@ -282,10 +290,7 @@ def parse_messages(obj: dict[str, Any], thinking_switch: str | None, count_only:
         if obj.get(key) is not None:
             raise bad(key, "is not supported")
     ignored = [key for key in _NEUTRAL if obj.get(key) is not None]
-    max_tokens = obj.get("max_tokens")
-    valid = isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and 1 <= max_tokens <= MAX_TOKENS
-    if not valid and (max_tokens is not None or not count_only):
-        raise bad("max_tokens", f"must be an integer in [1, {MAX_TOKENS}]")
+    max_tokens = reply_limit(obj.get("max_tokens"), "max_tokens", required=not count_only)
     stop = obj.get("stop_sequences")
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
         raise bad("stop_sequences", "must be a list of non-empty strings")
@@ -307,3 +312,24 @@ def parse_messages(obj: dict[str, Any], thinking_switch: str | None, count_only:
     }
     return MessagesTurn(chat={k: v for k, v in chat.items() if v is not None}, stop_sequences=stop or None,
                         ignored=sorted(set(ignored)))
+
+
+def parse_request(body: bytes, family: ModelFamily, count_only: bool = False, images: ImageLimits = NO_IMAGE_LIMITS,
+                  known: Mapping[str, Image] | None = None) -> TurnRequest[MessagesTurn]:
+    """A Messages (or count_tokens) request body as the turn's request; `known`: the session's images."""
+    mapped = parse_messages(decode_object(body), family.thinking_switch, count_only)
+    request = read_chat(mapped.chat, family, mapped, images, known)
+    request.ignored = mapped.ignored
+    return request
+
+
+def count_tokens(body: bytes, trajectory: LinearTrajectory, images: ImageLimits = NO_IMAGE_LIMITS) -> int:
+    """The length of the prompt a count_tokens request would get on this trajectory (a snapshot; pure): the stored
+    tokens plus the appended messages when it continues the stored history, else the conversation rendered afresh."""
+    turn = parse_request(body, trajectory.family, count_only=True, images=images, known=trajectory.images)
+    try:
+        plan = trajectory.prepare(turn.messages, turn.tools, turn.template_kwargs)
+    except SessionError:  # not a continuation of the stored history
+        fresh = LinearTrajectory(trajectory.family, special_tokens="text" if trajectory.text_only else "engine")
+        plan = fresh.prepare(turn.messages, turn.tools, turn.template_kwargs)
+    return len(plan.prompt_ids)

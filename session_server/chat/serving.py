@@ -1,20 +1,18 @@
-"""The Chat Completions front end over the turn pipeline (turns/turn.py `FrontEnd`).
-
-It only translates: the request into the chat request every API shares (protocol.py reads the body,
-frontend/chat_request.py the fields), the turn's output into a chat completion or, with `stream: true`,
-chat.completion.chunk events (stream.py), and errors into the server's JSON error shape. Everything else -- the
-slot, TITO, the engine call and its race, validation, the commit -- is session_server/turns.
+"""Chat Completions as a front end of the turn pipeline (turns/turn.py): the request (protocol.py), the plain reply
+(reply.py), the chat.completion.chunk stream (stream.py) and the error shape (frontend/errors.py). Everything else
+-- the slot, TITO, the engine call and its race, validation, the commit -- is session_server/turns.
 """
 
 from __future__ import annotations
 
 from starlette.responses import Response
 
-from session_server.errors import error_response
-from session_server.frontend.chat_request import ChatRequest, turn_request
+from session_server.chat.protocol import parse_request
+from session_server.chat.reply import chat_completion
+from session_server.chat.stream import ChatStream
+from session_server.frontend.chat_request import ChatRequest
+from session_server.frontend.errors import chat_error
 from session_server.frontend.token_ids import turn_tokens
-from session_server.openai.protocol import chat_completion, parse_chat_request
-from session_server.openai.stream import ChatStream
 from session_server.turns.output import TurnOutput
 from session_server.turns.turn import Turn, TurnRequest
 from trajectory import LinearTrajectory
@@ -29,9 +27,7 @@ class ChatCompletions:
 
     def parse(self, body: bytes, trajectory: LinearTrajectory,
               images: ImageLimits = NO_IMAGE_LIMITS) -> TurnRequest[ChatRequest]:
-        family = trajectory.family
-        chat = parse_chat_request(body, family.stop_token_ids, family.vocab_size, trajectory.sent)
-        return turn_request(chat, family, chat, images, trajectory.images)
+        return parse_request(body, trajectory, images)
 
     def reply(self, turn: Turn[ChatRequest], out: TurnOutput) -> bytes:
         return chat_completion(out, turn.family, turn.rid, turn.model, turn.created, turn.request.api.options,
@@ -41,7 +37,7 @@ class ChatCompletions:
         return ChatStream(turn)
 
     def error(self, err: SessionError) -> Response:
-        return error_response(err)
+        return chat_error(err)
 
     def wants_logprobs(self, request: ChatRequest) -> bool:
         return request.options.logprobs

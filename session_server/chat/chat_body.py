@@ -11,7 +11,7 @@ matching all of it again makes a turn's cost grow with the history; here it foll
 - `tools`: decoded once per distinct list of bytes (a bounded cache), and those bytes are the key of the list's
   verdict in frontend/fields.py (its depth, integers and schemas, checked once per distinct list), so an unchanged
   list is neither decoded nor encoded again;
-- every other field is decoded and checked as before.
+- every other field is decoded, and all of them checked in one walk, as the plain decode checks them.
 
 Nothing gets past the body's limits by hiding in a part left undecoded: every byte is either decoded and checked
 here, or equal to bytes that were decoded and checked before in the same place (the elements of an earlier array of
@@ -57,6 +57,7 @@ def read_chat_body(body: bytes, sent: SentHistory | None) -> ChatBody:
 def _read(body: bytes, sent: SentHistory | None) -> ChatBody:
     out = ChatBody({})
     obj = out.obj
+    rest: dict[str, Any] = {}  # every other field, checked in one walk: its values stand where they stand in the body
     for key, raw in _fields(body).items():
         if key == "messages":
             obj[key], out.messages_json = _messages(bytes(raw), sent)
@@ -64,8 +65,9 @@ def _read(body: bytes, sent: SentHistory | None) -> ChatBody:
             out.tools_json = data = bytes(raw)
             obj[key] = _tools(data)
         else:
-            obj[key] = value = _decode(raw)
-            check_json_value(value, depth=FIELD_DEPTH)
+            rest[key] = _decode(raw)
+    check_json_value(rest, depth=FIELD_DEPTH - 1)
+    obj.update(rest)
     return out
 
 

@@ -1,4 +1,4 @@
-"""A chat body read by what is new in it (session_server/openai/chat_body.py) reads exactly what the plain decode reads.
+"""A chat body read by what is new in it (session_server/chat/chat_body.py) reads exactly what the plain decode reads.
 
 The oracle is `decode_object(body, unchecked="tools")`, the plain path every body took before: for any body, either
 both refuse it with the same message, or both read the same object (the resent messages, recognised by their bytes,
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from session_server.chat.chat_body import read_chat_body
 from session_server.http.body import MAX_DEPTH, decode_object
-from session_server.openai.chat_body import read_chat_body
 from support.examples import examples
 from trajectory.errors import RequestValidationError
 from trajectory.linear import SentHistory

@@ -1,1 +1,0 @@
-"""The Anthropic Messages front end: request blocks onto the chat turn, the reply and its stream events."""

@@ -1,1 +1,0 @@
-"""The OpenAI Chat Completions front end: request fields and their SGLang mapping, the reply, logprobs, streaming."""
