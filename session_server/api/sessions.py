@@ -77,6 +77,7 @@ async def get_session(request: Request) -> Response:
             "session_id": session.id,
             "metadata": session.metadata,
             "created_at": session.created_at,
+            "lineage": None if session.lineage is None else session.lineage.info(),
             "busy": bool(session.claims),
         }
     body = await server.pool.run(_session_body, snapshot, busy, live)

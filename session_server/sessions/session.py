@@ -20,6 +20,7 @@ from typing import Any
 from session_server.errors import AbortReason, SessionNotFoundError, SessionPausedError, tag_abort
 from trajectory import LinearTrajectory, SegmentPlan, SegmentSet
 from trajectory.errors import SessionError
+from trajectory.forks import Lineage
 
 
 @dataclass(eq=False, slots=True)
@@ -33,6 +34,7 @@ class Session:
     claims: set[Claim] = field(default_factory=set)  # the turns in flight
     closing: bool = False
     last_active: float = field(default_factory=time.monotonic)  # last request naming this session (idle sweep)
+    lineage: Lineage | None = None  # where a forked session came from (trajectory/forks.py)
 
     @property
     def trajectory(self) -> LinearTrajectory:
