@@ -5,6 +5,7 @@ the lineage (trajectory/forks.py, issue 39)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness.launchers import start_session_server
+from rollout.client import SessionClient
 from sglang_sim.directives import reply, tool_call
 from support.examples import examples
 from support.server import RecordingProxy, chat_url, new_session
 from support.stack import Stack, StackFactory
+from trajectory.sample_metadata import sample_metadata
 
 FAMILY = "qwen3"
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object"}}}]
@@ -239,3 +242,27 @@ def test_children_survive_a_restart_on_the_journal(stack: Stack, tmp_path: Path)
         assert len(info(proc.url, grandchild)["records"]) == 3
     finally:
         proc.stop()
+
+
+def test_session_client_forks_and_samples_read_the_lineage(stack: Stack) -> None:
+    server = stack["forks"]
+
+    async def main() -> None:
+        async with SessionClient([server]) as client:
+            sid = await client.create({"task": "group"})
+            play(server, sid, ["tool"], "s")
+            children = await client.fork(sid, 3, metadata={"member": 1})
+            assert len(children) == 3 and client.open_sessions() == {server: 4}
+            assert all(client.server_of(c) == server for c in children)
+            for child in children:
+                for sample in await client.collect(child):  # safetensors: the metadata as the trainer reads it
+                    lineage = sample_metadata(sample).lineage
+                    assert lineage is not None and lineage.parent == sid and lineage.depth == 1
+                    assert lineage.position == len(sample.tokens) and lineage.turns == 1
+            assert len({sample_metadata(s).lineage.group for c in children  # type: ignore[union-attr]
+                        for s in await client.collect(c)}) == 1  # one fork call, one group
+            for session in (sid, *children):
+                assert await client.delete(session)
+            assert client.open_sessions() == {server: 0}
+
+    asyncio.run(main())
