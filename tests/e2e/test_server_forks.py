@@ -20,7 +20,7 @@ from harness.launchers import start_session_server
 from rollout.client import SessionClient
 from sglang_sim.directives import reply, tool_call
 from support.examples import examples
-from support.server import RecordingProxy, chat_url, new_session
+from support.server import RecordingProxy, chat_url, engine_info, new_session
 from support.stack import Stack, StackFactory
 from trajectory.sample_metadata import sample_metadata
 
@@ -31,8 +31,9 @@ APIS = ("chat", "responses", "messages")
 
 @pytest.fixture(scope="module")
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
-    with stack_factory(family=FAMILY, sim_args=["--token-latency-ms", "1"], proxied={"forks"},
-                       servers={"forks": ["--max-rollback", "8", "--max-fork", "4", "--max-sessions", "400"]}) as stack:
+    servers = {"forks": ["--max-rollback", "8", "--max-fork", "4", "--max-sessions", "400"]}
+    with stack_factory(family=FAMILY, sim_args=["--enable-streaming-session", "--token-latency-ms", "1"],
+                       proxied={"forks"}, servers=servers) as stack:
         yield stack
 
 
@@ -135,6 +136,15 @@ def test_a_childs_next_turn_sends_the_engine_the_parents_ids(stack: Stack, proxy
     a random API against the parent's same turn (a rollback to the fork point when it is earlier than the end)."""
     server = stack["forks"]
     parent = new_session(server)
+    made = [parent]
+    try:
+        check_fork(server, proxy, data, parent, made)
+    finally:  # hypothesis may stop an example at any draw: its sessions go all the same
+        for sid in made:
+            httpx.delete(f"{server}/sessions/{sid}", timeout=30)
+
+
+def check_fork(server: str, proxy: RecordingProxy, data: st.DataObject, parent: str, made: list[str]) -> None:
     kinds = st.lists(st.sampled_from(["tool", "text"]), min_size=1, max_size=3)
     history, ends = play(server, parent, data.draw(kinds, label="turns"), "main agent")
     if data.draw(st.booleans(), label="second segment"):  # a sub-agent: the session's current segment is its own
@@ -145,6 +155,7 @@ def test_a_childs_next_turn_sends_the_engine_the_parents_ids(stack: Stack, proxy
     resp = fork(server, parent, n=2, at=at, metadata={"branch": "x"})
     assert resp.status_code == 200, resp.text
     child, sibling = resp.json()["session_ids"]
+    made += [child, sibling]
     before = info(server, sibling)
     request = [*history[:ends[at - 1]], {"role": "user", "content": f"and now? {reply('fine')}"}]
     if request[-2].get("tool_calls"):
@@ -159,8 +170,6 @@ def test_a_childs_next_turn_sends_the_engine_the_parents_ids(stack: Stack, proxy
         before.pop(volatile), sibling_after.pop(volatile)
     assert sibling_after == before  # nothing the child did reached its sibling
     assert engine_ids(proxy, server, parent, api, request) == ids
-    for sid in (parent, child, sibling):
-        assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
 
 
 def test_refusals_create_nothing(stack: Stack) -> None:
@@ -169,6 +178,7 @@ def test_refusals_create_nothing(stack: Stack) -> None:
     fresh = fork(server, sid, n=2)  # no turn yet: nothing to fork
     assert fresh.status_code == 400 and fresh.json()["error"]["type"] == "invalid_fork_point"
     play(server, sid, ["text"], "s")
+
     def live() -> list[str]:
         return sorted(s["id"] for s in httpx.get(f"{server}/admin/sessions", timeout=30).json()["sessions"])
 
@@ -177,7 +187,7 @@ def test_refusals_create_nothing(stack: Stack) -> None:
     assert fork(server, sid, n=0).status_code == 400
     assert fork(server, sid, n=2, at=2).status_code == 400  # one turn: at 2 is no turn boundary
     assert fork(server, "nope", n=2).status_code == 404
-    assert live() == before == [sid]
+    assert live() == before and sid in before
     ok = fork(server, sid, n=4)
     assert ok.status_code == 200 and len(set(ok.json()["session_ids"])) == 4
     assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
@@ -266,3 +276,25 @@ def test_session_client_forks_and_samples_read_the_lineage(stack: Stack) -> None
             assert client.open_sessions() == {server: 0}
 
     asyncio.run(main())
+
+
+def test_children_open_their_own_engine_sessions(stack: Stack) -> None:
+    """With --engine-sessions a child has no engine session of its parent's: its first turn opens one and sends the
+    whole prompt (the radix cache holds the prefix); every engine session is closed with its session."""
+    proc = start_session_server(stack.engine, stack.tok, FAMILY, "--engine-sessions", name="engine-sessions",
+                                log_dir=stack.logs)
+    try:
+        server = proc.url
+        parent = new_session(server)
+        history, _ = play(server, parent, ["tool", "text"], "s")
+        children = fork(server, parent, n=2).json()["session_ids"]
+        for i, sid in enumerate([*children, parent]):
+            request = [*history, {"role": "user", "content": f"branch {i} {reply('done')}"}]
+            assert next_turn(server, sid, "chat", request).status_code == 200
+            assert len(info(server, sid)["records"]) == 3
+        assert engine_info(stack.engine)["open_sessions"] == 3  # one each: a child's is its own
+        for sid in (parent, *children):
+            assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
+        assert engine_info(stack.engine)["open_sessions"] == 0
+    finally:
+        proc.stop()
