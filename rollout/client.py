@@ -165,6 +165,22 @@ class SessionClient:
         assert last_error is not None
         raise last_error
 
+    async def fork(self, session_id: str, n: int, metadata: dict[str, Any] | None = None,
+                   at: int | None = None) -> list[str]:
+        """POST /sessions/{id}/fork: `n` new sessions that each start with the session's history (its current
+        segment up to `at` turns, by default all of them); the children live on the parent's server (their ids
+        route there)."""
+        body: dict[str, Any] = {"n": n, "metadata": metadata or {}}
+        if at is not None:
+            body["at"] = at
+        server = self.server_of(session_id)
+        response = await self._request("POST", f"{server}/sessions/{session_id}/fork", json=body)
+        ids: list[str] = response.json()["session_ids"]
+        for child in ids:
+            self._server_of[child] = server
+        self._open[server] += len(ids)
+        return ids
+
     async def info(self, session_id: str) -> dict[str, Any]:
         """`GET /sessions/{id}`: records, metadata, token ids and the mismatch report."""
         response = await self._request("GET", f"{self.server_of(session_id)}/sessions/{session_id}")

@@ -156,6 +156,8 @@ def flags() -> tuple[Flag, ...]:
              "408 (default %(default)s)"),
         Flag("--max-header-bytes", "largest request line + headers of one request; larger gets 431 and the connection "
              "is closed (default %(default)s)"),
+        Flag("--max-fork", "children one POST /sessions/{id}/fork may create; more is a 400 and nothing is created "
+             "(default %(default)s)"),
         Flag("--max-sessions", "live sessions the server holds; POST /sessions (and on-demand creation) beyond gets "
              "503 with Retry-After; 0 = unbounded (default %(default)s)"),
         Flag("--max-session-tokens", "tokens one session may hold (prompt + completion): a turn whose prompt reaches "

@@ -65,6 +65,7 @@ class ServerConfig:
     body_timeout: float = 30.0  # seconds for a request body to arrive in full (408 after)
     max_header_bytes: int = 64 * 1024  # request line + headers of one request (431 beyond)
     max_sessions: int = 0  # live sessions; POST /sessions beyond gets 503 + Retry-After; 0 = unbounded
+    max_fork: int = 64  # children one POST /sessions/{id}/fork may create (400 beyond)
     max_session_tokens: int = 0  # tokens one session may hold (prompt + completion); 0 = unbounded
     drain_timeout: float = 60.0  # /admin/pause drain: seconds to wait for chats before aborting them (503)
     shutdown_timeout: float = 5.0  # SIGTERM: seconds uvicorn waits for open connections before closing them
@@ -168,6 +169,8 @@ class ServerConfig:
             problems.append("--max-header-bytes must be >= 1024")
         if self.max_sessions < 0:
             problems.append("--max-sessions must be >= 0 (0 = unbounded)")
+        if self.max_fork < 1:
+            problems.append("--max-fork must be >= 1")
         if self.max_session_tokens < 0:
             problems.append("--max-session-tokens must be >= 0 (0 = unbounded)")
         if self.drain_timeout <= 0:

@@ -11,6 +11,7 @@ routes' errors here; the three APIs render theirs in their own shapes (frontend/
     SessionError                       500 internal_error          (trajectory/errors.py: the base)
     ├── RequestValidationError         400 invalid_request
     │   ├── RollbackLimitError         400 rollback_limit_exceeded
+    │   ├── ForkPointError             400 invalid_fork_point
     │   ├── TemplateError              400 template_error
     │   └── LimitExceededError         400 limit_exceeded          (+ `limit`, the refusal's metric label)
     ├── InvariantError                 500 invariant_violation

@@ -54,6 +54,12 @@ class RollbackLimitError(RequestValidationError):
     code = "rollback_limit_exceeded"
 
 
+class ForkPointError(RequestValidationError):
+    """A fork asked for a point that is not a turn boundary of the session's current segment (400)."""
+
+    code = "invalid_fork_point"
+
+
 class TemplateError(RequestValidationError):
     """The family's chat template cannot express the request incrementally (400)."""
 

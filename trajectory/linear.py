@@ -21,7 +21,14 @@ import xxhash
 
 from .buffer import TokenBuffer
 from .engine_output import GenerateResult
-from .errors import InvariantError, RequestValidationError, RollbackLimitError, SessionError, UpstreamError
+from .errors import (
+    ForkPointError,
+    InvariantError,
+    RequestValidationError,
+    RollbackLimitError,
+    SessionError,
+    UpstreamError,
+)
 from .families.base import ModelFamily
 from .images import Image, check_runs, collect_images, expand, has_images, prompt_images, spelled
 from .messages import Message, MessageMatcher, normalize_message, normalize_tools
@@ -532,6 +539,32 @@ class LinearTrajectory:
         snap._buffer = self._buffer.copy()
         snap._masks = None if self._masks is None else self._masks.copy()
         return snap
+
+    def fork(self, turns: int | None = None) -> LinearTrajectory:
+        """A new trajectory holding this one's first `turns` turns (all by default): what the next turn after them
+        would send the engine, it sends (trajectory/forks.py). The stored tokens are shared copy on write
+        (TokenBuffer.share); lists are copied shallowly (a pointer per message and turn), the rest is immutable once
+        stored. ForkPointError unless `turns` is a turn boundary a rollback could reach: 1..turns, after a merge."""
+        count = len(self.checkpoints)
+        turns = count if turns is None else turns
+        if not (0 < turns <= count) or turns <= self.frozen:
+            raise ForkPointError(f"cannot fork at turn {turns}: the trajectory's turn boundaries are "
+                                 f"{max(1, self.frozen + 1)}..{count}" if count else
+                                 "cannot fork a session before its first turn")
+        end = self.checkpoints[turns - 1]
+        child = LinearTrajectory.__new__(LinearTrajectory)
+        child.family, child.max_rollback, child.matcher = self.family, self.max_rollback, self.matcher
+        child.text_only, child.frozen = self.text_only, self.frozen
+        child.version, child.tools, child.prompt_tools = self.version, self.tools, self.prompt_tools
+        child.rollbacks = self.rollbacks  # replaced, never mutated, on commit
+        child.checkpoints, child.records = self.checkpoints[:turns], self.records[:turns]
+        child.messages = self.messages[:end.num_messages]
+        at_end = turns == count
+        child.sent = self.sent if at_end else None  # the bytes stand for the whole last request: only at the end
+        child.images = self.images if at_end or not self.images else {
+            d: self.images[d] for d in prompt_images(child.messages)}
+        child._buffer = self._buffer.share(end.num_tokens)
+        return child
 
     def mismatch_report(self) -> dict[str, Any]:
         """Stored ids vs. a canonical re-render of the stored messages: where they differ and who wrote it.

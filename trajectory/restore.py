@@ -12,6 +12,7 @@ rollbacks): rolled-back turns are replayed too, then dropped by the turn that ro
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,11 +141,18 @@ def load_turn(stored: StoredTurn, trajectory: LinearTrajectory) -> TurnDelta:
 
 def restore_trajectory(
     family: ModelFamily, turns: list[StoredTurn], *, max_rollback: int = 1, matcher: str = "loose_tool_call",
-    special_tokens: str = "text",
+    special_tokens: str = "text", cuts: Sequence[tuple[int, int]] = (),
 ) -> LinearTrajectory:
     """Rebuild a trajectory by replaying its stored turns in order; raises InvariantError if they do not chain.
-    `special_tokens` is the serving trajectory's mode (LinearTrajectory), which its later turns keep using."""
+    `special_tokens` is the serving trajectory's mode (LinearTrajectory), which its later turns keep using. `cuts`:
+    a forked session's (version, turns) forks (trajectory/forks.py), each made when the replay reaches its version."""
     trajectory = LinearTrajectory(family, max_rollback=max_rollback, matcher=matcher, special_tokens=special_tokens)
-    for stored in turns:
-        trajectory.apply(load_turn(stored, trajectory))
+    pending = list(cuts)
+    for stored in [*turns, None]:
+        while pending and pending[0][0] == trajectory.version:
+            trajectory = trajectory.fork(pending.pop(0)[1])
+        if stored is not None:
+            trajectory.apply(load_turn(stored, trajectory))
+    if pending:
+        raise InvariantError(f"the stored turns end at version {trajectory.version} before the fork at {pending[0]}")
     return trajectory

@@ -5,7 +5,10 @@ What samples.py writes, and how it is read:
 - a merged (or segment) sample: `turns` `[[prompt_len, completion_len], ...]`, `weight_versions` (the version each
   engine call ended on, one per turn) and `weight_version_spans` `[[version, start, end), ...]` on the sample's
   positions (SGLang's per-token `weight_versions` inside a call, so a reply cut by an update has two spans);
-- a turn sample: `turn` (its index in the session), `prompt_len` and its one `weight_version`.
+- a turn sample: `turn` (its index in the session), `prompt_len` and its one `weight_version`;
+- a forked session's samples: `lineage` (trajectory/forks.py Lineage.info): the parent session, the fork position in
+  tokens (the sample's `tokens[:fork_position]` are its parent's, shared by its siblings), the fork's group, the
+  tree's root and the depth; absent for a session that was not forked.
 
 The rules:
 - A sampled token (loss mask 1) takes the version of the span that holds it; a sample without spans has one
@@ -59,6 +62,18 @@ class GeneratedTurn:
 
 
 @dataclass(frozen=True, slots=True)
+class SampleLineage:
+    """Where a forked session's sample sits in its rollout tree (samples.py writes it as `lineage`)."""
+
+    parent: str  # the parent session
+    position: int  # tokens[:position] are the parent's (shared with the siblings), the rest the child's own
+    turns: int  # the parent's turns the child began with
+    group: str  # the siblings of one fork call
+    root: str  # the tree's root session
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
 class SampleMetadata:
     """What a trainer reads off a sample's metadata, typed and checked (`sample_metadata`)."""
 
@@ -66,6 +81,7 @@ class SampleMetadata:
     token_versions: tuple[str | None, ...]  # per token: the weights that sampled it, None where the mask is 0
     generations: tuple[tuple[int, int], ...]  # `[start, end)` of each run of sampled tokens, in order
     image_spans: tuple[tuple[int, int], ...]  # `[start, end)` of each image's pad run, in order
+    lineage: SampleLineage | None = None  # a forked session's place in its tree
 
     def version_ids(self, version_of: Callable[[str], int] = parse_version, fill: int = -1) -> np.ndarray:
         """int64 per token: `version_of` its version, `fill` where nothing was sampled."""
@@ -148,4 +164,13 @@ def sample_metadata(sample: Sample) -> SampleMetadata:
         token_versions=_token_versions(sample),
         generations=tuple(generation_runs(sample.loss_mask)),
         image_spans=tuple((int(image["span"][0]), int(image["span"][1])) for image in images),
+        lineage=_lineage(meta.get("lineage")),
     )
+
+
+def _lineage(raw: Any) -> SampleLineage | None:
+    if raw is None:
+        return None
+    return SampleLineage(parent=str(raw["parent_session"]), position=int(raw["fork_position"]),
+                         turns=int(raw["fork_turns"]), group=str(raw["group"]), root=str(raw["root_session"]),
+                         depth=int(raw["depth"]))

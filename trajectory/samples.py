@@ -232,21 +232,23 @@ def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) 
 
 
 def build_segment_samples(segments: Sequence[tuple[Segment, LinearTrajectory]],
-                          max_seq_len: int | None = None) -> list[Sample]:
+                          max_seq_len: int | None = None, lineage: dict[str, Any] | None = None) -> list[Sample]:
     """One merged sample per segment that has a turn (SegmentSet.snapshot), in segment order.
+
+    A forked session's samples each carry its `lineage` (trajectory/forks.py Lineage.info) under that key.
 
     A single-segment session gets exactly its merged sample; with several, each sample's metadata also says which
     segment it is and where that came from (`Segment.info`). Each loss mask covers exactly its own segment's
     sampled tokens, so over the samples they add up to every completion token the session kept.
     """
-    if len(segments) == 1:
-        traj = segments[0][1]
-        return [build_merged_sample(traj, max_seq_len)] if traj.records else []
     samples = []
     for segment, traj in segments:
         if traj.records:
             sample = build_merged_sample(traj, max_seq_len)
-            sample.metadata.update(segment.info())
+            if len(segments) > 1:
+                sample.metadata.update(segment.info())
+            if lineage is not None:
+                sample.metadata["lineage"] = dict(lineage)
             samples.append(sample)
     return samples
 

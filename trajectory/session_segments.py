@@ -126,6 +126,11 @@ class SegmentSet:
         return self.segments[segment]
 
     @property
+    def latest(self) -> int:
+        """The segment of the latest commit: the session's current segment (what a fork continues)."""
+        return self._latest
+
+    @property
     def num_tokens(self) -> int:
         return sum(s.trajectory.num_tokens for s in self.segments.values())
 

@@ -61,7 +61,8 @@ async def collect_samples(request: Request) -> Response:
     max_seq_len = _max_seq_len(await read_object(request, config.max_request_bytes, config.body_timeout))
     async with session.lock:
         segments = sorted(session.segments, key=lambda s: s.id)
-        samples = build_segment_samples([(s, s.trajectory) for s in segments])
+        samples = build_segment_samples([(s, s.trajectory) for s in segments],
+                                        lineage=None if session.lineage is None else session.lineage.info())
         images = {d: i for s in segments for d, i in s.trajectory.images.items()}  # stores are replaced, not mutated
     binary = OCTET_STREAM in request.headers.get("accept", "")
     body = await server.pool.run(_encode, samples, max_seq_len, binary, images, server.family.vision)

@@ -83,6 +83,7 @@ async def get_session(request: Request) -> Response:
             "session_id": session.id,
             "metadata": session.metadata,
             "created_at": session.created_at,
+            "lineage": None if session.lineage is None else session.lineage.info(),
             "busy": bool(session.claims),
             "return_sampling_masks": mask_policy(server.config, session) is not None,
         }

@@ -4,7 +4,9 @@ Why SQLite (the standard library's sqlite3, WAL mode): no server to run, atomic 
 can open with the `sqlite3` shell. What is stored (docs/design.md 7, durability):
 
     sessions    id, family, settings (max_rollback, matcher, sampling_masks), metadata, created_at, last_active
-                (wall clock)
+                (wall clock), and a forked session's lineage (trajectory/forks.py): its turns are copies of its
+                parent's rows up to the fork, in the same transaction as its row, replayed and then cut to the fork
+                point (`cuts`)
     turns       one row per committed turn, as deltas (trajectory/restore.py): appended prompt tokens, completion and
                 logprobs as blobs, messages past the unchanged prefix, tools when changed, the record, routed experts;
                 the segment it belongs to, and on a segment's first turn where the segment came from (Segment.info)
@@ -61,8 +63,9 @@ logger = logging.getLogger("session_server.sessions.journal")
 
 APPLICATION_ID = 0x534A524E  # "SJRN"
 # 2: turns carry their segment (1 is migrated on open: every turn of segment 0); 3: the pause table; 4: the
-# engine_sessions table; 5: turns carry their sampling masks (each added on open)
-SCHEMA_VERSION = 5
+# engine_sessions table; 5: turns carry their sampling masks; 6: the sessions' lineage column (forks) (each added on
+# open)
+SCHEMA_VERSION = 6
 SYNC_MODES = ("normal", "full")
 MAX_BATCH = 512  # operations per transaction
 VACUUM_FREE_PAGES = 2048  # return free pages to the file system once this many accumulate (8 MiB at 4 KiB pages)
@@ -74,7 +77,8 @@ CREATE TABLE sessions (
     settings TEXT NOT NULL,
     metadata TEXT NOT NULL,
     created_at REAL NOT NULL,
-    last_active REAL NOT NULL
+    last_active REAL NOT NULL,
+    lineage TEXT
 );
 CREATE TABLE turns (
     n INTEGER PRIMARY KEY,
@@ -142,6 +146,7 @@ class SessionInfo:
     metadata: dict[str, Any]
     created_at: float
     sampling_masks: bool | None = field(default=None, kw_only=True)  # Session.sampling_masks
+    lineage: dict[str, Any] | None = field(default=None, kw_only=True)  # a forked session's (Lineage.to_json)
 
     @classmethod
     def of(cls, session: Session) -> SessionInfo:
@@ -149,6 +154,7 @@ class SessionInfo:
         return cls(
             id=session.id, family=traj.family.name, max_rollback=traj.max_rollback, matcher=traj.matcher.mode,
             metadata=session.metadata, created_at=session.created_at, sampling_masks=session.sampling_masks,
+            lineage=None if session.lineage is None else session.lineage.to_json(),
         )
 
 
@@ -191,6 +197,17 @@ class _Turn:
 
 
 @dataclass(frozen=True, slots=True)
+class _Fork:
+    """Children of a fork: their rows and copies of the parent's turns of `segment` before `version`, all or none."""
+
+    parent_id: str
+    segment: int
+    version: int
+    children: list[SessionInfo]
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class _Delete:
     session_id: str
     why: str
@@ -209,7 +226,7 @@ class _EngineSession:
     session_id: str | None  # None: closed (out of the book)
 
 
-_Op = _Create | _Turn | _Delete | _Pause | _EngineSession
+_Op = _Create | _Turn | _Fork | _Delete | _Pause | _EngineSession
 _STOP = object()
 
 
@@ -221,6 +238,7 @@ _MIGRATIONS = {
     2: "CREATE TABLE pause (id INTEGER PRIMARY KEY CHECK (id = 0), mode TEXT NOT NULL, since REAL NOT NULL);",
     3: "CREATE TABLE engine_sessions (sid TEXT PRIMARY KEY, session_id TEXT NOT NULL);",
     4: "ALTER TABLE turns ADD COLUMN sampling_masks BLOB;",
+    5: "ALTER TABLE sessions ADD COLUMN lineage TEXT;",
 }
 
 
@@ -299,14 +317,15 @@ class Journal:
     @staticmethod
     def _read(conn: sqlite3.Connection) -> Restored:
         sessions: dict[str, RestoredSession] = {}
-        for sid, family, settings, metadata, created_at, last_active in conn.execute(
-            "SELECT id, family, settings, metadata, created_at, last_active FROM sessions"
+        for sid, family, settings, metadata, created_at, last_active, lineage in conn.execute(
+            "SELECT id, family, settings, metadata, created_at, last_active, lineage FROM sessions"
         ):
             s = msgspec.json.decode(settings)
             sessions[sid] = RestoredSession(
                 id=sid, family=family, max_rollback=int(s["max_rollback"]), matcher=str(s["matcher"]),
                 metadata=msgspec.json.decode(metadata), created_at=created_at, last_active=last_active,
                 sampling_masks=s.get("sampling_masks"),
+                lineage=None if lineage is None else msgspec.json.decode(lineage),
             )
         cols = ", ".join(_TURN_COLUMNS)
         for row in conn.execute(
@@ -378,6 +397,10 @@ class Journal:
         """Queue a staged turn of `segment` (`segment_info` on the turn that starts it); the future resolves once it
         is on disk (JournalUnavailableError if it is not)."""
         return self._submit(_Turn(info, delta, prev_messages, prev_tools, time.time(), segment, segment_info))
+
+    async def forked(self, parent_id: str, segment: int, version: int, children: list[SessionInfo]) -> None:
+        """The children of a fork are on disk (rows and their copies of the parent's turns) or none is."""
+        await self._write(_Fork(parent_id, segment, version, children, time.time()))
 
     async def deleted(self, session_id: str, why: str) -> None:
         await self._write(_Delete(session_id, why, time.time()))
@@ -481,6 +504,15 @@ class Journal:
                 f"VALUES (?, ?, ?, {', '.join('?' * len(_TURN_COLUMNS))})",
                 [op.info.id, op.segment, info, *values],
             )
+        elif isinstance(op, _Fork):
+            cols = ", ".join(_TURN_COLUMNS)
+            for child in op.children:
+                self._upsert_session(conn, child, op.at)
+                conn.execute(
+                    f"INSERT INTO turns (session_id, segment, segment_info, {cols}) SELECT ?, 0, NULL, {cols} "
+                    "FROM turns WHERE session_id = ? AND segment = ? AND version < ? ORDER BY version",
+                    (child.id, op.parent_id, op.segment, op.version),
+                )
         elif isinstance(op, _EngineSession):
             if op.session_id is None:
                 conn.execute("DELETE FROM engine_sessions WHERE sid = ?", (op.sid,))
@@ -506,12 +538,13 @@ class Journal:
     @staticmethod
     def _upsert_session(conn: sqlite3.Connection, info: SessionInfo, last_active: float) -> None:
         conn.execute(
-            "INSERT INTO sessions (id, family, settings, metadata, created_at, last_active) VALUES (?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (id) DO UPDATE SET last_active = excluded.last_active",
+            "INSERT INTO sessions (id, family, settings, metadata, created_at, last_active, lineage) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET last_active = excluded.last_active",
             (info.id, info.family,
              _encoder.encode({"max_rollback": info.max_rollback, "matcher": info.matcher,
                               "sampling_masks": info.sampling_masks}).decode(),
-             _encoder.encode(info.metadata).decode(), info.created_at, last_active),
+             _encoder.encode(info.metadata).decode(), info.created_at, last_active,
+             None if info.lineage is None else _encoder.encode(info.lineage).decode()),
         )
 
     def _maybe_vacuum(self, conn: sqlite3.Connection) -> None:

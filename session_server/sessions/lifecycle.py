@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from session_server.engine.drains import EngineDrains
@@ -35,6 +36,7 @@ from session_server.sessions.pause import Pause
 from session_server.sessions.registry import Registry
 from session_server.sessions.session import Claim, Session
 from trajectory import SegmentPlan, SegmentSet
+from trajectory.forks import plan_fork
 
 
 class Lifecycle:
@@ -95,10 +97,37 @@ class Lifecycle:
         self._metrics.sessions_created.inc()
         return session
 
-    def _check_capacity(self) -> None:
+    async def fork(self, parent: Session, n: int, at: int | None, metadata: dict[str, Any],
+                   new_segments: Callable[[], SegmentSet]) -> list[Session]:
+        """POST /sessions/{id}/fork (trajectory/forks.py): `n` children of `parent`'s current segment at turn `at`
+        (None: its end), all or none -- 409 while a turn of the parent is in flight (its history is about to change),
+        503 past --max-sessions, 400 for a point that is not a turn boundary; with a journal the children are on disk
+        (their rows and copies of the parent's turns, one transaction) before their ids are handed out."""
+        self.check_accepting()
+        if parent.claims:
+            raise SessionBusyError(f"session {parent.id} has a chat in flight: fork it when the turn has ended")
+        self._check_capacity(n)
+        plan = plan_fork(parent.segments, new_segments, n, at)
+        lineage = plan.lineage_of(parent.id, parent.lineage)
+        children = [self.registry.create(segments, {**parent.metadata, **metadata}) for segments in plan.children]
+        for child in children:
+            child.lineage = lineage
+        if self.journal is not None:
+            try:
+                await self.journal.forked(parent.id, plan.segment, plan.version,
+                                          [SessionInfo.of(child) for child in children])
+            except BaseException:
+                for child in children:
+                    self.registry.discard(child.id)
+                raise
+        self._metrics.sessions_created.inc(n)
+        return children
+
+    def _check_capacity(self, n: int = 1) -> None:
         """--max-sessions: a full server refuses new sessions with 503 + Retry-After (the idle sweep and DELETEs
-        make room); sessions never pile up unbounded until memory runs out."""
-        if self.max_sessions and len(self.registry) >= self.max_sessions:
+        make room); sessions never pile up unbounded until memory runs out. `n`: sessions about to be created at
+        once (a fork's children), all or none."""
+        if self.max_sessions and len(self.registry) + n > self.max_sessions:
             self._metrics.refused("sessions")
             raise TooManySessionsError(
                 f"the server holds its maximum of {self.max_sessions} sessions (--max-sessions); delete finished "

@@ -15,6 +15,7 @@ from session_server.sessions.journal import JournalError, Restored, wall_to_mono
 from session_server.sessions.registry import Registry
 from session_server.sessions.session import Session
 from trajectory import ModelFamily, Segment, SegmentSet
+from trajectory.forks import Lineage
 from trajectory.restore import restore_trajectory
 
 
@@ -33,10 +34,13 @@ def restore_sessions(registry: Registry, family: ModelFamily, restored: Restored
         # The server's way with control-token spellings in message text (--special-tokens-in-content), as a fresh
         # trajectory of this server has it: not journaled, so a restart that changed it applies the new one.
         special_tokens = "text" if segments.get(0).trajectory.text_only else "engine"
+        lineage = None if saved.lineage is None else Lineage.of_json(saved.lineage)
         try:
             for segment, turns in [(0, saved.turns), *sorted(saved.segment_turns.items())]:
+                # a forked session's first segment: its parent's turns up to the fork, cut to the fork point(s)
+                cuts = lineage.cuts if lineage is not None and segment == 0 else ()
                 trajectory = restore_trajectory(family, turns, max_rollback=saved.max_rollback, matcher=saved.matcher,
-                                                special_tokens=special_tokens)
+                                                special_tokens=special_tokens, cuts=cuts)
                 if segment == 0:
                     segments.get(0).trajectory = trajectory
                     continue
@@ -48,6 +52,6 @@ def restore_sessions(registry: Registry, family: ModelFamily, restored: Restored
             raise JournalError(f"journal session {saved.id} cannot be replayed: {exc}") from exc
         registry.restore(Session(
             id=saved.id, segments=segments, metadata=saved.metadata, created_at=saved.created_at,
-            last_active=wall_to_monotonic(saved.last_active), sampling_masks=saved.sampling_masks,
+            last_active=wall_to_monotonic(saved.last_active), sampling_masks=saved.sampling_masks, lineage=lineage,
         ))
     return len(restored.sessions)

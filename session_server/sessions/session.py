@@ -20,6 +20,7 @@ from typing import Any
 from session_server.errors import AbortReason, SessionNotFoundError, SessionPausedError, tag_abort
 from trajectory import LinearTrajectory, SegmentPlan, SegmentSet
 from trajectory.errors import SessionError
+from trajectory.forks import Lineage
 
 
 @dataclass(eq=False, slots=True)
@@ -36,6 +37,7 @@ class Session:
     # Ask the engine for sampling masks (turns/sampling_masks.py): as POST /sessions said, None for the server's
     # --return-sampling-masks.
     sampling_masks: bool | None = None
+    lineage: Lineage | None = None  # where a forked session came from (trajectory/forks.py)
 
     @property
     def trajectory(self) -> LinearTrajectory:

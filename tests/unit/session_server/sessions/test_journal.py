@@ -175,11 +175,15 @@ def test_a_journal_of_schema_2_gains_the_new_tables_and_keeps_its_sessions(tmp_p
     asyncio.run(main())
     with sqlite3.connect(path) as db:
         db.executescript("DROP TABLE pause; DROP TABLE engine_sessions; ALTER TABLE turns DROP COLUMN sampling_masks; "
+                         "ALTER TABLE sessions DROP COLUMN lineage;"
                          "PRAGMA user_version = 2;")
     restored = Journal(path).open()
     assert [s.id for s in restored.sessions] == ["a"] and restored.paused is None and restored.engine_sessions == []
+    assert restored.sessions[0].lineage is None
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert "lineage" in [row[1] for row in db.execute("PRAGMA table_info(sessions)")]
+        assert "sampling_masks" in [row[1] for row in db.execute("PRAGMA table_info(turns)")]
         assert db.execute("SELECT count(*) FROM pause").fetchone()[0] == 0
         assert db.execute("SELECT count(*) FROM engine_sessions").fetchone()[0] == 0
 

@@ -1,0 +1,300 @@
+"""POST /sessions/{id}/fork against real processes (the sim behind a recording proxy): a child's next turn sends the
+engine exactly the ids the parent's next turn would have sent from the fork point, through any of the three APIs;
+children are independent; refusals create nothing; the journal brings children back after a restart; samples carry
+the lineage (trajectory/forks.py, issue 39)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness.launchers import start_session_server
+from rollout.client import SessionClient
+from sglang_sim.directives import reply, tool_call
+from support.examples import examples
+from support.server import RecordingProxy, chat_url, engine_info, new_session
+from support.stack import Stack, StackFactory
+from trajectory.sample_metadata import sample_metadata
+
+FAMILY = "qwen3"
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object"}}}]
+APIS = ("chat", "responses", "messages")
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory: StackFactory) -> Iterator[Stack]:
+    servers = {"forks": ["--max-rollback", "8", "--max-fork", "4", "--max-sessions", "400"]}
+    with stack_factory(family=FAMILY, sim_args=["--enable-streaming-session", "--token-latency-ms", "1"],
+                       proxied={"forks"}, servers=servers) as stack:
+        yield stack
+
+
+def chat(server: str, sid: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    resp = httpx.post(chat_url(server, sid), json={"model": "m", "messages": messages, "tools": TOOLS}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    message: dict[str, Any] = resp.json()["choices"][0]["message"]
+    return {k: v for k, v in message.items() if k in ("role", "content", "tool_calls") and v is not None}
+
+
+def fork(server: str, sid: str, **body: Any) -> httpx.Response:
+    return httpx.post(f"{server}/sessions/{sid}/fork", json=body, timeout=30)
+
+
+def info(server: str, sid: str) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(f"{server}/sessions/{sid}", timeout=30).json()
+    return body
+
+
+def as_responses(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    for m in history:
+        if m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
+            continue
+        if m.get("content") or m["role"] != "assistant":
+            items.append({"role": m["role"], "content": m.get("content") or ""})
+        for call in m.get("tool_calls") or ():
+            items.append({"type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
+                          "arguments": call["function"]["arguments"]})
+    return items
+
+
+def as_messages(history: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+    system = history[0]["content"] if history[0]["role"] == "system" else None
+    out: list[dict[str, Any]] = []
+    for m in history[1 if system is not None else 0:]:
+        if m["role"] == "tool":
+            block = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}
+            if out and out[-1]["role"] == "user" and isinstance(out[-1]["content"], list):
+                out[-1]["content"].append(block)
+            else:
+                out.append({"role": "user", "content": [block]})
+        elif m["role"] == "assistant":
+            blocks: list[dict[str, Any]] = [{"type": "text", "text": m["content"]}] if m.get("content") else []
+            blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                        "input": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls") or ()]
+            out.append({"role": "assistant", "content": blocks})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return system, out
+
+
+def next_turn(server: str, sid: str, api: str, history: list[dict[str, Any]]) -> httpx.Response:
+    base = f"{server}/sessions/{sid}/v1"
+    if api == "chat":
+        return httpx.post(f"{base}/chat/completions", json={"model": "m", "messages": history, "tools": TOOLS},
+                          timeout=60)
+    if api == "responses":
+        tools = [{"type": "function", **t["function"]} for t in TOOLS]
+        return httpx.post(f"{base}/responses", json={"model": "m", "input": as_responses(history), "tools": tools},
+                          timeout=60)
+    system, messages = as_messages(history)
+    tools = [{"name": "add", "description": "Add.", "input_schema": {"type": "object"}}]
+    body = {"model": "m", "max_tokens": 64, "messages": messages, "tools": tools, **({"system": system} if system
+                                                                                  else {})}
+    return httpx.post(f"{base}/messages", json=body, timeout=60)
+
+
+def engine_ids(proxy: RecordingProxy, server: str, sid: str, api: str, history: list[dict[str, Any]]) -> list[int]:
+    proxy.clear()
+    resp = next_turn(server, sid, api, history)
+    assert resp.status_code == 200, resp.text
+    (call,) = proxy.generates()
+    ids: list[int] = call["request"]["input_ids"]
+    return ids
+
+
+def play(server: str, sid: str, turns: list[str], system: str) -> tuple[list[dict[str, Any]], list[int]]:
+    """Chat turns (each a user message or, after a tool call, the tool's answer); returns the history and the
+    message count after each turn."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    ends = []
+    for i, kind in enumerate(turns):
+        last = history[-1]
+        if last.get("tool_calls"):
+            history.append({"role": "tool", "tool_call_id": last["tool_calls"][0]["id"], "content": f"{i}"})
+        directive = tool_call("add", a=i, b=1) if kind == "tool" else reply(f"answer {i}")
+        history.append({"role": "user", "content": f"step {i} {directive}"})
+        history.append(chat(server, sid, history))
+        ends.append(len(history))
+    return history, ends
+
+
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_childs_next_turn_sends_the_engine_the_parents_ids(stack: Stack, proxy: RecordingProxy,
+                                                             data: st.DataObject) -> None:
+    """Random histories (tool calls; a second segment where drawn) and fork points; the child's next turn through
+    a random API against the parent's same turn (a rollback to the fork point when it is earlier than the end)."""
+    server = stack["forks"]
+    parent = new_session(server)
+    made = [parent]
+    try:
+        check_fork(server, proxy, data, parent, made)
+    finally:  # hypothesis may stop an example at any draw: its sessions go all the same
+        for sid in made:
+            httpx.delete(f"{server}/sessions/{sid}", timeout=30)
+
+
+def check_fork(server: str, proxy: RecordingProxy, data: st.DataObject, parent: str, made: list[str]) -> None:
+    kinds = st.lists(st.sampled_from(["tool", "text"]), min_size=1, max_size=3)
+    history, ends = play(server, parent, data.draw(kinds, label="turns"), "main agent")
+    if data.draw(st.booleans(), label="second segment"):  # a sub-agent: the session's current segment is its own
+        history, ends = play(server, parent, data.draw(kinds, label="sub-agent turns"), "sub-agent")
+        assert len(info(server, parent)["segments"]) == 2
+    at = data.draw(st.integers(1, len(ends)), label="at")
+    api = data.draw(st.sampled_from(APIS), label="api")
+    resp = fork(server, parent, n=2, at=at, metadata={"branch": "x"})
+    assert resp.status_code == 200, resp.text
+    child, sibling = resp.json()["session_ids"]
+    made += [child, sibling]
+    before = info(server, sibling)
+    request = [*history[:ends[at - 1]], {"role": "user", "content": f"and now? {reply('fine')}"}]
+    if request[-2].get("tool_calls"):
+        request.insert(-1, {"role": "tool", "tool_call_id": request[-2]["tool_calls"][0]["id"], "content": "2"})
+    ids = engine_ids(proxy, server, child, api, request)
+    grown = info(server, child)
+    assert len(grown["segments"]) == 1 and len(grown["records"]) == at + 1  # it continued the forked history
+    assert grown["lineage"]["fork_turns"] == at and grown["lineage"]["depth"] == 1
+    assert grown["metadata"] == {"branch": "x"}
+    sibling_after = info(server, sibling)
+    for volatile in ("busy", "nbytes"):
+        before.pop(volatile), sibling_after.pop(volatile)
+    assert sibling_after == before  # nothing the child did reached its sibling
+    assert engine_ids(proxy, server, parent, api, request) == ids
+
+
+def test_refusals_create_nothing(stack: Stack) -> None:
+    server = stack["forks"]
+    sid = new_session(server)
+    fresh = fork(server, sid, n=2)  # no turn yet: nothing to fork
+    assert fresh.status_code == 400 and fresh.json()["error"]["type"] == "invalid_fork_point"
+    play(server, sid, ["text"], "s")
+
+    def live() -> list[str]:
+        return sorted(s["id"] for s in httpx.get(f"{server}/admin/sessions", timeout=30).json()["sessions"])
+
+    before = live()
+    assert fork(server, sid, n=5).status_code == 400  # --max-fork 4
+    assert fork(server, sid, n=0).status_code == 400
+    assert fork(server, sid, n=2, at=2).status_code == 400  # one turn: at 2 is no turn boundary
+    assert fork(server, "nope", n=2).status_code == 404
+    assert live() == before and sid in before
+    ok = fork(server, sid, n=4)
+    assert ok.status_code == 200 and len(set(ok.json()["session_ids"])) == 4
+    assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
+    assert fork(server, sid, n=1).status_code == 404  # deleted
+    for child in ok.json()["session_ids"]:  # the children outlive their parent
+        assert info(server, child)["lineage"]["parent_session"] == sid
+        assert httpx.delete(f"{server}/sessions/{child}", timeout=30).status_code == 204
+
+
+def test_past_max_sessions_nothing_is_created_and_samples_carry_the_lineage(stack: Stack, tmp_path: Path) -> None:
+    proc = start_session_server(stack.engine, stack.tok, FAMILY, "--max-sessions", "3", name="small",
+                                log_dir=stack.logs)
+    try:
+        server = proc.url
+        sid = new_session(server)
+        play(server, sid, ["tool", "text"], "s")
+        refused = fork(server, sid, n=3)  # 1 + 3 > 3: all or none
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "too_many_sessions"
+        (child, _sibling) = fork(server, sid, n=2).json()["session_ids"]
+        samples = httpx.post(f"{server}/sessions/{child}/samples", timeout=30).json()
+        assert len(samples) == 1
+        lineage = samples[0]["metadata"]["lineage"]
+        assert lineage["parent_session"] == sid and lineage["root_session"] == sid and lineage["depth"] == 1
+        assert lineage["fork_position"] == len(samples[0]["tokens"]) and lineage["fork_turns"] == 2
+        parent_samples = httpx.post(f"{server}/sessions/{sid}/samples", timeout=30).json()
+        assert "lineage" not in parent_samples[0]["metadata"]
+        assert parent_samples[0]["tokens"] == samples[0]["tokens"]
+    finally:
+        proc.stop()
+
+
+def test_children_survive_a_restart_on_the_journal(stack: Stack, tmp_path: Path) -> None:
+    journal = tmp_path / "journal.sqlite"
+
+    def start() -> Any:
+        return start_session_server(stack.engine, stack.tok, FAMILY, "--journal", str(journal), "--max-rollback",
+                                    "4", name="journaled", log_dir=stack.logs)
+
+    proc = start()
+    server = proc.url
+    parent = new_session(server, {"task": 1})
+    history, ends = play(server, parent, ["tool", "text", "text"], "s")
+    (child,) = fork(server, parent, n=1, at=2).json()["session_ids"]
+    request = [*history[:ends[1]], {"role": "user", "content": f"more {reply('ok')}"}]
+    assert next_turn(server, child, "chat", request).status_code == 200
+    (grandchild,) = fork(server, child, n=1, at=2).json()["session_ids"]  # a fork of a fork: its cuts chain
+    assert httpx.delete(f"{server}/sessions/{parent}", timeout=30).status_code == 204
+    states = {sid: (info(server, sid), httpx.post(f"{server}/sessions/{sid}/samples", timeout=30).json())
+              for sid in (child, grandchild)}
+    assert proc.stop() == 0
+    proc = start()
+    try:
+        for sid, (was, samples) in states.items():
+            now = info(proc.url, sid)
+            for volatile in ("busy", "nbytes"):
+                now.pop(volatile), was.pop(volatile)
+            assert now == was
+            assert httpx.post(f"{proc.url}/sessions/{sid}/samples", timeout=30).json() == samples
+        assert states[grandchild][0]["lineage"]["depth"] == 2
+        assert states[grandchild][0]["lineage"]["root_session"] == parent
+        assert next_turn(proc.url, grandchild, "chat", request).status_code == 200
+        assert len(info(proc.url, grandchild)["records"]) == 3
+    finally:
+        proc.stop()
+
+
+def test_session_client_forks_and_samples_read_the_lineage(stack: Stack) -> None:
+    server = stack["forks"]
+
+    async def main() -> None:
+        async with SessionClient([server]) as client:
+            sid = await client.create({"task": "group"})
+            play(server, sid, ["tool"], "s")
+            children = await client.fork(sid, 3, metadata={"member": 1})
+            assert len(children) == 3 and client.open_sessions() == {server: 4}
+            assert all(client.server_of(c) == server for c in children)
+            for child in children:
+                for sample in await client.collect(child):  # safetensors: the metadata as the trainer reads it
+                    lineage = sample_metadata(sample).lineage
+                    assert lineage is not None and lineage.parent == sid and lineage.depth == 1
+                    assert lineage.position == len(sample.tokens) and lineage.turns == 1
+            assert len({sample_metadata(s).lineage.group for c in children  # type: ignore[union-attr]
+                        for s in await client.collect(c)}) == 1  # one fork call, one group
+            for session in (sid, *children):
+                assert await client.delete(session)
+            assert client.open_sessions() == {server: 0}
+
+    asyncio.run(main())
+
+
+def test_children_open_their_own_engine_sessions(stack: Stack) -> None:
+    """With --engine-sessions a child has no engine session of its parent's: its first turn opens one and sends the
+    whole prompt (the radix cache holds the prefix); every engine session is closed with its session."""
+    proc = start_session_server(stack.engine, stack.tok, FAMILY, "--engine-sessions", name="engine-sessions",
+                                log_dir=stack.logs)
+    try:
+        server = proc.url
+        parent = new_session(server)
+        history, _ = play(server, parent, ["tool", "text"], "s")
+        children = fork(server, parent, n=2).json()["session_ids"]
+        for i, sid in enumerate([*children, parent]):
+            request = [*history, {"role": "user", "content": f"branch {i} {reply('done')}"}]
+            assert next_turn(server, sid, "chat", request).status_code == 200
+            assert len(info(server, sid)["records"]) == 3
+        assert engine_info(stack.engine)["open_sessions"] == 3  # one each: a child's is its own
+        for sid in (parent, *children):
+            assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
+        assert engine_info(stack.engine)["open_sessions"] == 0
+    finally:
+        proc.stop()

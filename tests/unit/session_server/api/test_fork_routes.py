@@ -1,0 +1,99 @@
+"""session_server.api.forks over the real app in process: a fork's children hold the parent's history and lineage,
+replica-named ids, and every refusal (busy, unknown, a bad n or point, a full server, a journal that cannot write)
+leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+from session_server.sessions.journal import JournalUnavailableError, SessionInfo
+from session_server.sessions.session import Session
+from support.bounded import user
+from support.inprocess_app import client_of, in_process_app
+from support.tito import Reply, generate
+from trajectory import ModelFamily
+
+
+def turn(session: Session, request: list[dict[str, Any]], text: str) -> None:
+    segments = session.segments
+    plan = segments.reserve(segments.prepare(request, busy=session.busy_segments()))
+    segments.commit(plan, *generate(segments.main.family, plan.turn, Reply(text), rid=f"rid-{text}"))
+
+
+def played(server: Any, turns: int = 2) -> Session:
+    session = server.registry.create(server.new_segments(), {"task": "t", "seed": 1})
+    history: list[dict[str, Any]] = []
+    for i in range(turns):
+        history = [*session.trajectory.messages, user(f"step {i}")]
+        turn(session, history, f"reply {i}")
+    return session
+
+
+class FailingJournal:
+    def __init__(self) -> None:
+        self.forks = 0
+
+    async def forked(self, parent_id: str, segment: int, version: int, children: list[SessionInfo]) -> None:
+        self.forks += 1
+        raise JournalUnavailableError("journal write failed")
+
+
+def test_children_hold_the_parents_history_under_its_replica_name(family: ModelFamily) -> None:
+    async def main() -> None:
+        with in_process_app(family, replica_name="r1") as (app, server):
+            parent = played(server)
+            async with client_of(app) as http:
+                reply = await http.post(f"/sessions/{parent.id}/fork", json={"n": 3, "at": 1,
+                                                                             "metadata": {"seed": 2}})
+            assert reply.status_code == 200, reply.text
+            body = reply.json()
+            assert body["fork_turns"] == 1 and body["fork_position"] == parent.trajectory.checkpoints[0].num_tokens
+            ids = body["session_ids"]
+            assert len(set(ids)) == 3 and all(re.fullmatch(r"r1\.[0-9a-f]{32}", i) for i in ids)
+            for sid in ids:
+                child = server.registry.require(sid)
+                assert child.metadata == {"task": "t", "seed": 2}
+                prefix = parent.trajectory.token_ids[:body["fork_position"]]
+                assert child.trajectory.token_ids.tolist() == prefix.tolist()
+                assert child.trajectory.messages == parent.trajectory.messages[:2]
+                assert child.lineage is not None and child.lineage.info() == {
+                    "parent_session": parent.id, "fork_segment": 0, "fork_turns": 1,
+                    "fork_position": body["fork_position"], "group": body["group"], "root_session": parent.id,
+                    "depth": 1}
+            assert len(server.registry) == 4
+
+    asyncio.run(main())
+
+
+def test_refusals_leave_nothing_behind(family: ModelFamily) -> None:
+    async def main() -> None:
+        with in_process_app(family, max_fork=3, max_sessions=4, retry_after=4) as (app, server):
+            parent = played(server)
+            async with client_of(app) as http:
+                claim = server.lifecycle.claim(parent.id)  # a chat in flight
+                busy = await http.post(f"/sessions/{parent.id}/fork", json={"n": 1})
+                claim.release()
+                too_many = await http.post(f"/sessions/{parent.id}/fork", json={"n": 4})
+                bad_at = await http.post(f"/sessions/{parent.id}/fork", json={"n": 1, "at": 3})
+                bad_meta = await http.post(f"/sessions/{parent.id}/fork", json={"n": 1, "metadata": [1]})
+                unknown = await http.post("/sessions/nope/fork", json={"n": 1})
+                server.registry.create(server.new_segments())
+                server.registry.create(server.new_segments())
+                full = await http.post(f"/sessions/{parent.id}/fork", json={"n": 2})  # 3 + 2 > 4
+            assert busy.status_code == 409
+            assert too_many.status_code == 400 and "--max-fork" in too_many.text
+            assert bad_at.status_code == 400 and bad_at.json()["error"]["type"] == "invalid_fork_point"
+            assert bad_meta.status_code == 400 and unknown.status_code == 404
+            assert full is not None and full.status_code == 503 and full.headers["retry-after"] == "4"
+            assert len(server.registry) == 3  # the parent and the two made by hand: no child of any refused fork
+        journal = FailingJournal()
+        with in_process_app(family, journal=journal) as (app, server):
+            parent = played(server)
+            async with client_of(app) as http:
+                refused = await http.post(f"/sessions/{parent.id}/fork", json={"n": 2})
+            assert refused.status_code == 503 and journal.forks == 1
+            assert len(server.registry) == 1  # no id handed out without the children on disk
+
+    asyncio.run(main())
