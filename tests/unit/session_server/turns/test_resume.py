@@ -88,7 +88,7 @@ def test_a_continued_turn_reprefills_the_partial_reply_and_keeps_each_tokens_ver
                 first = await engine.next_call()
                 cut = reply_body(family, first, "Hello", weight_version="w0", finish=ABORTED_BY_ENGINE)
                 first.reply(cut)
-                engine.weight_version = "w1"  # the update that aborted it: the server asks (refresh_version) and keys by it
+                engine.weight_version = "w1"  # the update that cut it: the server asks, keys by it
                 second = await engine.next_call()
                 assert second.payload["extra_key"] == "weights:w1" != first.payload["extra_key"]
                 rest = reply_body(family, second, " there.", weight_version="w1")
