@@ -564,6 +564,10 @@ class LinearTrajectory:
         child.images = self.images if at_end or not self.images else {
             d: self.images[d] for d in prompt_images(child.messages)}
         child._buffer = self._buffer.share(end.num_tokens)
+        child._masks = None  # sampling masks are appended in place, so the child gets its own rows up to the fork
+        if self._masks is not None:
+            child._masks = self._masks.copy()
+            child._masks.truncate(end.num_tokens)
         return child
 
     def mismatch_report(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ journal's replay (restore_trajectory with cuts) rebuilds exactly the forked traj
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tracemalloc
 from typing import Any
@@ -19,6 +20,7 @@ from trajectory import LinearTrajectory, SegmentSet
 from trajectory.errors import ForkPointError
 from trajectory.forks import Lineage, parse_fork, plan_fork
 from trajectory.restore import restore_trajectory, store_turn
+from trajectory.sampling_masks import SamplingMasks
 
 SETTINGS = settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -125,3 +127,31 @@ def test_lineage_round_trips_and_deepens():
     assert Lineage.of_json(json.loads(json.dumps(root.to_json()))) == root
     assert set(root.info()) == {"parent_session", "fork_segment", "fork_turns", "fork_position", "group",
                                 "root_session", "depth"}
+
+
+def test_a_fork_keeps_the_sampling_masks_up_to_its_point_and_its_own_from_there(families):
+    """Issues 39 + 42: a child's rows are the parent's up to the fork (a turn past it is not the child's), and rows
+    the child then appends are its own (the mask buffer is appended in place, unlike the shared token buffer)."""
+    family = families["qwen3"]
+
+    def commit(traj: LinearTrajectory, text: str, row_extra: int) -> None:
+        plan = traj.prepare([*traj.messages, user(text)])
+        result, message = generate(family, plan, Reply(content=text), rid=text)
+        ids = result.output_ids.tolist()
+        masks = SamplingMasks.from_rows([[t, row_extra] for t in ids], [-0.1] * len(ids))
+        traj.commit(plan, dataclasses.replace(result, sampling_masks=masks), message)
+
+    parent = LinearTrajectory(family)
+    commit(parent, "one", 1)
+    commit(parent, "two", 2)
+    child = parent.fork(1)
+    end = parent.checkpoints[0].num_tokens
+    parent_rows = parent.sampling_masks
+    child_rows = child.sampling_masks
+    assert parent_rows is not None and child_rows is not None and len(child_rows) == end == child.num_tokens
+    assert child_rows.ids.tolist() == parent_rows.rows(0, end).ids.tolist()
+    commit(child, "three", 3)
+    assert parent.sampling_masks is not None and parent.sampling_masks.ids.tolist() == parent_rows.ids.tolist()
+    after = child.sampling_masks
+    assert after is not None and len(after) == child.num_tokens and 3 in after.ids.tolist()
+    assert 2 not in after.ids.tolist()  # the parent's second turn is not the child's
