@@ -53,7 +53,9 @@ PACE = 0.2  # seconds per engine step while a test needs a reply under way: LONG
 SERVER_FLAGS = {
     "sglang-router": (),
     "smg": (),
-    "smg-rl": ("--engine-sessions", "--return-routed-experts"),
+    # `keep`: the in-place pause test below holds smg's fan-out of SGLang's own in_place mode (the default,
+    # `recompute`, cuts running replies with mode abort instead: tests/sglang/test_real_weight_cache_key.py)
+    "smg-rl": ("--engine-sessions", "--return-routed-experts", "--straddled-replies", "keep"),
 }
 ROUTERS = tuple(SERVER_FLAGS)
 CONTROL_PATHS = ("/abort_request", "/open_session", "/close_session", "/pause_generation", "/continue_generation",
