@@ -257,27 +257,20 @@ async def _stream_with_update(served: Served, sid: str, second: str, body: dict[
             assert '"error"' not in line, line
 
 
-def test_an_update_inside_a_request_leaves_tokens_no_single_weights_reproduce(
+def test_an_update_inside_a_request_is_recomputed_under_the_new_weights(
         served: Served, engines: Engines, weights: dict[str, torch.nn.Module]) -> None:
-    """Paused in place, the running request keeps the KV its prefix was computed with under the old weights; the
-    tokens it samples after the update are of neither checkpoint alone. The tokens before the switch recompute
-    exactly with their version; after it, the check reports the gap, the update's tokens at the top of the list."""
+    """Paused in place, SGLang keeps a running request's KV across the update, so the tokens it would sample after it
+    are of neither checkpoint alone. The server's default (--straddled-replies recompute, issue 38) cuts the reply
+    at the pause and continues it under the new weights' cache key once the engine continues: prompt and partial
+    reply are prefilled anew, so every token recomputes exactly with the weights of its own version, those after
+    the switch too. (The old in-place behaviour, `keep`: tests/sglang/test_real_weight_update.py.)"""
     sid = new_session(served.server)
     asyncio.run(_story_with_update_inside(served, sid, str(engines.checkpoint("qwen3-dense-b")), in_place=True))
     (merged,) = samples(served, sid)
-    spans = merged.metadata["weight_version_spans"]
-    assert [v for v, _, _ in spans] == ["default", "step-2"]
+    assert [v for v, _, _ in merged.metadata["weight_version_spans"]] == ["default", "step-2"]
     report = check_logprobs([merged], weights.__getitem__, temperature=0, worst=20)
     print("\n" + report.format().splitlines()[0])
-    trainer, rollout = report.per_sample[0].trainer_log_probs, merged.rollout_log_probs
-    (_, a, b), (_, c, d) = spans
-    before = np.abs(trainer[a:b] - rollout[a:b])
-    after = np.abs(trainer[c:d] - rollout[c:d])
-    assert before.max() <= ATOL, before.max()
-    assert after.max() > 100 * ATOL, after.max()
-    assert {(w.weight_version, w.switched) for w in report.worst} == {("step-2", True)}
-    assert report.metrics["rollout_check/switched_tokens"] == d - c
-    assert report.ok(ATOL, switched=False), report.format()
+    assert_exact(report, sampled([merged]))  # the switched tokens (after the update) included
     delete(served, sid)
 
 
