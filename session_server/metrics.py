@@ -64,8 +64,7 @@ LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 STAGES = ("prepare", "decode", "commit", "journal")
 TOKEN_KINDS = ("prompt", "cached", "completion")
 LIMITS = ("sessions", "session_tokens", "context")
-CONTINUATION_RESULTS = ("continued", "limit", "constrained", "budget", "foreign", "recomputed", "regenerated", "stale",
-                        "streamed")
+CONTINUATION_RESULTS = ("continued", "limit", "constrained", "budget", "foreign", "recomputed", "regenerated", "stale")
 
 
 class Tally:

@@ -255,10 +255,9 @@ class EngineCall(Generic[R]):
         next request, or `aborted` when the turn cannot go on. A reply cut by a pause for a weight update goes on once
         the pause is over, under the new weights' cache key (sessions/pause.py)."""
         server, params = self.server, self.turn.request.sampling_params
+        # Only a plain turn's reply is cut where its weights changed (decode's `version` is None for a streamed one:
+        # what the agent was streamed cannot be taken back).
         cut = aborted.partial is not None and aborted.partial.finish_reason.get("message") == WEIGHTS_CHANGED
-        if cut and self.listener is not None:
-            server.metrics.continuation("streamed")  # what the agent was streamed is not all of one weight version
-            raise aborted
         result = self.continuation.go_on(params, aborted)
         server.metrics.continuation("recomputed" if cut and result == "continued" else result)
         if result != "continued":
