@@ -37,7 +37,7 @@ import msgspec
 from session_server.engine.client import Answer, EngineClient, EngineReply, StreamedReply
 from session_server.engine.http11 import IDLE_LIMIT
 from session_server.engine.routers import EngineKind, classify, refusal
-from session_server.engine.versions import DEFAULT_VERSION
+from session_server.engine.versions import DEFAULT_VERSION, cache_key
 from session_server.errors import EngineUnavailableError
 
 logger = logging.getLogger("session_server.engine.placement")
@@ -57,6 +57,8 @@ class Worker:
     kind: EngineKind | None = None  # an engine or a router (engine/routers.py); None until it first answers
     ready_path: str = "/ready"
     weight_version: str = DEFAULT_VERSION  # the weights it serves, as this server believes (engine/versions.py)
+    # Per version, how many of its cache namespaces were found holding KV of other weights (engine/versions.py).
+    key_generations: dict[str, int] = field(default_factory=dict)
     probing: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def describe(self) -> dict[str, Any]:
@@ -219,6 +221,20 @@ class EnginePlacement:
     def version_of(self, routing_key: str) -> str:
         """The weights the session's worker serves, as this server believes."""
         return self._client(routing_key).weight_version
+
+    def cache_key_of(self, routing_key: str, version: str) -> str:
+        """The `extra_key` of a request for weights `version` on the session's worker."""
+        return cache_key(version, self._client(routing_key).key_generations.get(version, 0))
+
+    def distrust_key(self, routing_key: str, version: str, key: str) -> None:
+        """A request sent under `key` for weights `version` was served by other weights, and the engine kept its KV
+        under `key`: later requests for `version` use a fresh namespace (unless an earlier reply moved it already)."""
+        worker = self._client(routing_key)
+        generation = worker.key_generations.get(version, 0)
+        if cache_key(version, generation) == key:
+            logger.warning("engine %s: cache namespace %r holds KV of other weights; %r moves to a fresh one",
+                           worker.url, key, version)
+            worker.key_generations[version] = generation + 1
 
     def learn_version(self, routing_key: str, version: str) -> bool:
         """An engine reply named the weights of the session's worker; True when that is news."""

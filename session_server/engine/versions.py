@@ -8,6 +8,10 @@ keeps LoRA adapters apart): a request keyed by its weight version reuses only pr
 and within one version prefixes are reused as before. Which version each engine serves is the server's belief
 (engine/placement.py `Worker.weight_version`): told by the push (`POST /admin/continue {"weight_version"}`, else asked
 of the engine's `/model_info`) and checked on every reply (`meta_info.weight_version`, turns/output.py).
+
+A belief can be wrong (weights pushed behind the server's back), and the engine stores a request's KV under the key the
+request carried, whatever weights computed it: once a reply shows that a key's namespace got KV of other weights, the
+version's key moves to a fresh namespace (`generation`), so that those entries are never reused for it.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from __future__ import annotations
 DEFAULT_VERSION = "default"  # SGLang's weight version until a trainer names one
 
 
-def cache_key(version: str) -> str:
-    """The `extra_key` of requests meant for weights `version` (never "", which SGLang reads as no key)."""
-    return f"weights:{version}"
+def cache_key(version: str, generation: int = 0) -> str:
+    """The `extra_key` of requests meant for weights `version` (never "", which SGLang reads as no key); `generation`
+    counts the namespaces of that version found to hold KV of other weights."""
+    return f"weights:{version}" if generation == 0 else f"weights:{version}#{generation}"
 
 
 def version_number(version: str) -> int | None:

@@ -29,7 +29,7 @@ from session_server.engine.http11 import EngineStream
 from session_server.engine.pacing import stream_interval
 from session_server.engine.sessions import engine_session_gone
 from session_server.engine.sse import EngineError, Final, Progress, engine_events, reads_of
-from session_server.engine.versions import cache_key, version_lag
+from session_server.engine.versions import version_lag
 from session_server.engine.wire import GenerateRequest, encode_generate, split_routed_experts
 from session_server.errors import (
     AbortReason,
@@ -173,6 +173,7 @@ class EngineCall(Generic[R]):
         # The weights the request running now is keyed for (engine/versions.py), and those of the turn's first request
         # (--max-staleness counts from it).
         self.version = ""
+        self.cache_key = ""  # the `extra_key` of the request sent last (engine/versions.py)
         self.start_version: str | None = None
 
     # -- before the first request -----------------------------------------------------------------------------------
@@ -216,6 +217,7 @@ class EngineCall(Generic[R]):
         prompt, params = self.continuation.request(plan.prompt_ids, request.sampling_params)
         vision = server.family.vision
         self.version = server.engine.version_of(self.claim.session.id)
+        self.cache_key = server.engine.cache_key_of(self.claim.session.id, self.version)
         if self.start_version is None:
             self.start_version = self.version
         return GenerateRequest(
@@ -228,7 +230,7 @@ class EngineCall(Generic[R]):
             thinking=server.family.thinking_mode(request.template_kwargs),
             images=plan.images, image_pad=vision.tokens.pad if vision is not None else -1,
             sampling_masks=request.sampling_mask_bound is not None,
-            extra_key=cache_key(self.version),
+            extra_key=self.cache_key,
         )
 
     async def _encode(self) -> bytes:
@@ -437,11 +439,13 @@ class EngineCall(Generic[R]):
         return out
 
     def _learn(self, result: GenerateResult) -> None:
-        """A reply that names other weights than its request was keyed for: the engine serves those now (a reply
-        naming the expected ones says nothing new, and one sent before a push may arrive after it)."""
+        """A reply that names other weights than its request was keyed for: the engine serves those now, and the KV it
+        kept under the request's key is of those weights, so that key is not reused (a reply naming the expected ones
+        says nothing new, and one sent before a push may arrive after it)."""
         version = result.weight_version
         if version is not None and version != self.version:
             self.server.engine.learn_version(self.claim.session.id, version)
+            self.server.engine.distrust_key(self.claim.session.id, self.version, self.cache_key)
 
     # -- after the reply --------------------------------------------------------------------------------------------
 

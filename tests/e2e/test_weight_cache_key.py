@@ -157,3 +157,58 @@ def test_a_turn_past_max_staleness_is_sampled_again_from_its_prompt_or_refused(s
     httpx.post(f"{engine}/update_weight_version", json={"new_version": "default", "abort_all_requests": False})
     assert httpx.post(f"{server}/admin/continue").status_code == 200
     assert_engine_baseline(engine)
+
+
+def _push_through(server: str, engine: str, path: str, version: str) -> None:
+    """A push as a trainer makes it: the server paused in place, the engine's update, the continue naming it."""
+    assert httpx.post(f"{server}/admin/pause", json={"mode": "in_place"}).status_code == 200
+    try:
+        updated = httpx.post(f"{engine}/update_weights_from_disk", json={
+            "model_path": path, "weight_version": version, "abort_all_requests": False, "flush_cache": False})
+        assert updated.status_code == 200, updated.text
+    finally:
+        assert httpx.post(f"{server}/admin/continue", json={"weight_version": version}).status_code == 200
+
+
+def test_a_key_that_got_kv_of_other_weights_is_never_reused(stack: Stack) -> None:
+    """Weights pushed behind the server's back: its next request carries the key of the version it believes, the
+    engine computes that request's KV with the weights it really serves and keeps it under that key. The reply names
+    those weights, so the server learns them, and once the believed version is served again it is keyed by a fresh
+    namespace: a later turn whose prefix is that request's is prefilled anew and exact. The control (the old key)
+    reuses the mislabelled prefix and is off by the stale shift. (Seen on the real engine: a teardown that put the
+    first weights back made the next in-place push's continuation read 150 tokens of mislabelled KV.)"""
+    server, engine, proxy = stack.server, stack.engine, stack.proxy
+    assert proxy is not None
+    _push_through(server, engine, "step-11", "11")
+    behind = httpx.post(f"{engine}/update_weights_from_disk", json={
+        "model_path": "step-12", "weight_version": "12", "abort_all_requests": False, "flush_cache": True})
+    assert behind.status_code == 200, behind.text
+    sid = new_session(server)
+    proxy.clear()
+    history: list[dict[str, Any]] = [{"role": "user", "content": "first [[sim: tokens 40]]"}]
+    first = httpx.post(chat_url(server, sid), json={"messages": history}, timeout=60)
+    assert first.status_code == 200, first.text
+    sent, redone = (c for c in proxy.settled() if c["path"] == "/generate")
+    assert sent["request"]["extra_key"] == "weights:11"  # the belief, wrong
+    assert sent["response"]["meta_info"]["weight_version"] == "12"  # what computed its KV
+    # a reply of other weights than its key's is not trusted: sampled again under the key of the weights it named
+    assert redone["request"]["extra_key"] == "weights:12"
+
+    _push_through(server, engine, "step-11", "11")
+    proxy.clear()
+    history += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "second [[sim: tokens 8]]"}]
+    second = httpx.post(chat_url(server, sid), json={"messages": history}, timeout=60)
+    assert second.status_code == 200, second.text
+    (turn,) = (c for c in proxy.settled() if c["path"] == "/generate")
+    assert turn["request"]["extra_key"] == "weights:11#1"
+    assert turn["response"]["meta_info"]["cached_tokens"] == 0
+    reference = _generate(engine, turn["request"], extra_key="reference:fresh")
+    np.testing.assert_array_equal(_logprobs(turn["response"]), _logprobs(reference))
+    control = _generate(engine, turn["request"], extra_key="weights:11")
+    assert control["meta_info"]["cached_tokens"] >= len(sent["request"]["input_ids"]) - 1
+    np.testing.assert_allclose(_logprobs(control) - _logprobs(reference), STALE_KV_SHIFT, atol=1e-6)
+    assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
+    httpx.post(f"{engine}/update_weight_version", json={"new_version": "default", "abort_all_requests": False})
+    assert httpx.post(f"{server}/admin/continue").status_code == 200
+    assert_engine_baseline(engine)

@@ -19,6 +19,7 @@ from session_server.app import build_app
 from session_server.config import ServerConfig
 from session_server.cpu_pool import CpuPool
 from session_server.engine.client import EngineReply
+from session_server.engine.versions import cache_key
 from session_server.errors import EngineUnavailableError
 from session_server.metrics import Metrics
 from session_server.sessions.lifecycle import Lifecycle
@@ -80,6 +81,12 @@ class StubEngine:
         changed = version != self.weight_version
         self.weight_version = version
         return changed
+
+    def cache_key_of(self, routing_key: str, version: str) -> str:
+        return cache_key(version)
+
+    def distrust_key(self, routing_key: str, version: str, key: str) -> None:
+        self.calls.append("distrust_key")
 
     async def refresh_version(self, routing_key: str) -> None:
         self.calls.append("refresh_version")

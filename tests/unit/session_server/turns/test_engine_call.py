@@ -24,6 +24,7 @@ from session_server.config import ServerConfig
 from session_server.engine.client import EngineReply
 from session_server.engine.sessions import engine_session_gone
 from session_server.engine.sse import Progress
+from session_server.engine.versions import cache_key
 from session_server.errors import AbortReason, EngineRefusedError, EngineTimeoutError
 from session_server.metrics import Metrics
 from session_server.sessions.session import Claim
@@ -96,6 +97,12 @@ class _Engine:
 
     def learn_version(self, routing_key: str, version: str) -> bool:
         return False
+
+    def cache_key_of(self, routing_key: str, version: str) -> str:
+        return cache_key(version)
+
+    def distrust_key(self, routing_key: str, version: str, key: str) -> None:
+        return None
 
     async def refresh_version(self, routing_key: str) -> None:
         return None
