@@ -293,10 +293,10 @@ class EngineCall(Generic[R]):
             return
         if config.stale_turns == "refuse" or self.listener is not None:
             self.server.metrics.continuation("stale")
-            raise EngineAbortedError(
+            raise tag_abort(EngineAbortedError(
                 f"the turn began under weights {self.start_version!r}, more than --max-staleness "
                 f"{config.max_staleness} versions before {now!r}; retry the same turn", config.retry_after,
-                aborted.partial) from None
+                aborted.partial), AbortReason.STALE) from None
         self.server.metrics.continuation("regenerated")
         self.continuation.before = None
         self.start_version = now
