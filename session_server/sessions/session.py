@@ -42,6 +42,9 @@ class Session:
     # The infrastructure failure the session's latest turn ended with (trajectory/infrastructure.py), with the
     # commits the session had then: its samples carry it until a later turn commits (`failure`).
     _failure: tuple[InfrastructureAbort, int] | None = None
+    # What followed each engine abort of its turns (turns/engine_call.py, the labels of
+    # session_server_turn_continuations_total): recomputed, regenerated, stale, continued, ...; its samples say it.
+    continuations: dict[str, int] = field(default_factory=dict)
 
     @property
     def trajectory(self) -> LinearTrajectory:
@@ -51,6 +54,9 @@ class Session:
     def commits(self) -> int:
         """Turns committed over the session's life (every segment's trajectory version): a later commit changes it."""
         return sum(segment.trajectory.version for segment in self.segments)
+
+    def count_continuation(self, result: str) -> None:
+        self.continuations[result] = self.continuations.get(result, 0) + 1
 
     def record_failure(self, err: SessionError) -> None:
         """A turn of this session was answered `err`: kept if the infrastructure failed it (a 5xx), as the cause its
