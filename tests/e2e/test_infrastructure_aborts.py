@@ -9,6 +9,7 @@ agent retried and went on from (the episode did not end there).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
+from rollout import SessionClient
+from rollout.episodes import Task, run_episodes
+from rollout.tools import Tool, Toolbox
+from sglang_sim.directives import tool_call
 from support.server import assert_engine_baseline, chat_url, engine_info, new_session
 from support.stack import Stack, StackFactory
 from trajectory import infrastructure_abort, samples_from_json
@@ -137,3 +142,28 @@ def test_a_streamed_turn_the_deadline_ended_is_recorded_too(stack: Stack) -> Non
     abort = infrastructure_abort(sample)
     assert sample.status == "aborted" and abort is not None and abort.cause == "timeout", sample.metadata
     assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
+
+
+def test_run_episodes_keeps_the_samples_of_an_episode_the_engine_failed(stack: Stack) -> None:
+    """rollout.run_episodes: a tool episode whose second turn the engine answers 500 fails (error set), and still
+    hands over the session's samples, marked by the server's record, for the trainer to drop."""
+    def breaks_the_engine(args: dict[str, Any]) -> str:
+        httpx.post(f"{stack.engine}/sim/faults", json={"http_500": 1.0}, timeout=10).raise_for_status()
+        return "ok"
+
+    toolbox = Toolbox([Tool("run", "runs a command", {"type": "object"}, breaks_the_engine)])
+    task = Task([{"role": "user", "content": f"go {tool_call('run', cmd='ls')}"}], toolbox)
+
+    async def main() -> Any:
+        async with SessionClient(stack.server) as client:
+            return await run_episodes(client, [task])
+
+    try:
+        (result,) = asyncio.run(main())
+    finally:
+        httpx.post(f"{stack.engine}/sim/faults", json={}, timeout=10).raise_for_status()
+    assert result.error is not None and "500" in result.error and result.turns == 1
+    (sample,) = result.samples
+    abort = infrastructure_abort(sample)
+    assert sample.status == "aborted" and abort is not None
+    assert (abort.cause, abort.status, abort.turns, abort.source) == ("engine_refused", 500, 1, "server")
