@@ -8,8 +8,9 @@ token limit, or the turn limit is reached. Then the samples are collected and th
 
 Nothing here knows about the emulated engine: the loop executes whatever tool calls come back, so the same code
 drives a real model. Failures are part of the result, never dropped: every episode yields an `EpisodeResult`,
-with `error` set when it failed (the session is deleted either way). A turn answered 503 (server paused for a
-weight update) is retried after the server's `Retry-After`, a bounded number of times.
+with `error` set when it failed (the session is deleted either way); an episode the infrastructure failed (a 5xx,
+a lost connection: rollout/infrastructure.py) keeps the samples its session holds, marked aborted. A turn answered
+503 (server paused for a weight update) is retried after the server's `Retry-After`, a bounded number of times.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Literal
 import openai
 
 from rollout.client import SampleFormat, SessionClient, parse_retry_after
+from rollout.infrastructure import collect_after_failure
 from rollout.tools import Toolbox, ToolCall
 from trajectory import Sample
 
@@ -105,6 +107,10 @@ async def run_episode(
             try:
                 await _tool_loop(agent, task, config, result)
                 result.samples = await client.collect(session_id, config.max_seq_len, config.sample_format)
+            except Exception as exc:  # the infrastructure's failure: the samples so far, marked (infrastructure.py)
+                result.samples = await collect_after_failure(client, session_id, exc, config.max_seq_len,
+                                                             config.sample_format) or []
+                raise
             finally:
                 if http_client is None:  # the agent owns its connections only when none were shared
                     await agent.close()

@@ -20,6 +20,7 @@ from . import errors
 from .continuation import continuable_abort, join_results
 from .engine_output import GenerateResult, decode_generate_response
 from .families import ModelFamily, ParsedCompletion, ToolCall, family_names, get_family, register_family
+from .infrastructure import InfrastructureAbort, abort_samples, infrastructure_abort
 from .linear import Checkpoint, LinearTrajectory, TurnPlan, TurnRecord
 from .messages import MATCHER_NAMES, MessageMatcher, normalize_messages, normalize_tools
 from .sample_metadata import INITIAL_VERSION, GeneratedTurn, SampleMetadata, parse_version, sample_metadata
@@ -42,6 +43,7 @@ __all__ = [
     "Checkpoint",
     "GenerateResult",
     "GeneratedTurn",
+    "InfrastructureAbort",
     "LinearTrajectory",
     "MessageMatcher",
     "ModelFamily",
@@ -54,6 +56,7 @@ __all__ = [
     "ToolCall",
     "TurnPlan",
     "TurnRecord",
+    "abort_samples",
     "build_merged_sample",
     "build_segment_samples",
     "build_turn_samples",
@@ -62,6 +65,7 @@ __all__ = [
     "errors",
     "family_names",
     "get_family",
+    "infrastructure_abort",
     "join_results",
     "normalize_messages",
     "normalize_tools",

@@ -23,6 +23,7 @@ class AbortReason(enum.Enum):
     EXPIRY = "expiry"  # the idle sweep deleted the session (a chat stuck past the request timeout)
     SHUTDOWN = "shutdown"  # SIGTERM
     ENGINE = "engine"  # the engine aborted the request itself (its own pause, a weight update)
+    STALE = "stale"  # cut by a push past --max-staleness and refused (--stale-turns refuse)
 
 
 class SessionError(Exception):

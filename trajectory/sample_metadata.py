@@ -6,6 +6,8 @@ What samples.py writes, and how it is read:
   engine call ended on, one per turn) and `weight_version_spans` `[[version, start, end), ...]` on the sample's
   positions (SGLang's per-token `weight_versions` inside a call, so a reply cut by an update has two spans);
 - a turn sample: `turn` (its index in the session), `prompt_len` and its one `weight_version`;
+- every sample: `weight_version_tokens` `{version: sampled tokens}` (the counts `SampleMetadata.version_counts` reads
+  off the spans, written for consumers that do not read spans);
 - a forked session's samples: `lineage` (trajectory/forks.py Lineage.info): the parent session, the fork position in
   tokens (the sample's `tokens[:fork_position]` are its parent's, shared by its siblings), the fork's group, the
   tree's root and the depth; absent for a session that was not forked.
@@ -30,10 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from .samples import INITIAL_VERSION as INITIAL_VERSION
 from .samples import Sample
-
-# SGLang's initial weight_version (server_args.weight_version) before any update names one.
-INITIAL_VERSION = "default"
 
 
 def parse_version(version: str) -> int:
@@ -98,6 +98,15 @@ class SampleMetadata:
         """The oldest and newest integer version among the sampled tokens (None, None if there are none)."""
         versions = {version_of(v) for v in set(self.token_versions) if v is not None}
         return (min(versions), max(versions)) if versions else (None, None)
+
+    def version_counts(self) -> dict[str, int]:
+        """Sampled tokens per weight version, in order of first appearance (samples.py writes the same counts as
+        `weight_version_tokens`)."""
+        counts: dict[str, int] = {}
+        for version in self.token_versions:
+            if version is not None:
+                counts[version] = counts.get(version, 0) + 1
+        return counts
 
     def turn_at(self, position: int) -> int | None:
         """The index of the turn whose completion holds `position` (a turn sample: its own), or None."""

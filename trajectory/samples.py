@@ -24,7 +24,10 @@ from .linear import LinearTrajectory
 from .sampling_masks import SamplingMasks
 from .session_segments import Segment
 
+# "aborted": the episode was ended by the infrastructure (trajectory/infrastructure.py), never by the model
 STATUSES = ("completed", "truncated", "aborted")
+# SGLang's initial weight_version (server_args.weight_version) before any update names one.
+INITIAL_VERSION = "default"
 _FORMAT = "trajectory-samples/v1"
 _ARRAYS = (("tokens", np.int32), ("loss_mask", np.uint8), ("rollout_log_probs", np.float32))
 # tensors a sample may carry
@@ -159,6 +162,19 @@ def weight_version_spans(traj: LinearTrajectory) -> list[list[Any]]:
     return spans
 
 
+def version_token_counts(spans: Sequence[Sequence[Any]], loss_mask: np.ndarray) -> dict[str, int]:
+    """Sampled tokens per weight version (`metadata["weight_version_tokens"]`): the spans' tokens that lie inside
+    the sample and have mask 1, by version (a version the engine did not name counts as "default")."""
+    counts: dict[str, int] = {}
+    n = len(loss_mask)
+    for version, start, end in spans:
+        lo, hi = max(0, int(start)), min(n, int(end))
+        if hi > lo:
+            key = INITIAL_VERSION if version is None else str(version)
+            counts[key] = counts.get(key, 0) + int(loss_mask[lo:hi].sum())
+    return {version: count for version, count in counts.items() if count}
+
+
 def _status(finish_reason: dict[str, Any]) -> str:
     return {"length": "truncated", "abort": "aborted"}.get(str(finish_reason.get("type")), "completed")
 
@@ -182,6 +198,9 @@ def build_turn_samples(traj: LinearTrajectory, max_seq_len: int | None = None) -
                       "weight_version": record.weight_version, "prompt_len": record.prompt_len,
                       "cached_tokens": record.cached_tokens},
         )
+        own = record.weight_versions or ((record.weight_version, 0, record.completion_len),)
+        sample.metadata["weight_version_tokens"] = version_token_counts(
+            [(v, record.prompt_len + a, record.prompt_len + b) for v, a, b in own], mask)
         sample.set_masks(masks)
         if record.engine_session is not None:
             sample.metadata["engine_session"] = record.engine_session
@@ -219,6 +238,8 @@ def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) 
                   "cached_tokens": [r.cached_tokens for r in records]},
         routed_experts=assemble_routed_experts(traj),
     )
+    sample.metadata["weight_version_tokens"] = version_token_counts(sample.metadata["weight_version_spans"],
+                                                                    sample.loss_mask)
     sample.set_masks(traj.sampling_masks)
     if any(r.engine_session is not None for r in records):  # per turn; "without": its whole history was prefilled
         sample.metadata["engine_sessions"] = [r.engine_session for r in records]
@@ -273,6 +294,11 @@ def truncate_sample(sample: Sample, max_seq_len: int) -> Sample:
     kept = [image for image in images if image["span"][1] <= cut]
     prompt_len = n - sample.response_length
     metadata = {**sample.metadata, "truncated_from": n}
+    if "weight_version_tokens" in metadata:  # of the tokens kept
+        spans = metadata.get("weight_version_spans")
+        if spans is None:
+            spans = [(metadata.get("weight_version"), n - sample.response_length, n)]
+        metadata["weight_version_tokens"] = version_token_counts(spans, sample.loss_mask[:cut])
     if images:
         metadata["images"] = kept
     pixels, grids = sample.pixel_values, sample.image_grid_thw

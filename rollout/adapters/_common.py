@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 
 from rollout.client import SessionClient
-from trajectory import Sample
+from rollout.infrastructure import collect_after_failure
+from trajectory import InfrastructureAbort, Sample, infrastructure_abort
+from trajectory.infrastructure import ABORTED
 
 Agent = Callable[..., Awaitable[Any]]
 
@@ -59,6 +61,29 @@ def response_sampling_masks(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.
     ids = np.insert(part.ids, part.offsets[:-1][single], tokens[single])
     offsets = np.concatenate([[0], np.cumsum(np.maximum(lengths, 1))])
     return ids.astype(np.int32), offsets.astype(np.int32), part.logprobs
+
+
+def response_support_rows(sample: Sample, width: int) -> np.ndarray | None:
+    """The response's sampling masks as dense rows (SkyRL's `rollout_sample_support`): int32
+    [response_length, width], each row's kept ids then -1, a token the model did not sample (tool output, glue) a
+    row of -1 only. None for a sample without masks; a row wider than `width` is an error."""
+    masks = sample.sampling_masks
+    if masks is None:
+        return None
+    part = masks.rows(prompt_length(sample), len(sample.tokens))
+    lengths = np.diff(part.offsets)
+    if lengths.size and int(lengths.max()) > width:
+        raise ValueError(f"a sampling-mask row holds {int(lengths.max())} ids, wider than {width}")
+    rows = np.full((len(lengths), width), -1, dtype=np.int32)
+    columns = np.arange(len(part.ids)) - np.repeat(part.offsets[:-1], lengths)
+    rows[np.repeat(np.arange(len(lengths)), lengths), columns] = part.ids
+    return rows
+
+
+def widest_mask_row(samples: Sequence[Sample]) -> int:
+    """The most ids any sampling-mask row of `samples` holds (0 without masks)."""
+    widths = [int(np.diff(m.offsets).max(initial=0)) for s in samples if (m := s.sampling_masks) is not None]
+    return max(widths, default=0)
 
 
 def routed_experts(sample: Sample, layers: int | None) -> np.ndarray | None:
@@ -123,19 +148,36 @@ def load_function(path: str | Agent) -> Agent:
 
 @dataclass
 class SessionEpisode:
-    """One session run by an agent: its samples (one per segment), the reward and what the agent returned."""
+    """One session run by an agent: its samples (one per segment), the reward and what the agent returned.
+
+    `aborted`: the infrastructure ended the episode (trajectory/infrastructure.py): the server recorded it on the
+    session, or the agent failed with an exception that reports it (`failure`). Its reward means nothing: each
+    adapter hands it to its trainer as a dropped or masked rollout."""
 
     session_id: str
     samples: list[Sample]
     reward: float | None
     result: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    failure: BaseException | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return any(s.status == ABORTED for s in self.samples)
+
+    @property
+    def abort(self) -> InfrastructureAbort | None:
+        """The recorded failure (the first sample's that has one)."""
+        return next((a for s in self.samples if (a := infrastructure_abort(s)) is not None), None)
 
 
 async def run_session(client: SessionClient, agent: Agent, *, prompt: Any = None,
                       request: Mapping[str, Any] | None = None, metadata: dict[str, Any] | None = None,
                       max_seq_len: int | None = None, base_url_suffix: str = "/v1") -> SessionEpisode:
     """Open a session, run `agent` on its base URL, collect its samples, delete it (on every exit).
+
+    An agent that fails because the infrastructure failed it (rollout/infrastructure.py) gives an episode of the
+    samples the session holds, marked aborted, with no reward; any other exception propagates.
 
     `base_url_suffix`: "/v1" gives the agent the session's OpenAI base URL; "" gives miles' convention (the session
     root, to which a miles agent function appends /v1 itself).
@@ -145,7 +187,13 @@ async def run_session(client: SessionClient, agent: Agent, *, prompt: Any = None
         base = client.base_url(sid)
         if not base_url_suffix:
             base = base.removesuffix("/v1")
-        result = await agent(base_url=base, prompt=prompt, request_kwargs=dict(request or {}), metadata=meta)
+        try:
+            result = await agent(base_url=base, prompt=prompt, request_kwargs=dict(request or {}), metadata=meta)
+        except Exception as exc:
+            aborted = await collect_after_failure(client, sid, exc, max_seq_len)
+            if aborted is None:
+                raise  # not the infrastructure's: the agent's own failure
+            return SessionEpisode(sid, aborted, None, failure=exc)
         samples = await client.collect(sid, max_seq_len=max_seq_len)
     return SessionEpisode(sid, samples, reward_of(result), result,
                           dict(result) if isinstance(result, Mapping) else {})

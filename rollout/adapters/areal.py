@@ -10,6 +10,14 @@ segment of the session, right-padded by AReaL's own `concat_padded_tensors`:
 - `versions` int32: the integer weight version that sampled each token, -1 elsewhere (AReaL's convention);
 - `rewards` float32 [B]: the episode's reward on every row.
 
+With sampling masks (AReaL 1.0.4 has no field for them: extras, as lists AReaL's `concat_padded_tensors` concatenates
+without padding): `sampling_mask_ids` (int32) and `sampling_mask_offsets` (int64, `len(tokens) + 1`), one CSR per
+row over its tokens as the sample holds it (empty rows where nothing was sampled), and `sampling_logprobs` float32
+[B, L] (the engine's logprob of each sampled token over its row). With `lineage=True`, `lineage`: one entry per row.
+
+An episode the infrastructure ended (status "aborted", trajectory/infrastructure.py) is AReaL's rejected trajectory:
+`SessionWorkflow.arun_episode` returns None, so it is not trained on and scores nothing.
+
 AReaL 1.0.4 carries no routed experts into its training batch (only `ModelResponse.routed_experts`), so none are
 added. The `engine` AReaL hands the workflow is not used: the session server talks to SGLang.
 """
@@ -30,14 +38,23 @@ from trajectory import Sample, parse_version, sample_metadata
 
 
 def to_tensor_dict(samples: Sequence[Sample], *, reward: float | None = None,
-                   version_of: Callable[[str], int] = parse_version) -> dict[str, Any]:
-    """One session's samples as AReaL's trajectory dict: a row per segment, padded to one length."""
+                   version_of: Callable[[str], int] = parse_version, lineage: bool = False) -> dict[str, Any]:
+    """One session's samples as AReaL's trajectory dict: a row per segment, padded to one length.
+
+    `lineage`: add the `lineage` key (a list, one entry per row; None for a session that was not forked), on every
+    episode of a run alike (AReaL concatenates only dicts with the same keys)."""
     import torch
     from areal.utils.data import concat_padded_tensors
 
     rows = []
     for sample in samples:
         n = len(sample.tokens)
+        extras: dict[str, Any] = {}
+        if (masks := sample.sampling_masks) is not None:  # lists, one entry per row: concatenated, never padded
+            extras = {"sampling_mask_ids": [masks.ids.copy()], "sampling_mask_offsets": [masks.offsets.copy()],
+                      "sampling_logprobs": torch.from_numpy(masks.logprobs.copy()).unsqueeze(0)}
+        if lineage:
+            extras["lineage"] = [sample.metadata.get("lineage")]
         rows.append({
             "input_ids": torch.from_numpy(sample.tokens.copy()).to(torch.int32).unsqueeze(0),
             "loss_mask": torch.from_numpy(sample.loss_mask.astype("int32")).unsqueeze(0),
@@ -45,6 +62,7 @@ def to_tensor_dict(samples: Sequence[Sample], *, reward: float | None = None,
             "versions": torch.from_numpy(sample_metadata(sample).version_ids(version_of)).to(torch.int32).unsqueeze(0),
             "attention_mask": torch.ones(n, dtype=torch.bool).unsqueeze(0),
             "rewards": torch.tensor([float(reward or 0.0)], dtype=torch.float32),
+            **extras,
         })
     result: dict[str, Any] = concat_padded_tensors(rows)
     return result
@@ -59,8 +77,9 @@ def _workflow_class() -> type:
 
         def __init__(self, servers: str | Sequence[str], agent: str | Agent, *, max_seq_len: int | None = None,
                      sampling_params: dict[str, Any] | None = None,
-                     version_of: Callable[[str], int] = parse_version) -> None:
+                     version_of: Callable[[str], int] = parse_version, lineage: bool = False) -> None:
             self.servers = [servers] if isinstance(servers, str) else list(servers)
+            self.lineage = lineage
             self.agent = load_function(agent)
             self.max_seq_len = max_seq_len
             self.request = request_kwargs(sampling_params)
@@ -74,10 +93,12 @@ def _workflow_class() -> type:
                     client, self.agent, prompt=data.get("messages", data), request=self.request,
                     metadata={k: v for k, v in data.items() if isinstance(v, (str, int, float, bool))},
                     max_seq_len=self.max_seq_len)
-            if not episode.samples:
-                return None  # AReaL's "rejected": the agent made no model call
+            if not episode.samples or episode.aborted:
+                # AReaL's "rejected": the agent made no model call, or the infrastructure ended the episode
+                return None
             require_samples(episode.samples)
-            return to_tensor_dict(episode.samples, reward=episode.reward, version_of=self.version_of)
+            return to_tensor_dict(episode.samples, reward=episode.reward, version_of=self.version_of,
+                                  lineage=self.lineage)
 
     SessionWorkflow.__module__ = __name__
     return SessionWorkflow

@@ -13,7 +13,10 @@ prompt + generation. Field for field, per generated turn of a sample:
   generation, less the last token), as SGLang returns them for the call.
 
 NeMo Gym has no per-token weight version or reward field; a compacted or forked session is one call list per segment
-(NeMo RL's prefix check holds within each).
+(NeMo RL's prefix check holds within each). Nor has it a field for sampling masks (its models ignore unknown fields):
+`call_sampling_masks` gives them per call, to keep beside the items. Nor one for a rollout to drop: a sample the
+infrastructure ended (status "aborted", trajectory/infrastructure.py) is refused by `training_outputs` with
+`EpisodeAbortedError`, for the caller to leave the rollout out instead of scoring it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout.adapters._common import routed_experts
-from trajectory import Sample, sample_metadata
+from rollout.infrastructure import EpisodeAbortedError
+from trajectory import Sample, infrastructure_abort, sample_metadata
+from trajectory.infrastructure import ABORTED
 
 
 def call_token_fields(sample: Sample, *, expert_layers: int | None = None) -> list[dict[str, Any]]:
@@ -64,9 +69,27 @@ def attach_token_fields(output: Sequence[Any], fields: dict[str, Any]) -> list[A
     return items
 
 
+def call_sampling_masks(sample: Sample) -> list[dict[str, Any]] | None:
+    """Per engine call of `sample`, in order, the sampling masks of its generation: `sampling_mask_ids` and
+    `sampling_mask_offsets` (CSR over the call's generated tokens) and `sampling_log_probs`. None without masks."""
+    masks = sample.sampling_masks
+    if masks is None:
+        return None
+    calls = []
+    for start, end in sample_metadata(sample).generations:
+        part = masks.rows(start, end)
+        calls.append({"sampling_mask_ids": part.ids.tolist(), "sampling_mask_offsets": part.offsets.tolist(),
+                      "sampling_log_probs": part.logprobs.astype(float).tolist()})
+    return calls
+
+
 def training_outputs(sample: Sample, outputs: Sequence[Sequence[Any]], *,
                      expert_layers: int | None = None) -> list[list[Any]]:
-    """Every call's output items (in the order the agent made the calls) with that call's token fields attached."""
+    """Every call's output items (in the order the agent made the calls) with that call's token fields attached.
+
+    A sample the infrastructure ended is refused (EpisodeAbortedError): NeMo Gym has no field that drops it."""
+    if sample.status == ABORTED:
+        raise EpisodeAbortedError(None, infrastructure_abort(sample))
     calls = call_token_fields(sample, expert_layers=expert_layers)
     if len(calls) != len(outputs):
         raise ValueError(f"{len(outputs)} replies for {len(calls)} model calls in the sample")

@@ -16,6 +16,11 @@ copy of the input sample (its prompt, label, index, group_index and metadata kep
   of itself), slime's sampling-support replay, and `rollout_log_probs` the engine's behaviour logprobs, each sampled
   token's over its row (what the replay's support-renormalised trainer logprobs are compared with);
 - `status`: the input class's `Status` (COMPLETED / TRUNCATED / ABORTED); `reward`: the agent's reward, if any;
+- an episode the infrastructure ended (status "aborted", trajectory/infrastructure.py): ABORTED with
+  `remove_sample = True`, slime's own way to keep a sample in its group but out of the loss, and the failure's
+  record in `metadata["abort"]`;
+- `metadata`: the input's, our sample's (per-version token counts `weight_version_tokens`, a forked session's
+  `lineage`: parent session, fork position, group, root, depth) and what the agent returned;
 - `rollout_id`: the same on every segment of one session, so slime's loss averages within the rollout once.
 
 `generate` reads its servers from `args.session_servers` (a list of URLs) and the agent from
@@ -65,6 +70,8 @@ def to_samples(samples: Sequence[Sample], base: Any, *, reward: Any = None, roll
         item.rollout_log_probs = sample.rollout_log_probs[p:].astype(float).tolist()
         item.weight_versions = sample_metadata(sample).turn_versions()
         item.status = getattr(type(base).Status, _STATUS[sample.status])
+        if sample.status == "aborted":  # ended by the infrastructure: slime's per-sample removal (loss mask 0)
+            item.remove_sample = True
         item.reward = reward
         item.rollout_id = rollout_id
         item.metadata = {**(base.metadata or {}), **sample.metadata, **(metadata or {})}

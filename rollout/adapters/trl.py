@@ -9,7 +9,13 @@ reward functions as a keyword. Field for field:
 - `prompt_ids` / `completion_ids`: the first turn's prompt / everything after it (later turns, tool output, glue);
 - `logprobs`: the rollout logprobs of the completion (0.0 on tool output); `env_mask`: the sample's loss mask there;
 - `rollout_reward`: the agent's reward per completion (a reward function may return it); `weight_versions`: the
-  version that sampled each completion token (None on tool output).
+  version that sampled each completion token (None on tool output); `rollout_status`: the sample's status;
+- an episode the infrastructure ended (status "aborted", trajectory/infrastructure.py): `rollout_reward` None, so a
+  reward function that returns it makes the completion TRL's "unscorable" one (every reward None: NaN, left out of
+  its group's baseline, advantage 0) instead of a fake zero;
+- with sampling masks (TRL 1.16 has no field for them: extras, which reach the reward functions as keywords):
+  `sampling_mask_ids` / `sampling_mask_offsets` (CSR over the completion, empty rows on tool output) and
+  `sampling_logprobs`; a forked session's `lineage` (None for the others) when any episode has one.
 
 TRL pushes new weights only into its own vLLM. With `engine_url`, the rollout function pushes them into SGLang
 before each rollout whose `trainer.state.global_step` is new, through rollout.weight_push (every session server
@@ -34,6 +40,7 @@ from rollout.adapters._common import (
     run_session,
 )
 from trajectory import Sample, sample_metadata
+from trajectory.infrastructure import ABORTED
 
 RolloutFunc = Callable[[list[Any], Any], dict[str, Any]]
 
@@ -42,7 +49,9 @@ def to_rollout_output(episodes: Sequence[Sequence[Sample]],
                       rewards: Sequence[float | None] | None = None) -> dict[str, Any]:
     """TRL's rollout dict, one row per episode (each episode exactly one sample)."""
     out: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [],
-                                 "weight_versions": []}
+                                 "weight_versions": [], "rollout_status": []}
+    with_masks = any(s.sampling_masks is not None for episode in episodes for s in episode)
+    with_lineage = any("lineage" in s.metadata for episode in episodes for s in episode)
     for e, episode in enumerate(episodes):
         if len(episode) != 1:
             raise ValueError(f"episode {e} has {len(episode)} samples: a TRL row is one completion of one prompt, "
@@ -54,8 +63,22 @@ def to_rollout_output(episodes: Sequence[Sequence[Sample]],
         out["logprobs"].append(sample.rollout_log_probs[p:].astype(float).tolist())
         out["env_mask"].append(sample.loss_mask[p:].astype(int).tolist())
         out["weight_versions"].append(list(sample_metadata(sample).token_versions[p:]))
+        out["rollout_status"].append(sample.status)
+        if with_masks:
+            masks = sample.sampling_masks
+            if masks is None:
+                raise ValueError(f"episode {e} has no sampling masks while others do")
+            part = masks.rows(p, len(sample.tokens))
+            out.setdefault("sampling_mask_ids", []).append(part.ids.tolist())
+            out.setdefault("sampling_mask_offsets", []).append(part.offsets.tolist())
+            out.setdefault("sampling_logprobs", []).append(part.logprobs.astype(float).tolist())
+        if with_lineage:
+            out.setdefault("lineage", []).append(sample.metadata.get("lineage"))
     if rewards is not None:
-        out["rollout_reward"] = list(rewards)
+        # an episode the infrastructure ended scores None: TRL's unscorable completion (NaN reward, out of its
+        # group's baseline, advantage 0) once a reward function returns it
+        out["rollout_reward"] = [None if episode[0].status == ABORTED else reward
+                                 for episode, reward in zip(episodes, rewards, strict=True)]
     return out
 
 

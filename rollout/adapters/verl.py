@@ -11,8 +11,15 @@ AgentLoopOutput`, registered by name (`@register`) or in the agent-loop YAML (`n
   way), rows the engine did not report set to 0 (verl pads missing rows with zeros, replay masks them out);
 - `reward_score`: the episode's reward (verl turns it into `rm_scores` on the last response token);
 - `num_turns`: the generated turns; `extra_fields`: `min_global_steps` / `max_global_steps` (the oldest and newest
-  weights that sampled a token, as verl's fully-async trainer reads them), the per-token `weight_versions`, the
-  `rollout_id` shared by every segment, and the segment's provenance.
+  weights that sampled a token, as verl's fully-async trainer reads them), the per-token `weight_versions` and
+  their counts `weight_version_tokens`, the `rollout_id` shared by every segment, the segment's provenance, a
+  forked session's `lineage` (trajectory/sample_metadata.py), and with sampling masks `sampling_mask_ids` /
+  `sampling_mask_offsets` / `sampling_log_probs` (slime's convention over the response: verl has no field of its own);
+- an episode the infrastructure ended (status "aborted", trajectory/infrastructure.py): `SessionAgentLoop` raises
+  `EpisodeAbortedError` (`on_abort="raise"`, the default), which verl's TransferQueue worker turns into the prompt's
+  status "failure" and its replay buffer evicts the whole group (so no sibling's advantage is computed against a fake
+  zero); with `on_abort="mask"` (the classic worker, which an exception would stop) the output is returned with its
+  `response_mask` all 0 and the record in `extra_fields["abort"]`, as `to_agent_loop_outputs` always maps it.
 
 A compacted or forked session is several outputs: verl's TransferQueue worker (`trainer/ppo/v1/agent_loop_tq.py`)
 takes `run()`'s list and keys each `{uid}_{session_id}_{i}`; the classic worker takes one output, so
@@ -34,7 +41,9 @@ from rollout.adapters._common import (
     routed_experts,
     run_session,
 )
+from rollout.infrastructure import EpisodeAbortedError
 from trajectory import Sample, parse_version, sample_metadata
+from trajectory.infrastructure import ABORTED
 
 if TYPE_CHECKING:
     from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
@@ -63,10 +72,11 @@ def to_agent_loop_outputs(
         low, high = meta.version_range(version_of)
         segment = {k: sample.metadata[k] for k in ("segment", "parent", "branch_turn", "reason")
                    if k in sample.metadata}
+        aborted = sample.status == ABORTED  # ended by the infrastructure: masked, nothing of it trained on
         outputs.append(AgentLoopOutput(
             prompt_ids=sample.tokens[:p].tolist(),
             response_ids=sample.tokens[p:].tolist(),
-            response_mask=sample.loss_mask[p:].astype(int).tolist(),
+            response_mask=(sample.loss_mask[p:] * (not aborted)).astype(int).tolist(),
             response_logprobs=sample.rollout_log_probs[p:].astype(float).tolist(),
             routed_experts=experts,
             reward_score=reward,
@@ -79,7 +89,10 @@ def to_agent_loop_outputs(
                 "rollout_id": rollout_id,
                 "segment_index": index,
                 "status": sample.status,
+                "weight_version_tokens": meta.version_counts(),
                 **({"segment": segment} if segment else {}),
+                **({"lineage": sample.metadata["lineage"]} if meta.lineage is not None else {}),
+                **({"abort": sample.metadata.get("abort")} if aborted else {}),
                 **_sampling_masks(sample),
                 # verl's TransferQueue worker copies the last output's reward_extra_info onto the others whenever a
                 # reward is set (and its reward loop, which would fill it, skips outputs that have one)
@@ -111,12 +124,16 @@ def _agent_loop_class() -> type:
         used: the session server holds the tokens."""
 
         def __init__(self, *args: Any, servers: str | Sequence[str], agent: str | Agent,
-                     max_seq_len: int | None = None, expert_layers: int | None = None, **kwargs: Any) -> None:
+                     max_seq_len: int | None = None, expert_layers: int | None = None,
+                     on_abort: str = "raise", **kwargs: Any) -> None:
             # AgentLoopBase.__init__ builds verl's own token builder from the trainer config; this loop needs none.
+            if on_abort not in ("raise", "mask"):
+                raise ValueError(f"on_abort must be 'raise' or 'mask', got {on_abort!r}")
             self.servers = [servers] if isinstance(servers, str) else list(servers)
             self.agent = load_function(agent)
             self.max_seq_len = max_seq_len
             self.expert_layers = expert_layers
+            self.on_abort = on_abort
             self.verl_kwargs = kwargs
 
         async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
@@ -127,6 +144,8 @@ def _agent_loop_class() -> type:
                     client, self.agent, prompt=kwargs.get("raw_prompt"), request=request_kwargs(sampling_params),
                     metadata={k: v for k, v in kwargs.items() if isinstance(v, (str, int, float, bool))},
                     max_seq_len=self.max_seq_len)
+            if episode.aborted and self.on_abort == "raise":
+                raise EpisodeAbortedError(episode.session_id, episode.abort) from episode.failure
             require_samples(episode.samples)
             outputs = to_agent_loop_outputs(episode.samples, reward=episode.reward, rollout_id=episode.session_id,
                                             expert_layers=self.expert_layers)

@@ -83,7 +83,9 @@ SESSION_LIST_LIMIT = 10_000  # entries of one listing (about 200 bytes each); `?
 async def sessions(request: Request) -> Response:
     """GET /admin/sessions: this replica's live sessions, most recently active first (`?limit=N`, default
     SESSION_LIST_LIMIT): id, metadata, turns, tokens, seconds since creation and since the last request, whether a
-    chat is in flight. What `session-server-admin sessions` gathers from every replica. With --engine-sessions,
+    chat is in flight; what followed engine aborts of its turns (`continuations`: recomputed, regenerated, stale, ...)
+    and the infrastructure failure it ended with (`failure`, trajectory/infrastructure.py), where there are any. What
+    `session-server-admin sessions` gathers from every replica. With --engine-sessions,
     `engine_sessions` says how many engine sessions are being closed in the background and lists the latest whose
     close never landed (the engine's idle timeout frees those)."""
     server = server_of(request)
@@ -99,6 +101,8 @@ async def sessions(request: Request) -> Response:
             "id": s.id, "metadata": s.metadata, "turns": len(s.trajectory.records), "tokens": s.trajectory.num_tokens,
             "age_s": round(wall - s.created_at, 3), "idle_s": round(now - s.last_active, 3),
             "in_flight": bool(s.claims),
+            **({"continuations": dict(s.continuations)} if s.continuations else {}),
+            **({"failure": f.info()} if (f := s.failure) is not None else {}),
         } for s in newest],
     }
     engine_sessions = server.engine_sessions

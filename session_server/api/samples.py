@@ -4,7 +4,11 @@ The merged sample is snapshotted under the session lock (cheap array copies, no 
 serialized on the CPU pool, so a large trajectory never stalls the loop. JSON by default; one safetensors payload
 with `Accept: application/octet-stream`. The body is a list with one merged sample per segment of the session (one for
 a single-line session, empty before the first turn; trajectory/session_segments.py), decoded by
-trajectory.samples_from_json / samples_from_safetensors.
+trajectory.samples_from_json / samples_from_safetensors. A session whose latest turn the infrastructure failed (a 5xx,
+and no turn committed since: Session.failure) gives samples with status "aborted" and the failure under
+`metadata["abort"]` (trajectory/infrastructure.py), so a trainer drops them instead of scoring them. A session some
+of whose turns an engine abort cut (a weight update) says on each sample what followed, counted over the session's
+turns since this process holds it: `session_continuations` {recomputed, regenerated, stale, continued, ...: n}.
 """
 
 from __future__ import annotations
@@ -22,7 +26,14 @@ from session_server.frontend.fields import MAX_INT32, is_int
 from session_server.frontend.images import pixel_values
 from session_server.http.body import read_object
 from session_server.state import server_of
-from trajectory import Sample, build_segment_samples, samples_to_json, samples_to_safetensors, truncate_sample
+from trajectory import (
+    Sample,
+    abort_samples,
+    build_segment_samples,
+    samples_to_json,
+    samples_to_safetensors,
+    truncate_sample,
+)
 from trajectory.errors import RequestValidationError
 from trajectory.images import Image, Vision
 
@@ -63,6 +74,11 @@ async def collect_samples(request: Request) -> Response:
         segments = sorted(session.segments, key=lambda s: s.id)
         samples = build_segment_samples([(s, s.trajectory) for s in segments],
                                         lineage=None if session.lineage is None else session.lineage.info())
+        if (failure := session.failure) is not None:  # the episode ended because the infrastructure failed it
+            samples = abort_samples(samples, failure)
+        if session.continuations:  # what the server recomputed, regenerated or refused in this session's turns
+            for sample in samples:
+                sample.metadata["session_continuations"] = dict(session.continuations)
         images = {d: i for s in segments for d, i in s.trajectory.images.items()}  # stores are replaced, not mutated
     binary = OCTET_STREAM in request.headers.get("accept", "")
     body = await server.pool.run(_encode, samples, max_seq_len, binary, images, server.family.vision)

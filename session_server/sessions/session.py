@@ -21,6 +21,7 @@ from session_server.errors import AbortReason, SessionNotFoundError, SessionPaus
 from trajectory import LinearTrajectory, SegmentPlan, SegmentSet
 from trajectory.errors import SessionError
 from trajectory.forks import Lineage
+from trajectory.infrastructure import InfrastructureAbort, is_infrastructure_status
 
 
 @dataclass(eq=False, slots=True)
@@ -38,11 +39,41 @@ class Session:
     # --return-sampling-masks.
     sampling_masks: bool | None = None
     lineage: Lineage | None = None  # where a forked session came from (trajectory/forks.py)
+    # The infrastructure failure the session's latest turn ended with (trajectory/infrastructure.py), with the
+    # commits the session had then: its samples carry it until a later turn commits (`failure`).
+    _failure: tuple[InfrastructureAbort, int] | None = None
+    # What followed each engine abort of its turns (turns/engine_call.py, the labels of
+    # session_server_turn_continuations_total): recomputed, regenerated, stale, continued, ...; its samples say it.
+    continuations: dict[str, int] = field(default_factory=dict)
 
     @property
     def trajectory(self) -> LinearTrajectory:
         """The first segment: all there is of a single-line session."""
         return self.segments.main
+
+    def commits(self) -> int:
+        """Turns committed over the session's life (every segment's trajectory version): a later commit changes it."""
+        return sum(segment.trajectory.version for segment in self.segments)
+
+    def count_continuation(self, result: str) -> None:
+        self.continuations[result] = self.continuations.get(result, 0) + 1
+
+    def record_failure(self, err: SessionError) -> None:
+        """A turn of this session was answered `err`: kept if the infrastructure failed it (a 5xx), as the cause its
+        abort reason names (a pause, the deadline, the staleness bound, ...) or else its code."""
+        if not is_infrastructure_status(err.status):
+            return
+        cause = err.abort_reason.value if err.abort_reason is not None else err.code
+        turns = sum(len(segment.trajectory.records) for segment in self.segments)
+        self._failure = (InfrastructureAbort(cause=cause, code=err.code, status=err.status, message=err.message,
+                                             turns=turns, source="server"), self.commits())
+
+    @property
+    def failure(self) -> InfrastructureAbort | None:
+        """The infrastructure failure the session ended with: the latest one, unless a turn committed since."""
+        if self._failure is None or self._failure[1] != self.commits():
+            return None
+        return self._failure[0]
 
     def busy_segments(self) -> dict[int, dict[str, Any]]:
         """The segments with a turn in flight, each with that turn's first message (SegmentSet.prepare)."""

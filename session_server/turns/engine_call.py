@@ -261,7 +261,7 @@ class EngineCall(Generic[R]):
         # what the agent was streamed cannot be taken back).
         cut = aborted.partial is not None and aborted.partial.finish_reason.get("message") == WEIGHTS_CHANGED
         result = self.continuation.go_on(params, aborted)
-        server.metrics.continuation("recomputed" if cut and result == "continued" else result)
+        self._count_continuation("recomputed" if cut and result == "continued" else result)
         if result != "continued":
             raise aborted
         pause = server.lifecycle.pause
@@ -294,14 +294,19 @@ class EngineCall(Generic[R]):
         if version_lag(self.start_version, now) <= config.max_staleness:
             return
         if config.stale_turns == "refuse" or self.listener is not None:
-            self.server.metrics.continuation("stale")
-            raise EngineAbortedError(
+            self._count_continuation("stale")
+            raise tag_abort(EngineAbortedError(
                 f"the turn began under weights {self.start_version!r}, more than --max-staleness "
                 f"{config.max_staleness} versions before {now!r}; retry the same turn", config.retry_after,
-                aborted.partial) from None
-        self.server.metrics.continuation("regenerated")
+                aborted.partial), AbortReason.STALE) from None
+        self._count_continuation("regenerated")
         self.continuation.before = None
         self.start_version = now
+
+    def _count_continuation(self, result: str) -> None:
+        """What followed an engine abort of the turn: in the server's metrics and in its session's own counts."""
+        self.server.metrics.continuation(result)
+        self.claim.session.count_continuation(result)
 
     async def _reopen(self, refused: EngineRefusedError) -> None:
         """The engine lost the engine session (restarted, or its idle timeout closed it): the request never ran there.

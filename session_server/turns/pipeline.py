@@ -57,6 +57,8 @@ async def serve_turn(request: Request, session_id: str, api: FrontEnd[R]) -> Res
     try:
         claim = await _claim(server, session_id)
     except SessionError as err:
+        if (session := server.registry.get(session_id)) is not None:
+            session.record_failure(err)  # e.g. refused by a pause: an agent that gives up here was failed by it
         if span is not None:
             span.finish({"http.status_code": err.status}, f"{err.code}: {err.message}")
         return api.error(err)
@@ -67,6 +69,7 @@ async def serve_turn(request: Request, session_id: str, api: FrontEnd[R]) -> Res
         handed_over = isinstance(response, StreamedTurn)
     except SessionError as err:
         count_failure(server.metrics, err)
+        claim.session.record_failure(err)
         failure = err
         response = api.error(err)
     finally:

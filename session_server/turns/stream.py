@@ -103,6 +103,7 @@ class StreamedTurn(Generic[R]):
             if self.started and isinstance(err, EngineRefusedError):  # a continuation refused after the reply began
                 err = UpstreamError(f"engine failed mid-stream: {engine_message(err.body)}", rule="stream_error")
             count_failure(metrics, err)
+            self.call.claim.session.record_failure(err)
             if err.abort_reason is not AbortReason.DISCONNECT:  # else nobody is left to tell
                 await self._fail(err)
             return

@@ -150,9 +150,15 @@ def test_a_turn_past_max_staleness_is_sampled_again_from_its_prompt_or_refused(s
         assert len(sampled) == reply.json()["usage"]["completion_tokens"]
         # sampled again from the prompt: no token of the old weights is left (a continuation would keep them)
         assert {sample_metadata(sample).token_versions[p] for p in sampled.tolist()} == {"7"}
+        assert sample.metadata["weight_version_tokens"] == {"7": len(sampled)}
+        assert sample.metadata["session_continuations"] == {"continued": 1, "regenerated": 1}  # the session's count
     else:
         assert reply.status_code == 503 and "retry-after" in reply.headers, reply.text
         assert "max-staleness" in reply.text
+        # the refusal is the infrastructure's (issue 38 item 4), by its own cause
+        (listed,) = [s for s in httpx.get(f"{server}/admin/sessions").json()["sessions"] if s["id"] == sid]
+        assert listed["continuations"] == {"continued": 1, "stale": 1}
+        assert (listed["failure"]["cause"], listed["failure"]["status"]) == ("stale", 503)
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
     httpx.post(f"{engine}/update_weight_version", json={"new_version": "default", "abort_all_requests": False})
     assert httpx.post(f"{server}/admin/continue").status_code == 200

@@ -68,8 +68,11 @@ def test_session_workflow_runs_an_episode(episodes: Episodes) -> None:
 
 @pytest.fixture(scope="module")
 def paced_stack(stack_factory: StackFactory) -> Iterator[Stack]:
-    """An engine at 10 ms a token: a 1500-token reply outlasts by far a weight update sent after its 20th token."""
-    with stack_factory(family="qwen3", sim_args=["--token-latency-ms", "10"]) as stack:
+    """An engine at 10 ms a token: a 1500-token reply outlasts by far a weight update sent after its 20th token. The
+    server keeps a straddled reply as it ran (--straddled-replies keep; its default since issue 38 recomputes it under
+    the new weights), so one turn holds tokens of two versions, the case this test maps."""
+    with stack_factory(family="qwen3", sim_args=["--token-latency-ms", "10"],
+                       servers={"server": ["--straddled-replies", "keep"]}) as stack:
         yield stack
 
 

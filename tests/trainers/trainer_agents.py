@@ -140,3 +140,21 @@ async def straddling_agent(base_url: str, prompt: Any, request_kwargs: dict[str,
         await reply_task
     await client.close()
     return REWARD
+
+
+async def failing_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
+                        metadata: dict[str, Any]) -> float:
+    """One turn, then the engine answers 500 to the next (the sim's fault injection): the agent gives up with the
+    SDK's error, as an agent does when the infrastructure fails it (rollout/infrastructure.py)."""
+    client = _sdk(base_url)
+    messages: list[Any] = [SYSTEM, {"role": "user", "content": f"hello {tokens(4)}"}]
+    completion = await client.chat.completions.create(model="m", messages=messages, **request_kwargs)
+    messages += [completion.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    async with httpx.AsyncClient(timeout=30) as http:
+        (await http.post(f"{ENGINE['url']}/sim/faults", json={"http_500": 1.0})).raise_for_status()
+        try:
+            await client.chat.completions.create(model="m", messages=messages, **request_kwargs)
+        finally:
+            (await http.post(f"{ENGINE['url']}/sim/faults", json={})).raise_for_status()
+            await client.close()
+    return REWARD

@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 
 from rollout.adapters._common import response_sampling_masks
 from rollout.adapters.slime import to_samples
+from support.slime_sample import SlimeSample
 from trajectory import Sample
 
 
@@ -35,29 +32,6 @@ def test_the_response_rows_in_slimes_convention() -> None:
     plain = sample()
     plain.sampling_mask_ids = plain.sampling_mask_offsets = plain.sampling_log_probs = None
     assert response_sampling_masks(plain) is None
-
-
-class Status(enum.Enum):
-    COMPLETED = "completed"
-
-
-@dataclass
-class SlimeSample:  # the fields of slime's Sample that to_samples writes
-    Status = Status
-    index: int = 0
-    rollout_id: int | None = None
-    tokens: list[int] = field(default_factory=list)
-    response: str = ""
-    response_length: int = 0
-    loss_mask: list[int] | None = None
-    rollout_log_probs: list[float] | None = None
-    weight_versions: list[str] = field(default_factory=list)
-    status: Any = None
-    reward: Any = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    rollout_routed_experts: Any = None
-    rollout_top_p_token_ids: Any = None
-    rollout_top_p_token_offsets: Any = None
 
 
 def test_slime_and_miles_get_the_top_p_fields_and_behaviour_logprobs() -> None:

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trajectory import INITIAL_VERSION, GeneratedTurn, Sample, parse_version, sample_metadata, truncate_sample
+from trajectory.samples import version_token_counts
 
 
 def _sample(mask: list[int], metadata: dict[str, Any]) -> Sample:
@@ -77,6 +78,19 @@ def test_a_truncated_sample_reads_as_the_prefix_of_the_whole(case: Any, data: st
     # the turns whose completion starts inside the cut sample, the last one cut at its end
     assert part.turns == tuple(GeneratedTurn(t.index, t.start, min(t.end, n), t.weight_version)
                                for t in whole.turns if t.start < n)
+
+
+@given(merged(), st.data())
+def test_the_per_version_counts_are_the_sampled_tokens_of_each_version_whole_or_cut(case: Any,
+                                                                                   data: st.DataObject) -> None:
+    sample, expected = case
+    counts = version_token_counts(sample.metadata["weight_version_spans"], sample.loss_mask)
+    assert counts == {v: expected.count(v) for v in dict.fromkeys(expected) if v is not None}
+    assert sample_metadata(sample).version_counts() == counts
+    sample.metadata["weight_version_tokens"] = counts
+    cut = truncate_sample(sample, data.draw(st.integers(1, len(sample.tokens))))
+    assert cut.metadata["weight_version_tokens"] == sample_metadata(cut).version_counts()
+    assert sum(cut.metadata["weight_version_tokens"].values()) == int(cut.loss_mask.sum())
 
 
 def test_a_turn_sample_has_one_version_over_its_completion() -> None:

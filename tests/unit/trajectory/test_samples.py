@@ -19,6 +19,7 @@ from trajectory import (
     build_merged_sample,
     build_turn_samples,
     decode_generate_response,
+    sample_metadata,
     samples_from_json,
     samples_from_safetensors,
     samples_to_json,
@@ -85,6 +86,11 @@ def test_samples_from_a_trajectory_carry_statuses(qwen):
     assert turns[0].tokens[-1] == qwen.stop_token_ids[1]  # restored although the next prompt replaced it
     merged = build_merged_sample(traj)
     assert merged.status == "aborted" and merged.metadata["num_turns"] == 3
+    # every sampled token counted under its version
+    assert merged.metadata["weight_version_tokens"] == sample_metadata(merged).version_counts()
+    assert sum(merged.metadata["weight_version_tokens"].values()) == int(merged.loss_mask.sum())
+    assert [sum(s.metadata["weight_version_tokens"].values()) for s in turns] == [int(s.loss_mask.sum())
+                                                                                 for s in turns]
     assert int(merged.loss_mask.sum()) == sum(int(s.loss_mask.sum()) for s in turns) - 1  # the trimmed stop token
     short = build_merged_sample(traj, max_seq_len=turns[1].tokens.size - 1)
     assert short.status == "truncated" and short.loss_mask[-1] == 1

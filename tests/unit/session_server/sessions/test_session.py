@@ -99,3 +99,28 @@ def test_release_goes_to_the_owner_of_the_slot_every_time(family: ModelFamily) -
     claim.release()
     claim.release()
     assert released == [claim, claim]
+
+
+def test_a_5xx_is_kept_as_the_sessions_failure_until_a_turn_commits(family: ModelFamily) -> None:
+    """Infrastructure failures are not rewards (trajectory/infrastructure.py): the session keeps the latest 5xx a
+    turn of it ended with, by its abort reason or else its code; a 4xx is the request's own; a commit clears it."""
+    from session_server.errors import EngineAbortedError, EngineUnavailableError, tag_abort
+    from support.tito import Reply, generate
+    from trajectory.errors import RequestValidationError
+
+    session = new_session(family)
+    session.record_failure(RequestValidationError("bad max_tokens"))
+    assert session.failure is None
+    session.record_failure(EngineUnavailableError("engine unreachable"))
+    failure = session.failure
+    assert failure is not None and (failure.cause, failure.code, failure.status, failure.turns, failure.source) == (
+        "engine_unavailable", "engine_unavailable", 502, 0, "server")
+    session.record_failure(tag_abort(EngineAbortedError("past --max-staleness"), AbortReason.STALE))
+    assert session.failure is not None and (session.failure.cause, session.failure.code) == ("stale",
+                                                                                            "engine_aborted")
+    traj = session.trajectory
+    plan = traj.prepare([{"role": "user", "content": "q"}])
+    traj.commit(plan, *generate(family, plan, Reply("a"), rid="r0"))
+    assert session.failure is None  # the agent retried and went on
+    session.record_failure(SessionPausedError("chat aborted: the server was paused", 1))
+    assert session.failure is not None and session.failure.turns == 1
