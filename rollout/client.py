@@ -181,6 +181,31 @@ class SessionClient:
         self._open[server] += len(ids)
         return ids
 
+    async def prime(self, session_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> int:
+        """POST /sessions/{id}/prime: render and tokenize the session's first prompt now (before its first turn), so
+        that a fork at the prompt hands it to every child; returns its length in tokens."""
+        body: dict[str, Any] = {"messages": messages}
+        if tools:
+            body["tools"] = tools
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
+        response = await self._request("POST", f"{self.server_of(session_id)}/sessions/{session_id}/prime", json=body)
+        tokens: int = response.json()["prompt_tokens"]
+        return tokens
+
+    async def group(self, n: int, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    metadata: dict[str, Any] | None = None) -> list[str]:
+        """A GRPO group of `n` sessions that share their prompt: one session is created and primed with it, forked
+        at the prompt into `n` children and deleted (the children keep the prompt; their lineage names it). Each
+        child's first turn must send exactly `messages` and `tools` to skip the render."""
+        parent = await self.create(metadata)
+        try:
+            await self.prime(parent, messages, tools)
+            return await self.fork(parent, n, metadata)
+        finally:
+            await _uncancellable(self.delete(parent))
+
     async def info(self, session_id: str) -> dict[str, Any]:
         """`GET /sessions/{id}`: records, metadata, token ids and the mismatch report."""
         response = await self._request("GET", f"{self.server_of(session_id)}/sessions/{session_id}")
