@@ -27,6 +27,7 @@ _EXPORTS = {
     "iter_episodes": "rollout.episodes",
     "run_episode": "rollout.episodes",
     "run_episodes": "rollout.episodes",
+    "run_group": "rollout.episodes",
     "Tool": "rollout.tools",
     "ToolCall": "rollout.tools",
     "Toolbox": "rollout.tools",
@@ -60,12 +61,21 @@ __all__ = [
     "iter_episodes",
     "run_episode",
     "run_episodes",
+    "run_group",
     "to_torch_batch",
 ]
 
 if TYPE_CHECKING:
     from rollout.client import SessionClient
-    from rollout.episodes import AgentConfig, EpisodeResult, Task, iter_episodes, run_episode, run_episodes
+    from rollout.episodes import (
+        AgentConfig,
+        EpisodeResult,
+        Task,
+        iter_episodes,
+        run_episode,
+        run_episodes,
+        run_group,
+    )
     from rollout.errors import (
         RolloutError,
         ServerBusyError,

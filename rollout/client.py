@@ -245,13 +245,8 @@ class SessionClient:
         return {url: response.json() for url, response in zip(self.servers, responses, strict=True)}
 
     @asynccontextmanager
-    async def session(self, metadata: dict[str, Any] | None = None) -> AsyncIterator[str]:
-        """Yield a new session id and always delete the session afterwards, even on errors and cancellation.
-
-        A failed DELETE is raised only when the body succeeded; otherwise it is logged and the body's exception
-        propagates unchanged.
-        """
-        session_id = await self.create(metadata)
+    async def held(self, session_id: str) -> AsyncIterator[str]:
+        """`session()` for a session that already exists here (a fork's child): yield it, always delete it after."""
         try:
             yield session_id
         except BaseException:
@@ -261,6 +256,17 @@ class SessionClient:
                 logger.exception("could not delete session %s after a failure", session_id)
             raise
         await _uncancellable(self.delete(session_id))
+
+    @asynccontextmanager
+    async def session(self, metadata: dict[str, Any] | None = None) -> AsyncIterator[str]:
+        """Yield a new session id and always delete the session afterwards, even on errors and cancellation.
+
+        A failed DELETE is raised only when the body succeeded; otherwise it is logged and the body's exception
+        propagates unchanged.
+        """
+        session_id = await self.create(metadata)
+        async with self.held(session_id):
+            yield session_id
 
 
 async def _uncancellable(coro: Any) -> Any:
