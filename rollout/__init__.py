@@ -33,6 +33,8 @@ _EXPORTS = {
     "Toolbox": "rollout.tools",
     "default_toolbox": "rollout.tools",
     "to_torch_batch": "rollout.torch_batch",
+    "PrefixBatch": "rollout.prefix_tree",
+    "dedupe_prefixes": "rollout.prefix_tree",
     "LogprobCheckReport": "rollout.logprob_check",
     "SampleCheck": "rollout.logprob_check",
     "TokenMismatch": "rollout.logprob_check",
@@ -43,6 +45,7 @@ __all__ = [
     "AgentConfig",
     "EpisodeResult",
     "LogprobCheckReport",
+    "PrefixBatch",
     "RolloutError",
     "SampleCheck",
     "ServerBusyError",
@@ -57,6 +60,7 @@ __all__ = [
     "Toolbox",
     "UnknownSessionError",
     "check_logprobs",
+    "dedupe_prefixes",
     "default_toolbox",
     "iter_episodes",
     "run_episode",
@@ -85,6 +89,7 @@ if TYPE_CHECKING:
         UnknownSessionError,
     )
     from rollout.logprob_check import LogprobCheckReport, SampleCheck, TokenMismatch, check_logprobs
+    from rollout.prefix_tree import PrefixBatch, dedupe_prefixes
     from rollout.tools import Tool, Toolbox, ToolCall, default_toolbox
     from rollout.torch_batch import to_torch_batch
 

@@ -17,6 +17,7 @@ from harness.scripted_tasks import reply_directive, shopping_tasks
 from rollout.client import SessionClient
 from rollout.episodes import AgentConfig, EpisodeResult, Task, iter_episodes, run_episode, run_episodes
 from rollout.errors import SessionNotFoundError, SessionServerError, UnknownSessionError
+from rollout.prefix_tree import dedupe_prefixes
 from rollout.tools import default_toolbox
 from rollout.torch_batch import to_torch_batch
 from support.server import metric, wait_engine_idle, wait_running
@@ -398,6 +399,11 @@ def test_groups_run_as_forks_of_one_primed_session(stack: dict) -> None:
         assert not sample.loss_mask[:lineage["fork_position"]].any()  # the shared prefix is the prompt
         groups.append(lineage["group"])
     assert groups[0] == groups[1] == groups[2] != groups[3] == groups[4] == groups[5]
+    # the batch helper holds each group's prompt once: the second and third episodes point into the first's
+    batch = dedupe_prefixes([r.samples[0] for r in results])
+    prompts = [r.samples[0].metadata["lineage"]["fork_position"] for r in results]
+    assert batch.shared == [0, prompts[1], prompts[2], 0, prompts[4], prompts[5]]
+    assert batch.sample_tokens - len(batch.tokens) == 2 * prompts[0] + 2 * prompts[3]
     assert httpx.get(f"{stack['a']}/admin/sessions").json()["sessions"] == []
     with pytest.raises(ValueError, match="share their prompt"):
         asyncio.run(run_episodes(SessionClient(stack["a"]), [pairs[0][0], pairs[1][0]], fork_groups=2))
