@@ -18,8 +18,8 @@ the G first turns after it. The engine's prefilled
 tokens are the sim's books as the replies report them (prompt tokens less cached tokens, per turn).
 
 Part 2 (in process, the real tokenizer): the memory the G histories hold after their first turns, forked and
-independent, against one history (the trajectories' own bytes, `nbytes`, plus what a fork shares: the primed prompt),
-and at the fork (before the first turns).
+independent, against one history (the trajectories' own bytes, `nbytes`, plus what the forks share once: the primed
+prompt's ids, logprobs and mask, the head every child's buffer holds by reference), and at the fork.
 
     python -m benchmarks.bench_forks --tokenizer .cache/tokenizers/qwen3 --json-out out/forks.json
 """
@@ -201,7 +201,7 @@ def memory(tokenizer_dir: str, args: argparse.Namespace, figs: Figures) -> None:
     children = [c.main for c in plan_fork(segments, lambda: SegmentSet(lambda: LinearTrajectory(family)), args.group,
                                           0).children]
     assert parent.primed is not None
-    primed_bytes = parent.primed.plan.prompt_ids.nbytes  # held once, by every child
+    primed_bytes = parent.primed.nbytes  # held once, by every child (its ids, zero logprobs and mask)
     at_fork = sum(c.nbytes for c in children) + primed_bytes
     for k, traj in enumerate(children):
         turn(traj, k)

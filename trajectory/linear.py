@@ -205,10 +205,19 @@ class PrimedPrompt:
 
     plan: TurnPlan
     template_kwargs: dict[str, Any] | None
+    # The prompt's logprobs and loss mask (zeros, read-only): with its ids, the head every child's buffer adopts
+    # (TokenBuffer.adopt_head), so the prompt is stored once for the whole group after the first turns too.
+    zero_logprobs: np.ndarray
+    zero_mask: np.ndarray
 
     @property
     def num_tokens(self) -> int:
         return len(self.plan.prompt_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the shared head (ids, logprobs, mask), held once for every trajectory that adopted it."""
+        return self.plan.prompt_ids.nbytes + self.zero_logprobs.nbytes + self.zero_mask.nbytes
 
 
 def _digest(data: bytes | memoryview) -> bytes:
@@ -383,7 +392,11 @@ class LinearTrajectory:
         if self.checkpoints:
             raise ForkPointError("a session is primed before its first turn; this one has turns")
         plan = self.prepare(messages, tools, template_kwargs, messages_json)
-        return PrimedPrompt(plan=plan, template_kwargs=None if template_kwargs is None else dict(template_kwargs))
+        n = len(plan.prompt_ids)
+        logprobs, mask = np.zeros(n, np.float32), np.zeros(n, np.uint8)
+        logprobs.flags.writeable = mask.flags.writeable = False
+        return PrimedPrompt(plan=plan, template_kwargs=None if template_kwargs is None else dict(template_kwargs),
+                            zero_logprobs=logprobs, zero_mask=mask)
 
     def set_primed(self, primed: PrimedPrompt) -> None:
         """Keep `primed` (from `prime`) as the first turn's prompt; ForkPointError if a turn committed since."""
@@ -554,7 +567,12 @@ class LinearTrajectory:
             self._masks.append(len(delta.prompt_tail), None)
             self._masks.append(len(delta.output_ids), delta.sampling_masks)
         self._buffer.truncate(delta.keep)
-        self._buffer.append(delta.prompt_tail, None, sampled=False)
+        primed = self.primed
+        if primed is not None and not self._buffer.size and len(delta.prompt_tail) == primed.num_tokens \
+                and _equal_ids(delta.prompt_tail, primed.plan.prompt_ids):  # the primed prompt: held by reference
+            self._buffer.adopt_head(primed.plan.prompt_ids, primed.zero_logprobs, primed.zero_mask)
+        else:
+            self._buffer.append(delta.prompt_tail, None, sampled=False)
         self._buffer.append(delta.output_ids, delta.logprobs, sampled=True)
         del self.checkpoints[delta.base_checkpoints:]
         del self.records[delta.base_checkpoints:]
