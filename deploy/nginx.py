@@ -7,7 +7,9 @@ path, in X-Session-ID -- is mapped back to `r1` by name. We chose this over ids 
 under the balancer's consistent hash: a hash ring changes when a replica joins, and then ~1/N of live sessions
 would land on a replica that does not know them; a name in the id never moves. Ids a client chooses itself (root-URL
 chats with X-Session-ID and --create-sessions-on-demand) carry no name, so those are placed by consistent hashing
-over `--ring` (default: every replica); keep the ring fixed while such sessions live.
+over `--ring` (default: every replica); keep the ring fixed while such sessions live. A fork's children (POST
+/sessions/{id}/fork, routed by the parent's id) are minted by the parent's replica, so they carry its name and live
+there with the history they share, whatever placed the parent (tests/e2e/test_cluster_nginx.py).
 """
 
 from __future__ import annotations

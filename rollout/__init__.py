@@ -27,11 +27,14 @@ _EXPORTS = {
     "iter_episodes": "rollout.episodes",
     "run_episode": "rollout.episodes",
     "run_episodes": "rollout.episodes",
+    "run_group": "rollout.episodes",
     "Tool": "rollout.tools",
     "ToolCall": "rollout.tools",
     "Toolbox": "rollout.tools",
     "default_toolbox": "rollout.tools",
     "to_torch_batch": "rollout.torch_batch",
+    "PrefixBatch": "rollout.prefix_tree",
+    "dedupe_prefixes": "rollout.prefix_tree",
     "LogprobCheckReport": "rollout.logprob_check",
     "SampleCheck": "rollout.logprob_check",
     "TokenMismatch": "rollout.logprob_check",
@@ -42,6 +45,7 @@ __all__ = [
     "AgentConfig",
     "EpisodeResult",
     "LogprobCheckReport",
+    "PrefixBatch",
     "RolloutError",
     "SampleCheck",
     "ServerBusyError",
@@ -56,16 +60,26 @@ __all__ = [
     "Toolbox",
     "UnknownSessionError",
     "check_logprobs",
+    "dedupe_prefixes",
     "default_toolbox",
     "iter_episodes",
     "run_episode",
     "run_episodes",
+    "run_group",
     "to_torch_batch",
 ]
 
 if TYPE_CHECKING:
     from rollout.client import SessionClient
-    from rollout.episodes import AgentConfig, EpisodeResult, Task, iter_episodes, run_episode, run_episodes
+    from rollout.episodes import (
+        AgentConfig,
+        EpisodeResult,
+        Task,
+        iter_episodes,
+        run_episode,
+        run_episodes,
+        run_group,
+    )
     from rollout.errors import (
         RolloutError,
         ServerBusyError,
@@ -75,6 +89,7 @@ if TYPE_CHECKING:
         UnknownSessionError,
     )
     from rollout.logprob_check import LogprobCheckReport, SampleCheck, TokenMismatch, check_logprobs
+    from rollout.prefix_tree import PrefixBatch, dedupe_prefixes
     from rollout.tools import Tool, Toolbox, ToolCall, default_toolbox
     from rollout.torch_batch import to_torch_batch
 

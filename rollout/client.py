@@ -181,6 +181,31 @@ class SessionClient:
         self._open[server] += len(ids)
         return ids
 
+    async def prime(self, session_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> int:
+        """POST /sessions/{id}/prime: render and tokenize the session's first prompt now (before its first turn), so
+        that a fork at the prompt hands it to every child; returns its length in tokens."""
+        body: dict[str, Any] = {"messages": messages}
+        if tools:
+            body["tools"] = tools
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
+        response = await self._request("POST", f"{self.server_of(session_id)}/sessions/{session_id}/prime", json=body)
+        tokens: int = response.json()["prompt_tokens"]
+        return tokens
+
+    async def group(self, n: int, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    metadata: dict[str, Any] | None = None) -> list[str]:
+        """A GRPO group of `n` sessions that share their prompt: one session is created and primed with it, forked
+        at the prompt into `n` children and deleted (the children keep the prompt; their lineage names it). Each
+        child's first turn must send exactly `messages` and `tools` to skip the render."""
+        parent = await self.create(metadata)
+        try:
+            await self.prime(parent, messages, tools)
+            return await self.fork(parent, n, metadata)
+        finally:
+            await _uncancellable(self.delete(parent))
+
     async def info(self, session_id: str) -> dict[str, Any]:
         """`GET /sessions/{id}`: records, metadata, token ids and the mismatch report."""
         response = await self._request("GET", f"{self.server_of(session_id)}/sessions/{session_id}")
@@ -220,13 +245,8 @@ class SessionClient:
         return {url: response.json() for url, response in zip(self.servers, responses, strict=True)}
 
     @asynccontextmanager
-    async def session(self, metadata: dict[str, Any] | None = None) -> AsyncIterator[str]:
-        """Yield a new session id and always delete the session afterwards, even on errors and cancellation.
-
-        A failed DELETE is raised only when the body succeeded; otherwise it is logged and the body's exception
-        propagates unchanged.
-        """
-        session_id = await self.create(metadata)
+    async def held(self, session_id: str) -> AsyncIterator[str]:
+        """`session()` for a session that already exists here (a fork's child): yield it, always delete it after."""
         try:
             yield session_id
         except BaseException:
@@ -236,6 +256,17 @@ class SessionClient:
                 logger.exception("could not delete session %s after a failure", session_id)
             raise
         await _uncancellable(self.delete(session_id))
+
+    @asynccontextmanager
+    async def session(self, metadata: dict[str, Any] | None = None) -> AsyncIterator[str]:
+        """Yield a new session id and always delete the session afterwards, even on errors and cancellation.
+
+        A failed DELETE is raised only when the body succeeded; otherwise it is logged and the body's exception
+        propagates unchanged.
+        """
+        session_id = await self.create(metadata)
+        async with self.held(session_id):
+            yield session_id
 
 
 async def _uncancellable(coro: Any) -> Any:

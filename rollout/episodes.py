@@ -6,6 +6,9 @@ An episode is what an RL environment produces for one prompt: a session is creat
 `Toolbox`, one `tool` message per call) until the model answers without tool calls, the reply is cut by the
 token limit, or the turn limit is reached. Then the samples are collected and the session deleted.
 
+A GRPO group (G episodes of one prompt) may run as forks (`run_group`, `run_episodes(fork_groups=G)`): one session is
+primed with the prompt (rendered and tokenized once) and forked into G children, each an episode's session.
+
 Nothing here knows about the emulated engine: the loop executes whatever tool calls come back, so the same code
 drives a real model. Failures are part of the result, never dropped: every episode yields an `EpisodeResult`,
 with `error` set when it failed (the session is deleted either way); an episode the infrastructure failed (a 5xx,
@@ -16,10 +19,11 @@ a lost connection: rollout/infrastructure.py) keeps the samples its session hold
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import openai
 
@@ -28,6 +32,7 @@ from rollout.infrastructure import collect_after_failure
 from rollout.tools import Toolbox, ToolCall
 from trajectory import Sample
 
+T = TypeVar("T")
 StopReason = Literal["final_answer", "length", "turn_limit", "error"]
 
 
@@ -88,13 +93,18 @@ async def run_episode(
     index: int = 0,
     config: AgentConfig | None = None,
     http_client: openai.DefaultAsyncHttpxClient | None = None,
+    session_id: str | None = None,
 ) -> EpisodeResult:
-    """Run one episode to its end. Never raises except on cancellation (which still deletes the session)."""
+    """Run one episode to its end. Never raises except on cancellation (which still deletes the session).
+    `session_id`: a session already made for it (a forked group's child, `run_group`), else a new one is created;
+    either way it is deleted at the end."""
     config = config or AgentConfig()
     result = EpisodeResult(index=index, messages=[dict(m) for m in task.messages])
     started = time.perf_counter()
+    holder = client.session(metadata={**task.metadata, "episode": index}) if session_id is None \
+        else client.held(session_id)
     try:
-        async with client.session(metadata={**task.metadata, "episode": index}) as session_id:
+        async with holder as session_id:
             result.session_id = session_id
             result.server = client.server_of(session_id)
             agent = openai.AsyncOpenAI(
@@ -120,6 +130,37 @@ async def run_episode(
         result.exception = exc
     result.seconds = time.perf_counter() - started
     return result
+
+
+async def run_group(
+    client: SessionClient,
+    tasks: Sequence[Task],
+    *,
+    first_index: int = 0,
+    config: AgentConfig | None = None,
+    http_client: openai.DefaultAsyncHttpxClient | None = None,
+    forks: bool = True,
+) -> list[EpisodeResult]:
+    """A GRPO group: the episodes of `tasks` (one prompt: the same messages and tools) run together, indexed from
+    `first_index`. With `forks` the group starts as one session primed with the prompt and forked into len(tasks)
+    (`SessionClient.group`): the prompt is rendered and tokenized once, and every child's first turn sends its ids
+    without a render; without, each episode opens its own session. Never raises except on cancellation; a group
+    that cannot be forked gives every episode that error."""
+    config = config or AgentConfig()
+    sessions: list[str | None] = [None] * len(tasks)
+    if forks and tasks:
+        first = tasks[0]
+        if any(t.messages != first.messages or t.toolbox.specs != first.toolbox.specs for t in tasks[1:]):
+            raise ValueError("a forked group's tasks share their prompt: the same messages and tools")
+        try:
+            sessions = list(await client.group(len(tasks), first.messages, first.toolbox.specs or None,
+                                               metadata={**first.metadata, "group_first_episode": first_index}))
+        except Exception as exc:
+            return [EpisodeResult(index=first_index + i, messages=[dict(m) for m in t.messages],
+                                  error=f"{type(exc).__name__}: {exc}", exception=exc) for i, t in enumerate(tasks)]
+    return list(await asyncio.gather(*(
+        run_episode(client, task, index=first_index + i, config=config, http_client=http_client, session_id=sid)
+        for i, (task, sid) in enumerate(zip(tasks, sessions, strict=True)))))
 
 
 async def _tool_loop(agent: openai.AsyncOpenAI, task: Task, config: AgentConfig, result: EpisodeResult) -> None:
@@ -185,27 +226,41 @@ async def iter_episodes(
     *,
     concurrency: int = 16,
     config: AgentConfig | None = None,
+    fork_groups: int = 0,
 ) -> AsyncIterator[EpisodeResult]:
     """Run the tasks with at most `concurrency` episodes in flight; yield each result as it finishes.
 
     Tasks are pulled lazily, so `tasks` may be an endless generator. Closing the iterator early cancels the
     running episodes (each still deletes its session).
+
+    `fork_groups` G > 0: every G consecutive tasks are one GRPO group (one prompt) run as forks of one primed session
+    (`run_group`); concurrency // G groups run at once (at least one), and a group's results come when it ends.
     """
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
+    if fork_groups < 0:
+        raise ValueError("fork_groups must be >= 0")
     config = config or AgentConfig()
-    pending = iter(enumerate(tasks))
+    size = max(1, fork_groups)
+    pending = _chunks(enumerate(tasks), size)
     done: asyncio.Queue[EpisodeResult | None] = asyncio.Queue()
     http_client = openai.DefaultAsyncHttpxClient(timeout=config.request_timeout)
 
     async def worker() -> None:
         try:
-            for index, task in pending:  # one shared iterator: each task goes to exactly one worker
-                done.put_nowait(await run_episode(client, task, index=index, config=config, http_client=http_client))
+            for chunk in pending:  # one shared iterator: each task goes to exactly one worker
+                if fork_groups:
+                    results = await run_group(client, [t for _, t in chunk], first_index=chunk[0][0], config=config,
+                                              http_client=http_client)
+                else:
+                    (index, task), = chunk
+                    results = [await run_episode(client, task, index=index, config=config, http_client=http_client)]
+                for result in results:
+                    done.put_nowait(result)
         finally:
             done.put_nowait(None)
 
-    workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    workers = [asyncio.create_task(worker()) for _ in range(max(1, concurrency // size))]
     try:
         running = len(workers)
         while running:
@@ -223,6 +278,12 @@ async def iter_episodes(
         await http_client.aclose()
 
 
+def _chunks(items: Iterator[T], size: int) -> Iterator[list[T]]:
+    """`items` `size` at a time (the last chunk may be shorter), pulled lazily."""
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
+
+
 async def run_episodes(
     client: SessionClient,
     tasks: Iterable[Task],
@@ -230,10 +291,13 @@ async def run_episodes(
     concurrency: int = 16,
     config: AgentConfig | None = None,
     on_result: Callable[[EpisodeResult], None] | None = None,
+    fork_groups: int = 0,
 ) -> list[EpisodeResult]:
-    """Run every task and return the results in task order; `on_result` sees each one as it finishes."""
+    """Run every task and return the results in task order; `on_result` sees each one as it finishes.
+    `fork_groups` G: every G consecutive tasks are a GRPO group run as forks of one primed session (iter_episodes)."""
     results: list[EpisodeResult] = []
-    async for result in iter_episodes(client, tasks, concurrency=concurrency, config=config):
+    async for result in iter_episodes(client, tasks, concurrency=concurrency, config=config,
+                                      fork_groups=fork_groups):
         results.append(result)
         if on_result is not None:
             on_result(result)

@@ -59,10 +59,11 @@ class SessionNotFoundError(SessionServerError):
 
 
 class ServerBusyError(SessionServerError):
-    """503 (server paused for a weight update, or not ready): retry after `retry_after` seconds."""
+    """503 (server paused for a weight update, or not ready) or 429 (a fork's children do not fit under
+    --max-sessions now): retry after `retry_after` seconds."""
 
 
 def error_for_status(method: str, url: str, status: int, body: Any, retry_after: float | None) -> SessionServerError:
     """The most precise exception class for an HTTP error answer."""
-    cls = {404: SessionNotFoundError, 503: ServerBusyError}.get(status, SessionServerError)
+    cls = {404: SessionNotFoundError, 429: ServerBusyError, 503: ServerBusyError}.get(status, SessionServerError)
     return cls(method, url, status, body, retry_after)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from session_server.api import admin, forks, samples, sessions
+from session_server.api import admin, forks, primes, samples, sessions
 from session_server.chat import routes as chat
 from session_server.config import ServerConfig
 from session_server.cpu_pool import CpuPool
@@ -249,6 +249,7 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         Route(session + "/v1/messages", messages.create, methods=["POST"]),
         Route(session + "/samples", samples.collect_samples, methods=["POST"]),
         Route(session + "/fork", forks.fork_session, methods=["POST"]),
+        Route(session + "/prime", primes.prime_session, methods=["POST"]),
         Route(session, sessions.get_session, methods=["GET"]),
         # One base URL for many episodes, addressed by the X-Session-ID header (frontend/root_session.py).
         Route("/v1/chat/completions", chat.create_at_root, methods=["POST"]),

@@ -159,7 +159,7 @@ def flags() -> tuple[Flag, ...]:
         Flag("--max-fork", "children one POST /sessions/{id}/fork may create; more is a 400 and nothing is created "
              "(default %(default)s)"),
         Flag("--max-sessions", "live sessions the server holds; POST /sessions (and on-demand creation) beyond gets "
-             "503 with Retry-After; 0 = unbounded (default %(default)s)"),
+             "503 with Retry-After (a fork whose children do not fit: 429); 0 = unbounded (default %(default)s)"),
         Flag("--max-session-tokens", "tokens one session may hold (prompt + completion): a turn whose prompt reaches "
              "it is a 400, and generation is capped to what is left; 0 = unbounded (default %(default)s)"),
         Flag("--drain-timeout", "POST /admin/pause (drain) waits this many seconds for running chats, then aborts the "

@@ -31,6 +31,7 @@ routes' errors here; the three APIs render theirs in their own shapes (frontend/
     └── RetryLaterError                503, retryable: Retry-After: `retry_after`
         ├── SessionPausedError         503 session_paused
         ├── TooManySessionsError       503 too_many_sessions
+        │   └── ForkCapacityError      429 too_many_sessions       (a fork's N children do not fit now)
         └── EngineAbortedError         503 engine_aborted          (abort_reason ENGINE; + `partial`)
 
 An abort is any of them with an `abort_reason` (`tag_abort`): a client gone (ClientDisconnectedError), a DELETE or
@@ -132,6 +133,15 @@ class TooManySessionsError(RetryLaterError):
     """--max-sessions live sessions exist; the client should retry after `retry_after` seconds (503)."""
 
     code = "too_many_sessions"
+
+
+class ForkCapacityError(TooManySessionsError):
+    """A fork's N children would take the server past --max-sessions now (429 + Retry-After; N larger than the limit
+    itself is a 400). Not a 503: the server is up and serves every other request; this request asked for more
+    sessions at once than it has room for, and a proxy that retries a 503 on another upstream (nginx's
+    proxy_next_upstream) would carry the fork away from the replica that holds its parent."""
+
+    status = 429
 
 
 class AdminAuthError(SessionError):

@@ -10,6 +10,12 @@ are then written by neither below the shared length without a copy first: the ch
 (it writes where the parent may have appended), the parent only if it writes below the shared length (a rollback
 into the forked prefix); appending past it stays in place. A fork of a 32k-token trajectory costs a few hundred bytes
 per child, not 9 bytes per token.
+
+A shared head (`adopt_head`, a GRPO group's primed prompt, trajectory/forks.py): the first H positions are read from
+arrays the buffer never writes and many buffers hold (the prompt's ids and its zero logprobs and mask), and the
+buffer's own arrays hold positions H on. Every child of a fork at the prompt appends its own turns after the same
+head, so the prompt is stored once however many children take their turns. Views then join the head and the rest (a
+copy per read, as large as the history); a truncation into the head makes the buffer whole again.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ class TokenBuffer:
         self.size = 0
         self._frozen = 0  # positions [0, _frozen) are read by a buffer `share` handed out: a write there copies first
         self._borrowed = False  # the arrays are another buffer's: any write copies first
+        # A shared read-only prefix (ids, logprobs, mask) of `_start` positions; the own arrays hold the rest.
+        self._head: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._start = 0
 
     @property
     def capacity(self) -> int:
@@ -42,69 +51,103 @@ class TokenBuffer:
             return 0
         return self._ids.nbytes + self._logprobs.nbytes + self._mask.nbytes
 
-    def _view(self, array: np.ndarray) -> np.ndarray:
-        view = array[: self.size]
+    def _view(self, slot: int, array: np.ndarray) -> np.ndarray:
+        if self._head is None:
+            view = array[: self.size]
+        else:
+            view = np.concatenate([self._head[slot], array[: self.size - self._start]])
         view.flags.writeable = False
         return view
 
     @property
     def ids(self) -> np.ndarray:
-        return self._view(self._ids)
+        return self._view(0, self._ids)
 
     @property
     def logprobs(self) -> np.ndarray:
-        return self._view(self._logprobs)
+        return self._view(1, self._logprobs)
 
     @property
     def mask(self) -> np.ndarray:
-        return self._view(self._mask)
+        return self._view(2, self._mask)
 
     def copy(self) -> TokenBuffer:
         """An independent buffer holding exactly the stored tokens (no slack): a memcpy of 9 bytes per token."""
         other = TokenBuffer.__new__(TokenBuffer)
-        other._ids = self._ids[: self.size].copy()
-        other._logprobs = self._logprobs[: self.size].copy()
-        other._mask = self._mask[: self.size].copy()
+        other._ids, other._logprobs, other._mask = self.ids.copy(), self.logprobs.copy(), self.mask.copy()
         other.size = self.size
-        other._frozen, other._borrowed = 0, False
+        other._frozen, other._borrowed, other._head, other._start = 0, False, None, 0
         return other
 
     def share(self, size: int) -> TokenBuffer:
         """A buffer holding the first `size` stored tokens by reference to these arrays (copy on write, see above)."""
         if not 0 <= size <= self.size:
             raise ValueError(f"cannot share {size} of {self.size} tokens")
+        if size < self._start:  # inside the shared head: a whole copy of those tokens (no turn boundary lies there)
+            other = self.copy()
+            other.truncate(size)
+            return other
         other = TokenBuffer.__new__(TokenBuffer)
         other._ids, other._logprobs, other._mask = self._ids, self._logprobs, self._mask
         other.size, other._frozen, other._borrowed = size, size, True
+        other._head, other._start = self._head, self._start
         self._frozen = max(self._frozen, size)
         return other
+
+    def adopt_head(self, ids: np.ndarray, logprobs: np.ndarray, mask: np.ndarray) -> None:
+        """Hold `ids` (with their `logprobs` and `mask`, all read-only and never written) as the first stored tokens,
+        by reference: an empty buffer's first prompt when many buffers begin with it (see above)."""
+        if self.size:
+            raise ValueError("a shared head is adopted by an empty buffer")
+        if not len(ids) == len(logprobs) == len(mask):
+            raise ValueError("the head's arrays differ in length")
+        self._head, self._start = (ids, logprobs, mask), len(ids)
+        self.size = len(ids)
+        self._frozen = 0
+
+    def _rebase(self, size: int) -> None:
+        """Leave the shared head: own arrays holding the first `size` stored tokens."""
+        ids, logprobs, mask = self.ids[:size], self.logprobs[:size], self.mask[:size]
+        capacity = max(size, _MIN_CAPACITY)
+        for name, old in (("_ids", ids), ("_logprobs", logprobs), ("_mask", mask)):
+            new = np.zeros(capacity, dtype=old.dtype)
+            new[:size] = old
+            setattr(self, name, new)
+        self._head, self._start, self.size = None, 0, size
+        self._frozen, self._borrowed = 0, False
 
     def _own(self, start: int, needed: int) -> None:
         """Before writing from `start` on: copy the arrays if another buffer may read what the write would change."""
         if not (self._borrowed or start < self._frozen):
             return
-        capacity = max(needed, _MIN_CAPACITY)
+        # After a shared head the own arrays start at the size they need: a group's children append short replies
+        capacity = max(needed - self._start, _MIN_CAPACITY if self._head is None else 0)
+        held = self.size - self._start
         for name in ("_ids", "_logprobs", "_mask"):
             old = getattr(self, name)
             new = np.zeros(capacity, dtype=old.dtype)
-            new[: self.size] = old[: self.size]
+            new[:held] = old[:held]
             setattr(self, name, new)
         self._frozen, self._borrowed = 0, False
 
     def _reserve(self, needed: int) -> None:
+        needed -= self._start
         if needed <= self.capacity:
             return
         capacity = max(needed, int(self.capacity * _GROWTH) + 1)
+        held = self.size - self._start
         for name in ("_ids", "_logprobs", "_mask"):
             old = getattr(self, name)
             new = np.zeros(capacity, dtype=old.dtype)
-            new[: self.size] = old[: self.size]
+            new[:held] = old[:held]
             setattr(self, name, new)
         self._frozen, self._borrowed = 0, False  # fresh arrays: nobody else reads them
 
     def truncate(self, size: int) -> None:
         if not 0 <= size <= self.size:
             raise ValueError(f"cannot truncate {self.size} tokens to {size}")
+        if size < self._start:
+            self._rebase(size)
         self.size = size
 
     def append(self, ids: np.ndarray, logprobs: np.ndarray | None, sampled: bool) -> None:
@@ -112,8 +155,8 @@ class TokenBuffer:
         n = len(ids)
         self._own(self.size, self.size + n)
         self._reserve(self.size + n)
-        end = self.size + n
-        self._ids[self.size:end] = ids
-        self._logprobs[self.size:end] = 0.0 if logprobs is None else logprobs
-        self._mask[self.size:end] = 1 if sampled else 0
-        self.size = end
+        begin, end = self.size - self._start, self.size - self._start + n
+        self._ids[begin:end] = ids
+        self._logprobs[begin:end] = 0.0 if logprobs is None else logprobs
+        self._mask[begin:end] = 1 if sampled else 0
+        self.size += n

@@ -7,6 +7,10 @@ and rendered-history state, so the child's next turn sends the engine exactly th
 have sent from that point (`LinearTrajectory.fork`). The stored tokens are shared copy on write (TokenBuffer.share):
 a child costs a few hundred bytes whatever the history's length; its first write copies them.
 
+A GRPO group forks at the prompt: its parent is primed (`LinearTrajectory.prime`, POST /sessions/{id}/prime: the
+first request rendered and tokenized once, no turn) and forked with no turn taken; every child shares the primed
+prompt and its first turn sends those ids without rendering them, and the fork position is the prompt's length.
+
 The child is an ordinary session afterwards. What it keeps of where it came from is its `Lineage`: the parent
 session, the segment and turn it left, the fork position in tokens, the fork's group (the N siblings of one call)
 and the tree's root and depth -- what a trainer needs for tree or group advantages and to de-duplicate the shared
@@ -102,5 +106,6 @@ def plan_fork(segments: SegmentSet, new_segments: Callable[[], SegmentSet], n: i
         child = new_segments()
         child.get(0).trajectory = first if i == 0 else source.fork(turns)
         children.append(child)
-    return ForkPlan(children=children, segment=segment.id, turns=turns, position=first.num_tokens,
+    position = first.num_tokens if turns or first.primed is None else first.primed.num_tokens
+    return ForkPlan(children=children, segment=segment.id, turns=turns, position=position,
                     version=source.version, group=secrets.token_hex(8))

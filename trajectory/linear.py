@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -194,6 +194,32 @@ _WHITESPACE = b" \t\n\r"
 _SEED = secrets.randbits(64)
 
 
+@dataclass(frozen=True, slots=True)
+class PrimedPrompt:
+    """A first turn's prompt rendered and tokenized ahead of the turn (`LinearTrajectory.prime`): a GRPO group's
+    parent renders its prompt once and forks into G children that each take it as their first prompt.
+
+    `plan` is exactly what `prepare` builds for the request; a first turn whose messages, tools and template kwargs
+    are the primed ones is given its ids without a render (the same ids: the render is deterministic for equal
+    inputs), any other first turn renders as usual. Immutable, so every child of a fork shares it."""
+
+    plan: TurnPlan
+    template_kwargs: dict[str, Any] | None
+    # The prompt's logprobs and loss mask (zeros, read-only): with its ids, the head every child's buffer adopts
+    # (TokenBuffer.adopt_head), so the prompt is stored once for the whole group after the first turns too.
+    zero_logprobs: np.ndarray
+    zero_mask: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.plan.prompt_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the shared head (ids, logprobs, mask), held once for every trajectory that adopted it."""
+        return self.plan.prompt_ids.nbytes + self.zero_logprobs.nbytes + self.zero_mask.nbytes
+
+
 def _digest(data: bytes | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(data, seed=_SEED)
 
@@ -245,6 +271,8 @@ class LinearTrajectory:
         self._buffer = TokenBuffer()
         # Sampling masks by stored position (sampling_masks.py), from the first turn that brought them on.
         self._masks: MaskBuffer | None = None
+        # The first turn's prompt, rendered ahead (`prime`); None for a trajectory that was not primed.
+        self.primed: PrimedPrompt | None = None
 
     # -- stored tokens ---------------------------------------------------------------------------------
     @property
@@ -314,6 +342,10 @@ class LinearTrajectory:
         """
         # Read first: a plan built while a commit runs elsewhere (a pool thread) is then stale, never wrong.
         version = self.version
+        if self.primed is not None and not self.checkpoints:
+            primed = self._primed_plan(self.primed, messages, tools, template_kwargs, messages_json, version)
+            if primed is not None:
+                return primed
         # Tools belong to the turn, not to the history: a request that omits or changes them is matched on its
         # messages only, and its appended messages are rendered with its own tools.
         tools = normalize_tools(tools)
@@ -351,6 +383,43 @@ class LinearTrajectory:
                         routed_experts_start=min(self.routed_experts_covered(keep), reused),
                         reply_opening=self.family.opened_reply(prompt), messages_json=messages_json,
                         images=images)
+
+    def prime(self, messages: Any, tools: Any = None, template_kwargs: dict[str, Any] | None = None,
+              messages_json: bytes | None = None) -> PrimedPrompt:
+        """Render and tokenize the first turn's prompt now, without a turn: what `prepare` of the same request gives,
+        kept to be taken by the first turn (or by every child of a fork at the prompt, `fork(0)`). Mutates nothing:
+        the caller stores it with `set_primed` (a render may run off the loop). ForkPointError once a turn exists."""
+        if self.checkpoints:
+            raise ForkPointError("a session is primed before its first turn; this one has turns")
+        plan = self.prepare(messages, tools, template_kwargs, messages_json)
+        n = len(plan.prompt_ids)
+        logprobs, mask = np.zeros(n, np.float32), np.zeros(n, np.uint8)
+        logprobs.flags.writeable = mask.flags.writeable = False
+        return PrimedPrompt(plan=plan, template_kwargs=None if template_kwargs is None else dict(template_kwargs),
+                            zero_logprobs=logprobs, zero_mask=mask)
+
+    def set_primed(self, primed: PrimedPrompt) -> None:
+        """Keep `primed` (from `prime`) as the first turn's prompt; ForkPointError if a turn committed since."""
+        if self.checkpoints or self.version != primed.plan.version:
+            raise ForkPointError("the session took a turn while its prompt was primed")
+        self.primed = primed
+        self.sent = None if primed.plan.messages_json is None else SentHistory.of(primed.plan.messages_json,
+                                                                                 primed.plan.messages)
+
+    def _primed_plan(self, primed: PrimedPrompt, messages: Any, tools: Any, template_kwargs: dict[str, Any] | None,
+                     messages_json: bytes | None, version: int) -> TurnPlan | None:
+        """The primed plan for a request that renders exactly as the primed one (the same normalised messages, tools
+        and template kwargs), restamped with this request's version and bytes; None for any other request."""
+        plan = primed.plan
+        if normalize_tools(tools) != plan.tools or (template_kwargs or None) != (primed.template_kwargs or None):
+            return None
+        stored = plan.messages
+        if not isinstance(messages, list) or len(messages) != len(stored):
+            return None
+        for i, raw in enumerate(messages):  # exactly the primed messages once normalised (no loose matching)
+            if not (raw is stored[i] or raw == stored[i] or normalize_message(i, raw) == stored[i]):
+                return None
+        return replace(plan, version=version, messages_json=messages_json)
 
     def _prompt_images(self, msgs: list[Message], raw: Any, matched: int) -> tuple[Image, ...]:
         """The prompt's images in order: the request's own (`raw` as a front end read it) or, for those it names but
@@ -498,7 +567,12 @@ class LinearTrajectory:
             self._masks.append(len(delta.prompt_tail), None)
             self._masks.append(len(delta.output_ids), delta.sampling_masks)
         self._buffer.truncate(delta.keep)
-        self._buffer.append(delta.prompt_tail, None, sampled=False)
+        primed = self.primed
+        if primed is not None and not self._buffer.size and len(delta.prompt_tail) == primed.num_tokens \
+                and _equal_ids(delta.prompt_tail, primed.plan.prompt_ids):  # the primed prompt: held by reference
+            self._buffer.adopt_head(primed.plan.prompt_ids, primed.zero_logprobs, primed.zero_mask)
+        else:
+            self._buffer.append(delta.prompt_tail, None, sampled=False)
         self._buffer.append(delta.output_ids, delta.logprobs, sampled=True)
         del self.checkpoints[delta.base_checkpoints:]
         del self.records[delta.base_checkpoints:]
@@ -538,20 +612,23 @@ class LinearTrajectory:
         snap.messages, snap.checkpoints, snap.records = list(self.messages), list(self.checkpoints), list(self.records)
         snap._buffer = self._buffer.copy()
         snap._masks = None if self._masks is None else self._masks.copy()
+        snap.primed = self.primed
         return snap
 
     def fork(self, turns: int | None = None) -> LinearTrajectory:
         """A new trajectory holding this one's first `turns` turns (all by default): what the next turn after them
         would send the engine, it sends (trajectory/forks.py). The stored tokens are shared copy on write
         (TokenBuffer.share); lists are copied shallowly (a pointer per message and turn), the rest is immutable once
-        stored. ForkPointError unless `turns` is a turn boundary a rollback could reach: 1..turns, after a merge."""
+        stored. ForkPointError unless `turns` is a turn boundary a rollback could reach: 1..turns, after a merge; or 0
+        for a primed trajectory with no turn yet (a fork at the prompt: every child shares the primed prompt)."""
         count = len(self.checkpoints)
         turns = count if turns is None else turns
-        if not (0 < turns <= count) or turns <= self.frozen:
+        at_prompt = turns == count == 0 and self.primed is not None
+        if not at_prompt and (not (0 < turns <= count) or turns <= self.frozen):
             raise ForkPointError(f"cannot fork at turn {turns}: the trajectory's turn boundaries are "
                                  f"{max(1, self.frozen + 1)}..{count}" if count else
                                  "cannot fork a session before its first turn")
-        end = self.checkpoints[turns - 1]
+        end = self.checkpoints[turns - 1] if turns else Checkpoint(num_messages=0, num_tokens=0)
         child = LinearTrajectory.__new__(LinearTrajectory)
         child.family, child.max_rollback, child.matcher = self.family, self.max_rollback, self.matcher
         child.text_only, child.frozen = self.text_only, self.frozen
@@ -568,6 +645,7 @@ class LinearTrajectory:
         if self._masks is not None:
             child._masks = self._masks.copy()
             child._masks.truncate(end.num_tokens)
+        child.primed = self.primed
         return child
 
     def mismatch_report(self) -> dict[str, Any]:

@@ -145,12 +145,16 @@ def restore_trajectory(
 ) -> LinearTrajectory:
     """Rebuild a trajectory by replaying its stored turns in order; raises InvariantError if they do not chain.
     `special_tokens` is the serving trajectory's mode (LinearTrajectory), which its later turns keep using. `cuts`:
-    a forked session's (version, turns) forks (trajectory/forks.py), each made when the replay reaches its version."""
+    a forked session's (version, turns) forks (trajectory/forks.py), each made when the replay reaches its version.
+    A primed prompt is not journaled: a child forked at the prompt comes back empty and renders its first turn (the
+    same ids the primed prompt held)."""
     trajectory = LinearTrajectory(family, max_rollback=max_rollback, matcher=matcher, special_tokens=special_tokens)
     pending = list(cuts)
     for stored in [*turns, None]:
         while pending and pending[0][0] == trajectory.version:
-            trajectory = trajectory.fork(pending.pop(0)[1])
+            kept = pending.pop(0)[1]
+            if kept or trajectory.checkpoints:  # a fork at the prompt (turns 0) of a turnless one: nothing to cut
+                trajectory = trajectory.fork(kept)
         if stored is not None:
             trajectory.apply(load_turn(stored, trajectory))
     if pending:

@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ahead-groups", type=int, default=RunConfig.ahead_groups,
                    help="groups kept running beyond the step being collected (default %(default)s)")
     p.add_argument("--max-staleness", type=int, default=RunConfig.max_staleness)
+    p.add_argument("--fork-groups", action="store_true",
+                   help="run each group as forks of one session primed with its prompt (rendered once)")
     p.add_argument("--lr", type=float, default=RunConfig.lr,
                    help="the RL learning rate of the alphabet's embedding rows (default %(default)s)")
     p.add_argument("--body-lr", type=float, default=RunConfig.body_lr,
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = out / "logs"
     config = RunConfig(steps=args.steps, groups_per_step=args.groups_per_step, group_size=args.group_size,
                        ahead_groups=args.ahead_groups, max_staleness=args.max_staleness, lr=args.lr,
-                       body_lr=args.body_lr, seed=args.seed)
+                       body_lr=args.body_lr, seed=args.seed, fork_groups=args.fork_groups)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     game = WeatherGame(tokenizer)
     # The engine starts (30-60 s of mostly its own imports) while the policy warms up.

@@ -35,6 +35,8 @@ class RunConfig:
     # False: the next step's episodes start only after the push, so none runs across it, and the push flushes the
     # engine's prefix cache (an engine serving with one: the real-engine tier's shared one).
     overlap: bool = True
+    # True: each group starts as one session primed with the prompt and forked into G (--fork-groups, issue 39).
+    fork_groups: bool = False
 
 
 @dataclass
@@ -62,7 +64,7 @@ async def train_loop(config: RunConfig, game: WeatherGame, policy: AlphabetPolic
         versions = [await pusher.engine_version()]
         ahead = config.ahead_groups if config.overlap else 0
         rollouts = Rollouts(client, game, agent, group_size=config.group_size,
-                            ahead_groups=config.groups_per_step + ahead, rng=rng)
+                            ahead_groups=config.groups_per_step + ahead, rng=rng, fork_groups=config.fork_groups)
         rollouts.start()
         records: list[StepRecord] = []
         try:

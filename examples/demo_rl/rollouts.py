@@ -12,7 +12,7 @@ import openai
 
 from examples.demo_rl.game import Prompt, Reward, WeatherGame
 from rollout.client import SessionClient
-from rollout.episodes import AgentConfig, EpisodeResult, run_episode
+from rollout.episodes import AgentConfig, EpisodeResult, run_group
 
 
 @dataclass
@@ -31,9 +31,10 @@ class Rollouts:
     """Keeps G-episode groups running ahead of the trainer: at most `ahead_groups` launched and not yet taken."""
 
     def __init__(self, client: SessionClient, game: WeatherGame, config: AgentConfig, *, group_size: int,
-                 ahead_groups: int, rng: random.Random) -> None:
+                 ahead_groups: int, rng: random.Random, fork_groups: bool = False) -> None:
         self.client, self.game, self.config = client, game, config
         self.group_size = group_size
+        self.fork_groups = fork_groups  # a group starts as one primed session forked into G (rollout.run_group)
         self.rng = rng
         self.version = 0
         self._slots = asyncio.Semaphore(ahead_groups)
@@ -57,10 +58,10 @@ class Rollouts:
     async def _group(self, prompt: Prompt, version: int) -> None:
         index = self.launched
         self.launched += 1
-        results = await asyncio.gather(*(
-            run_episode(self.client, self.game.task(prompt), index=index * self.group_size + g, config=self.config,
-                        http_client=self._http) for g in range(self.group_size)))
-        self._done.put_nowait(Group(prompt, list(results), version))
+        tasks = [self.game.task(prompt) for _ in range(self.group_size)]
+        results = await run_group(self.client, tasks, first_index=index * self.group_size, config=self.config,
+                                  http_client=self._http, forks=self.fork_groups)
+        self._done.put_nowait(Group(prompt, results, version))
 
     async def take(self, groups: int, *, release: bool = True) -> list[Group]:
         """The next `groups` groups to finish (in the order they finished); their slots go to new groups at once,

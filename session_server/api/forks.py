@@ -3,8 +3,11 @@
 Body `{"n": N, "metadata": {...}, "at": K}`: N children (1..--max-fork) of the session's current segment, holding
 its first K turns (`at` absent or "end": all of them); each child's metadata is the parent's updated with
 `metadata`. Answers `{"session_ids": [...], "group", "fork_position", "fork_turns"}`. All or nothing: 404 for an
-unknown or deleted session, 409 while a turn of it is in flight, 400 for N or K out of range, 503 + Retry-After past
---max-sessions (as POST /sessions) or while paused, 503 if the journal cannot write the children.
+unknown or deleted session, 409 while a turn of it is in flight, 400 for N or K out of range (N above --max-fork or
+--max-sessions), 429 + Retry-After when N children do not fit under --max-sessions now (errors.ForkCapacityError:
+not POST /sessions' 503, which a proxy may retry on another replica), 503 while paused or if the journal cannot
+write the children. A session primed and still turnless (api/primes.py) forks at its prompt (`at` 0 or absent):
+the GRPO group's fork, whose children share the rendered prompt and whose fork position is its length.
 
 Behind nginx with replicas, the children stay on the parent's replica: their ids are minted by it and carry its
 name (`r1.<hex>`, sessions/registry.py), which is what routes an id (deploy/nginx.py), so a child's turns reach the

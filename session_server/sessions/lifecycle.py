@@ -29,13 +29,20 @@ from typing import Any
 from session_server.engine.drains import EngineDrains
 from session_server.engine.placement import EnginePlacement
 from session_server.engine.sessions import EngineSessions
-from session_server.errors import AbortReason, SessionBusyError, SessionPausedError, TooManySessionsError
+from session_server.errors import (
+    AbortReason,
+    ForkCapacityError,
+    SessionBusyError,
+    SessionPausedError,
+    TooManySessionsError,
+)
 from session_server.metrics import Metrics
 from session_server.sessions.journal import Journal, SessionInfo
 from session_server.sessions.pause import Pause
 from session_server.sessions.registry import Registry
 from session_server.sessions.session import Claim, Session
 from trajectory import SegmentPlan, SegmentSet
+from trajectory.errors import RequestValidationError
 from trajectory.forks import plan_fork
 
 
@@ -101,12 +108,19 @@ class Lifecycle:
                    new_segments: Callable[[], SegmentSet]) -> list[Session]:
         """POST /sessions/{id}/fork (trajectory/forks.py): `n` children of `parent`'s current segment at turn `at`
         (None: its end), all or none -- 409 while a turn of the parent is in flight (its history is about to change),
-        503 past --max-sessions, 400 for a point that is not a turn boundary; with a journal the children are on disk
-        (their rows and copies of the parent's turns, one transaction) before their ids are handed out."""
+        429 past --max-sessions (400 for more children than --max-sessions at all), 400 for a point that is not a
+        turn boundary; with a journal the children are on disk (their rows and copies of the parent's turns, one
+        transaction) before their ids are handed out."""
         self.check_accepting()
         if parent.claims:
             raise SessionBusyError(f"session {parent.id} has a chat in flight: fork it when the turn has ended")
-        self._check_capacity(n)
+        if self.max_sessions and n > self.max_sessions:
+            raise RequestValidationError(f"'n' is {n}; the server holds at most {self.max_sessions} sessions "
+                                         "(--max-sessions)")
+        try:
+            self._check_capacity(n)
+        except TooManySessionsError as full:
+            raise ForkCapacityError(full.message, full.retry_after) from None
         plan = plan_fork(parent.segments, new_segments, n, at)
         lineage = plan.lineage_of(parent.id, parent.lineage)
         children = [self.registry.create(segments, {**parent.metadata, **metadata}) for segments in plan.children]

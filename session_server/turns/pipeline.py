@@ -206,7 +206,8 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
     # its bytes weigh FIRST_TURN_BYTE_WEIGHT times more: a short first turn runs inline (a pool hop would cost more
     # than it does), while one with a few tool schemas goes to the pool (run inline, a burst of those held the loop:
     # /health p99 89 ms under 64-chat waves of first turns with 8 tools).
-    first = not session.trajectory.checkpoints
+    # A primed first turn (api/primes.py) renders nothing when it sends the primed request: sized as any other turn.
+    first = not session.trajectory.checkpoints and session.trajectory.primed is None
     cost = FIRST_TURN_BYTE_WEIGHT * len(body) if first else len(body)
     t0 = time.perf_counter()
     prepare = functools.partial(

@@ -278,3 +278,39 @@ def test_a_replica_that_does_not_answer_is_named(cluster: LocalCluster, capsys: 
     assert admin_main(["--replica", swapped[0], "--replica", swapped[1], "--json", "health"]) == 1
     answers = json.loads(capsys.readouterr().out)
     assert "answers as replica 'r1', not 'r0'" in answers["r0"]["error"], answers
+
+
+def fork_through(cluster: LocalCluster, sid: str, **body: Any) -> list[str]:
+    r = httpx.post(f"{cluster.url}/sessions/{sid}/fork", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    children: list[str] = r.json()["session_ids"]
+    return children
+
+
+def test_a_forks_children_live_on_their_parents_replica(cluster: LocalCluster) -> None:
+    """The fork is served by the parent's replica (its id routes there), which mints the children with its own name:
+    each child is held there alone and every request naming it -- by path or X-Session-ID -- reaches it through nginx.
+    Holds for a minted parent, for a client-chosen one (placed by hashing: its children are minted, not hashed), and
+    for a GRPO group forked at a primed prompt."""
+    minted_parent = Episode(cluster.url, new_session(cluster.url))
+    chosen_parent = Episode(cluster.url, "fork-parent-7", root=True)
+    for parent in (minted_parent, chosen_parent):
+        assert parent.chat("first").status_code == 200
+        (home,) = holders(cluster, parent.sid)
+        children = fork_through(cluster, parent.sid, n=3)
+        assert {owner(c) for c in children} == {home}
+        for i, child in enumerate(children):
+            assert holders(cluster, child) == [home]
+            episode = Episode(cluster.url, child, root=i == 0)
+            episode.history = list(parent.history)
+            assert episode.chat(f"branch {i}").status_code == 200
+            assert len(episode.state()["records"]) == 2  # the parent's turn, then its own, on the parent's replica
+    group_parent = new_session(cluster.url)
+    prompt = [{"role": "user", "content": f"a group's prompt {tokens(2)}"}]
+    primed = httpx.post(f"{cluster.url}/sessions/{group_parent}/prime", json={"messages": prompt}, timeout=30)
+    assert primed.status_code == 200, primed.text
+    group = fork_through(cluster, group_parent, n=4)
+    assert {owner(c) for c in group} == {owner(group_parent)}
+    for child in group:
+        assert httpx.post(chat_url(cluster.url, child), json={"messages": prompt}, timeout=60).status_code == 200
+        assert holders(cluster, child) == [owner(group_parent)]

@@ -17,6 +17,7 @@ from harness.scripted_tasks import reply_directive, shopping_tasks
 from rollout.client import SessionClient
 from rollout.episodes import AgentConfig, EpisodeResult, Task, iter_episodes, run_episode, run_episodes
 from rollout.errors import SessionNotFoundError, SessionServerError, UnknownSessionError
+from rollout.prefix_tree import dedupe_prefixes
 from rollout.tools import default_toolbox
 from rollout.torch_batch import to_torch_batch
 from support.server import metric, wait_engine_idle, wait_running
@@ -371,3 +372,65 @@ def test_busy_turn_is_retried_after_retry_after(stack: dict) -> None:
     result = asyncio.run(main())
     assert result.ok, result.error
     assert result.final_answer == answer and result.busy_retries >= 2
+
+
+def test_groups_run_as_forks_of_one_primed_session(stack: dict) -> None:
+    """run_episodes(fork_groups=G): each G tasks of one prompt start as one primed session forked into G; the episodes
+    end as unforked ones do, their samples name the group (one per prompt) and the prompt's length as the fork
+    position, and no session is left behind (the primed parent is deleted after the fork)."""
+    pairs = shopping_tasks(2, seed=11)
+    # a group's three tasks: one prompt, each with its own scripted toolbox (it counts the episode's turns)
+    tasks = [shopping_tasks(index + 1, seed=11)[index][0] for index in (0, 0, 0, 1, 1, 1)]
+
+    async def main() -> list[EpisodeResult]:
+        async with SessionClient(stack["a"]) as client:
+            return await run_episodes(client, tasks, concurrency=6, fork_groups=3)
+
+    results = asyncio.run(main())
+    assert [r.index for r in results] == list(range(6))
+    groups = []
+    for r in results:
+        assert r.ok, r.error
+        assert r.final_answer == pairs[r.index // 3][1]
+        (sample,) = r.samples
+        lineage = sample.metadata["lineage"]
+        assert lineage["depth"] == 1 and lineage["fork_turns"] == 0
+        assert 0 < lineage["fork_position"] < len(sample.tokens)
+        assert not sample.loss_mask[:lineage["fork_position"]].any()  # the shared prefix is the prompt
+        groups.append(lineage["group"])
+    assert groups[0] == groups[1] == groups[2] != groups[3] == groups[4] == groups[5]
+    # the batch helper holds each group's prompt once: the second and third episodes point into the first's
+    batch = dedupe_prefixes([r.samples[0] for r in results])
+    prompts = [r.samples[0].metadata["lineage"]["fork_position"] for r in results]
+    assert batch.shared == [0, prompts[1], prompts[2], 0, prompts[4], prompts[5]]
+    assert batch.sample_tokens - len(batch.tokens) == 2 * prompts[0] + 2 * prompts[3]
+    assert httpx.get(f"{stack['a']}/admin/sessions").json()["sessions"] == []
+    with pytest.raises(ValueError, match="share their prompt"):
+        asyncio.run(run_episodes(SessionClient(stack["a"]), [pairs[0][0], pairs[1][0]], fork_groups=2))
+
+
+def test_demo_rl_rollouts_run_their_groups_as_forks(stack: dict, tokenizer) -> None:
+    """examples/demo_rl with --fork-groups: its rollouts launch each group as forks of one primed session."""
+    import random
+
+    from examples.demo_rl.game import THINKING_OFF, WeatherGame
+    from examples.demo_rl.rollouts import Rollouts
+
+    async def main() -> list:
+        async with SessionClient(stack["a"]) as client:
+            rollouts = Rollouts(client, WeatherGame(tokenizer), AgentConfig(max_tokens=8, extra_body=THINKING_OFF),
+                                group_size=3, ahead_groups=2, rng=random.Random(0), fork_groups=True)
+            rollouts.start()
+            try:
+                return await rollouts.take(2)
+            finally:
+                await rollouts.stop()
+
+    groups = asyncio.run(main())
+    seen = set()
+    for group in groups:
+        assert len(group.results) == 3 and all(r.ok for r in group.results), [r.error for r in group.results]
+        lineages = [r.samples[0].metadata["lineage"] for r in group.results]
+        assert len({lineage["group"] for lineage in lineages}) == 1 and lineages[0]["fork_turns"] == 0
+        seen.add(lineages[0]["group"])
+    assert len(seen) == 2

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from harness.launchers import start_session_server
 from rollout.client import SessionClient
@@ -204,8 +205,12 @@ def test_past_max_sessions_nothing_is_created_and_samples_carry_the_lineage(stac
         server = proc.url
         sid = new_session(server)
         play(server, sid, ["tool", "text"], "s")
-        refused = fork(server, sid, n=3)  # 1 + 3 > 3: all or none
-        assert refused.status_code == 503 and refused.json()["error"]["type"] == "too_many_sessions"
+        refused = fork(server, sid, n=3)  # 1 + 3 > 3: all or none; 429 (the server is up), not 503
+        assert refused.status_code == 429 and refused.json()["error"]["type"] == "too_many_sessions"
+        assert int(refused.headers["retry-after"]) >= 1
+        never = httpx.post(f"{server}/sessions/{sid}/fork", json={"n": 4}, timeout=30)  # more than it ever holds
+        assert never.status_code == 400
+        assert len(httpx.get(f"{server}/admin/sessions", timeout=30).json()["sessions"]) == 1
         (child, _sibling) = fork(server, sid, n=2).json()["session_ids"]
         samples = httpx.post(f"{server}/sessions/{child}/samples", timeout=30).json()
         assert len(samples) == 1
@@ -298,3 +303,64 @@ def test_children_open_their_own_engine_sessions(stack: Stack) -> None:
         assert engine_info(stack.engine)["open_sessions"] == 0
     finally:
         proc.stop()
+
+
+def first_turn_counts(server: str) -> tuple[float, float]:
+    """The first-turn cache's (hits, misses) from /metrics: a render and a repeat each move one."""
+    values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{server}/metrics", timeout=10).text)
+              for s in f.samples}
+    return (values["session_server_first_turn_cache_hits_total"],
+            values["session_server_first_turn_cache_misses_total"])
+
+
+def test_a_group_forks_at_its_primed_prompt(stack: Stack, proxy: RecordingProxy) -> None:
+    """A GRPO group as a fork: the prompt is primed once (one render), the children's first turns render nothing and
+    send the engine exactly what a fresh session's first turn sends; a child that sends another first request renders
+    it; the children's samples name the prompt's length as their fork position; a primed session with a turn is 400
+    to prime again."""
+    server = stack["forks"]
+    prompt = [{"role": "system", "content": "You are a careful agent."},
+              {"role": "user", "content": f"Solve task 39. {reply('solved')}"}]
+    fresh = new_session(server)
+    proxy.clear()
+    assert next_turn(server, fresh, "chat", prompt).status_code == 200
+    (call,) = proxy.generates()
+    expected: list[int] = call["request"]["input_ids"]
+    parent = new_session(server)
+    primed = httpx.post(f"{server}/sessions/{parent}/prime", json={"messages": prompt, "tools": TOOLS}, timeout=30)
+    assert primed.status_code == 200, primed.text
+    assert primed.json()["prompt_tokens"] == len(expected)
+    made = fork(server, parent, n=3).json()
+    assert made["fork_turns"] == 0 and made["fork_position"] == len(expected)
+    children = made["session_ids"]
+    before = first_turn_counts(server)
+    for child in children[:2]:
+        assert engine_ids(proxy, server, child, "chat", prompt) == expected
+    assert first_turn_counts(server) == before  # neither rendered nor looked up: the primed ids
+    other = [*prompt[:1], {"role": "user", "content": f"Another task. {reply('ok')}"}]
+    rendered = engine_ids(proxy, server, children[2], "chat", other)
+    assert rendered[:5] == expected[:5] and rendered != expected
+    assert sum(first_turn_counts(server)) == sum(before) + 1
+    samples = httpx.post(f"{server}/sessions/{children[0]}/samples", timeout=30).json()
+    lineage = samples[0]["metadata"]["lineage"]
+    assert lineage["fork_position"] == len(expected) and lineage["parent_session"] == parent
+    assert samples[0]["tokens"][:len(expected)] == expected
+    again = httpx.post(f"{server}/sessions/{children[0]}/prime", json={"messages": prompt}, timeout=30)
+    assert again.status_code == 400
+    for sid in (fresh, parent, *children):
+        assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
+
+
+def test_session_client_runs_a_group_as_forks(stack: Stack) -> None:
+    server = stack["forks"]
+    prompt = [{"role": "user", "content": f"group task {reply('x')}"}]
+
+    async def main() -> None:
+        async with SessionClient([server]) as client:
+            children = await client.group(4, prompt, TOOLS, metadata={"task": 1})
+            assert len(children) == 4 and client.open_sessions() == {server: 4}  # the parent is gone
+            for child in children:
+                assert next_turn(server, child, "chat", prompt).status_code == 200
+                assert await client.delete(child)
+
+    asyncio.run(main())

@@ -25,8 +25,12 @@ from trajectory.sampling_masks import SamplingMasks
 SETTINGS = settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def fingerprint(traj: LinearTrajectory) -> str:
-    return json.dumps([traj.to_dict(), traj.loss_mask.tolist(), traj.logprobs.tolist()])
+def fingerprint(traj: LinearTrajectory, owned: bool = True) -> str:
+    """Everything a trajectory holds; `owned` False leaves out its bytes (what it holds by reference varies)."""
+    info = traj.to_dict()
+    if not owned:
+        info.pop("nbytes")
+    return json.dumps([info, traj.loss_mask.tolist(), traj.logprobs.tolist()])
 
 
 def user(text: str) -> dict[str, str]:
@@ -155,3 +159,58 @@ def test_a_fork_keeps_the_sampling_masks_up_to_its_point_and_its_own_from_there(
     after = child.sampling_masks
     assert after is not None and len(after) == child.num_tokens and 3 in after.ids.tolist()
     assert 2 not in after.ids.tolist()  # the parent's second turn is not the child's
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@SETTINGS
+@given(data=st.data())
+def test_a_fork_at_the_primed_prompt_sends_what_a_fresh_session_sends(families, name, data):
+    """A GRPO group's parent primes its prompt (rendered once) and forks at it: each child's turns send exactly the
+    ids an unforked session of the same conversation sends, and the child's first turn renders nothing."""
+    family = families[name]
+    tools, turns = data.draw(conversations(family, reasoning=True, max_turns=3))
+    first = turns[0].appended
+    parent = LinearTrajectory(family)
+    primed = parent.prime(first, tools)
+    parent.set_primed(primed)
+    segments = SegmentSet(lambda: LinearTrajectory(family))
+    segments.get(0).trajectory = parent
+    forked = plan_fork(segments, lambda: SegmentSet(lambda: LinearTrajectory(family)), 2, 0)
+    assert forked.turns == 0 and forked.position == primed.num_tokens > 0
+    a, b = (c.main for c in forked.children)
+    fresh = LinearTrajectory(family)
+    with pytest.MonkeyPatch.context() as m:  # no render for the primed request
+        m.setattr("trajectory.linear.first_turn_ids", lambda *a, **k: pytest.fail("rendered a primed prompt"))
+        plan_a = a.prepare([dict(m) for m in first], tools)
+    reference = fresh.prepare(first, tools)
+    assert plan_a.prompt_ids.tolist() == reference.prompt_ids.tolist()
+    for k, turn in enumerate(turns):
+        plan = a.prepare([*a.messages, *turn.appended], tools) if k else plan_a
+        ref = fresh.prepare([*fresh.messages, *turn.appended], tools) if k else reference
+        assert plan.prompt_ids.tolist() == ref.prompt_ids.tolist()
+        a.commit(plan, *generate(family, plan, turn.reply, rid=f"r{k}"))
+        fresh.commit(ref, *generate(family, ref, turn.reply, rid=f"r{k}"))
+    # the same trajectory, but for its bytes: the child holds the primed prompt by reference (TokenBuffer.adopt_head)
+    assert fingerprint(a, owned=False) == fingerprint(fresh, owned=False)
+    assert a.nbytes < fresh.nbytes and a.nbytes <= fresh.nbytes - primed.plan.prompt_ids.nbytes
+    assert b.num_tokens == 0 and not b.checkpoints and parent.num_tokens == 0  # the sibling and parent untouched
+    # another first request is rendered as usual
+    other = [*first, user("and one more")]
+    assert b.prepare(other, tools).prompt_ids.tolist() == LinearTrajectory(family).prepare(other, tools) \
+        .prompt_ids.tolist()
+    # the journal's replay of a fork at the prompt: an empty trajectory (it renders its first turn again)
+    assert restore_trajectory(family, [], cuts=[(0, 0)]).num_tokens == 0
+
+
+def test_priming_is_before_the_first_turn_and_a_prompt_fork_needs_it(families):
+    family = families["qwen3"]
+    traj = LinearTrajectory(family)
+    with pytest.raises(ForkPointError):
+        traj.fork(0)  # nothing primed
+    primed = traj.prime([user("hi")])
+    plan = traj.prepare([user("hi")])
+    traj.commit(plan, *generate(family, plan, Reply(content="yo"), rid="r"))
+    with pytest.raises(ForkPointError):
+        traj.set_primed(primed)  # a turn came first
+    with pytest.raises(ForkPointError):
+        traj.prime([user("hi")])

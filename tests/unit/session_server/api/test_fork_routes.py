@@ -86,7 +86,9 @@ def test_refusals_leave_nothing_behind(family: ModelFamily) -> None:
             assert too_many.status_code == 400 and "--max-fork" in too_many.text
             assert bad_at.status_code == 400 and bad_at.json()["error"]["type"] == "invalid_fork_point"
             assert bad_meta.status_code == 400 and unknown.status_code == 404
-            assert full is not None and full.status_code == 503 and full.headers["retry-after"] == "4"
+            # 429, not POST /sessions' 503: the server is up, the fork asked for more room than it has now
+            assert full is not None and full.status_code == 429 and full.headers["retry-after"] == "4"
+            assert full.json()["error"]["type"] == "too_many_sessions"
             assert len(server.registry) == 3  # the parent and the two made by hand: no child of any refused fork
         journal = FailingJournal()
         with in_process_app(family, journal=journal) as (app, server):
