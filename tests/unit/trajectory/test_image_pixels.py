@@ -26,7 +26,7 @@ from trajectory import (
 )
 from trajectory.families.qwen3_vl import Qwen3VLFamily
 from trajectory.image_grid import QWEN3_VL, ImageGeometry
-from trajectory.image_pixels import image_files, with_image_bytes, with_image_pixels, with_pixel_values
+from trajectory.image_pixels import image_files, pixel_values, with_image_bytes, with_image_pixels, with_pixel_values
 from trajectory.images import Image, image_digest
 
 
@@ -111,3 +111,14 @@ def test_files_that_are_not_the_named_images_or_other_settings_are_refused(
     with pytest.raises(ValueError, match="come together"):
         dataclasses.replace(files, image_byte_offsets=files.image_byte_offsets + 1)
     assert with_pixel_values(sample) is sample  # no files: nothing to compute
+
+
+def test_pixel_values_are_the_processors_for_the_familys_grids() -> None:
+    """What samples carry: transformers' processor output for the images, one row per patch, grids as the family's."""
+    files = [screen(320, 240, 0).data, screen(100, 500, 1).data]
+    pixels, grids = pixel_values(files, QWEN3_VL, [[1, 16, 20], [1, 36, 8]])
+    assert grids.tolist() == [[1, 16, 20], [1, 36, 8]] and pixels.dtype == np.float32
+    assert pixels.shape == (16 * 20 + 36 * 8, 3 * 2 * 16 * 16)
+    assert np.allclose(pixels[:320], pixel_values(files[:1], QWEN3_VL, [[1, 16, 20]])[0])  # per image: alone
+    with pytest.raises(ValueError, match="differ from the sample's"):
+        pixel_values(files, QWEN3_VL, [[1, 16, 20], [1, 8, 36]])
