@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from transformers import AutoTokenizer
 
-from benchmarks.benchlib import Figures, tool_schemas, write_report
+from benchmarks.benchlib import Figures, print_figures, tool_schemas
 from trajectory import (
     GenerateResult,
     LinearTrajectory,
@@ -102,11 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizers / "qwen3")
-    figures = measure(tokenizer, args.turns)
-    for name, value in figures.values.items():
-        print(f"{name:48s} {value:>12.1f} {figures.meta[name]['unit']}")
-    if args.json:
-        write_report(args.json, "bench_sampling_masks", {"turns": args.turns, "top_ks": TOP_KS}, figures)
+    print_figures(measure(tokenizer, args.turns), "bench_sampling_masks", {"turns": args.turns, "top_ks": TOP_KS},
+                  args.json)
 
 
 if __name__ == "__main__":

@@ -301,6 +301,14 @@ def write_report(path: str, benchmark: str, config: dict[str, Any], figures: Fig
     print(f"wrote {path}")
 
 
+def print_figures(figures: Figures, benchmark: str, config: dict[str, Any], json_path: str | None) -> None:
+    """One line per figure (name, value, unit); with `json_path`, the report written there too."""
+    for name, value in figures.values.items():
+        print(f"{name:48s} {value:>14,.1f} {figures.meta[name]['unit']}")
+    if json_path:
+        write_report(json_path, benchmark, config, figures)
+
+
 def verdict(a: float, b: float, better: str | None, band: float, floor: float) -> str:
     delta = b - a
     if abs(delta) <= max(band * abs(a), floor):

@@ -160,7 +160,7 @@ def sampled_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask
         logits = (states @ weight.T).float() / scale
         norm = torch.logsumexp(logits, dim=-1)
         if sampling_masks is not None:
-            norm = _over_rows(logits, norm, sampling_masks, rows, cols + 1)
+            norm = _over_rows(lambda ids: logits.gather(-1, ids), norm, sampling_masks, rows, cols + 1)
         picked = logits.gather(-1, targets[:, None])[:, 0] - norm
     else:
         local = index[targets]
@@ -169,26 +169,33 @@ def sampled_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask
         rest = torch.full((len(logits), 1), math.log(vocab - len(alphabet)), dtype=logits.dtype)
         # A token outside the alphabet has logit exactly 0 (its row is zero).
         target_logit = torch.where(local >= 0, logits.gather(-1, local.clamp(min=0)[:, None])[:, 0], 0.0)
-        picked = target_logit - torch.logsumexp(torch.cat([logits, rest], -1), dim=-1)
+        norm = torch.logsumexp(torch.cat([logits, rest], -1), dim=-1)
+        if sampling_masks is not None:  # a kept id outside the alphabet has logit exactly 0 too
+            def alphabet_logits(ids: torch.Tensor) -> torch.Tensor:
+                kept = index[ids]
+                return torch.where(kept >= 0, logits.gather(-1, kept.clamp(min=0)), 0.0)
+
+            norm = _over_rows(alphabet_logits, norm, sampling_masks, rows, cols + 1)
+        picked = target_logit - norm
     out = torch.zeros(loss_mask.shape, dtype=picked.dtype)
     out[rows, cols + 1] = picked
     return out
 
 
-def _over_rows(logits: torch.Tensor, full: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor],
-               rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Per scored position (rows, cols), the logsumexp of `logits` over its sampling-mask row (`full`, the whole
-    vocabulary's, where it has none)."""
+def _over_rows(logits_of: Callable[[torch.Tensor], torch.Tensor], full: torch.Tensor,
+               masks: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Per scored position (rows, cols), the logsumexp over its sampling-mask row of the logits `logits_of` gives for
+    a [positions, width] block of token ids (`full`, the whole vocabulary's, where it has none)."""
     ids, offsets = masks
     start, end = offsets[rows, cols], offsets[rows, cols + 1]
     lengths = end - start
     width = int(lengths.max()) if len(lengths) else 0
     if width == 0:
         return full
-    reach = torch.arange(width, device=logits.device)
+    reach = torch.arange(width, device=full.device)
     valid = reach[None, :] < lengths[:, None]
     at = (start[:, None] + reach[None, :]).clamp(max=ids.shape[1] - 1)
-    kept = logits.gather(-1, ids[rows[:, None], at].clamp(min=0)).masked_fill(~valid, float("-inf"))
+    kept = logits_of(ids[rows[:, None], at].clamp(min=0)).masked_fill(~valid, float("-inf"))
     return torch.where(lengths > 0, torch.logsumexp(kept, dim=-1), full)
 
 

@@ -50,6 +50,11 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(wire.encode(obj), status_code=status, media_type=JSON)
 
 
+def _overflows(fault: Fault | None) -> bool:
+    """The fault `mask_overflow`: the request's sampling support overflows the mask cap mid-reply (faults.py)."""
+    return fault is not None and fault.name == "mask_overflow"
+
+
 def error_response(message: str, status: int = 400) -> Response:
     return json_response(wire.native_error(message), status)
 
@@ -194,7 +199,7 @@ class SimServer:
             if gone.is_set():
                 return Response(status_code=499)
             try:
-                req = self.engine.submit(inp)
+                req = self.engine.submit(inp, mask_overflow=_overflows(fault))
             except (BadRequest, ImageRefusal) as exc:
                 return error_response(str(exc))
             except EngineCrash:
@@ -203,6 +208,8 @@ class SimServer:
             await req.done.wait()
         finally:
             watcher.cancel()
+        if req.overflow is not None:  # tokenizer_manager.py _handle_abort_finish_reason: a 400 raised as ValueError
+            return error_response(str(req.overflow["message"]))
         body = wire.generate_body(self.engine, req, final=True, routed=self._routed(req))
         return self._encode_final(body, fault)
 
@@ -230,7 +237,7 @@ class SimServer:
             if fault is not None and fault.delay > 0:
                 await asyncio.sleep(fault.delay)
             try:
-                req = self.engine.submit(inp)
+                req = self.engine.submit(inp, mask_overflow=_overflows(fault))
             except (BadRequest, ImageRefusal) as exc:
                 async for chunk in _refusal_stream(str(exc)):
                     yield chunk

@@ -104,7 +104,7 @@ class Engine:
 
     # -- submission -----------------------------------------------------------------------------------------------
 
-    def submit(self, inp: GenerateInput) -> SimRequest:
+    def submit(self, inp: GenerateInput, mask_overflow: bool = False) -> SimRequest:
         """Validate, plan and start a request; raises BadRequest for anything SGLang answers with a 400."""
         if inp.rid in self.requests:
             raise BadRequest(f"Duplicate request ID detected: {inp.rid}")
@@ -151,6 +151,8 @@ class Engine:
         req = SimRequest(inp=inp, prompt=prompt, plan=plan, session=session,
                          key=key if expanded.images else None, images=expanded.images,
                          namespace=self._namespace(inp.extra_key))
+        if mask_overflow and inp.return_sampling_mask and sampling_masks.effective_top_k(inp.sampling) > 1:
+            req.overflow_at = len(plan.output_ids) // 2  # a greedy mask is the argmax alone: it cannot overflow
         if len(req.kv_tokens) > self.pool.capacity:
             raise BadRequest(f"Input length ({len(prompt)} tokens) plus the reply exceeds the maximum number of "
                              f"KV tokens ({self.pool.capacity}).")
@@ -351,11 +353,15 @@ class Engine:
                 await self._sleep(req, prefill)
                 prefill = max(0.0, prefill - (time.perf_counter() - started))
                 continue
+            if req.overflow_at is not None and req.generated >= req.overflow_at:
+                req.overflow = sampling_masks.overflow_abort(self.config.sampling_mask_max_tokens)
+                return "abort"
             if req.generated >= n:
                 return "done"
+            end = n if req.overflow_at is None else req.overflow_at
             latency = self._step_latency()
             chunk = max(1, math.ceil(_MIN_SLEEP_S / latency)) if latency > 0 else max(n, 1)
-            step = min(chunk, n - req.generated)
+            step = min(chunk, end - req.generated)
             if latency > 0:
                 started = time.perf_counter()
                 await self._sleep(req, step * latency)
@@ -382,6 +388,8 @@ class Engine:
         req.state = "finished"
         if completed:
             req.finish_reason = req.plan.finish_reason
+        elif req.overflow is not None:
+            req.finish_reason = req.overflow
         else:
             req.finish_reason = {"type": "abort", "message": req.abort_message or ABORT_MESSAGE,
                                  "status_code": None, "err_type": None}

@@ -22,7 +22,10 @@ BODY_FAULTS = ("malformed_json", "nan_logprob", "str_logprob", "bool_token", "st
 FAILING_FAULTS = ("http_500", *BODY_FAULTS, "drop_connection")  # each one fails the chat (502) and commits nothing
 # value_error: the request refused as SGLang's tokenizer manager refuses a bad value (a 400, or HTTP 200 with an error
 # event when streamed): the engine's own answer, which the session server passes on with its status.
-FAULTS = (*FAILING_FAULTS, "delay", "value_error")
+# mask_overflow: with return_sampling_mask, the sampler's realised support at the reply's middle token exceeds
+# --sampling-mask-max-tokens (cut-off ties on a GPU top-k kernel; the sim's own distribution has none) and the engine
+# aborts the request there, as SGLang does (sampling_masks.py): a 400, or the streamed abort event with status 400.
+FAULTS = (*FAILING_FAULTS, "delay", "value_error", "mask_overflow")
 _NAN_MARK = "__sim_nan_logprob__"
 
 

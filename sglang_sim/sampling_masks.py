@@ -13,8 +13,14 @@ kept set's full logprobs. No token of such a distribution has a logprob below lo
 logprobs can be that small, so a request with masks reports them raised to it (`floor`).
 
 Refusals (scheduler.py, tokenizer_manager.py): `top_k` must be 1 (greedy; temperature 0 means top_k 1) or finite in
-(1, --sampling-mask-max-tokens]; `sampling_logprobs_mode` needs `return_sampling_mask`. The overflow abort of a
-realized support past the cap (ties at the cut) cannot happen here: the run has no ties.
+(1, --sampling-mask-max-tokens]; `sampling_logprobs_mode` needs `return_sampling_mask`.
+
+The overflow abort: a realised support past the cap at some token (ties at the cut: a top-k kernel that keeps every
+id tied with the k-th) ends the request there with `overflow_abort` (batch_result_processor.py
+`get_sampling_mask_finish_reason`): that token is not emitted, a plain request is answered 400 with the message, a
+streamed one ends with the abort as its final event (tokenizer_manager.py `_handle_abort_finish_reason`). The sim's
+geometric run has no ties, so its support never passes top_k; the fault `mask_overflow` (faults.py) makes the reply's
+middle token overflow.
 """
 
 from __future__ import annotations
@@ -45,6 +51,14 @@ def refusal(params: SamplingParams, cap: int) -> str | None:
         return (f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= {cap}; got "
                 f"top_k={top_k}. Lower top_k or increase --sampling-mask-max-tokens.")
     return None
+
+
+def overflow_abort(cap: int) -> dict[str, Any]:
+    """SGLang's finish reason for a token whose realised support exceeds the cap (FINISH_ABORT.to_json)."""
+    return {"type": "abort",
+            "message": (f"Sampling support exceeds --sampling-mask-max-tokens={cap}, commonly because of cutoff "
+                        "ties. Lower top_k to leave more headroom or increase the server limit."),
+            "status_code": 400, "err_type": "BadRequestError"}
 
 
 def floor(vocab: int) -> float:

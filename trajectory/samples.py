@@ -32,7 +32,7 @@ _FORMAT = "trajectory-samples/v1"
 _ARRAYS = (("tokens", np.int32), ("loss_mask", np.uint8), ("rollout_log_probs", np.float32))
 # tensors a sample may carry
 _OPTIONAL = ("routed_experts", "pixel_values", "image_grid_thw", "mrope_positions", "sampling_mask_ids",
-             "sampling_mask_offsets", "sampling_log_probs")
+             "sampling_mask_offsets", "sampling_log_probs", "image_bytes", "image_byte_offsets")
 _MASK_ARRAYS = (("sampling_mask_ids", np.int32), ("sampling_mask_offsets", np.int64),
                 ("sampling_log_probs", np.float32))
 
@@ -63,6 +63,11 @@ class Sample:
     sampling_mask_ids: np.ndarray | None = None      # int32
     sampling_mask_offsets: np.ndarray | None = None  # int64, len(tokens) + 1
     sampling_log_probs: np.ndarray | None = None     # float32, len(tokens)
+    # Images as the agent sent them (the "bytes" form, trajectory/image_pixels.py): every image's encoded file, in
+    # the order of `metadata["images"]`, concatenated; file k is `image_bytes[image_byte_offsets[k]:
+    # image_byte_offsets[k + 1]]`. A trainer computes `pixel_values` from them (image_pixels.with_pixel_values).
+    image_bytes: np.ndarray | None = None         # uint8
+    image_byte_offsets: np.ndarray | None = None  # int64, images + 1
 
     def __post_init__(self) -> None:
         n = None
@@ -98,6 +103,13 @@ class Sample:
         if m is not None and (not isinstance(m, np.ndarray) or m.dtype != np.int32 or m.shape != (3, len(self.tokens))):
             raise ValueError("sample.mrope_positions must be an int32 [3, len(tokens)] array")
         self._check_masks()
+        data, offsets = self.image_bytes, self.image_byte_offsets
+        if (data is None) != (offsets is None) or (offsets is not None and (
+                not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1
+                or not isinstance(offsets, np.ndarray) or offsets.dtype != np.int64 or offsets.ndim != 1
+                or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(data) or (np.diff(offsets) < 0).any())):
+            raise ValueError("sample.image_bytes (uint8) and image_byte_offsets (int64, rising from 0 to "
+                             "len(image_bytes), one more than the images) come together")
 
     def _check_masks(self) -> None:
         arrays = [getattr(self, name) for name, _ in _MASK_ARRAYS]
@@ -305,6 +317,10 @@ def truncate_sample(sample: Sample, max_seq_len: int) -> Sample:
     if grids is not None and pixels is not None:
         grids = grids[:len(kept)].copy()
         pixels = pixels[:int(grids.prod(axis=1).sum())].copy()
+    files, file_offsets = sample.image_bytes, sample.image_byte_offsets
+    if files is not None and file_offsets is not None:
+        file_offsets = file_offsets[:len(kept) + 1].copy()
+        files = files[:int(file_offsets[-1])].copy()
     masks = sample.sampling_masks
     cut_sample = Sample(
         tokens=sample.tokens[:cut].copy(), loss_mask=sample.loss_mask[:cut].copy(),
@@ -313,6 +329,7 @@ def truncate_sample(sample: Sample, max_seq_len: int) -> Sample:
         routed_experts=None if sample.routed_experts is None else sample.routed_experts[:cut].copy(),
         pixel_values=pixels, image_grid_thw=grids,
         mrope_positions=None if sample.mrope_positions is None else sample.mrope_positions[:, :cut].copy(),
+        image_bytes=files, image_byte_offsets=file_offsets,
     )
     cut_sample.set_masks(None if masks is None else masks.rows(0, cut))
     return cut_sample
@@ -328,7 +345,10 @@ def samples_to_json(samples: Sequence[Sample]) -> list[dict[str, Any]]:
          **({} if s.pixel_values is None or s.image_grid_thw is None else {
              "pixel_values": s.pixel_values.tolist(), "image_grid_thw": s.image_grid_thw.tolist()}),
          **({} if s.mrope_positions is None else {"mrope_positions": s.mrope_positions.tolist()}),
-         **{name: getattr(s, name).tolist() for name, _ in _MASK_ARRAYS if getattr(s, name) is not None}}
+         **{name: getattr(s, name).tolist() for name, _ in _MASK_ARRAYS if getattr(s, name) is not None},
+         **({} if s.image_bytes is None or s.image_byte_offsets is None else {
+             "image_bytes": base64.b64encode(s.image_bytes.tobytes()).decode("ascii"),  # a string, not a list
+             "image_byte_offsets": s.image_byte_offsets.tolist()})}
         for s in samples
     ]
 
@@ -343,6 +363,21 @@ def _json_array(i: int, name: str, values: Any, dtype: type) -> np.ndarray:
         if array.size and (array.min() < info.min or array.max() > info.max):
             raise ValueError(f"samples[{i}].{name} has values outside the {np.dtype(dtype).name} range")
     return array.astype(dtype)
+
+
+def _json_image_bytes(i: int, item: dict[str, Any]) -> dict[str, np.ndarray]:
+    """`image_bytes` (a base64 string in JSON) and `image_byte_offsets`, when the sample carries them."""
+    data, offsets = item.get("image_bytes"), item.get("image_byte_offsets")
+    if data is None and offsets is None:
+        return {}
+    if not isinstance(data, str):
+        raise ValueError(f"samples[{i}].image_bytes must be a base64 string")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        raise ValueError(f"samples[{i}].image_bytes is not valid base64") from None
+    return {"image_bytes": np.frombuffer(raw, np.uint8).copy(),
+            "image_byte_offsets": _json_array(i, "image_byte_offsets", offsets, np.int64)}
 
 
 def samples_from_json(data: Any) -> list[Sample]:
@@ -382,9 +417,10 @@ def samples_from_json(data: Any) -> list[Sample]:
             positions = positions.astype(np.int32)
         masks = {name: _json_array(i, name, item[name], dtype) for name, dtype in _MASK_ARRAYS
                  if item.get(name) is not None}
+        files = _json_image_bytes(i, item)
         out.append(Sample(**arrays, response_length=item["response_length"], status=item["status"],
                           metadata=item.get("metadata") or {}, routed_experts=routed, pixel_values=pixels,
-                          image_grid_thw=grids, mrope_positions=positions, **masks))
+                          image_grid_thw=grids, mrope_positions=positions, **masks, **files))
     return out
 
 
@@ -430,6 +466,7 @@ def samples_from_safetensors(data: bytes) -> list[Sample]:
                image_grid_thw=tensors.get(f"{i}.image_grid_thw"), mrope_positions=tensors.get(f"{i}.mrope_positions"),
                sampling_mask_ids=tensors.get(f"{i}.sampling_mask_ids"),
                sampling_mask_offsets=tensors.get(f"{i}.sampling_mask_offsets"),
-               sampling_log_probs=tensors.get(f"{i}.sampling_log_probs"))
+               sampling_log_probs=tensors.get(f"{i}.sampling_log_probs"),
+               image_bytes=tensors.get(f"{i}.image_bytes"), image_byte_offsets=tensors.get(f"{i}.image_byte_offsets"))
         for i, entry in enumerate(entries)
     ]

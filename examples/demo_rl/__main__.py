@@ -57,6 +57,7 @@ from examples.demo_rl.plot import plot
 from examples.demo_rl.policy import load_policy
 from examples.demo_rl.step_record import verdict
 from examples.demo_rl.table import table
+from examples.demo_rl.truncation import Truncation
 from examples.demo_rl.warmup import warm_up
 from harness.launchers import RunningProcess, start_session_server, start_sglang
 
@@ -85,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (default 1: the engine "
                    "and the session server need the other core)")
+    p.add_argument("--top-k", type=int, default=0, help="sample with this top-k, record the sampling masks and "
+                   "train with support-normalised ratios (examples/demo_rl/truncation.py; default 0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --top-k, also this top-p (default %(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "demo-rl")
     return p.parse_args(argv)
 
@@ -95,6 +99,11 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        truncation = Truncation(top_k=args.top_k, top_p=args.top_p)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     # A SIGTERM unwinds like Ctrl-C, so the engine and the session server are stopped on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
     torch.set_num_threads(args.threads)
@@ -113,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     logs = out / "logs"
     config = RunConfig(steps=args.steps, groups_per_step=args.groups_per_step, group_size=args.group_size,
                        ahead_groups=args.ahead_groups, max_staleness=args.max_staleness, lr=args.lr,
-                       body_lr=args.body_lr, seed=args.seed, fork_groups=args.fork_groups)
+                       body_lr=args.body_lr, seed=args.seed, fork_groups=args.fork_groups,
+                       truncation=truncation)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     game = WeatherGame(tokenizer)
     # The engine starts (30-60 s of mostly its own imports) while the policy warms up.
@@ -131,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warm-up: {args.warmup_steps} steps in {warm_seconds:.0f} s, loss {losses[0]:.2f} -> {losses[-1]:.3f}")
         engine.wait_ready()
         print(f"engine ready after {time.perf_counter() - started:.0f} s (logs in {logs})")
-        server = start_session_server(engine.url, checkpoint, "qwen3", log_dir=logs)
+        server = start_session_server(engine.url, checkpoint, "qwen3", *truncation.server_args(), log_dir=logs)
         steps_log = out / "steps.jsonl"
         steps_log.unlink(missing_ok=True)
         result = asyncio.run(train_loop(config, game, policy, engine_url=engine.url, server_url=server.url,
@@ -159,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         "steps_check_ok": sum(r.check_ok for r in records),
         "steps_check_ok_on_one_version_replies": sum(verdict(r) in ("ok", "ok*") for r in records),
         "worst_clean_mismatch": float(np.nanmax([r.mismatch_max_clean for r in records])),
+        **({"sampling": truncation.sampling(),
+            "worst_support_mismatch": float(np.nanmax([r.support_mismatch_max for r in records])),
+            "worst_unmasked_mismatch": float(np.nanmax([r.unmasked_mismatch_max for r in records]))}
+           if truncation.on else {}),
         "engine_versions": result.versions, "groups_cancelled_at_the_end": result.cancelled_groups,
     }
     png = plot(records, out / "demo_rl.png",

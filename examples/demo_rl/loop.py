@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from examples.demo_rl.game import THINKING_OFF, Reward, WeatherGame
@@ -13,6 +13,7 @@ from examples.demo_rl.policy import TEMPERATURE, AlphabetPolicy
 from examples.demo_rl.rollouts import Rollouts
 from examples.demo_rl.step_record import StepRecord
 from examples.demo_rl.trainer import Trainer
+from examples.demo_rl.truncation import Truncation
 from rollout.client import SessionClient
 from rollout.episodes import AgentConfig
 from rollout.weight_push import WeightPusher
@@ -37,6 +38,8 @@ class RunConfig:
     overlap: bool = True
     # True: each group starts as one session primed with the prompt and forked into G (--fork-groups, issue 39).
     fork_groups: bool = False
+    # --top-k / --top-p: sampling masks and support-normalised ratios (truncation.py)
+    truncation: Truncation = field(default_factory=Truncation)
 
 
 @dataclass
@@ -54,12 +57,14 @@ async def train_loop(config: RunConfig, game: WeatherGame, policy: AlphabetPolic
     from tqdm import tqdm
 
     rng = random.Random(config.seed)
-    agent = AgentConfig(temperature=TEMPERATURE, max_tokens=config.max_tokens, extra_body=THINKING_OFF,
+    agent = AgentConfig(temperature=TEMPERATURE, max_tokens=config.max_tokens,
+                        extra_body={**THINKING_OFF, **config.truncation.sampling()},
                         busy_retries=50, default_retry_after=0.2, max_retry_after=0.5, sample_format="safetensors")
     async with SessionClient(server_url) as client, WeightPusher(engine_url, [server_url]) as pusher:
         trainer = Trainer(policy, lr=config.lr, body_lr=config.body_lr, clip=config.clip, is_cap=config.is_cap,
                           minibatches=config.minibatches, max_staleness=config.max_staleness,
-                          weights_dir=weights_dir, pusher=pusher, reward=reward, flush_cache=not config.overlap)
+                          weights_dir=weights_dir, pusher=pusher, reward=reward, flush_cache=not config.overlap,
+                          support=config.truncation.on)
         await trainer.push(0)
         versions = [await pusher.engine_version()]
         ahead = config.ahead_groups if config.overlap else 0

@@ -48,9 +48,11 @@ class AlphabetPolicy:
             self.model.get_input_embeddings().weight[self.alphabet] = self.rows
 
     def log_probs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                  attention_mask: torch.Tensor | None = None,
+                  sampling_masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Each sampled token's logprob; with `sampling_masks`, renormalised over its row (truncation.py)."""
         return sampled_log_probs(self.model, input_ids, loss_mask, attention_mask, temperature=TEMPERATURE,
-                                 alphabet=self.alphabet, alphabet_rows=self.rows)
+                                 alphabet=self.alphabet, alphabet_rows=self.rows, sampling_masks=sampling_masks)
 
     def in_alphabet(self, tokens: np.ndarray) -> bool:
         return bool(np.isin(tokens, self.alphabet.numpy()).all())

@@ -33,6 +33,10 @@ class StepRecord:
     push_seconds: float
     seconds: float
     worst: list[str] = field(default_factory=list)
+    # With --top-k (truncation.py): the worst |support recompute - engine's sampling logprob|, and the full-vocabulary
+    # recompute's beside it (the bias a ratio without masks would carry); nan without masks.
+    support_mismatch_max: float = math.nan
+    unmasked_mismatch_max: float = math.nan
 
 
 def verdict(r: StepRecord) -> str:

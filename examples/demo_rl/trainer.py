@@ -17,6 +17,7 @@ from examples.demo_rl.game import Reward
 from examples.demo_rl.policy import TEMPERATURE, AlphabetPolicy
 from examples.demo_rl.rollouts import Group
 from examples.demo_rl.step_record import StepRecord
+from examples.demo_rl.truncation import batch_masks, rows_of, support_figures
 from rollout.grpo import clipped_pg_loss, filter_stale, group_advantages, truncated_is_weights
 from rollout.logprob_check import check_logprobs
 from rollout.torch_batch import to_torch_batch
@@ -68,8 +69,9 @@ class Trainer:
 
     def __init__(self, policy: AlphabetPolicy, *, lr: float, body_lr: float, clip: float, is_cap: float,
                  minibatches: int, max_staleness: int, weights_dir: Path, pusher: WeightPusher, reward: Reward,
-                 flush_cache: bool = False) -> None:
+                 flush_cache: bool = False, support: bool = False) -> None:
         self.policy = policy
+        self.support = support  # sampled with top-k / top-p: support-normalised ratios (truncation.py)
         self.reward = reward
         self.flush_cache = flush_cache
         # RL trains the alphabet's rows (`lr`) and the layers at `body_lr`, by default not at all: the rows carry the
@@ -137,7 +139,8 @@ class Trainer:
         samples = [s for e in episodes for s in e]
         report = check_logprobs(samples, self.model_of, temperature=TEMPERATURE, worst=5)
         m = report.metrics
-        record.check_ok = report.ok()
+        record.check_ok = report.ok() and (report.ok_support() or not self.support)
+        record.support_mismatch_max, record.unmasked_mismatch_max = support_figures(m)
         record.mismatch_max = report.max_abs_diff
         record.mismatch_mean = m.get("rollout_check/logprob_abs_diff_mean", 0.0)
         record.k3_kl = m.get("rollout_corr/k3_kl", 0.0)
@@ -163,14 +166,19 @@ class Trainer:
         batch = to_torch_batch(episodes=episodes)
         adv = torch.from_numpy(advantages)[batch["episode_index"]]
         ids, mask, attention = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+        masks = batch_masks(batch) if self.support else None
+        if self.support and masks is None:
+            raise RuntimeError("sampled with top-k but the samples carry no sampling masks")
         with torch.no_grad():
-            old = self.policy.log_probs(ids, mask, attention)
-        weights = truncated_is_weights(old, batch["rollout_log_probs"], mask, self.is_cap)
+            old = self.policy.log_probs(ids, mask, attention, masks)
+        # The behaviour policy's logprob: over the kept set when the engine sampled from one.
+        behaviour = batch["sampling_log_probs"] if masks is not None else batch["rollout_log_probs"]
+        weights = truncated_is_weights(old, behaviour, mask, self.is_cap)
         rows = torch.randperm(len(ids))
         metrics: list[dict[str, float]] = []
         self.policy.model.train()
         for part in rows.chunk(self.minibatches):
-            logp = self.policy.log_probs(ids[part], mask[part], attention[part])
+            logp = self.policy.log_probs(ids[part], mask[part], attention[part], rows_of(masks, part))
             out = clipped_pg_loss(logp, old[part], adv[part], mask[part], clip_low=self.clip, clip_high=self.clip,
                                   is_weights=weights[part])
             self.optimizer.zero_grad()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -110,8 +111,13 @@ def image_spans(sample: Sample, pad_id: int | None) -> tuple[list[dict[str, Any]
     return records, [r["span"] for r in records] == [[start, start + n] for start, n in runs]
 
 
-def payload_bytes(sample: Sample) -> int:
-    """The sample's size as the server sends it (safetensors: tokens, masks, logprobs, pixel values, metadata)."""
+def payload_bytes(sample: Sample, images: str = "bytes") -> int:
+    """The sample's safetensors size as the server sends it with its images as `images`: "bytes" (the PNGs the agent
+    sent, rollout's default: the client computed the pixel values) or "pixels" (the server's pixel values)."""
+    if images == "bytes":
+        sample = dataclasses.replace(sample, pixel_values=None, image_grid_thw=None)
+    else:
+        sample = dataclasses.replace(sample, image_bytes=None, image_byte_offsets=None)
     return len(samples_to_safetensors([sample]))
 
 
@@ -125,9 +131,10 @@ def episode_lines(result: GuiEpisode, pad_id: int | None) -> list[str]:
     for k, sample in enumerate(result.samples):
         records, agree = image_spans(sample, pad_id)
         pixels = sample.pixel_values
-        shape = "" if pixels is None else f" (pixel_values {'x'.join(map(str, pixels.shape))} {pixels.dtype})"
+        shape = "" if pixels is None else f" {'x'.join(map(str, pixels.shape))} {pixels.dtype}"
         lines.append(f"    sample {k}: {len(sample.tokens)} tokens, {int(sample.loss_mask.sum())} sampled, "
-                     f"{len(records)} images, payload {payload_bytes(sample) / 2**20:.1f} MiB{shape}"
+                     f"{len(records)} images, payload {payload_bytes(sample) / 2**10:.1f} KiB "
+                     f"({payload_bytes(sample, 'pixels') / 2**20:.1f} MiB with pixel_values{shape})"
                      + ("" if agree else "  MISMATCH: the image records are not the pad runs of the tokens"))
         if records:
             lines.append("      spans " + ", ".join(
@@ -153,7 +160,8 @@ def summarize(results: list[GuiEpisode], pad_id: int | None, seconds: float) -> 
         "tokens": sum(len(s.tokens) for s in samples),
         "sampled tokens": sum(int(s.loss_mask.sum()) for s in samples),
         "image placeholder tokens": image_tokens,
-        "payload MiB": round(sum(payload_bytes(s) for s in samples) / 2**20, 1),
+        "payload KiB": round(sum(payload_bytes(s) for s in samples) / 2**10, 1),
+        "payload MiB with pixel values": round(sum(payload_bytes(s, "pixels") for s in samples) / 2**20, 1),
         "seconds": round(seconds, 2),
     }
 
@@ -166,7 +174,8 @@ def write_outputs(out: Path, results: list[GuiEpisode]) -> list[Path]:
     with samples_path.open("w") as f:
         for r in results:
             for line in samples_to_json(r.samples):  # the pixel values (megabytes) stay in the payload
-                line = {k: v for k, v in line.items() if k not in ("pixel_values", "image_grid_thw")}
+                line = {k: v for k, v in line.items()
+                        if k not in ("pixel_values", "image_grid_thw", "image_bytes", "image_byte_offsets")}
                 f.write(json.dumps({"episode": r.index, "seed": r.seed, **line}) + "\n")
     with episodes_path.open("w") as f:
         for r in results:

@@ -1,5 +1,9 @@
 """POST /sessions/{id}/samples: the trajectory as training samples (docs/design.md 6).
 
+`{"images": "pixels"}` (the default) gives an image sample's pixel values, computed here; `{"images": "bytes"}` the
+files as the agent sent them and the processor's settings instead, a few kilobytes where the pixel values are
+megabytes, for the trainer to compute the same pixel values itself (trajectory/image_pixels.py, docs/images.md).
+
 The merged sample is snapshotted under the session lock (cheap array copies, no await inside), then truncated and
 serialized on the CPU pool, so a large trajectory never stalls the loop. JSON by default; one safetensors payload
 with `Accept: application/octet-stream`. The body is a list with one merged sample per segment of the session (one for
@@ -13,7 +17,6 @@ turns since this process holds it: `session_continuations` {recomputed, regenera
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +26,6 @@ from starlette.responses import Response
 
 from session_server.api.sessions import lookup
 from session_server.frontend.fields import MAX_INT32, is_int
-from session_server.frontend.images import pixel_values
 from session_server.http.body import read_object
 from session_server.state import server_of
 from trajectory import (
@@ -35,6 +37,7 @@ from trajectory import (
     truncate_sample,
 )
 from trajectory.errors import RequestValidationError
+from trajectory.image_pixels import IMAGE_FORMS, ImageForm, with_image_bytes, with_image_pixels
 from trajectory.images import Image, Vision
 
 OCTET_STREAM = "application/octet-stream"
@@ -50,16 +53,19 @@ def _max_seq_len(obj: dict[str, Any]) -> int | None:
     return value
 
 
-def _with_pixels(sample: Sample, images: Mapping[str, Image], vision: Vision) -> Sample:
-    """`sample` with the pixel values of the images its metadata names (frontend/images.py `pixel_values`)."""
-    pixels, grids = pixel_values([images[image["digest"]] for image in sample.metadata["images"]], vision)
-    return dataclasses.replace(sample, pixel_values=pixels, image_grid_thw=grids)
+def _image_form(obj: dict[str, Any]) -> ImageForm:
+    value = obj.get("images", "pixels")
+    for form in IMAGE_FORMS:
+        if value == form:
+            return form
+    raise RequestValidationError(f"'images' must be one of {list(IMAGE_FORMS)}")
 
 
 def _encode(samples: list[Sample], max_seq_len: int | None, binary: bool, images: Mapping[str, Image],
-            vision: Vision | None) -> bytes:
+            vision: Vision | None, form: ImageForm = "pixels") -> bytes:
     if vision is not None:
-        samples = [_with_pixels(s, images, vision) if s.metadata.get("images") else s for s in samples]
+        attach = with_image_bytes if form == "bytes" else with_image_pixels
+        samples = [attach(s, images, vision.geometry) if s.metadata.get("images") else s for s in samples]
     if max_seq_len is not None:
         samples = [truncate_sample(s, max_seq_len) for s in samples]
     return samples_to_safetensors(samples) if binary else _encoder.encode(samples_to_json(samples))
@@ -69,7 +75,8 @@ async def collect_samples(request: Request) -> Response:
     server = server_of(request)
     session = lookup(server, request.path_params["session_id"])
     config = server.config
-    max_seq_len = _max_seq_len(await read_object(request, config.max_request_bytes, config.body_timeout))
+    body = await read_object(request, config.max_request_bytes, config.body_timeout)
+    max_seq_len, form = _max_seq_len(body), _image_form(body)
     async with session.lock:
         segments = sorted(session.segments, key=lambda s: s.id)
         samples = build_segment_samples([(s, s.trajectory) for s in segments],
@@ -81,5 +88,5 @@ async def collect_samples(request: Request) -> Response:
                 sample.metadata["session_continuations"] = dict(session.continuations)
         images = {d: i for s in segments for d, i in s.trajectory.images.items()}  # stores are replaced, not mutated
     binary = OCTET_STREAM in request.headers.get("accept", "")
-    body = await server.pool.run(_encode, samples, max_seq_len, binary, images, server.family.vision)
-    return Response(body, media_type=OCTET_STREAM if binary else "application/json")
+    payload = await server.pool.run(_encode, samples, max_seq_len, binary, images, server.family.vision, form)
+    return Response(payload, media_type=OCTET_STREAM if binary else "application/json")

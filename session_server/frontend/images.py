@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import io
 import json
 import urllib.error
 import urllib.request
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from trajectory import ModelFamily
 from trajectory.errors import RequestValidationError
@@ -129,34 +126,6 @@ def with_processor_config(family: ModelFamily, directory: str) -> ModelFamily:
         geometry = ImageGeometry.from_preprocessor_config(json.loads(path.read_text()))
         family.vision = Vision(family.vision.tokens, geometry)
     return family
-
-
-@functools.lru_cache(maxsize=4)
-def _processor(geometry: ImageGeometry) -> Any:
-    """transformers' Qwen2-VL image processor (the PIL one: no torch in the server) with the family's settings."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    return Qwen2VLImageProcessorPil(
-        patch_size=geometry.patch_size, merge_size=geometry.merge_size,
-        temporal_patch_size=geometry.temporal_patch_size, image_mean=list(geometry.image_mean),
-        image_std=list(geometry.image_std), size={"shortest_edge": geometry.min_pixels,
-                                                  "longest_edge": geometry.max_pixels})
-
-
-def pixel_values(images: Sequence[Image], vision: Vision) -> tuple[np.ndarray, np.ndarray]:
-    """What the model's vision tower takes for `images`: (float32 [patches, dim], int64 [images, 3] grids), as
-    transformers' processor makes them. CPU-heavy (a screenshot is a few milliseconds): run it on the pool."""
-    from PIL import Image as PILImage
-
-    if not images:
-        return np.zeros((0, 0), np.float32), np.zeros((0, 3), np.int64)
-    opened = [PILImage.open(io.BytesIO(image.data)) for image in images]
-    out = _processor(vision.geometry)(images=opened, return_tensors="np")
-    pixels, grids = np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"], np.int64)
-    expected = [list(vision.grid(image)) for image in images]
-    if grids.tolist() != expected:  # our pad counts and the processor's must agree (they are the same arithmetic)
-        raise RuntimeError(f"image processor grids {grids.tolist()} differ from the family's {expected}")
-    return pixels, grids
 
 
 def _image_url(part: dict[str, Any]) -> Any:

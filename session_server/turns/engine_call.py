@@ -48,6 +48,7 @@ from session_server.turns.commit import commit_turn
 from session_server.turns.output import TurnOutput, decode_turn
 from session_server.turns.race import Ending, race
 from session_server.turns.resume import Continuation
+from session_server.turns.sampling_masks import support_overflow
 from session_server.turns.turn import FrontEnd, Turn, new_rid
 from trajectory import GenerateResult, TurnRecord
 from trajectory.continuation import WEIGHTS_CHANGED
@@ -374,7 +375,8 @@ class EngineCall(Generic[R]):
         if self.abandoned:
             raise _Abandoned
         if not reply.ok:
-            raise EngineRefusedError(reply.status, reply.body, reply.content_type)
+            refused = EngineRefusedError(reply.status, reply.body, reply.content_type)
+            raise support_overflow(refused) or refused
         return await self._decode(reply.body)
 
     async def _stream(self) -> tuple[TurnOutput, bytes | None]:
@@ -414,8 +416,10 @@ class EngineCall(Generic[R]):
             raise _Abandoned
         if raw is None:
             raise InvariantError("the engine stream ended without its final event")  # engine_events raises first
-        refused = None if progressed else refused_in_stream(raw)
-        if refused is not None:
+        refused = refused_in_stream(raw)
+        if refused is not None and (overflow := support_overflow(refused)) is not None:
+            raise overflow  # after streamed tokens too: not an abort to continue or retry
+        if refused is not None and not progressed:
             raise refused
         return await self._decode(raw)
 

@@ -13,6 +13,12 @@ model's own, temperature aside. So, before any engine call, with a 400 that name
 - `min_p` is allowed: SGLang's sampler (layers/sampler.py, every backend) zeroes the tokens under `min_p` times the
   largest probability before it captures the kept set, so the row records its effect exactly. Constrained decoding
   is allowed for the same reason: its grammar removes tokens before sampling and leaves the others' proportions.
+
+A request can pass these and still not be recordable: SGLang aborts it where a token's kept set holds more ids than
+its `--sampling-mask-max-tokens` (ties at the top-k cut), with status 400 (a plain request's answer, a streamed
+one's last event, possibly after tokens were streamed). `support_overflow` reads that abort: the agent gets a 400 in
+its API's shape, code `sampling_support_overflow`, with SGLang's text, plain or streamed alike; nothing is committed,
+and the turn is not continued or retried (the same top_k may tie again: lower it, or raise the engine's cap).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from session_server.config import ServerConfig
+from session_server.errors import EngineRefusedError, engine_message
 from session_server.sessions.session import Session
 from trajectory.errors import RequestValidationError
 
@@ -32,6 +39,24 @@ class UnreplayableSamplingError(RequestValidationError):
     """A request whose sampling cannot be recorded exactly with masks on (400)."""
 
     code = "sampling_not_replayable"
+
+
+class SamplingSupportOverflowError(RequestValidationError):
+    """The engine aborted the reply: one token's kept set passed its mask cap (400; see the module docstring)."""
+
+    code = "sampling_support_overflow"
+
+
+# How SGLang 0.5.23 begins the abort's message (batch_result_processor.py `get_sampling_mask_finish_reason`).
+OVERFLOW_MESSAGE = "Sampling support exceeds --sampling-mask-max-tokens"
+
+
+def support_overflow(refused: EngineRefusedError) -> SamplingSupportOverflowError | None:
+    """The engine's refusal as the overflow abort it is (status 400, SGLang's text), else None."""
+    message = engine_message(refused.body)
+    if refused.engine_status != 400 or not message.startswith(OVERFLOW_MESSAGE):
+        return None
+    return SamplingSupportOverflowError(f"the engine aborted the reply with sampling masks on: {message}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,12 +19,16 @@ from typing import Any
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
 
-from support.image_episodes import APIS, check_exact, data_url, episode, screenshot
+from rollout import SessionClient
+from support.image_episodes import APIS, check_exact, data_url, digest, episode, screenshot
 from support.server import RecordingProxy, new_session
 from support.stack import Stack, launch_stack
+from trajectory import samples_from_json, samples_from_safetensors
+from trajectory.image_pixels import image_files
 
 VISION = "qwen3-vl"
 
@@ -56,6 +60,53 @@ def test_an_image_episode_is_token_exact(stack: Stack, proxy: RecordingProxy, ap
     report = check_exact(stack.server, stack.engine, calls, sid, images)
     assert [i["span"][1] - i["span"][0] for i in report["images"]] == [80, 80, 80]
     assert report["pixel_values"] == [3 * 320, 1536]
+
+
+@pytest.mark.parametrize("format", ["safetensors", "json"])
+def test_image_bytes_give_the_servers_pixel_values_on_the_trainers_side(stack: Stack, format: str) -> None:
+    """`rollout` collects the images as the agent's files (its default) and computes the pixel values itself: equal,
+    bit for bit, to the ones the server computes when asked for pixels, in a payload a small fraction of the size."""
+    images = [screenshot(i) for i in range(3)]
+
+    async def run() -> tuple[Any, Any]:
+        async with SessionClient(stack.server) as client:
+            sid = await client.create()
+            await episode("chat", client.base_url(sid), images, stream=False)
+            return await client.collect(sid, format=format), await client.collect(sid, format=format,
+                                                                                  images="pixels")
+
+    (local,), (served,) = asyncio.run(run())
+    assert served.image_bytes is None and served.pixel_values is not None and served.image_grid_thw is not None
+    assert local.pixel_values is not None and local.image_grid_thw is not None
+    assert local.pixel_values.shape == served.pixel_values.shape == (3 * 320, 1536)
+    assert np.array_equal(local.pixel_values, served.pixel_values)
+    assert np.array_equal(local.image_grid_thw, served.image_grid_thw)
+    assert image_files(local) == images  # the files exactly as the agent sent them, in the metadata's order
+    assert [i["digest"] for i in local.metadata["images"]] == [digest(d) for d in images]
+    assert local.metadata["image_processor"]["patch_size"] == 16
+    assert np.array_equal(local.tokens, served.tokens)
+
+
+def test_the_samples_image_form_is_checked_and_sized(stack: Stack) -> None:
+    """Without `rollout`, `{"images": "bytes"}` is the small payload (no pixel values), the default the large one; any
+    other form is a 400."""
+    sid = new_session(stack.server)
+    images = [screenshot(i) for i in range(3)]
+    asyncio.run(episode("chat", base(stack, sid), images, stream=False))
+    url, octets = f"{stack.server}/sessions/{sid}/samples", {"accept": "application/octet-stream"}
+    by_form = {form: httpx.post(url, json=body, headers=octets, timeout=120).content
+               for form, body in (("pixels", {}), ("bytes", {"images": "bytes"}))}
+    (pixels,), (files,) = (samples_from_safetensors(by_form[f]) for f in ("pixels", "bytes"))
+    assert files.pixel_values is None and files.image_grid_thw is None and image_files(files) == images
+    assert pixels.image_bytes is None and pixels.pixel_values is not None
+    assert len(by_form["bytes"]) < sum(map(len, images)) + 20_000 < 5_000_000 < len(by_form["pixels"])
+    (from_json,) = samples_from_json(httpx.post(url, json={"images": "bytes"}, timeout=120).json())
+    assert image_files(from_json) == images
+    cut = samples_from_safetensors(httpx.post(url, json={"images": "bytes", "max_seq_len": 100}, headers=octets,
+                                              timeout=120).content)[0]
+    assert image_files(cut) == images[:len(cut.metadata["images"])] and len(cut.metadata["images"]) < 3
+    refused = httpx.post(url, json={"images": "png"}, timeout=60)
+    assert refused.status_code == 400 and "'images' must be one of ['pixels', 'bytes']" in refused.text
 
 
 def _bad(api: str, url: str, count: int = 1) -> dict[str, Any]:

@@ -190,6 +190,42 @@ def test_unreplayable_requests_are_each_apis_400_naming_the_field(stack: Stack) 
     assert httpx.get(f"{server}/sessions/{sid}", timeout=30).json()["records"] == []
 
 
+OVERFLOW = ("Sampling support exceeds --sampling-mask-max-tokens=4096, commonly because of cutoff ties. Lower top_k "
+            "to leave more headroom or increase the server limit.")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_an_engine_abort_for_a_support_past_its_cap_is_a_clear_400(stack: Stack, stream: bool) -> None:
+    """SGLang aborts a request where a token's kept set passes --sampling-mask-max-tokens (the sim's fault
+    mask_overflow, halfway through the reply): a 400 plain, HTTP 200 then an error event when streamed (tokens were
+    streamed before it), either way code sampling_support_overflow with SGLang's text, never a 503 to retry; nothing
+    is committed and the session takes its next turn."""
+    server = stack["masks"]
+    sid = session(server)
+    body = {"messages": [{"role": "user", "content": "Hi [[sim: tokens 16]]"}], **SAMPLING}
+    assert httpx.post(f"{stack.engine}/sim/faults", json={"mask_overflow": 1.0}).status_code == 200
+    try:
+        r = httpx.post(chat_url(server, sid), timeout=60, json={**body, "stream": stream})
+    finally:
+        httpx.post(f"{stack.engine}/sim/faults", json={})
+    if stream:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert any(e.get("choices") and e["choices"][0]["delta"].get("content") for e in events[:-1])  # streamed
+        error = events[-1]["error"]
+    else:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "sampling_support_overflow", error
+    assert error["message"] == f"the engine aborted the reply with sampling masks on: {OVERFLOW}"
+    assert "retry_after" not in error
+    assert httpx.get(f"{server}/sessions/{sid}", timeout=30).json()["records"] == []
+    again = httpx.post(chat_url(server, sid), timeout=60, json=body)
+    assert again.status_code == 200, again.text
+    (sample,) = samples(server, sid)
+    assert_rows(sample)
+
+
 def test_a_session_opts_in_at_creation(stack: Stack) -> None:
     """Masks off by default on the plain server; on for a session created with return_sampling_masks; a request
     without top_k on such a session is refused there (no default configured)."""

@@ -116,7 +116,8 @@ def test_sampled_log_probs_are_the_full_softmax_on_the_mask_only() -> None:
     torch.testing.assert_close(got[:, 1:][mask[:, 1:] > 0], full[mask[:, 1:] > 0], atol=1e-5, rtol=0)
 
 
-def test_the_alphabet_shortcut_equals_the_full_softmax_when_other_rows_are_zero() -> None:
+def _alphabet_lm() -> tuple[torch.nn.Module, torch.Tensor]:
+    """A tiny LM whose output rows outside its alphabet are all zero (those tokens have logit exactly 0)."""
     model = _tiny_lm()
     alphabet = torch.tensor([3, 7, 8, 20, 41, 77])
     with torch.no_grad():
@@ -124,6 +125,11 @@ def test_the_alphabet_shortcut_equals_the_full_softmax_when_other_rows_are_zero(
         keep = torch.zeros(96, dtype=torch.bool)
         keep[alphabet] = True
         weight[~keep] = 0
+    return model, alphabet
+
+
+def test_the_alphabet_shortcut_equals_the_full_softmax_when_other_rows_are_zero() -> None:
+    model, alphabet = _alphabet_lm()
     ids = alphabet[torch.randint(0, len(alphabet), (3, 10))]
     mask = torch.ones(3, 10)
     mask[:, :3] = 0
@@ -172,3 +178,24 @@ def test_filter_stale_drops_whole_groups_beyond_the_bound_and_counts_tokens() ->
     assert len(kept) == 2 and report.marked_groups == 1
     assert all(s.metadata.get("stale") for s in old) and not any(s.metadata.get("stale") for s in fresh)
     assert report.tokens_by_staleness == {0: 16, 1: 2, 2: 6}
+
+
+def test_the_alphabet_shortcut_renormalises_over_sampling_mask_rows_as_the_full_softmax() -> None:
+    """A kept id outside the alphabet (a zero row: logit exactly 0) counts in its row's logsumexp as the full
+    path counts it; a position without a row keeps the full softmax."""
+    model, alphabet = _alphabet_lm()
+    ids = torch.tensor([[3, 7, 8, 20, 41, 77, 3, 8]])
+    mask = torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0]])
+    rows = [[], [], [8, 7, 50], [20, 3], [41, 90, 91, 92], [], [], [8]]  # position 6 sampled without a row
+    offsets = torch.tensor([[0, *np.cumsum([len(r) for r in rows]).tolist()]])
+    kept = torch.tensor([[i for r in rows for i in r]])
+    masks = (kept, offsets)
+    with torch.no_grad():
+        short = sampled_log_probs(model, ids, mask, alphabet=alphabet, sampling_masks=masks)
+        full = sampled_log_probs(model, ids, mask, sampling_masks=masks)
+        plain = sampled_log_probs(model, ids, mask)
+        logits = model(input_ids=ids).logits.float()[0]
+    torch.testing.assert_close(short, full, atol=1e-5, rtol=0)
+    expected = logits[3, 41] - torch.logsumexp(logits[3, [41, 90, 91, 92]], -1)  # position 4, predicted at 3
+    torch.testing.assert_close(short[0, 4], expected, atol=1e-5, rtol=0)
+    assert short[0, 7] == 0.0 and abs(float(short[0, 6] - plain[0, 6])) < 1e-6 and short[0, 2] > plain[0, 2] + 1

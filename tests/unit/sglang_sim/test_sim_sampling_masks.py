@@ -125,3 +125,39 @@ def test_stream_events_carry_the_rows(family, deltas: bool) -> None:
         assert len(meta["output_token_sampling_logprobs"]) == len(meta["output_token_sampling_mask"])
     assert rows == final["meta_info"]["output_token_sampling_mask"][:len(rows)]
     assert np.all([len(r) <= 8 for r in rows])
+
+
+def overflowed(family: EngineFamily, sampling: dict[str, Any], cap: int = 64,
+               **body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The final body of a request whose support overflows the cap mid-reply (the fault mask_overflow), and the
+    same request's reply without the fault."""
+    async def run(overflow: bool) -> dict[str, Any]:
+        engine = Engine(EngineConfig(sampling_mask_max_tokens=cap), family)
+        inp = parse_generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 24, **sampling},
+                              "return_logprob": True, **body}, family.vocab_size, None)
+        req = engine.submit(inp, mask_overflow=overflow)
+        await asyncio.wait_for(req.done.wait(), 60)
+        return wire.generate_body(engine, req, final=True, routed=None)
+    return asyncio.run(run(True)), asyncio.run(run(False))
+
+
+def test_a_support_past_the_cap_aborts_the_request_there_as_sglang_does(family) -> None:
+    """batch_result_processor.py: the overflowing token is not emitted; the abort carries status 400 and SGLang's
+    text naming the cap; the tokens before it are the undisturbed reply's."""
+    sampling = {"temperature": 1.0, "top_p": 0.9, "top_k": 20}
+    cut, whole = overflowed(family, sampling, return_sampling_mask=True)
+    n = whole["meta_info"]["completion_tokens"]
+    assert n == 24 and cut["output_ids"] == whole["output_ids"][:n // 2]
+    meta = cut["meta_info"]
+    assert meta["finish_reason"] == {
+        "type": "abort", "status_code": 400, "err_type": "BadRequestError",
+        "message": "Sampling support exceeds --sampling-mask-max-tokens=64, commonly because of cutoff ties. Lower "
+                   "top_k to leave more headroom or increase the server limit."}
+    assert meta["completion_tokens"] == meta["output_token_sampling_mask_length"] == n // 2
+    assert meta["output_token_sampling_mask"] == whole["meta_info"]["output_token_sampling_mask"][:n // 2]
+    # Nothing to overflow without masks, or with the greedy mask (the argmax alone).
+    for sampling_, body in ((sampling, {}), ({"temperature": 0}, {"return_sampling_mask": True})):
+        cut, whole = overflowed(family, sampling_, **body)
+        assert cut["output_ids"] == whole["output_ids"] and len(cut["output_ids"]) == 24
+        assert cut["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"] == {"type": "length",
+                                                                                             "length": 24}

@@ -12,7 +12,6 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 from PIL import Image as PILImage
 
@@ -156,17 +155,3 @@ def test_responses_and_anthropic_images_map_onto_the_chat_part() -> None:
     user, _, tool = turn.chat["messages"]
     assert user["content"][1] == {"type": "image_url", "image_url": {"url": url}, "where": "messages[0].content[1]"}
     assert tool["content"][0]["where"] == "messages[2].content[0].content[0]"
-
-
-def test_pixel_values_are_the_processors_for_the_familys_grids() -> None:
-    """What samples carry: transformers' processor output for the images, one row per patch, grids as the family's."""
-    from session_server.frontend.images import pixel_values
-    from trajectory.image_grid import QWEN3_VL, VisionTokens
-    from trajectory.images import Vision
-
-    vision = Vision(VisionTokens(), QWEN3_VL)
-    images = [read_image("x", data_url(png(320, 240)), LIMITS), read_image("y", data_url(png(100, 500)), LIMITS)]
-    pixels, grids = pixel_values(images, vision)
-    assert grids.tolist() == [[1, 16, 20], [1, 36, 8]] and pixels.dtype == np.float32
-    assert pixels.shape == (16 * 20 + 36 * 8, 3 * 2 * 16 * 16)
-    assert np.allclose(pixels[:320], pixel_values(images[:1], vision)[0])  # per image: the same rows alone
