@@ -411,6 +411,10 @@ def get_load(engine: Engine) -> list[dict[str, Any]]:
 
 
 def models_list(engine: Engine, model_path: str) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model_path, "object": "model", "created": 0, "owned_by": "sglang",
-                                        "root": model_path, "parent": None,
-                                        "max_model_len": engine.config.context_length}]}
+    """The served model, then each loaded LoRA adapter as a model whose `parent` is it (as SGLang 0.5.23 lists them)."""
+    base = {"id": model_path, "object": "model", "created": 0, "owned_by": "sglang", "root": model_path,
+            "parent": None, "max_model_len": engine.config.context_length}
+    adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": path,
+                 "parent": model_path, "max_model_len": engine.config.context_length}
+                for name, path in engine.lora.loaded.items()]
+    return {"object": "list", "data": [base, *adapters]}
