@@ -30,7 +30,7 @@ from sglang_sim.close_gate import CloseGate
 from sglang_sim.engine import Engine
 from sglang_sim.faults import BODY_FAULTS, Fault, FaultInjector, corrupt
 from sglang_sim.images import EngineCrash, ImageRefusal
-from sglang_sim.lora import LoraRefusal
+from sglang_sim.lora import LoraRefusal, UnloadRefusal
 from sglang_sim.requests import (
     BadRequest,
     ContractError,
@@ -407,6 +407,14 @@ class SimServer:
         return json_response({"success": success, "message": message, "num_paused_requests": 0},
                              200 if success else 400)
 
+    def _lora_answer(self, error: LoraRefusal | BadRequest | None) -> Response:
+        """A load or unload answer as SGLang's (`LoadLoRAAdapterReqOutput`): 200 with the adapters loaded now, or 400
+        with the message (an unload's refusal carries no adapter list)."""
+        loaded = None if isinstance(error, UnloadRefusal) else self.engine.lora.described()
+        return json_response({"rid": None, "http_worker_ipc": None, "success": error is None,
+                              "error_message": "" if error is None else str(error), "loaded_adapters": loaded},
+                             200 if error is None else 400)
+
     async def load_lora_adapter(self, request: Request) -> Response:
         """POST /load_lora_adapter `{"lora_name", "lora_path"}` (sglang_sim/lora.py)."""
         try:
@@ -416,9 +424,8 @@ class SimServer:
                 raise BadRequest("lora_name and lora_path must be strings")
             self.engine.lora.load(body["lora_name"], body["lora_path"])
         except (BadRequest, LoraRefusal) as exc:
-            return json_response({"success": False, "error_message": str(exc),
-                                  "loaded_adapters": self.engine.lora.described()}, 400)
-        return json_response({"success": True, "error_message": "", "loaded_adapters": self.engine.lora.described()})
+            return self._lora_answer(exc)
+        return self._lora_answer(None)
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         """POST /unload_lora_adapter `{"lora_name"}` (sglang_sim/lora.py)."""
@@ -428,9 +435,8 @@ class SimServer:
                 raise BadRequest("lora_name must be a string")
             self.engine.lora.unload(body["lora_name"])
         except (BadRequest, LoraRefusal) as exc:
-            return json_response({"success": False, "error_message": str(exc),
-                                  "loaded_adapters": self.engine.lora.described()}, 400)
-        return json_response({"success": True, "error_message": "", "loaded_adapters": self.engine.lora.described()})
+            return self._lora_answer(exc)
+        return self._lora_answer(None)
 
     async def model_info(self, request: Request) -> Response:
         return json_response(wire.model_info(self.engine, self.model_path, self.tokenizer_path))

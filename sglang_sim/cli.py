@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters (`lora_path` on /generate).")
     p.add_argument("--lora-paths", nargs="*", default=None, metavar="NAME=DIR",
                    help="Adapters loaded at start (with --enable-lora); the sim reads no files: the path names them.")
-    p.add_argument("--max-loaded-loras", type=int, default=None, help="Adapters that may be loaded at once.")
+    p.add_argument("--max-loaded-loras", type=int, default=None,
+                   help="Adapters loaded at once; a load past it evicts the least recently used.")
+    p.add_argument("--max-loras-per-batch", type=int, default=8, help="Reported in /server_info only.")
     p.add_argument("--log-level", default="warning", help="uvicorn log level.")
     return p
 
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
                           sampling_mask_max_tokens=args.sampling_mask_max_tokens,
                           enable_lora=args.enable_lora or bool(args.lora_paths),
                           lora_paths=tuple(parse_lora_paths(args.lora_paths).items()),
-                          max_loaded_loras=args.max_loaded_loras)
+                          max_loaded_loras=args.max_loaded_loras, max_loras_per_batch=args.max_loras_per_batch)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     engine = Engine(config, family)

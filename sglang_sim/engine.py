@@ -79,6 +79,7 @@ class EngineConfig:
     enable_lora: bool = False
     lora_paths: tuple[tuple[str, str], ...] = ()
     max_loaded_loras: int | None = None
+    max_loras_per_batch: int = 8  # reported only: the sim runs every request on its own
 
 
 class Engine:

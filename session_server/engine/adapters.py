@@ -207,6 +207,8 @@ class AdapterBook:
                     ref = self._pin(session_id, AdapterRef(ref.name, newest))
         else:
             name = recorded.name if recorded is not None else self.wanted(metadata, model)
+            if name is not None and recorded is None and name == model_adapter(model) and METADATA_KEY not in metadata:
+                name = await self._model_field_adapter(name)
             if name is None:
                 self.pins[session_id] = None
                 return None
@@ -223,6 +225,13 @@ class AdapterBook:
         if ref is not None:
             await self.check(ref)
         return ref
+
+    async def _model_field_adapter(self, name: str) -> str | None:
+        """An adapter a `model` field names: None when the engines serve no adapter at all (no --enable-lora), where
+        a colon is part of a model's name (`qwen3:8b`), not SGLang's `base:adapter`."""
+        if self.loaded is None:
+            await self._refresh_quietly()
+        return None if self.loaded is not None and not self.loaded and name not in self.current else name
 
     def _pin(self, session_id: str, ref: AdapterRef) -> AdapterRef:
         old = self.pins.get(session_id)

@@ -29,7 +29,8 @@ CHAT = {"messages": [{"role": "user", "content": "hello there [[sim: tokens 6]]"
 
 @pytest.fixture(scope="module")
 def stack(stack_factory: StackFactory) -> Iterator[Stack]:
-    sim = ["--enable-lora", "--lora-paths", "a1=/adapters/a1", "a2=/adapters/a2", "--max-loaded-loras", "3"]
+    sim = ["--enable-lora", "--lora-paths", "a1=/adapters/a1", "a2=/adapters/a2", "--max-loaded-loras", "3",
+           "--max-loras-per-batch", "3"]
     with stack_factory(family=FAMILY, sim_args=sim, proxied={"server", "latest"},
                        servers={"server": [],
                                 # one engine, three servers: only `server` unloads what its sessions no longer hold

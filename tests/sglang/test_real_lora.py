@@ -12,7 +12,6 @@ unloaded is never named in an engine request again (0.5.23 would silently load i
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,44 +22,32 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from harness.launchers import EngineProcess, start_session_server, start_sglang
+from harness.launchers import EngineProcess, start_session_server
 from rollout.logprob_check import LogprobCheckReport, check_logprobs
 from rollout.weight_push import WeightPusher
 from support.server import RecordingProxy, chat_url, new_session
-from support.sglang_engine import PLUGIN_DIR, Engines, assert_engine_clean, paced
+from support.sglang_engine import Engines, assert_engine_clean, paced
 from trajectory import Sample, samples_from_json
 from trajectory.sample_metadata import BASE_MODEL, AdapterRevision, sample_metadata
 
 ATOL = 1e-3
 GREEDY = {"temperature": 0, "max_tokens": 8}
-REPO = Path(__file__).resolve().parents[2]
 A1, A1_NEXT, A2 = AdapterRevision("a1", "0"), AdapterRevision("a1", "1"), AdapterRevision("a2", "0")
 
 
 @pytest.fixture(scope="module")
 def adapter_dirs(engines: Engines) -> dict[AdapterRevision, Path]:
-    """The tiny adapters, built (atomically, only when absent) beside the checkpoints with the engine's venv."""
-    base = engines.checkpoint("qwen3-dense")
-    out = engines.checkpoints / "lora-qwen3-dense"
-    if not out.exists():
-        subprocess.run([str(engines.python), "-m", "scripts.build_tiny_adapters", "--base", str(base), "--out",
-                        str(out)], cwd=REPO, check=True, timeout=600)
+    out = engines.adapters()
     return {A1: out / "a1", A1_NEXT: out / "a1@1", A2: out / "a2"}
 
 
 @pytest.fixture(scope="module")
-def lora_engine(engines: Engines, adapter_dirs: dict[AdapterRevision, Path],
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    """This module's own engine (stopped at its end): a1 and a2 loaded at start, room for one more revision."""
-    proc = start_sglang(
-        engines.python, engines.checkpoint("qwen3-dense"), "--enable-lora", "--lora-paths",
-        f"a1={adapter_dirs[A1]}", f"a2={adapter_dirs[A2]}", "--max-lora-rank", "4", "--lora-target-modules",
-        "q_proj", "v_proj", "--lora-backend", "torch_native", "--max-loaded-loras", "3", "--max-loras-per-batch", "3",
-        plugin_dir=PLUGIN_DIR, name="sglang[lora]", log_path=tmp_path_factory.mktemp("lora") / "sglang-lora.log")
+def lora_engine(engines: Engines) -> Iterator[EngineProcess]:
+    """The shared LoRA engine (tests/support/sglang_engine.py SPECS["lora"]), stopped at the module's end."""
     try:
-        yield proc
+        yield engines.get("lora")
     finally:
-        proc.stop()
+        engines.stop("lora")
 
 
 class Served:

@@ -166,3 +166,14 @@ async def test_keep_adapter_revisions_unloads_nothing() -> None:
     await book.learn("a1", "1")
     book.release("s")
     assert await book.unload_unheld() == [] and engine.unloads == []
+
+
+@run
+async def test_a_colon_in_the_model_name_of_an_engine_without_adapters_is_not_an_adapter() -> None:
+    book, (engine,) = _book([])
+    assert await book.for_turn("s", {}, "qwen3:8b") is None
+    assert await book.for_turn("t", {}, "qwen3:8b") is None
+    assert engine.model_calls == 1  # asked once
+    with_lora, _ = _book(["a1"])
+    with pytest.raises(AdapterUnavailableError, match="'8b'"):
+        await with_lora.for_turn("s", {}, "qwen3:8b")
