@@ -85,7 +85,9 @@ async def sessions(request: Request) -> Response:
     SESSION_LIST_LIMIT): id, metadata, turns, tokens, seconds since creation and since the last request, whether a
     chat is in flight. What `session-server-admin sessions` gathers from every replica. With --engine-sessions,
     `engine_sessions` says how many engine sessions are being closed in the background and lists the latest whose
-    close never landed (the engine's idle timeout frees those)."""
+    close never landed (the engine's idle timeout frees those). Once a session named a LoRA adapter, `adapters` says
+    what the engines hold, each adapter's current revision, the sessions pinned to each revision and what this
+    replica unloaded (engine/adapters.py)."""
     server = server_of(request)
     authorize(request)
     raw = request.query_params.get("limit", str(SESSION_LIST_LIMIT))
@@ -105,6 +107,8 @@ async def sessions(request: Request) -> Response:
     if engine_sessions is not None:
         body["engine_sessions"] = {"closes_under_way": engine_sessions.closes_under_way,
                                    "unclosed": list(engine_sessions.unclosed)}
+    if server.adapters is not None and server.adapters.loaded is not None:
+        body["adapters"] = server.adapters.describe()
     return json_response(body)
 
 

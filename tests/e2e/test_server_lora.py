@@ -136,6 +136,9 @@ def test_revisions_pinned_then_unloaded_and_never_named_again(stack: Stack) -> N
                 await pusher.push_adapter("/adapters/a1-r1", "a1", "1")
 
     asyncio.run(push())
+    books = httpx.get(f"{stack.server}/admin/sessions", timeout=10).json()["adapters"]
+    assert books == {"loaded": ["a1", "a1@1", "a2"], "current": {"a1": "1", "a2": "0"}, "pinned": {"a1": 1},
+                     "unloaded": []}
     mark = len(stack.proxy.calls)
     for server, sid in ((stack.server, old), (stack["latest"], moving)):
         assert _chat(server, sid, messages=history[sid]).status_code == 200
