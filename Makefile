@@ -89,6 +89,7 @@ $(SGLANG_STAMP): tests/sglang/engine-lock.txt
 
 $(CHECKPOINTS)/.built: $(SGLANG_STAMP) $(TOKENIZERS)/.built scripts/build_tiny_checkpoints.py trajectory/image_grid.py
 	$(SGLANG_VENV)/bin/python -m scripts.build_tiny_checkpoints --tokenizer $(TOKENIZERS)/qwen3 --out $(CHECKPOINTS)
+	$(SGLANG_VENV)/bin/python -m scripts.build_tiny_adapters --base $(CHECKPOINTS)/qwen3-dense --out $(CHECKPOINTS)/lora-qwen3-dense
 	touch $@
 
 test-sglang: $(STAMP) $(CHECKPOINTS)/.built

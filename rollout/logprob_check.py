@@ -54,7 +54,13 @@ turn sample's one version; a sampled token without one is a ValueError). With a 
 are scored by `policy(v)` (v as the engine reported it: SGLang's versions are strings, "default" until the trainer
 names one in `/update_weights_from_disk`, and where the engine named none), one forward pass per sample and version.
 
-torch is imported here and by rollout.torch_batch only: `import rollout` stays torch-free.
+LoRA adapters (issue 40): which adapter revision sampled each token is read by `trajectory.sample_metadata` too (each
+turn's `[name, revision]`, the base model where none). With `adapters` (`AdapterRevision -> its directory`, a
+callable or a mapping), a token sampled under an adapter is scored by its weight version's model with that revision
+merged in (rollout/lora_merge.py: `W += B @ A * alpha / r`, one merged copy per version and revision); a sample with
+adapter tokens and no `adapters` is a ValueError, never silently scored by the base model.
+
+torch is imported here, by rollout.lora_merge and by rollout.torch_batch only: `import rollout` stays torch-free.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -71,6 +77,10 @@ import numpy as np
 import torch
 
 from trajectory import Sample, SampleMetadata, sample_metadata
+from trajectory.sample_metadata import AdapterRevision
+
+# Where each LoRA adapter revision's files are: a callable or a mapping (AdapterRevision -> directory).
+AdapterDirs = Callable[[AdapterRevision], Any] | Mapping[AdapterRevision, Any]
 
 # A policy: the model itself, or weight version -> the model holding those weights.
 Policy = torch.nn.Module | Callable[[Any], torch.nn.Module]
@@ -165,19 +175,20 @@ class LogprobCheckReport:
 
 
 def check_logprobs(samples: Sequence[Sample], policy: Policy, *, replay_routing: bool = True, worst: int = 10,
-                   temperature: float = 1.0) -> LogprobCheckReport:
+                   temperature: float = 1.0, adapters: AdapterDirs | None = None) -> LogprobCheckReport:
     """Recompute every sampled token of `samples` with `policy` and compare with the rollout logprobs.
 
     `policy` is a torch module (a transformers causal LM, or any module whose output is logits or has `.logits`)
     or a callable `version -> module` (tokens sampled under weight version v are scored by `policy(v)`). With
     `replay_routing`, samples that carry routed experts are recomputed with the engine's routing (MoE); without, with
     the trainer's own. `temperature` is the sampling temperature of the requests (0 counts as 1, as in SGLang).
-    `worst` tokens by absolute difference are listed in the report.
+    `worst` tokens by absolute difference are listed in the report. `adapters`: where each LoRA adapter revision the
+    samples name is (see the module docstring).
     """
     if temperature < 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     scale = temperature if temperature > 0 else 1.0
-    resolve = _resolver(policy)
+    resolve = _with_adapters(_resolver(policy), adapters)
     checks: list[SampleCheck] = []
     rollout_all: list[np.ndarray] = []
     trainer_all: list[np.ndarray] = []
@@ -193,12 +204,13 @@ def check_logprobs(samples: Sequence[Sample], policy: Policy, *, replay_routing:
             meta = sample_metadata(sample)
             versions = _versions_of(meta, positions)
             switched = _switched(meta, positions, versions)
+            scored_by = [(v, meta.token_adapters[p]) for v, p in zip(versions, positions.tolist(), strict=True)]
             trainer = np.zeros(len(sample.tokens), dtype=np.float32)
             support = np.full(len(sample.tokens), np.nan, dtype=np.float32)
             rows = sample.routed_experts
             routing_rows = routing_mismatched = 0
             replayed = False
-            for model, chosen in _by_model(resolve, positions, versions):
+            for model, chosen in _by_model(resolve, positions, scored_by):
                 replay = None
                 if rows is not None:
                     replay = replays.get(id(model))
@@ -243,6 +255,30 @@ def _resolver(policy: Policy) -> Callable[[Any], torch.nn.Module]:
     if callable(policy):
         return policy
     raise TypeError(f"policy must be a torch module or a callable version -> module, got {type(policy).__name__}")
+
+
+def _with_adapters(resolve: Callable[[Any], torch.nn.Module], adapters: AdapterDirs | None
+                   ) -> Callable[[Any], torch.nn.Module]:
+    """`(version, adapter revision) -> module`: the version's model, with the revision merged in (once per pair)."""
+    merged: dict[tuple[int, AdapterRevision], torch.nn.Module] = {}
+
+    def scorer(key: tuple[Any, AdapterRevision | None]) -> torch.nn.Module:
+        version, adapter = key
+        base = resolve(version)
+        if adapter is None or adapter.is_base:
+            return base
+        if adapters is None:
+            raise ValueError(f"tokens were sampled by LoRA adapter {adapter.name!r} revision {adapter.revision!r}: "
+                             "pass adapters= (revision -> its directory) to score them with it")
+        found = merged.get((id(base), adapter))
+        if found is None:
+            from rollout.lora_merge import merge_adapter
+
+            where = adapters[adapter] if isinstance(adapters, Mapping) else adapters(adapter)
+            found = merged[(id(base), adapter)] = merge_adapter(base, where)
+        return found
+
+    return scorer
 
 
 def _versions_of(meta: SampleMetadata, positions: np.ndarray) -> list[str]:

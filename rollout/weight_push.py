@@ -19,6 +19,14 @@ server continues each under the new weights, re-prefilling prompt + partial repl
 the old ones keep their version (the sample's `weight_version_spans`). With `keep`, they run on in place and their
 later tokens are the new weights' on KV of the old. Saving is `save_pretrained` (safetensors) into a directory SGLang
 reads; the engine must serve the same architecture.
+
+LoRA adapters (issue 40, `push_adapter`): a new revision of an adapter is loaded under its own name (`NAME@REV`;
+revision "0" is the bare `NAME` that `--lora-paths NAME=DIR` loads) with SGLang's `POST /load_lora_adapter`, in the
+same order: pause every server, load, continue each with `{"adapter": {"name", "revision"}}`, which the server checks
+in the engine's model list and pins new sessions to (sessions/engine/adapters.py). Loading under a new name touches
+no running request (the old revision stays loaded for the sessions pinned to it), so `pause=False` skips the pause.
+Before loading, the engine's room is checked: at `--max-loaded-loras` SGLang 0.5.23 does not refuse a load, it evicts
+the least recently used adapter (measured), which a pinned session may still sample with; the push refuses instead.
 """
 
 from __future__ import annotations
@@ -51,6 +59,20 @@ def save_weights(model: Any, directory: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+@dataclass(frozen=True)
+class AdapterPushResult:
+    name: str
+    revision: str
+    engine_name: str        # what the engine serves it as (`lora_path`)
+    seconds: float          # pause to continue
+    load_seconds: float     # the engine's load alone
+
+
+def adapter_engine_name(name: str, revision: str) -> str:
+    """The engine name of an adapter revision (session_server/engine/adapters.py AdapterRef.engine_name)."""
+    return name if revision == "0" else f"{name}@{revision}"
 
 
 class WeightPusher:
@@ -105,6 +127,55 @@ class WeightPusher:
         if failed:
             raise WeightPushError(f"continue failed on {len(failed)} server(s): {failed[0]}")
         return PushResult(version, time.perf_counter() - started, update_seconds, str(out.get("message", "")))
+
+    async def push_adapter(self, adapter_dir: str | Path, name: str, revision: str, *,
+                           pause: bool = True) -> AdapterPushResult:
+        """Load `adapter_dir` as revision `revision` of adapter `name` (under `NAME@REV`), every server paused in
+        place around the load when `pause`; every server is told the revision at its continue."""
+        engine_name = adapter_engine_name(name, revision)
+        await self._check_adapter_room(engine_name)
+        started = time.perf_counter()
+        paused: list[str] = []
+        loaded = False
+        load_seconds = 0.0
+        try:
+            if pause:
+                for server in self.servers:
+                    await self._post(f"{server}/admin/pause", {"mode": "in_place"})
+                    paused.append(server)
+            load_started = time.perf_counter()
+            out = await self._post(f"{self.engine_url}/load_lora_adapter",
+                                   {"lora_name": engine_name, "lora_path": str(adapter_dir)})
+            load_seconds = time.perf_counter() - load_started
+            if not out.get("success"):
+                raise WeightPushError(f"load_lora_adapter refused: {out}")
+            loaded = True
+        finally:
+            body = {"adapter": {"name": name, "revision": revision}} if loaded else {}
+            told = self.servers if loaded else paused  # a continue while running is harmless: it tells the revision
+            results = await asyncio.gather(*(self._post(f"{s}/admin/continue", body) for s in told),
+                                           return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise WeightPushError(f"continue failed on {len(failed)} server(s): {failed[0]}")
+        return AdapterPushResult(name, revision, engine_name, time.perf_counter() - started, load_seconds)
+
+    async def _check_adapter_room(self, engine_name: str) -> None:
+        """WeightPushError when the engine holds `--max-loaded-loras` adapters already, or `engine_name` itself."""
+        info = await self._http.get(f"{self.engine_url}/server_info")
+        info.raise_for_status()
+        limit = info.json().get("max_loaded_loras")
+        models = await self._http.get(f"{self.engine_url}/v1/models")
+        models.raise_for_status()
+        held = [m["id"] for m in models.json().get("data", []) if m.get("parent")]
+        if engine_name in held:
+            raise WeightPushError(f"the engine already holds adapter {engine_name!r}: push a new revision")
+        if isinstance(limit, int) and len(held) >= limit:
+            raise WeightPushError(
+                f"the engine holds {len(held)} adapters ({', '.join(held)}), its --max-loaded-loras {limit}: loading "
+                f"{engine_name!r} would make SGLang evict the least recently used one, which a pinned session may "
+                "still sample with. Wait until the session servers unload the revisions no session holds (they do "
+                "once their sessions end), or start the engine with a larger --max-loaded-loras")
 
     async def engine_version(self) -> str:
         """The weight version the engine serves now (its `GET /model_info`)."""

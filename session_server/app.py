@@ -19,6 +19,7 @@ from session_server.api import admin, forks, primes, samples, sessions
 from session_server.chat import routes as chat
 from session_server.config import ServerConfig
 from session_server.cpu_pool import CpuPool
+from session_server.engine.adapters import AdapterBook
 from session_server.engine.client import EngineClient
 from session_server.engine.drains import EngineDrains
 from session_server.engine.placement import EnginePlacement, classify_before_serving
@@ -84,6 +85,9 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
             logger.warning("paused (mode %s) as journal %s says: POST /admin/continue resumes", journaled[1].paused,
                            config.journal)
     engine.on_move.append(lambda _session_id, _worker: metrics.sessions_moved.inc())
+    server.adapters = AdapterBook(engine, follow=config.adapter_revisions, default=config.lora_adapter,
+                                  unload=not config.keep_adapter_revisions)
+    server.lifecycle.on_close.append(server.adapters.release)
     if config.otlp_endpoint is not None:
         replica = {"session_server.replica": config.replica_name} if config.replica_name else {}
         server.tracer = Tracer(config.otlp_endpoint, attributes={"service.instance.id": server.instance_id, **replica})
@@ -187,6 +191,8 @@ async def shutdown(server: ServerState) -> None:
         # ones being retried for as long: what is left then is the engine's idle timeout's to close.
         await server.engine_sessions.wait_closes(CLOSE_WAIT_FACTOR * server.config.engine_control_timeout)
         await server.engine_sessions.aclose()
+    if server.adapters is not None:
+        await server.adapters.aclose()  # unloads under way end before the engine client closes
     await server.engine.aclose()
     server.pool.shutdown()
     if server.journal is not None:
@@ -226,6 +232,8 @@ def build_app(config: ServerConfig, family: ModelFamily) -> Starlette:
         lag.start()
         limit_task = asyncio.ensure_future(learn_prompt_limit(server))
         await classify_before_serving(server.engine)
+        assert server.adapters is not None
+        await server.adapters.startup()  # the engines' LoRA adapters; a --lora-adapter they lack stops the start
         server.engine.start()
         try:
             yield

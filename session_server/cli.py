@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 
-from session_server.config import STALE_TURNS, STRADDLED_REPLIES, ServerConfig
+from session_server.config import ADAPTER_REVISIONS, STALE_TURNS, STRADDLED_REPLIES, ServerConfig
 from session_server.engine import pacing
 from session_server.engine.client import ENGINE_CLIENTS
 from session_server.http.limits import limited_httptools
@@ -143,6 +143,15 @@ def flags() -> tuple[Flag, ...]:
         Flag("--stale-turns", "a turn past --max-staleness: 'regenerate' samples it again under the new weights (the "
              "agent sees one reply, later), 'refuse' answers 503 + Retry-After (default %(default)s)",
              choices=STALE_TURNS),
+        Flag("--lora-adapter", "the LoRA adapter (as the engine names it: --lora-paths NAME=DIR) that samples every "
+             "session that names none (POST /sessions metadata 'lora_adapter', or a model field 'base:NAME'); the "
+             "engine must hold it at startup (default: the base model)", metavar="NAME"),
+        Flag("--adapter-revisions", "a session's LoRA adapter after a trainer pushed a new revision: 'pinned' keeps "
+             "the revision it began with until it ends, 'latest' takes the newest at each next turn (default "
+             "%(default)s)", choices=ADAPTER_REVISIONS),
+        Flag("--keep-adapter-revisions", "never unload a LoRA adapter revision a newer one superseded (by default the "
+             "server unloads it once none of its sessions holds it); for several servers in front of one engine, "
+             "where each knows only its own sessions"),
         Flag("--max-request-bytes", "largest accepted request body in bytes; larger ones get 413 (default "
              "%(default)s)"),
         Flag("--max-images", "images per request"),

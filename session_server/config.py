@@ -32,6 +32,7 @@ def default_cpu_workers() -> int:
 
 STRADDLED_REPLIES = ("recompute", "keep")
 STALE_TURNS = ("regenerate", "refuse")
+ADAPTER_REVISIONS = ("pinned", "latest")  # --adapter-revisions (engine/adapters.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,11 @@ class ServerConfig:
     # happens to it: "regenerate" (the agent sees one reply, later) or "refuse" (a 503 to retry).
     max_staleness: int = -1
     stale_turns: str = "regenerate"
+    # LoRA (issue 40, engine/adapters.py): the adapter of sessions that name none (None: the base model), and whether a
+    # session keeps the adapter revision it was pinned to ("pinned") or takes the newest at each turn ("latest").
+    lora_adapter: str | None = None
+    adapter_revisions: str = "pinned"
+    keep_adapter_revisions: bool = False  # never unload a superseded revision (several servers share one engine)
     max_request_bytes: int = 16 * 1024 * 1024
     max_metadata_bytes: int = 64 * 1024  # POST /sessions metadata, encoded (413 beyond)
     body_timeout: float = 30.0  # seconds for a request body to arrive in full (408 after)
@@ -151,6 +157,8 @@ class ServerConfig:
             problems.append("--max-staleness must be >= 0, or -1 for no bound")
         if self.stale_turns not in STALE_TURNS:
             problems.append(f"--stale-turns must be one of {', '.join(STALE_TURNS)}")
+        if self.adapter_revisions not in ADAPTER_REVISIONS:
+            problems.append(f"--adapter-revisions must be one of {', '.join(ADAPTER_REVISIONS)}")
         if self.max_turn_continuations < 0:
             problems.append("--max-turn-continuations must be >= 0")
         if self.request_timeout <= 0:

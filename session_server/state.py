@@ -9,6 +9,7 @@ from starlette.requests import Request
 
 from session_server.config import ServerConfig
 from session_server.cpu_pool import CpuPool
+from session_server.engine.adapters import AdapterBook
 from session_server.engine.drains import EngineDrains
 from session_server.engine.placement import EnginePlacement
 from session_server.engine.sessions import EngineSessions
@@ -38,6 +39,7 @@ class ServerState:
     # First requests seen before: a repeat whose ids are kept is prepared on the loop (repeated_first_turns.py).
     first_turn_repeats: RepeatedFirstTurns = field(default_factory=RepeatedFirstTurns)
     tracer: Tracer | None = None  # --otlp-endpoint: a span per turn and admin call (tracing.py)
+    adapters: AdapterBook | None = None  # LoRA adapter revisions per session (engine/adapters.py)
 
     def new_trajectory(self) -> LinearTrajectory:
         return LinearTrajectory(

@@ -30,6 +30,7 @@ from sglang_sim.close_gate import CloseGate
 from sglang_sim.engine import Engine
 from sglang_sim.faults import BODY_FAULTS, Fault, FaultInjector, corrupt
 from sglang_sim.images import EngineCrash, ImageRefusal
+from sglang_sim.lora import LoraRefusal, UnloadRefusal
 from sglang_sim.requests import (
     BadRequest,
     ContractError,
@@ -413,6 +414,37 @@ class SimServer:
         return json_response({"success": success, "message": message, "num_paused_requests": 0},
                              200 if success else 400)
 
+    def _lora_answer(self, error: LoraRefusal | BadRequest | None) -> Response:
+        """A load or unload answer as SGLang's (`LoadLoRAAdapterReqOutput`): 200 with the adapters loaded now, or 400
+        with the message (an unload's refusal carries no adapter list)."""
+        loaded = None if isinstance(error, UnloadRefusal) else self.engine.lora.described()
+        return json_response({"rid": None, "http_worker_ipc": None, "success": error is None,
+                              "error_message": "" if error is None else str(error), "loaded_adapters": loaded},
+                             200 if error is None else 400)
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """POST /load_lora_adapter `{"lora_name", "lora_path"}` (sglang_sim/lora.py)."""
+        try:
+            body = await _json_body(request)
+            if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str) or not isinstance(
+                    body.get("lora_path"), str):
+                raise BadRequest("lora_name and lora_path must be strings")
+            self.engine.lora.load(body["lora_name"], body["lora_path"])
+        except (BadRequest, LoraRefusal) as exc:
+            return self._lora_answer(exc)
+        return self._lora_answer(None)
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """POST /unload_lora_adapter `{"lora_name"}` (sglang_sim/lora.py)."""
+        try:
+            body = await _json_body(request)
+            if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str):
+                raise BadRequest("lora_name must be a string")
+            self.engine.lora.unload(body["lora_name"])
+        except (BadRequest, LoraRefusal) as exc:
+            return self._lora_answer(exc)
+        return self._lora_answer(None)
+
     async def model_info(self, request: Request) -> Response:
         return json_response(wire.model_info(self.engine, self.model_path, self.tokenizer_path))
 
@@ -482,6 +514,8 @@ class SimServer:
             Route("/ready", self.ready, methods=["GET"]),
             Route("/update_weight_version", self.update_weight_version, methods=["POST"]),
             Route("/update_weights_from_disk", self.update_weights_from_disk, methods=["POST"]),
+            Route("/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
             Route("/model_info", self.model_info, methods=["GET"]),
             Route("/get_model_info", self.model_info, methods=["GET"]),
             Route("/server_info", self.server_info, methods=["GET"]),

@@ -20,6 +20,7 @@ import uvicorn
 from sglang_sim.app import SimServer
 from sglang_sim.engine import Engine, EngineConfig
 from sglang_sim.faults import FaultInjector
+from sglang_sim.lora import parse_lora_paths
 from sglang_sim.routed_experts import layers_for_bytes
 from trajectory import family_names
 from trajectory.image_grid import QWEN3_VL, ImageGeometry
@@ -74,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "reported by /server_info and /model_info.")
     p.add_argument("--sampling-mask-max-tokens", type=int, default=4096,
                    help="As SGLang's flag: the largest top_k a request with return_sampling_mask may use.")
+    p.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters (`lora_path` on /generate).")
+    p.add_argument("--lora-paths", nargs="*", default=None, metavar="NAME=DIR",
+                   help="Adapters loaded at start (with --enable-lora); the sim reads no files: the path names them.")
+    p.add_argument("--max-loaded-loras", type=int, default=None,
+                   help="Adapters loaded at once; a load past it evicts the least recently used.")
+    p.add_argument("--max-loras-per-batch", type=int, default=8, help="Reported in /server_info only.")
     p.add_argument("--log-level", default="warning", help="uvicorn log level.")
     return p
 
@@ -143,7 +150,10 @@ def main(argv: list[str] | None = None) -> None:
                           weight_version=args.weight_version,
                           incremental_streaming_output=args.incremental_streaming_output,
                           stream_interval=args.stream_interval, reasoning_parser=args.reasoning_parser,
-                          sampling_mask_max_tokens=args.sampling_mask_max_tokens)
+                          sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+                          enable_lora=args.enable_lora or bool(args.lora_paths),
+                          lora_paths=tuple(parse_lora_paths(args.lora_paths).items()),
+                          max_loaded_loras=args.max_loaded_loras, max_loras_per_batch=args.max_loras_per_batch)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     engine = Engine(config, family)

@@ -27,6 +27,7 @@ from sglang_sim.family import EngineFamily
 from sglang_sim.generation import ReplyPlan, SamplingParams, derive_seed, plan_reply
 from sglang_sim.images import Expanded, expand, load_image
 from sglang_sim.kv_pool import KVPool
+from sglang_sim.lora import LoraAdapters, LoraRefusal
 from sglang_sim.radix_cache import Node, RadixCache
 from sglang_sim.requests import BadRequest, GenerateInput, SimRequest
 from sglang_sim.sessions import EngineSession, KVHold, SessionRefusal
@@ -56,6 +57,11 @@ def weight_shift(version: str, first: str = "default") -> float:
     return float(np.float32(-(int.from_bytes(digest, "little") % 1000 + 1) / 5000))
 
 
+
+def _lora_mark(lora_seed: int | None) -> bytes:
+    """What tells one adapter's cut replies from another's (and the base model's) with the same tokens."""
+    return b"" if lora_seed is None else b"|lora" + lora_seed.to_bytes(8, "little")
+
 @dataclass(frozen=True)
 class EngineConfig:
     kv_capacity_tokens: int = 65536
@@ -69,6 +75,11 @@ class EngineConfig:
     stream_interval: int | None = None  # SGLang's --stream-interval; None: one event per decode wake-up
     reasoning_parser: str | None = None  # SGLang's --reasoning-parser: `require_reasoning` holds a grammar back
     sampling_mask_max_tokens: int = sampling_masks.DEFAULT_MAX_TOKENS  # SGLang's --sampling-mask-max-tokens
+    # SGLang's --enable-lora, --lora-paths NAME=DIR and --max-loaded-loras (sglang_sim/lora.py)
+    enable_lora: bool = False
+    lora_paths: tuple[tuple[str, str], ...] = ()
+    max_loaded_loras: int | None = None
+    max_loras_per_batch: int = 8  # reported only: the sim runs every request on its own
 
 
 class Engine:
@@ -101,6 +112,9 @@ class Engine:
         self._versions: dict[str, int] = {config.weight_version: 0}
         self._slot_versions = np.zeros(self.pool.capacity, dtype=np.int32)
         self._namespaces: dict[str, int] = {}
+        self.lora = LoraAdapters(enabled=config.enable_lora, max_loaded=config.max_loaded_loras)
+        for name, path in config.lora_paths:
+            self.lora.load(name, path)
 
     # -- submission -----------------------------------------------------------------------------------------------
 
@@ -125,6 +139,13 @@ class Engine:
                 raise BadRequest(str(exc)) from exc
         if len(prompt) == 0:
             raise BadRequest("The input is empty.")
+        lora_seed, lora_id = None, 0
+        if inp.lora_path is not None:
+            try:
+                path, lora_id = self.lora.resolve(inp.lora_path)
+            except LoraRefusal as exc:
+                raise BadRequest(str(exc)) from exc
+            lora_seed = self.lora.seed(self.config.seed, path)
         start_len = inp.routed_experts_start_len
         if inp.return_routed_experts and not 0 <= start_len <= len(prompt):  # scheduler.py handle_generate_request
             raise BadRequest(f"routed_experts_start_len={start_len} is outside [0, {len(prompt)}] (the number of "
@@ -142,7 +163,7 @@ class Engine:
         key = expanded.key if expanded.images else prompt
         try:
             plan = self._plan(prompt, key, inp.sampling,
-                              inp.require_reasoning and self.config.reasoning_parser is not None)
+                              inp.require_reasoning and self.config.reasoning_parser is not None, lora_seed)
         except ValueError as exc:  # a constraint the sim cannot satisfy (ConstraintError) or a bias banning every word
             raise BadRequest(str(exc)) from exc
         if inp.return_sampling_mask and sampling_masks.effective_top_k(inp.sampling) > 1:
@@ -150,7 +171,7 @@ class Engine:
             plan.logprobs = np.maximum(plan.logprobs, np.float32(sampling_masks.floor(self.family.vocab_size)))
         req = SimRequest(inp=inp, prompt=prompt, plan=plan, session=session,
                          key=key if expanded.images else None, images=expanded.images,
-                         namespace=self._namespace(inp.extra_key))
+                         namespace=self._namespace(inp.extra_key, lora_id), lora_seed=lora_seed)
         if mask_overflow and inp.return_sampling_mask and sampling_masks.effective_top_k(inp.sampling) > 1:
             req.overflow_at = len(plan.output_ids) // 2  # a greedy mask is the argmax alone: it cannot overflow
         if len(req.kv_tokens) > self.pool.capacity:
@@ -184,15 +205,17 @@ class Engine:
             raise BadRequest("sglang-sim does not emulate image_data on engine sessions")
         return expanded
 
-    def _plan(self, prompt: np.ndarray, key: np.ndarray, params: SamplingParams, reasoning_gate: bool) -> ReplyPlan:
+    def _plan(self, prompt: np.ndarray, key: np.ndarray, params: SamplingParams, reasoning_gate: bool,
+              lora_seed: int | None = None) -> ReplyPlan:
         """The reply to `prompt` (its images are in `key`: another image, another reply). A prompt that is an aborted
         request's prompt + the tokens it had emitted gets the rest of that request's reply (within this request's
         max_new_tokens), as a model continues its own text: a reply continued after an abort (a weight update) is
         then the reply an uninterrupted run gives. `reasoning_gate`: a grammar waits for the end of the reasoning
-        (generation.py `grammar_first`)."""
-        cut = self._cut.get(key.astype(np.int32, copy=False).tobytes())
+        (generation.py `grammar_first`). `lora_seed`: the request's adapter (sglang_sim/lora.py): another reply."""
+        cut = self._cut.get(key.astype(np.int32, copy=False).tobytes() + _lora_mark(lora_seed))
         if cut is None:
-            seed = self.config.seed if key is prompt else derive_seed(self.config.seed, key, None) % 2**63
+            base = self.config.seed if lora_seed is None else lora_seed
+            seed = base if key is prompt else derive_seed(base, key, None) % 2**63
             return plan_reply(self.family, prompt, params, seed, reasoning_gate)
         whole, emitted = cut
         ids, logprobs, finish = whole.output_ids[emitted:], whole.logprobs[emitted:], whole.finish_reason
@@ -201,8 +224,11 @@ class Engine:
             ids, logprobs, finish = ids[:limit], logprobs[:limit], {"type": "length", "length": limit}
         return ReplyPlan(output_ids=ids, logprobs=logprobs, finish_reason=finish)
 
-    def _namespace(self, extra_key: str | None) -> int:
-        """The radix-cache partition of an `extra_key` (0: none), numbered in order of first use."""
+    def _namespace(self, extra_key: str | None, lora_id: int = 0) -> int:
+        """The radix-cache partition of an `extra_key` and an adapter's load (0: neither), numbered in order of first
+        use: SGLang appends the adapter's `lora_id` to the request's extra key."""
+        if lora_id:
+            extra_key = f"{extra_key or ''}\x00lora:{lora_id}"
         if not extra_key:
             return 0
         return self._namespaces.setdefault(extra_key, len(self._namespaces) + 1)
@@ -228,7 +254,8 @@ class Engine:
     def _remember_cut(self, req: SimRequest) -> None:
         if not 0 < req.generated < len(req.plan.output_ids):
             return
-        key = np.concatenate([req.content_key, req.output_ids]).astype(np.int32, copy=False).tobytes()
+        key = (np.concatenate([req.content_key, req.output_ids]).astype(np.int32, copy=False).tobytes()
+               + _lora_mark(req.lora_seed))
         self._cut.pop(key, None)
         self._cut[key] = (req.plan, req.generated)
         if len(self._cut) > _MAX_CUT_REPLIES:

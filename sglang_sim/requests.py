@@ -69,6 +69,7 @@ class GenerateInput:
     return_sampling_mask: bool = False  # the reply carries the kept ids per output token (sampling_masks.py)
     sampling_logprobs_mode: str | None = None  # "selected" (the default with masks) or "support"
     extra_key: str | None = None  # the radix cache's namespace (SGLang's `extra_key`; "" is none)
+    lora_path: str | None = None  # the LoRA adapter by its loaded name (sglang_sim/lora.py); None: the base model
 
 
 def _is_int(v: Any) -> bool:
@@ -238,8 +239,11 @@ def parse_generate(body: Any, vocab_size: int, routing_key: str | None) -> Gener
     extra_key = body.get("extra_key")
     if extra_key is not None and not isinstance(extra_key, str):
         raise BadRequest("extra_key must be a string")
+    lora_path = body.get("lora_path")
+    if lora_path is not None and not isinstance(lora_path, str):
+        raise BadRequest("sglang-sim: lora_path must be one adapter name (a string)")
     return GenerateInput(
-        rid=rid, extra_key=extra_key or None, input_ids=input_ids, text=text, sampling=sampling,
+        rid=rid, extra_key=extra_key or None, lora_path=lora_path, input_ids=input_ids, text=text, sampling=sampling,
         return_logprob=bool(body.get("return_logprob", False)),
         logprob_start_len=_opt(body, "logprob_start_len", int, -1),
         top_logprobs_num=_opt(body, "top_logprobs_num", int, 0),
@@ -302,7 +306,8 @@ class SimRequest:
     # the image's bytes (sglang_sim/images.py), so the cache tells images apart as SGLang's does.
     key: np.ndarray | None = None
     images: tuple[SimImage, ...] = ()  # the images the prompt's pads expanded to
-    namespace: int = 0  # the radix cache's partition for the request's `extra_key` (0: none)
+    namespace: int = 0  # the radix cache's partition for the request's `extra_key` and adapter (0: none)
+    lora_seed: int | None = None  # the request's adapter as its replies' seed (sglang_sim/lora.py); None: base
     # Per output token, what the engine's weights and the KV the token was sampled on add to the planned logprob
     # (Engine.logprob_shift): zero under the engine's first weights on KV of those weights.
     shift: np.ndarray = field(default_factory=lambda: _EMPTY_F)

@@ -336,6 +336,9 @@ def server_info(engine: Engine, model_path: str, tokenizer_path: str, host: str,
         "reasoning_parser": cfg.reasoning_parser,
         "skip_tokenizer_init": False,
         "weight_version": engine.weight_version,
+        "enable_lora": cfg.enable_lora,
+        "max_loaded_loras": cfg.max_loaded_loras,
+        "max_loras_per_batch": cfg.max_loras_per_batch,
         "max_total_num_tokens": engine.pool.capacity,
         # tp_worker.py: max_req_len = min(context_len - 1, kv_capacity - 1), max_req_input_len = max_req_len - 5
         "max_req_input_len": min(cfg.context_length - 1, engine.pool.capacity - 1) - 5,
@@ -411,6 +414,10 @@ def get_load(engine: Engine) -> list[dict[str, Any]]:
 
 
 def models_list(engine: Engine, model_path: str) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model_path, "object": "model", "created": 0, "owned_by": "sglang",
-                                        "root": model_path, "parent": None,
-                                        "max_model_len": engine.config.context_length}]}
+    """The served model, then each loaded LoRA adapter as a model whose `parent` is it (as SGLang 0.5.23 lists them)."""
+    base = {"id": model_path, "object": "model", "created": 0, "owned_by": "sglang", "root": model_path,
+            "parent": None, "max_model_len": engine.config.context_length}
+    adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": path,
+                 "parent": model_path, "max_model_len": engine.config.context_length}
+                for name, path in engine.lora.loaded.items()]
+    return {"object": "list", "data": [base, *adapters]}

@@ -169,6 +169,10 @@ class GenerateResult:
     sampling_masks: SamplingMasks | None = None
     # How the turn used an engine session (--engine-sessions; None without): ENGINE_SESSION_MODES.
     engine_session: str | None = None
+    # The LoRA adapter and its revision that sampled every output token (set by the server, which pins them per
+    # session; None, None: the base model).
+    adapter: str | None = None
+    adapter_revision: str | None = None
 
 
 # "reused": only the tokens past what the engine session held were sent; "opened": a fresh engine session got the whole

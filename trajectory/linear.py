@@ -110,6 +110,10 @@ class TurnRecord:
     # How the turn used an engine session (engine_output.ENGINE_SESSION_MODES; None without --engine-sessions):
     # "without" says it prefilled its whole history because no engine session could be opened.
     engine_session: str | None = None
+    # The LoRA adapter and revision that sampled the completion (the server pins one per session; both None: the base
+    # model). A turn keeps one adapter revision from its first engine request to its last.
+    adapter: str | None = None
+    adapter_revision: str | None = None
 
     @property
     def routed_experts_rows(self) -> int:
@@ -127,7 +131,8 @@ class TurnRecord:
             "trimmed": self.trimmed, "rolled_back": self.rolled_back,
             "rollback_reason": self.rollback_reason, "e2e_latency": self.e2e_latency,
             "routed_experts_bytes": len(self.routed_experts or b""), "merged": self.merged,
-            "engine_session": self.engine_session,
+            "engine_session": self.engine_session, "adapter": self.adapter,
+            "adapter_revision": self.adapter_revision,
         }
         if include_routed_experts:
             raw = bytes(self.routed_experts) if self.routed_experts else b""
@@ -543,6 +548,7 @@ class LinearTrajectory:
             routed_experts=result.routed_experts,
             routed_experts_start=plan.routed_experts_start if result.routed_experts is not None else 0,
             weight_versions=result.weight_versions, merged=plan.merged, engine_session=result.engine_session,
+            adapter=result.adapter, adapter_revision=result.adapter_revision,
             tail_mask_rows=() if tail_rows is None else tuple(
                 tuple(tail_rows.row(i).tolist()) for i in range(len(tail_rows))),
             tail_sampling_logprobs=() if tail_rows is None else tuple(tail_rows.logprobs.tolist()),

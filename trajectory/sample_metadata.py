@@ -8,6 +8,9 @@ What samples.py writes, and how it is read:
 - a turn sample: `turn` (its index in the session), `prompt_len` and its one `weight_version`;
 - every sample: `weight_version_tokens` `{version: sampled tokens}` (the counts `SampleMetadata.version_counts` reads
   off the spans, written for consumers that do not read spans);
+- the LoRA adapter of each turn (issue 40): a merged sample's `adapters` (one per turn) and a turn sample's `adapter`,
+  each `[name, revision]` or None for the base model; a sample without the key (written before adapters existed)
+  was sampled by the base model;
 - a forked session's samples: `lineage` (trajectory/forks.py Lineage.info): the parent session, the fork position in
   tokens (the sample's `tokens[:fork_position]` are its parent's, shared by its siblings), the fork's group, the
   tree's root and the depth; absent for a session that was not forked.
@@ -20,6 +23,8 @@ The rules:
   `parse_version`. Versions are strings, as SGLang sends them.
 - A sampled token that no span covers is an error (ValueError), never silently filed under some version or left out
   of the staleness count: the trainer would train or check it against the wrong weights.
+- A sampled token takes the adapter of the turn whose completion holds it (a turn keeps one adapter revision from
+  its first engine request to its last); `BASE_MODEL` where no adapter sampled it, None where nothing was sampled.
 - Spans and turns are read within the sample: a truncated sample (samples.truncate_sample keeps the metadata of the
   whole trajectory) holds only the turns whose completion starts inside it, cut at its end.
 """
@@ -51,6 +56,28 @@ def _version(value: Any) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterRevision:
+    """The LoRA adapter (and its revision) that sampled a token; `BASE_MODEL` (both None) for the base weights."""
+
+    name: str | None
+    revision: str | None
+
+    @property
+    def is_base(self) -> bool:
+        return self.name is None
+
+
+BASE_MODEL = AdapterRevision(None, None)
+
+
+def _adapter(value: Any) -> AdapterRevision:
+    if value is None:
+        return BASE_MODEL
+    name, revision = value
+    return AdapterRevision(str(name), None if revision is None else str(revision))
+
+
+@dataclass(frozen=True, slots=True)
 class GeneratedTurn:
     """One engine call's turn on the sample's positions: its prompt is `[0, start)`, its completion `[start, end)`
     (tool output after it is not part of it)."""
@@ -59,6 +86,7 @@ class GeneratedTurn:
     start: int
     end: int
     weight_version: str  # the version the engine call ended on
+    adapter: AdapterRevision = BASE_MODEL  # the LoRA adapter revision that sampled its completion
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +110,12 @@ class SampleMetadata:
     generations: tuple[tuple[int, int], ...]  # `[start, end)` of each run of sampled tokens, in order
     image_spans: tuple[tuple[int, int], ...]  # `[start, end)` of each image's pad run, in order
     lineage: SampleLineage | None = None  # a forked session's place in its tree
+    # per token: the LoRA adapter revision that sampled it (BASE_MODEL: the base weights), None where the mask is 0
+    token_adapters: tuple[AdapterRevision | None, ...] = ()
+
+    def adapters(self) -> set[AdapterRevision]:
+        """Every adapter revision (BASE_MODEL included) that sampled a token of the sample."""
+        return {a for a in self.token_adapters if a is not None}
 
     def version_ids(self, version_of: Callable[[str], int] = parse_version, fill: int = -1) -> np.ndarray:
         """int64 per token: `version_of` its version, `fill` where nothing was sampled."""
@@ -130,16 +164,32 @@ def generation_runs(mask: np.ndarray) -> list[tuple[int, int]]:
 def _turns(meta: dict[str, Any], n: int, response_length: int) -> tuple[GeneratedTurn, ...]:
     if isinstance(meta.get("turn"), int):  # a turn sample: one turn, its completion to the end
         start = meta.get("prompt_len", n - response_length)
-        return (GeneratedTurn(meta["turn"], min(int(start), n), n, _version(meta.get("weight_version"))),)
+        return (GeneratedTurn(meta["turn"], min(int(start), n), n, _version(meta.get("weight_version")),
+                              _adapter(meta.get("adapter"))),)
     lengths: Sequence[Sequence[int]] = meta.get("turns") or ()
     versions: Sequence[Any] = meta.get("weight_versions") or ()
+    adapters: Sequence[Any] = meta.get("adapters") or ()
     turns = []
     for k, (prompt_len, completion_len) in enumerate(lengths):
         if prompt_len >= n:
             break
         version = versions[k] if k < len(versions) else meta.get("weight_version")
-        turns.append(GeneratedTurn(k, int(prompt_len), min(n, int(prompt_len + completion_len)), _version(version)))
+        adapter = _adapter(adapters[k]) if k < len(adapters) else BASE_MODEL
+        turns.append(GeneratedTurn(k, int(prompt_len), min(n, int(prompt_len + completion_len)), _version(version),
+                                   adapter))
     return tuple(turns)
+
+
+def _token_adapters(sample: Sample, turns: Sequence[GeneratedTurn]) -> tuple[AdapterRevision | None, ...]:
+    n = len(sample.tokens)
+    sampled = sample.loss_mask.astype(bool)
+    out = np.full(n, None, dtype=object)
+    out[sampled] = BASE_MODEL  # a sample written before adapters existed: the base model sampled it
+    for turn in turns:
+        if not turn.adapter.is_base:
+            out[turn.start:turn.end] = turn.adapter
+    out[~sampled] = None
+    return tuple(out.tolist())
 
 
 def _token_versions(sample: Sample) -> tuple[str | None, ...]:
@@ -168,12 +218,14 @@ def sample_metadata(sample: Sample) -> SampleMetadata:
     them."""
     meta, n = sample.metadata, len(sample.tokens)
     images = meta.get("images") or ()
+    turns = _turns(meta, n, sample.response_length)
     return SampleMetadata(
-        turns=_turns(meta, n, sample.response_length),
+        turns=turns,
         token_versions=_token_versions(sample),
         generations=tuple(generation_runs(sample.loss_mask)),
         image_spans=tuple((int(image["span"][0]), int(image["span"][1])) for image in images),
         lineage=_lineage(meta.get("lineage")),
+        token_adapters=_token_adapters(sample, turns),
     )
 
 

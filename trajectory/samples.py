@@ -20,7 +20,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from .images import mrope_positions, prompt_images, runs
-from .linear import LinearTrajectory
+from .linear import LinearTrajectory, TurnRecord
 from .sampling_masks import SamplingMasks
 from .session_segments import Segment
 
@@ -187,6 +187,11 @@ def version_token_counts(spans: Sequence[Sequence[Any]], loss_mask: np.ndarray) 
     return {version: count for version, count in counts.items() if count}
 
 
+def turn_adapter(record: TurnRecord) -> list[str | None] | None:
+    """The LoRA adapter that sampled a turn as samples carry it: `[name, revision]`, None for the base model."""
+    return None if record.adapter is None else [record.adapter, record.adapter_revision]
+
+
 def _status(finish_reason: dict[str, Any]) -> str:
     return {"length": "truncated", "abort": "aborted"}.get(str(finish_reason.get("type")), "completed")
 
@@ -208,7 +213,7 @@ def build_turn_samples(traj: LinearTrajectory, max_seq_len: int | None = None) -
             status=_status(record.finish_reason),
             metadata={"turn": k, "rid": record.rid, "finish_reason": record.finish_reason,
                       "weight_version": record.weight_version, "prompt_len": record.prompt_len,
-                      "cached_tokens": record.cached_tokens},
+                      "cached_tokens": record.cached_tokens, "adapter": turn_adapter(record)},
         )
         own = record.weight_versions or ((record.weight_version, 0, record.completion_len),)
         sample.metadata["weight_version_tokens"] = version_token_counts(
@@ -247,7 +252,9 @@ def build_merged_sample(traj: LinearTrajectory, max_seq_len: int | None = None) 
                   "rollbacks": sum(traj.rollbacks.values()), "rollbacks_by_reason": dict(traj.rollbacks),
                   "weight_version_spans": weight_version_spans(traj),
                   # per turn, the prompt tokens the engine's prefix cache served (cached / prompt: its hit rate)
-                  "cached_tokens": [r.cached_tokens for r in records]},
+                  "cached_tokens": [r.cached_tokens for r in records],
+                  # per turn, the LoRA adapter [name, revision] that sampled it; None: the base model
+                  "adapters": [turn_adapter(r) for r in records]},
         routed_experts=assemble_routed_experts(traj),
     )
     sample.metadata["weight_version_tokens"] = version_token_counts(sample.metadata["weight_version_spans"],

@@ -87,7 +87,9 @@ async def sessions(request: Request) -> Response:
     and the infrastructure failure it ended with (`failure`, trajectory/infrastructure.py), where there are any. What
     `session-server-admin sessions` gathers from every replica. With --engine-sessions,
     `engine_sessions` says how many engine sessions are being closed in the background and lists the latest whose
-    close never landed (the engine's idle timeout frees those)."""
+    close never landed (the engine's idle timeout frees those). Once a session named a LoRA adapter, `adapters` says
+    what the engines hold, each adapter's current revision, the sessions pinned to each revision and what this
+    replica unloaded (engine/adapters.py)."""
     server = server_of(request)
     authorize(request)
     raw = request.query_params.get("limit", str(SESSION_LIST_LIMIT))
@@ -109,12 +111,16 @@ async def sessions(request: Request) -> Response:
     if engine_sessions is not None:
         body["engine_sessions"] = {"closes_under_way": engine_sessions.closes_under_way,
                                    "unclosed": list(engine_sessions.unclosed)}
+    if server.adapters is not None and server.adapters.loaded is not None:
+        body["adapters"] = server.adapters.describe()
     return json_response(body)
 
 
 async def resume(request: Request) -> Response:
     """POST /admin/continue, optional body `{"weight_version": "N"}` (the weights the engines serve now, as the push
-    named them; else asked of each engine): the pause ends (sessions/pause.py)."""
+    named them; else asked of each engine): the pause ends (sessions/pause.py). With `"adapter": {"name", "revision"}`
+    a trainer announces the LoRA adapter revision it loaded (engine/adapters.py): checked in the engines' model list
+    once the pause has ended (502 when they do not hold it), then the revision new sessions are pinned to."""
     server = server_of(request)
     with admin_span(server.tracer, "admin.continue", request.headers):
         return await _resume(request, server)
@@ -127,5 +133,13 @@ async def _resume(request: Request, server: ServerState) -> Response:
     version = obj.get("weight_version")
     if version is not None and (not isinstance(version, str) or not version):
         raise RequestValidationError("'weight_version' must be a non-empty string")
+    adapter = obj.get("adapter")
+    if adapter is not None and not (isinstance(adapter, dict) and isinstance(adapter.get("name"), str)
+                                    and adapter["name"] and isinstance(adapter.get("revision"), str)
+                                    and adapter["revision"]):
+        raise RequestValidationError("'adapter' must be {\"name\": str, \"revision\": str}, both non-empty")
     await server.lifecycle.pause.resume(version)
+    if adapter is not None and server.adapters is not None:  # after the resume: an engine left paused stalls all
+        ref = await server.adapters.learn(adapter["name"], adapter["revision"])
+        return json_response({"status": "running", "adapter": ref.engine_name})
     return json_response({"status": "running"})

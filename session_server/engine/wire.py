@@ -61,6 +61,9 @@ class GenerateRequest:
     # SGLang's `extra_key`: the radix-cache namespace, derived from the weight version the request is meant for
     # (engine/versions.py), so no prefix computed by other weights is reused. None sends none.
     extra_key: str | None = None
+    # SGLang's `lora_path`: the engine name of the LoRA adapter revision the session is pinned to (engine/adapters.py);
+    # None: the base model.
+    lora_path: str | None = None
 
     @property
     def size(self) -> int:
@@ -99,6 +102,8 @@ def encode_generate(request: GenerateRequest) -> bytes:
         payload["top_logprobs_num"] = request.top_logprobs
     if request.extra_key is not None:
         payload["extra_key"] = request.extra_key
+    if request.lora_path is not None:
+        payload["lora_path"] = request.lora_path
     if request.thinking and any(sp.get(key) is not None for key in CONSTRAINED_KEYS):
         payload["require_reasoning"] = True
     if request.sampling_masks:

@@ -64,6 +64,8 @@ class Lifecycle:
         self._in_flight: set[Claim] = set()
         self._drains = drains  # aborted engine requests ending in the background (engine/drains.py)
         self._drain_wait = drain_wait
+        # Called with the id of each session closed (DELETE, expiry): the adapter book releases its pin.
+        self.on_close: list[Callable[[str], None]] = []
         self.pause = Pause(self, registry, engines=engines, journal=journal, drains=drains,
                            engine_sessions=engine_sessions, cut_replies=cut_replies)
 
@@ -172,6 +174,8 @@ class Lifecycle:
                 raise
         if self._engines is not None:
             self._engines.forget(session.id)
+        for listener in self.on_close:
+            listener(session.id)
         if self.registry.get(session.id) is session:
             if reason is AbortReason.EXPIRY:
                 self.registry.forget(session.id, "expired after being idle")

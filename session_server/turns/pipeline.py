@@ -24,6 +24,7 @@ from typing import TypeVar
 from starlette.requests import Request
 from starlette.responses import Response
 
+from session_server.engine.adapters import recorded_adapter
 from session_server.errors import AbortReason, ClientDisconnectedError, SessionBusyError, tag_abort
 from session_server.http import body as body_reader
 from session_server.http.disconnect import disconnects
@@ -233,7 +234,13 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
     turn = Turn(parsed, matched.turn, new_rid(), parsed.model or server.family.name, server.family, matched,
                 return_token_ids=wants_ids)
     server.engine.place(session.id)  # its worker, or a healthy one if its worker failed (placement.py)
-    call = EngineCall(server, claim, turn, api)
+    adapter = None
+    book = server.adapters
+    if book is not None:  # the session's LoRA adapter revision, pinned; refused here if the engines do not hold it
+        recorded = None if session.id in book.pins else recorded_adapter(session.trajectory.records)
+        adapter = await book.for_turn(session.id, session.metadata, parsed.model, recorded)
+        claim.raise_if_aborted()
+    call = EngineCall(server, claim, turn, api, adapter)
     await call.open()
     if parsed.stream:
         return StreamedTurn(call)  # type: ignore[return-value]  # an ASGI response

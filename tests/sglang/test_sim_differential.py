@@ -674,3 +674,129 @@ def test_the_sim_answers_image_requests_like_real_sglang(engines: Engines, vl_si
         assert_engine_clean(engine.url)
     finally:
         engines.stop("vl")
+
+
+# -- LoRA (issue 40) ------------------------------------------------------------------------------------------------
+LORA_PROBES: dict[str, Probe] = {}
+
+
+def lora_probe(fn: Probe) -> Probe:
+    LORA_PROBES[fn.__name__] = fn
+    return fn
+
+
+class LoraTarget(Target):
+    """An engine serving adapters a1 and a2 (--lora-paths, --max-loaded-loras 3); `adapters`: their directory."""
+
+    def __init__(self, url: str, checkpoint: Path, adapters: Path) -> None:
+        super().__init__(url, checkpoint)
+        self.adapters = adapters
+
+    def listed(self) -> list[str]:
+        return sorted(m["id"] for m in self.http.get("/v1/models").json()["data"] if m.get("parent"))
+
+    def load(self, name: str, directory: str) -> httpx.Response:
+        body = {"lora_name": name, "lora_path": str(self.adapters / directory)}
+        return self.http.post("/load_lora_adapter", json=body)
+
+    def unload(self, name: str) -> httpx.Response:
+        return self.http.post("/unload_lora_adapter", json={"lora_name": name})
+
+
+def _paths(t: Target, answer: dict[str, Any]) -> dict[str, Any]:
+    """The adapters' directory in an answer's text, as `<adapters>` (the two engines are given the same ones)."""
+    answer["body"] = answer["body"].replace(str(t.adapters), "<adapters>")  # type: ignore[attr-defined]
+    return answer
+
+
+@lora_probe
+def lora_generate(t: Target) -> dict[str, Any]:
+    """`lora_path` on /generate: the same reply shape, another reply than the base model's and each other's."""
+    base, a1, a2 = (t.generate(**kw) for kw in ({}, {"lora_path": "a1"}, {"lora_path": "a2"}))
+    ids = [r.json()["output_ids"] for r in (base, a1, a2)]
+    return {"a1": reply(a1), "stream": reply(t.generate(lora_path="a2", stream=True)),
+            "distinct_replies": len({tuple(i) for i in ids}), "repeatable": t.generate(lora_path="a1").json()[
+                "output_ids"] == ids[1]}
+
+
+@lora_probe
+def lora_cache(t: Target) -> dict[str, Any]:
+    """The radix cache keeps adapters apart (and from the base model), `extra_key` composing with them."""
+    assert t.http.post("/flush_cache").status_code == 200
+    prompt = list(range(2000, 2200))
+    seen = {}
+    a1, a1_v0 = {"lora_path": "a1"}, {"lora_path": "a1", "extra_key": "v0"}
+    for label, kw in (("base", {}), ("base again", {}), ("a1", a1), ("a1 again", a1), ("a2", {"lora_path": "a2"}),
+                      ("base third", {}), ("a1 v0", a1_v0), ("a1 v0 again", a1_v0)):
+        r = t.http.post("/generate", json={"input_ids": prompt, "rid": t.rid(),
+                                           "sampling_params": {"temperature": 0, "max_new_tokens": 1}, **kw})
+        seen[label] = r.json()["meta_info"]["cached_tokens"]
+    return seen
+
+
+@lora_probe
+def lora_load_and_unload(t: Target) -> dict[str, Any]:
+    """Load at run time, a duplicate name, unload, unload again, a name never loaded, the reload-on-reference of an
+    unloaded name, and the model list along the way; the engine ends as it began (a1, a2)."""
+    lt: LoraTarget = t  # type: ignore[assignment]
+    info = t.http.get("/server_info").json()
+    out: dict[str, Any] = {"start": lt.listed(), "server_info": {
+        k: info.get(k) for k in ("enable_lora", "max_loaded_loras", "max_loras_per_batch")}}
+    out["load"] = _paths(t, error(lt.load("a3", "a1@1")))
+    out["listed_after_load"] = lt.listed()
+    out["load_again"] = _paths(t, error(lt.load("a3", "a1@1")))
+    out["unload"] = _paths(t, error(lt.unload("a3")))
+    out["unload_again"] = error(lt.unload("a3"))
+    out["listed_after_unload"] = lt.listed()
+    out["never_loaded"] = error(t.generate(lora_path="nope"))
+    out["reloaded"] = reply(t.generate(lora_path="a3"))
+    out["listed_after_reload"] = lt.listed()
+    assert lt.unload("a3").status_code == 200
+    return out
+
+
+@lora_probe
+def lora_eviction_at_the_limit(t: Target) -> dict[str, Any]:
+    """At --max-loaded-loras a load is not refused: the least recently used adapter goes (and comes back when named)."""
+    lt: LoraTarget = t  # type: ignore[assignment]
+    t.generate(lora_path="a2")  # a1 is now the least recently used
+    out = {"a3": lt.load("a3", "a1@1").status_code, "a4": lt.load("a4", "a1@1").status_code,
+           "listed_at_the_limit": lt.listed()}
+    out["a1_named_again"] = t.generate(lora_path="a1").status_code
+    out["listed_after"] = lt.listed()
+    for name in ("a3", "a4"):
+        lt.unload(name)
+    if "a1" not in lt.listed():
+        t.generate(lora_path="a1")
+    if "a2" not in lt.listed():
+        t.generate(lora_path="a2")
+    out["end"] = lt.listed()
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_sim(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProcess]:
+    adapters = engines.adapters()
+    with start_sim(engines.checkpoint("qwen3-dense"), "qwen3", "--context-length", "2048", "--kv-capacity-tokens",
+                   "8192", "--token-latency-ms", "20", "--enable-lora", "--lora-paths", f"a1={adapters}/a1",
+                   f"a2={adapters}/a2", "--max-loaded-loras", "3", "--max-loras-per-batch", "3",
+                   log_dir=tmp_path_factory.mktemp("lora-sim")) as proc:
+        yield proc
+
+
+def test_the_sim_serves_lora_like_real_sglang(engines: Engines, lora_sim: RunningProcess) -> None:
+    """The same LoRA requests to real SGLang (--enable-lora, the test plugin's pin-memory patch) and to the sim: the
+    same shapes, the same cache counts, the same load / unload / reload-on-reference / eviction behaviour."""
+    engine = engines.get("lora")
+    checkpoint, adapters = engines.checkpoint("qwen3-dense"), engines.adapters()
+    try:
+        real = {name: fn(LoraTarget(engine.url, checkpoint, adapters)) for name, fn in LORA_PROBES.items()}
+        emulated = {name: fn(LoraTarget(lora_sim.url, checkpoint, adapters)) for name, fn in LORA_PROBES.items()}
+        diff = differences(real, emulated)
+        assert not diff, "\n".join(diff)
+        assert real["lora_cache"] == {"base": 0, "base again": 199, "a1": 0, "a1 again": 199, "a2": 0,
+                                      "base third": 199, "a1 v0": 0, "a1 v0 again": 199}
+        assert real["lora_eviction_at_the_limit"]["end"] == ["a1", "a2"]
+        assert_engine_clean(engine.url)
+    finally:
+        engines.stop("lora")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from harness.launchers import EngineProcess, RunningProcess, start_sglang
 from .server import RecordingProxy
 
 PLUGIN_DIR = Path(__file__).resolve().parent.parent / "sglang" / "plugin"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,14 @@ SPECS = {
     "moe-b": MOE,  # a second worker of the same model, behind a router with "moe" (tests/sglang/test_real_routers.py)
     # The tiny random Qwen3-VL (issue 34): SGLang's default vision attention wants a GPU kernel; sdpa runs on the CPU.
     "vl": EngineSpec("qwen3-vl", ("--mm-attention-backend", "sdpa", "--dtype", "float32")),
+    # LoRA (issue 40): the tiny adapters of scripts/build_tiny_adapters.py ({adapters}: their directory, built on first
+    # use), a1 and a2 loaded at start, room for one more revision; the plugin's pin-memory patch lets it start.
+    "lora": EngineSpec("qwen3-dense", (
+        "--enable-lora", "--lora-paths", "a1={adapters}/a1", "a2={adapters}/a2", "--max-lora-rank", "4",
+        "--lora-target-modules", "q_proj", "v_proj", "--lora-backend", "torch_native", "--max-loaded-loras", "3",
+        "--max-loras-per-batch", "3")),
 }
+ADAPTERS_DIR = "lora-qwen3-dense"  # under the checkpoints
 
 
 @dataclass
@@ -81,10 +90,22 @@ class Engines:
         if old is not None:
             old.stop()
         log = self.logs / f"sglang-{name}-{time.monotonic_ns()}.log"
-        proc = start_sglang(self.python, self.checkpoint(spec.checkpoint), *spec.args, plugin_dir=PLUGIN_DIR,
+        args = spec.args
+        if any("{adapters}" in arg for arg in args):
+            args = tuple(arg.replace("{adapters}", str(self.adapters())) for arg in args)
+        proc = start_sglang(self.python, self.checkpoint(spec.checkpoint), *args, plugin_dir=PLUGIN_DIR,
                             port=port, name=f"sglang[{name}]", log_path=log)
         self.running[name] = proc
         return proc
+
+    def adapters(self) -> Path:
+        """The tiny LoRA adapters' directory, built with the engine's venv when absent (atomically: a temp dir
+        renamed into place, so a shared cache is never rebuilt under another run)."""
+        out = self.checkpoints / ADAPTERS_DIR
+        if not out.exists():
+            subprocess.run([str(self.python), "-m", "scripts.build_tiny_adapters", "--base",
+                            str(self.checkpoint("qwen3-dense")), "--out", str(out)], cwd=REPO, check=True, timeout=600)
+        return out
 
     def stop(self, name: str) -> None:
         """Stop the engine `name` now (a module's own engine: its ~3.7 GB back before the next module starts)."""

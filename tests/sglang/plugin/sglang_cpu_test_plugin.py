@@ -12,6 +12,10 @@ SGLang takes its pure-PyTorch paths, except at two GPU-only spots fixed here:
   did call it would still compute the right thing.
 - `--enable-return-routed-experts` allocates its host buffer with `cudaHostRegister` (pinned memory through
   `torch.cuda.cudart()`): the `cpu` entry of `ALLOC_MEMORY_FUNCS` becomes a plain allocation.
+- `--enable-lora` pins host memory (`srt/lora/layers.py`, `srt/lora/backend/*.py`: `torch.tensor(..., pin_memory=True)`
+  and `Tensor.pin_memory()`), which a CPU-only torch refuses ("Found no NVIDIA driver", SGLang #31894): where no
+  accelerator is available, pinning is a no-op (issue 40). Nothing else changes: any pinning on such a machine
+  raised before.
 """
 
 from __future__ import annotations
@@ -57,6 +61,39 @@ def _plain_host_alloc(
     return torch.empty(dims, dtype=dtype, device=device)
 
 
+# The torch factories SGLang's LoRA code passes `pin_memory=` to (through the `torch` module).
+PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_like", "zeros_like", "ones_like",
+                     "full_like", "as_tensor", "empty_strided", "randn", "rand")
+
+
+def _without_pinning(factory: Any) -> Any:
+    import functools
+
+    @functools.wraps(factory)
+    def unpinned(*args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("pin_memory", None)
+        return factory(*args, **kwargs)
+
+    return unpinned
+
+
+def unpin_host_memory() -> None:
+    """Pinned host memory is plain memory where torch has no accelerator (idempotent; a no-op with one)."""
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)
+    has_accelerator = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+    if has_accelerator or getattr(torch, "_cpu_test_unpinned", False):
+        return
+    torch._cpu_test_unpinned = True  # type: ignore[attr-defined]
+    torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]
+    torch.Tensor.is_pinned = lambda self, *a, **k: False  # type: ignore[method-assign]
+    for name in PINNING_FACTORIES:
+        factory = getattr(torch, name, None)
+        if factory is not None:
+            setattr(torch, name, _without_pinning(factory))
+
+
 def install() -> None:
     """The entry point SGLang calls in each of its processes."""
     # Only the submodule: `from vllm._custom_ops import ...` finds it in sys.modules without importing a `vllm`
@@ -67,3 +104,4 @@ def install() -> None:
     from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 
     ALLOC_MEMORY_FUNCS["cpu"] = _plain_host_alloc
+    unpin_host_memory()

@@ -6,9 +6,12 @@ the recorded routing."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 from rollout.logprob_check import check_logprobs
-from trajectory import Sample
+from trajectory import Sample, sample_metadata
+from trajectory.sample_metadata import BASE_MODEL, AdapterRevision
 
 VOCAB = 96
 SMALL: dict[str, Any] = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -382,3 +386,73 @@ def test_the_grpo_pieces_use_support_normalised_ratios() -> None:
     weights = truncated_is_weights(support[:1], batch["sampling_log_probs"][:1], mask)
     assert torch.allclose(weights[mask == 1], torch.ones(8), atol=1e-3)
     assert (truncated_is_weights(full[:1], batch["sampling_log_probs"][:1], mask)[mask == 1] < 0.99).all()
+
+
+# -- LoRA adapters (issue 40) -----------------------------------------------------------------------------------
+def write_adapter(directory: Path, seed: int, r: int = 4, alpha: int = 8) -> dict[str, tuple[torch.Tensor, ...]]:
+    """A PEFT-style adapter on q_proj and v_proj of the SMALL model; returns module name -> (A, B, scale)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    outs = {"q_proj": SMALL["num_attention_heads"] * SMALL["head_dim"],
+            "v_proj": SMALL["num_key_value_heads"] * SMALL["head_dim"]}
+    tensors, pairs = {}, {}
+    for layer in range(SMALL["num_hidden_layers"]):
+        for module, out in outs.items():
+            name = f"model.layers.{layer}.self_attn.{module}"
+            a = torch.randn(r, SMALL["hidden_size"], generator=g) * 0.5
+            b = torch.randn(out, r, generator=g) * 0.5
+            tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"] = a, b
+            pairs[name] = (a, b, torch.tensor(alpha / r))
+    directory.mkdir(parents=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps({"r": r, "lora_alpha": alpha, "peft_type": "LORA"}))
+    return pairs
+
+
+@contextlib.contextmanager
+def lora_hooks(model: torch.nn.Module, pairs: dict[str, tuple[torch.Tensor, ...]]) -> Iterator[None]:
+    """The adapter applied as SGLang applies it, beside the base weights (y += x A^T B^T * scale), not merged."""
+    modules = dict(model.named_modules())
+
+    def hook(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> Any:
+        return lambda _m, inputs, output: output + (inputs[0] @ a.T @ b.T) * scale
+
+    handles = [modules[name].register_forward_hook(hook(*pair)) for name, pair in pairs.items()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_each_token_is_scored_with_the_adapter_revision_that_sampled_it(tmp_path: Path) -> None:
+    base = dense(1)
+    a1, a1_next = AdapterRevision("a1", "0"), AdapterRevision("a1", "1")
+    dirs = {a1: tmp_path / "a1", a1_next: tmp_path / "a1@1"}
+    pairs = {a1: write_adapter(dirs[a1], 10), a1_next: write_adapter(dirs[a1_next], 11)}
+    order = iter([None, a1, a1_next])  # turn 0 by the base model, then a1 revision 0, then revision 1
+    engine = Engine(base)
+    decode = engine.generate
+
+    def generate(prompt: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> tuple[list[int], list[float]]:
+        adapter = next(order)
+        if adapter is None:
+            return decode(prompt, n, temperature, seed)
+        with lora_hooks(base, pairs[adapter]):
+            return decode(prompt, n, temperature, seed)
+
+    engine.generate = generate  # type: ignore[method-assign]
+    merged = episode([(engine, "default")], turns=3)
+    merged.metadata["adapters"] = [None, ["a1", "0"], ["a1", "1"]]
+    last = turn_sample(merged, 2)
+    last.metadata["adapter"] = ["a1", "1"]
+    report = check_logprobs([merged, last], base, adapters=dirs)
+    assert report.ok(1e-4), report.format()
+    assert report.metrics["rollout_check/tokens"] == 3 * 6 + 6
+    assert sample_metadata(merged).adapters() == {BASE_MODEL, a1, a1_next}
+    # Scored with revision 0 for both, the tokens of revision 1 disagree; without `adapters` the check refuses.
+    stale = check_logprobs([merged], base, adapters={a1: dirs[a1], a1_next: dirs[a1]})
+    assert not stale.ok(1e-3)
+    with pytest.raises(ValueError, match="pass adapters="):
+        check_logprobs([merged], base)

@@ -115,3 +115,20 @@ def test_stored_turns_are_deltas(families) -> None:
             assert s.messages_kept == len(messages) - 1 and not s.tools_changed
     assert max(sizes[2:]) < 2 * min(sizes[2:])
     assert traj.num_tokens * 4 > 5 * sizes[-1]
+
+
+def test_a_turns_adapter_revision_is_stored_and_restored(families) -> None:
+    """The LoRA adapter revision that sampled a turn (issue 40) lives in the stored record: no schema change."""
+    import dataclasses
+
+    family = families["qwen3"]
+    traj = LinearTrajectory(family)
+    plan = traj.prepare([{"role": "user", "content": "a"}], None)
+    result, message = generate(family, plan, Reply("A"), rid="a")
+    delta = traj.stage(plan, dataclasses.replace(result, adapter="a1", adapter_revision="2"), message)
+    stored = store_turn(delta, traj.messages, traj.tools)
+    traj.apply(delta)
+    base = commit_stored(traj, [*traj.messages, {"role": "user", "content": "b"}], None, Reply("B"), rid="b")
+    restored = restore_trajectory(family, [stored, base])
+    assert [(r.adapter, r.adapter_revision) for r in restored.records] == [("a1", "2"), (None, None)]
+    assert state(restored) == state(traj)

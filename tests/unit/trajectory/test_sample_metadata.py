@@ -138,3 +138,20 @@ def test_versions_are_strings_and_parse_as_steps() -> None:
 def test_image_spans_in_order() -> None:
     sample = _sample([0, 0, 0, 1], {"images": [{"span": [0, 1], "digest": "a"}, {"span": [1, 3], "digest": "b"}]})
     assert sample_metadata(sample).image_spans == ((0, 1), (1, 3))
+
+
+def test_adapters_per_token_a_base_turn_says_so_and_old_samples_are_base() -> None:
+    from trajectory.sample_metadata import BASE_MODEL, AdapterRevision
+
+    mask = [0, 0, 1, 1, 0, 1, 1, 1, 0, 1]
+    meta = {"turns": [[2, 2], [5, 3], [9, 1]], "weight_versions": ["default"] * 3,
+            "adapters": [None, ["a1", "0"], ["a1", "2"]]}
+    read = sample_metadata(_sample(mask, meta))
+    a1, a1_next = AdapterRevision("a1", "0"), AdapterRevision("a1", "2")
+    assert read.token_adapters == (None, None, BASE_MODEL, BASE_MODEL, None, a1, a1, a1, None, a1_next)
+    assert [t.adapter for t in read.turns] == [BASE_MODEL, a1, a1_next]
+    assert read.adapters() == {BASE_MODEL, a1, a1_next}
+    turn = sample_metadata(_sample([0, 0, 1, 1], {"turn": 3, "prompt_len": 2, "adapter": ["a2", "0"]}))
+    assert turn.token_adapters == (None, None, AdapterRevision("a2", "0"), AdapterRevision("a2", "0"))
+    old = sample_metadata(_sample(mask, {"turns": [[2, 2], [5, 3], [9, 1]]}))  # written before adapters existed
+    assert old.adapters() == {BASE_MODEL}
