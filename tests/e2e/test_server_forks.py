@@ -364,3 +364,35 @@ def test_session_client_runs_a_group_as_forks(stack: Stack) -> None:
                 assert await client.delete(child)
 
     asyncio.run(main())
+
+
+def test_a_group_forked_at_its_prompt_survives_a_restart(stack: Stack, proxy: RecordingProxy, tmp_path: Path) -> None:
+    """The journal keeps a fork at the prompt (its children and their turns), not the primed prompt itself: after a
+    restart a child that took its turn is as it was, and one that did not renders its first turn -- the same ids the
+    primed prompt held."""
+    journal = tmp_path / "journal.sqlite"
+
+    def start() -> Any:
+        return start_session_server(proxy.url, stack.tok, FAMILY, "--journal", str(journal), name="journaled-group",
+                                    log_dir=stack.logs)
+
+    prompt = [{"role": "user", "content": f"a group on disk {reply('kept')}"}]
+    proc = start()
+    server = proc.url
+    parent = new_session(server)
+    assert httpx.post(f"{server}/sessions/{parent}/prime", json={"messages": prompt, "tools": TOOLS},
+                      timeout=30).status_code == 200
+    took, waited = fork(server, parent, n=2).json()["session_ids"]
+    first = engine_ids(proxy, server, took, "chat", prompt)
+    was = info(server, took)
+    assert proc.stop() == 0
+    proc = start()
+    try:
+        now = info(proc.url, took)
+        for volatile in ("busy", "nbytes"):
+            now.pop(volatile), was.pop(volatile)
+        assert now == was
+        assert info(proc.url, waited)["lineage"]["fork_position"] == len(first)
+        assert engine_ids(proxy, proc.url, waited, "chat", prompt) == first
+    finally:
+        proc.stop()
