@@ -10,7 +10,8 @@ field for a dropped or masked sample).
 Who knows it, from facts recorded, never guessed:
 - the server, for a turn it answered with a 5xx (the failure is the server's or the engine's, not the request's): it
   records the error on the session, and the session's samples carry it until a later turn commits (the agent retried
-  and went on: the episode did not end there). `source` "server".
+  and went on: the episode did not end there). `source` "server". Kept in memory, not in the journal: a restart is
+  seen by the agent's side, as a lost connection.
 - the agent's side, for what the server cannot record (a connection refused or broken, e.g. a server restart; a 5xx
   the agent gave up on): rollout's runners mark the samples they still collect. `source` "client".
 """
