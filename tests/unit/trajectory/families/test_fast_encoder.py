@@ -235,17 +235,19 @@ def test_a_judged_outcome_is_remembered_by_the_tokenizer_files_bytes(tmp_path, m
         tokenizer.save_pretrained(tmp_path / name)
         return PreTrainedTokenizerFast.from_pretrained(tmp_path / name)
 
-    good, swapped = saved(_tiny(("ab", "bc")), "good"), saved(_tiny(("ab", "bc"), [("b", "c"), ("a", "b")]), "bad")
-    first = _bind(good)
+    first = _bind(saved(_tiny(("ab", "bc")), "good"))  # the one full judgement here (every character encoded)
     assert first[0] is not None and first[1] == "" and len(serialized) == 1
     again = _bind(saved(_tiny(("ab", "bc")), "good-copy"))  # the same bytes elsewhere: the same outcome, remembered
     assert again[0] is not None and again[1] == "" and len(serialized) == 1
     assert again[0].encode("abc bcab") == first[0].encode("abc bcab")
-    refused = _bind(swapped)  # other bytes: judged
+    swapped = _tiny(("ab", "bc"), [("b", "c"), ("a", "b")])  # refused at its merges: judged cheaply
+    refused = _bind(saved(swapped, "swapped"))  # other bytes: judged
     assert refused[0] is None and "comes after a merge" in refused[1] and len(serialized) == 2
-    assert _bind(swapped) == refused and len(serialized) == 2
-    good.init_kwargs[fe.VERDICT_KEY] = {**fe.verdict(good.backend_tokenizer), "refusal": "recorded"}
-    assert _bind(good) == (None, "recorded")  # a recorded verdict is part of the key: its own is trusted
+    assert _bind(saved(swapped, "swapped-copy")) == refused and len(serialized) == 2
+    recorded = saved(swapped, "swapped-recorded")
+    recorded.init_kwargs[fe.VERDICT_KEY] = {**fe.verdict(recorded.backend_tokenizer), "refusal": "recorded"}
+    assert _bind(recorded) == (None, "recorded")  # a recorded verdict is part of the key: its own is trusted
     for kept in (tmp_path / "cache").rglob("*.json"):
         kept.write_text("{not json")
-    assert _bind(saved(_tiny(("ab", "bc")), "good-3"))[1] == ""  # an unreadable outcome: judged again
+    count = len(serialized)
+    assert _bind(saved(swapped, "swapped-3")) == refused and len(serialized) == count + 1  # unreadable: judged again
