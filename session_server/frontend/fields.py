@@ -5,7 +5,8 @@ SGLang's `sampling_params`) and its one rule (type and range), in the order the 
 too, with the reason their 400 gives. One loop reads a request by the table (`read_fields`), so parsing a body stays
 in this module, and a new field is one row. Every API's reply limit (Chat's `max_tokens` / `max_completion_tokens`,
 Responses' `max_output_tokens`, Messages' `max_tokens`) is the one rule REPLY_LIMIT, whose 400 names the API's own
-field. Responses and Messages map their requests onto these fields (their protocol.py).
+field. Responses and Messages map their requests onto these fields (their protocol.py); which of their keys are
+mapped, ignored or refused is a table of rows too (RESPONSES_KEYS, MESSAGES_KEYS and those of their nested objects).
 
 The fields map to different things -- sampling keys (penalties, `min_p`, `logit_bias`), constrained decoding
 (`response_format`, `tool_choice`), what the prompt renders (`tool_choice: none` drops the tools, a named function
@@ -457,6 +458,103 @@ def read_fields(obj: Mapping[str, Any], stop_token_ids: tuple[int, ...],
                     places[place][key] = got
     request, sampling, options = places
     return ChatFields(request, sampling, RequestOptions(**options) if options else _DEFAULT_OPTIONS)
+
+
+# -- the keys of a Responses or Messages request ----------------------------------------------------------------------
+# Their protocol.py map what they honour onto the chat fields above. What each key of theirs is -- mapped there,
+# accepted without effect on the tokens (reported in the turn's `ignored`: Claude Code sends betas and cache hints on
+# every turn and answers a 400 by retrying without features), or refused with a 400 that says why -- is one row of
+# the object's table below; a key without a row is a 400 that names it. A new key is one row.
+
+
+def _not_null(value: Any) -> bool:
+    return value is not None
+
+
+def _present(value: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One key of a request object. `action`: "mapped" (read by the API's protocol.py), "ignored" (reported in
+    `ignored`) or "refused" (a 400 with `why`), the last two when `when(value)` holds (by default: the value is not
+    null)."""
+
+    name: str
+    action: str = "mapped"
+    why: str = ""
+    when: Callable[[Any], bool] = _not_null
+
+
+def ignored(name: str, when: Callable[[Any], bool] = _not_null) -> Key:
+    return Key(name, "ignored", when=when)
+
+
+def refused(name: str, why: str, when: Callable[[Any], bool] = _not_null) -> Key:
+    return Key(name, "refused", why, when)
+
+
+def mapped(*names: str) -> tuple[Key, ...]:
+    return tuple(Key(name) for name in names)
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The table of one request object: its rows, the 400 of a key without one (`unknown`), and how `ignored` names
+    a key of it (`report`: a prefix such as "text.")."""
+
+    rows: tuple[Key, ...]
+    unknown: str = "is not supported"
+    report: str = ""
+
+    def read(self, obj: Mapping[str, Any], where: str = "") -> list[str]:
+        """The keys of `obj` this table ignores (as `report` names them), after the checks: a key without a row, then
+        every refusal in the table's order, is a 400 naming `where.key` (the key alone at the top level)."""
+        rows = {row.name: row for row in self.rows}
+        for key in obj:
+            if key not in rows:
+                raise bad_request(f"'{where}{'.' if where else ''}{key}' {self.unknown}")
+        for row in self.rows:
+            if row.action == "refused" and row.name in obj and row.when(obj[row.name]):
+                raise bad_request(f"'{where}{'.' if where else ''}{row.name}' {row.why}")
+        return [self.report + row.name for row in self.rows
+                if row.action == "ignored" and row.name in obj and row.when(obj[row.name])]
+
+
+# A Responses request. Accepted without effect on the tokens: what OpenAI stores, bills or routes by.
+RESPONSES_KEYS = Keys((
+    *mapped("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+            "temperature", "top_p", "reasoning", "text", "include", "previous_response_id", "stream",
+            "return_token_ids"),
+    refused("background", "is not supported: a session turn runs in the foreground", when=bool),
+    refused("conversation", "is not supported: the session is the conversation (or use previous_response_id)"),
+    refused("prompt", "templates are not supported"),
+    refused("truncation", "only 'disabled' is supported: a trajectory is never truncated silently",
+            when=lambda value: value not in (None, "disabled")),
+    refused("max_tool_calls", "is not supported"),
+    refused("top_logprobs", "is not supported on the Responses API; use chat completions", when=bool),
+    *(ignored(name) for name in ("store", "metadata", "user", "safety_identifier", "prompt_cache_key",
+                                 "prompt_cache_retention", "service_tier", "stream_options", "client_metadata")),
+), unknown="is not a Responses API field this server knows")
+RESPONSES_TEXT_KEYS = Keys((Key("format"), ignored("verbosity", when=_present)), report="text.")
+
+# A Messages request. Accepted without effect on the tokens: cache hints, betas, what Anthropic bills or routes by.
+MESSAGES_KEYS = Keys((
+    *mapped("model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream",
+            "tools", "tool_choice", "thinking", "output_config"),
+    refused("container", "is not supported"),
+    refused("mcp_servers", "is not supported"),
+    *(ignored(name) for name in ("cache_control", "metadata", "context_management", "service_tier", "speed",
+                                 "inference_geo", "diagnostics", "betas", "user_profile_id", "workspace_id")),
+), unknown="is not a Messages API field this server knows")
+MESSAGES_OUTPUT_CONFIG_KEYS = Keys((Key("format"), ignored("effort", when=_present),
+                                    ignored("task_budget", when=_present)), report="output_config.")
+MESSAGES_TOOL_KEYS = Keys((
+    *mapped("type", "name", "description", "input_schema", "strict"),
+    *(ignored(name, when=_present) for name in ("cache_control", "defer_loading", "eager_input_streaming",
+                                                "input_examples")),
+), report="tools.")
 
 
 # -- tools and constraints ------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ none, `disable_parallel_tool_use`), `thinking` (the family's switch), `stop_sequ
 Code sends all of it and answers a 400 by retrying without features), never a 400; `image` blocks (in a user message
 or a tool result) become the chat image parts every API's images become (frontend/images.py); documents,
 `redacted_thinking` (encrypted reasoning no local template can render) and server tools are a 400 naming the
-block or field. Pure: no I/O.
+block or field. Which keys of the request, a tool and `output_config` are mapped, ignored or refused are rows of the
+tables MESSAGES_KEYS, MESSAGES_TOOL_KEYS and MESSAGES_OUTPUT_CONFIG_KEYS (frontend/fields.py). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from session_server.frontend.chat_request import read_chat
-from session_server.frontend.fields import reply_limit
+from session_server.frontend.fields import (
+    MESSAGES_KEYS,
+    MESSAGES_OUTPUT_CONFIG_KEYS,
+    MESSAGES_TOOL_KEYS,
+    reply_limit,
+)
 from session_server.frontend.request_items import bad, non_empty_string, objects
 from session_server.http.body import decode_object
 from session_server.turns.turn import TurnRequest
@@ -34,15 +40,6 @@ from trajectory import LinearTrajectory, ModelFamily
 from trajectory.errors import SessionError
 from trajectory.images import NO_IMAGE_LIMITS, Image, ImageLimits
 
-# Accepted, without effect on the tokens.
-_NEUTRAL = ("cache_control", "metadata", "context_management", "service_tier", "speed", "inference_geo",
-            "diagnostics", "betas", "user_profile_id", "workspace_id")
-_KNOWN = frozenset({
-    "model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream",
-    "tools", "tool_choice", "thinking", "output_config", "container", "mcp_servers", *_NEUTRAL,
-})
-_TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict", "cache_control", "defer_loading",
-                        "eager_input_streaming", "input_examples"})
 _UNSUPPORTED_BLOCKS = {
     "document": "document blocks are not supported: this server's model takes text only",
     "redacted_thinking": "redacted_thinking blocks hold encrypted reasoning that this model's template cannot render",
@@ -202,11 +199,7 @@ def chat_tools(tools: Any, ignored: list[str]) -> list[dict[str, Any]] | None:
     for where, tool in objects(tools, "tools"):
         if tool.get("type") not in (None, "custom"):
             raise bad(f"{where}.type", f"{tool['type']!r}: server tools are not supported, only custom tools")
-        for key in tool:
-            if key not in _TOOL_KEYS:
-                raise bad(f"{where}.{key}", "is not supported")
-            if key in ("cache_control", "defer_loading", "eager_input_streaming", "input_examples"):
-                ignored.append(f"tools.{key}")
+        ignored += MESSAGES_TOOL_KEYS.read(tool, where)
         name, schema = non_empty_string(tool, "name", where), tool.get("input_schema")
         if not isinstance(schema, dict):
             raise bad(f"{where}.input_schema", "must be a JSON Schema object")
@@ -268,11 +261,7 @@ def _output_config(config: Any, ignored: list[str]) -> dict[str, Any] | None:
         return None
     if not isinstance(config, dict):
         raise bad("output_config", "must be an object")
-    for key in config:
-        if key in ("effort", "task_budget"):
-            ignored.append(f"output_config.{key}")
-        elif key != "format":
-            raise bad(f"output_config.{key}", "is not supported")
+    ignored += MESSAGES_OUTPUT_CONFIG_KEYS.read(config, "output_config")
     fmt = config.get("format")
     if fmt is None:
         return None
@@ -283,13 +272,7 @@ def _output_config(config: Any, ignored: list[str]) -> dict[str, Any] | None:
 
 def parse_messages(obj: dict[str, Any], thinking_switch: str | None, count_only: bool = False) -> MessagesTurn:
     """Map a decoded Messages request (or, with `count_only`, a count_tokens request) onto the chat turn."""
-    for key in obj:
-        if key not in _KNOWN:
-            raise bad(key, "is not a Messages API field this server knows")
-    for key in ("container", "mcp_servers"):
-        if obj.get(key) is not None:
-            raise bad(key, "is not supported")
-    ignored = [key for key in _NEUTRAL if obj.get(key) is not None]
+    ignored = MESSAGES_KEYS.read(obj)
     max_tokens = reply_limit(obj.get("max_tokens"), "max_tokens", required=not count_only)
     stop = obj.get("stop_sequences")
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):

@@ -10,9 +10,10 @@ tokens (tests/unit/session_server/frontend/test_api_mapping.py proves it against
 The result is a Chat Completions request object (`ResponsesTurn.chat`), validated further by the chat front end's
 own parser (sampling bounds, tool schemas, tool_choice against the tools), so every API honours a field the same
 way. What this API adds is checked here, with this API's field names in the 400s: flat function tools,
-`text.format`, `reasoning.effort` (the family's thinking switch), `max_output_tokens`, `include`. Fields that do not
-change the tokens (`store`, `metadata`, `prompt_cache_key`, ...) are accepted and reported in `ignored`; anything
-this server cannot honour is a 400 that names it. Pure: no I/O.
+`text.format`, `reasoning.effort` (the family's thinking switch), `max_output_tokens`, `include`. Which keys are
+mapped here, which are accepted without changing the tokens (`store`, `metadata`, `prompt_cache_key`, ...; reported
+in `ignored`) and which are refused is the table RESPONSES_KEYS (frontend/fields.py); anything this server cannot
+honour is a 400 that names it. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -23,21 +24,13 @@ from typing import Any
 
 from session_server.errors import SessionNotFoundError
 from session_server.frontend.chat_request import read_chat
-from session_server.frontend.fields import reply_limit
+from session_server.frontend.fields import RESPONSES_KEYS, RESPONSES_TEXT_KEYS, reply_limit
 from session_server.frontend.request_items import bad, non_empty_string, objects
 from session_server.http.body import decode_object
 from session_server.turns.turn import TurnRequest
 from trajectory import LinearTrajectory
 from trajectory.images import NO_IMAGE_LIMITS, ImageLimits
 
-# Accepted, echoed where the response has a place for them, and without effect on the tokens.
-_NEUTRAL = ("store", "metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-            "service_tier", "stream_options", "client_metadata")
-_KNOWN = frozenset({
-    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
-    "temperature", "top_p", "reasoning", "text", "include", "previous_response_id", "stream", "truncation",
-    "background", "max_tool_calls", "top_logprobs", "conversation", "prompt", "return_token_ids", *_NEUTRAL,
-})
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 RESPONSE_PREFIX = "resp_"  # a response id is `resp_<rid>` of the committed turn that answered it
 # The reasoning text travels back and forth in `encrypted_content` for clients that keep no server state
@@ -262,11 +255,7 @@ def _response_format(text: Any, ignored: list[str]) -> dict[str, Any] | None:
         return None
     if not isinstance(text, dict):
         raise bad("text", "must be an object")
-    for key in text:
-        if key == "verbosity":
-            ignored.append("text.verbosity")
-        elif key != "format":
-            raise bad(f"text.{key}", "is not supported")
+    ignored += RESPONSES_TEXT_KEYS.read(text, "text")
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -319,30 +308,11 @@ def _include(include: Any) -> bool:
     return ENCRYPTED_REASONING in include
 
 
-def _refuse(obj: dict[str, Any]) -> None:
-    for key in obj:
-        if key not in _KNOWN:
-            raise bad(key, "is not a Responses API field this server knows")
-    if obj.get("background"):
-        raise bad("background", "is not supported: a session turn runs in the foreground")
-    if obj.get("conversation") is not None:
-        raise bad("conversation", "is not supported: the session is the conversation (or use previous_response_id)")
-    if obj.get("prompt") is not None:
-        raise bad("prompt", "templates are not supported")
-    if obj.get("truncation") not in (None, "disabled"):
-        raise bad("truncation", "only 'disabled' is supported: a trajectory is never truncated silently")
-    if obj.get("max_tool_calls") is not None:
-        raise bad("max_tool_calls", "is not supported")
-    if obj.get("top_logprobs"):
-        raise bad("top_logprobs", "is not supported on the Responses API; use chat completions")
-
-
 def parse_responses(obj: dict[str, Any], thinking_switch: str | None,
                     history: list[dict[str, Any]] | None = None) -> ResponsesTurn:
     """Map a decoded Responses request onto the chat turn; `history` is the stored conversation up to
     `previous_response_id` (resolved by the caller, which owns the session)."""
-    _refuse(obj)
-    ignored = [key for key in _NEUTRAL if obj.get(key) is not None]
+    ignored = RESPONSES_KEYS.read(obj)
     previous = obj.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise bad("previous_response_id", "must be a string")

@@ -7,14 +7,16 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
-import openai
 
 from sglang_sim.baseline import baseline_problems, engine_idle
 from trajectory import samples_from_json
+
+if TYPE_CHECKING:  # the SDK costs ~1 s to import: every test process loads this module (conftest), few use it
+    import openai
 
 TOOLS = [
     {
@@ -100,10 +102,12 @@ def new_session(server: str, metadata: dict[str, Any] | None = None) -> str:
 
 def session_client(server: str, session_id: str, **kw: Any) -> openai.AsyncOpenAI:
     """The official SDK on a session's base URL; no retries, so a 409/503 surfaces instead of being retried."""
+    import openai
+
     return openai.AsyncOpenAI(base_url=f"{server}/sessions/{session_id}/v1", api_key="x", max_retries=0, **kw)
 
 
-SessionBody = Callable[[str, str, openai.AsyncOpenAI, httpx.AsyncClient], Awaitable[None]]
+SessionBody = Callable[[str, str, "openai.AsyncOpenAI", httpx.AsyncClient], Awaitable[None]]
 
 
 def run_in_session(server: str, body: SessionBody, metadata: dict[str, Any] | None = None) -> None:

@@ -25,18 +25,25 @@ The same function when:
 - no truncation or padding is set.
 The checks that read every merge cost about a second, so scripts/build_tokenizers.py records their verdict in
 tokenizer_config.json (`VERDICT_KEY`) with the sha256 of the definition it judged; a verdict for another definition
-is ignored and the checks run at bind. tests/unit/trajectory/families/test_fast_encoder.py holds the ids to the
-Hugging Face encoder's.
+is ignored and the checks run at bind. Telling the two apart still costs the model's serialized state (0.3-0.9 s for a
+150k-token vocabulary, paid by every process that binds the family: each test worker, for each family), so a
+tokenizer loaded from a directory has its outcome remembered on disk (`VERDICTS_DIR`), keyed by the sha256 of its
+tokenizer.json's bytes, of the definition's other parts and of the recorded verdict: the file holds the model, so the
+same key is the same judgement, and the next bind reads it instead (~20 ms). Anything unreadable there is judged
+again. tests/unit/trajectory/families/test_fast_encoder.py holds the ids to the Hugging Face encoder's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import accumulate
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -84,11 +91,14 @@ class Definition:
         """The model's serialized state (vocabulary, merges, flags): ~0.1 s, so only once the cheap parts qualify."""
         return bytes(self.backend.model.__getstate__())
 
+    def rest(self) -> bytes:
+        """Everything a verdict is about but the model, and the checks' version."""
+        return json.dumps([CHECKS_VERSION, self.pre_tokenizer, self.normalizer, self.added, self.pipeline],
+                          sort_keys=True).encode()
+
     def digest(self, model: bytes) -> str:
         """sha256 of everything a verdict is about."""
-        rest = json.dumps([CHECKS_VERSION, self.pre_tokenizer, self.normalizer, self.added, self.pipeline],
-                          sort_keys=True)
-        return hashlib.sha256(model + b"\x00" + rest.encode()).hexdigest()
+        return hashlib.sha256(model + b"\x00" + self.rest()).hexdigest()
 
 
 def split_pattern(definition: Definition) -> str | None:
@@ -169,10 +179,11 @@ def verdict(backend: Any) -> dict[str, Any]:
 
 
 def _judge(definition: Definition, vocab: Mapping[str, int], state: bytes | None = None,
-           recorded: Any = None) -> tuple[FastEncoder | None, str | None]:
+           recorded: Any = None, source: Path | None = None) -> tuple[FastEncoder | None, str | None]:
     """(the encoder, None) where tiktoken is the same function as the definition's, else (None, why not): the cheap
     checks, then the ones that read every merge -- or, for this very definition (its digest), a `recorded` verdict.
-    `state`: the model's serialized state, read here when not given (only once the cheap checks pass)."""
+    `state`: the model's serialized state, read here when not given (only once the cheap checks pass). `source`: the
+    tokenizer.json the definition was loaded from, whose outcome is remembered on disk (`VERDICTS_DIR`)."""
     refusal = structure_refusal(definition)
     if refusal is not None:
         return None, refusal
@@ -180,14 +191,66 @@ def _judge(definition: Definition, vocab: Mapping[str, int], state: bytes | None
         core, specials = _core(definition, vocab)
     except ValueError as exc:  # the pattern does not compile in tiktoken's regex engine, the vocabulary is not bytes
         return None, str(exc)
-    state = definition.model() if state is None else state
-    if isinstance(recorded, dict) and recorded.get("sha256") == definition.digest(state):
-        refusal = recorded.get("refusal")
+    key = _source_key(source, definition, recorded)
+    remembered = _remembered(key)
+    if remembered is not None:
+        refusal = remembered[0]
     else:
-        refusal = model_refusal(definition, state) or coverage_refusal(core)
+        state = definition.model() if state is None else state
+        if isinstance(recorded, dict) and recorded.get("sha256") == definition.digest(state):
+            refusal = recorded.get("refusal")
+        else:
+            refusal = model_refusal(definition, state) or coverage_refusal(core)
+        _remember(key, None if refusal is None else str(refusal))
     if refusal is not None:
         return None, str(refusal)
     return FastEncoder(core, specials, definition.normalizer == {"type": "NFC"}), None
+
+
+def _verdicts_dir() -> Path:
+    """Where judged outcomes are remembered: $TRAJECTORY_CACHE_DIR, else the user's cache directory."""
+    base = os.environ.get("TRAJECTORY_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "trajectory")
+    return Path(base) / "fast-encoder-verdicts"
+
+
+def _source_key(source: Path | None, definition: Definition, recorded: Any) -> str | None:
+    """sha256 of the tokenizer file's bytes, the definition's other parts and the recorded verdict (None: no file)."""
+    if source is None:
+        return None
+    try:
+        data = source.read_bytes()
+    except OSError:
+        return None
+    extra = json.dumps(recorded, sort_keys=True, default=str).encode()
+    return hashlib.sha256(data + b"\x00" + definition.rest() + b"\x00" + extra).hexdigest()
+
+
+def _remembered(key: str | None) -> tuple[str | None] | None:
+    """(the refusal,) remembered for `key`, or None when there is none (or it cannot be read)."""
+    if key is None:
+        return None
+    try:
+        value = json.loads((_verdicts_dir() / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    refusal = value.get("refusal", 0) if isinstance(value, dict) else 0
+    return (refusal,) if refusal is None or isinstance(refusal, str) else None
+
+
+def _remember(key: str | None, refusal: str | None) -> None:
+    """Keep the outcome for `key`, written whole (a temporary file renamed); a directory that cannot be written
+    only means the next bind judges again."""
+    if key is None:
+        return
+    folder = _verdicts_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as out:
+            json.dump({"refusal": refusal}, out)
+        os.replace(out.name, folder / f"{key}.json")
+    except OSError:
+        return
 
 
 _NONE: frozenset[str] = frozenset()
@@ -271,5 +334,7 @@ def fast_encoder(tokenizer: Any, vocab: Mapping[str, int]) -> tuple[FastEncoder 
     if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
         return None, "no Rust tokenizer"
     recorded = getattr(tokenizer, "init_kwargs", {}).get(VERDICT_KEY)
-    encoder, refusal = _judge(Definition.of(backend), vocab, recorded=recorded)
+    where = getattr(tokenizer, "name_or_path", None)
+    source = Path(where) / "tokenizer.json" if isinstance(where, str) and where and os.path.isdir(where) else None
+    encoder, refusal = _judge(Definition.of(backend), vocab, recorded=recorded, source=source)
     return encoder, refusal or ""

@@ -391,3 +391,73 @@ def test_every_apis_reply_limit_is_one_rule_naming_the_apis_own_field() -> None:
         parse_messages({"messages": MESSAGES}, None)  # Messages requires it, except to count tokens
     assert parse_messages({"messages": MESSAGES}, None, count_only=True).chat.get("max_tokens") is None
     assert parse_responses({"input": "hi", "max_output_tokens": MAX_INT32}, None).chat["max_tokens"] == MAX_INT32
+
+
+def test_a_key_table_reads_each_row_as_declared() -> None:
+    """A request object's keys by its table: a row is all a new key needs. Mapped keys pass, ignored ones are
+    reported (by the table's prefix) when their `when` holds, refused ones are a 400 naming `where.key`, in the
+    table's order after any key without a row."""
+    from session_server.frontend.fields import Key, Keys, ignored, refused
+
+    table = Keys((Key("kept"), ignored("hint"), ignored("flag", when=bool), refused("no", "is refused"),
+                  refused("odd", "must be even", when=lambda v: v % 2 == 1)), unknown="is unheard of", report="obj.")
+    assert table.read({"kept": 1, "hint": "x", "flag": False, "no": None, "odd": 2}) == ["obj.hint"]
+    assert table.read({"flag": True, "hint": None}, "parent") == ["obj.flag"]
+    for body, message in [({"no": 0}, "'no' is refused"), ({"odd": 3}, "'odd' must be even"),
+                          ({"odd": 3, "no": 1}, "'no' is refused"), ({"no": 1, "what": 1}, "'what' is unheard of")]:
+        with pytest.raises(RequestValidationError) as exc:
+            table.read(body)
+        assert exc.value.message == message
+    with pytest.raises(RequestValidationError) as exc:
+        table.read({"odd": 1}, "parent[2]")
+    assert exc.value.message == "'parent[2].odd' must be even"
+
+
+def _key_rows(table: Any, action: str) -> list[str]:
+    return [row.name for row in table.rows if row.action == action]
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_every_ignored_key_of_an_api_is_reported_and_every_refused_one_named(api: str) -> None:
+    """Each ignored row of the Responses and Messages tables is accepted and reported in `ignored` (not when null),
+    each refused row is a 400 that names the key; no key is in two rows."""
+    from session_server.frontend import fields
+    from session_server.messages.protocol import parse_messages
+    from session_server.responses.protocol import parse_responses
+
+    if api == "responses":
+        table, base = fields.RESPONSES_KEYS, {"input": "hi"}
+
+        def parse(body: dict[str, Any]) -> Any:
+            return parse_responses(body, "enable_thinking")
+    else:
+        table, base = fields.MESSAGES_KEYS, {"model": "m", "max_tokens": 8, "messages": MESSAGES}
+
+        def parse(body: dict[str, Any]) -> Any:
+            return parse_messages(body, "enable_thinking")
+    names = [row.name for row in table.rows]
+    assert len(names) == len(set(names)) and set(base) <= set(_key_rows(table, "mapped"))
+    for name in _key_rows(table, "ignored"):
+        assert parse({**base, name: "set"}).ignored == [name]
+        assert parse({**base, name: None}).ignored == []
+    for name in _key_rows(table, "refused"):
+        with pytest.raises(RequestValidationError, match=f"^'{name}' "):
+            parse({**base, name: "set"})
+
+
+def test_the_nested_key_tables_report_and_refuse_by_their_own_names() -> None:
+    from session_server.frontend import fields
+    from session_server.messages.protocol import parse_messages
+    from session_server.responses.protocol import parse_responses
+
+    assert parse_responses({"input": "hi", "text": {"verbosity": None}}, None).ignored == ["text.verbosity"]
+    with pytest.raises(RequestValidationError, match=r"^'text\.tone' is not supported"):
+        parse_responses({"input": "hi", "text": {"tone": "dry"}}, None)
+    base = {"model": "m", "max_tokens": 8, "messages": MESSAGES}
+    for name in _key_rows(fields.MESSAGES_OUTPUT_CONFIG_KEYS, "ignored"):
+        assert parse_messages({**base, "output_config": {name: "x"}}, None).ignored == [f"output_config.{name}"]
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    for name in _key_rows(fields.MESSAGES_TOOL_KEYS, "ignored"):
+        assert parse_messages({**base, "tools": [{**tool, name: {}}]}, None).ignored == [f"tools.{name}"]
+    with pytest.raises(RequestValidationError, match=r"^'tools\[0\]\.color' is not supported"):
+        parse_messages({**base, "tools": [{**tool, "color": "red"}]}, None)

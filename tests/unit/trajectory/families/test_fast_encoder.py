@@ -219,3 +219,35 @@ def test_a_real_tokenizer_with_two_merges_swapped_falls_back(hf_tokenizers):
     assert family.fast_encoder is None and "comes after a merge of a higher-ranked token" in family.fast_encoder_refusal
     text = "<|im_start|>user\nthe merges decide these ids<|im_end|>\n"
     assert family.encode(text) == tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_a_judged_outcome_is_remembered_by_the_tokenizer_files_bytes(tmp_path, monkeypatch):
+    """A tokenizer loaded from a directory is judged once: the next bind reads the outcome kept for its file's bytes
+    (no model state serialized); other bytes, another recorded verdict or an unreadable cache are judged afresh."""
+    from transformers import PreTrainedTokenizerFast
+
+    monkeypatch.setenv("TRAJECTORY_CACHE_DIR", str(tmp_path / "cache"))
+    serialized: list[int] = []
+    model = fe.Definition.model
+    monkeypatch.setattr(fe.Definition, "model", lambda self: serialized.append(1) or model(self))
+
+    def saved(tokenizer: Any, name: str) -> Any:
+        tokenizer.save_pretrained(tmp_path / name)
+        return PreTrainedTokenizerFast.from_pretrained(tmp_path / name)
+
+    first = _bind(saved(_tiny(("ab", "bc")), "good"))  # the one full judgement here (every character encoded)
+    assert first[0] is not None and first[1] == "" and len(serialized) == 1
+    again = _bind(saved(_tiny(("ab", "bc")), "good-copy"))  # the same bytes elsewhere: the same outcome, remembered
+    assert again[0] is not None and again[1] == "" and len(serialized) == 1
+    assert again[0].encode("abc bcab") == first[0].encode("abc bcab")
+    swapped = _tiny(("ab", "bc"), [("b", "c"), ("a", "b")])  # refused at its merges: judged cheaply
+    refused = _bind(saved(swapped, "swapped"))  # other bytes: judged
+    assert refused[0] is None and "comes after a merge" in refused[1] and len(serialized) == 2
+    assert _bind(saved(swapped, "swapped-copy")) == refused and len(serialized) == 2
+    recorded = saved(swapped, "swapped-recorded")
+    recorded.init_kwargs[fe.VERDICT_KEY] = {**fe.verdict(recorded.backend_tokenizer), "refusal": "recorded"}
+    assert _bind(recorded) == (None, "recorded")  # a recorded verdict is part of the key: its own is trusted
+    for kept in (tmp_path / "cache").rglob("*.json"):
+        kept.write_text("{not json")
+    count = len(serialized)
+    assert _bind(saved(swapped, "swapped-3")) == refused and len(serialized) == count + 1  # unreadable: judged again
