@@ -45,6 +45,11 @@ class TokenBuffer:
         return len(self._ids)
 
     @property
+    def shared_head(self) -> int:
+        """The first stored positions held by reference (`adopt_head`), not in this buffer's own arrays."""
+        return self._start
+
+    @property
     def nbytes(self) -> int:
         """The bytes this buffer owns: 0 while it reads another's arrays (`share`)."""
         if self._borrowed:
