@@ -3,8 +3,8 @@ open at once and chat a first turn each (which opens no engine session: nothing 
 (which opens one), then are all deleted at once.
 
 What it shows of SGLang itself (through the recording proxy): the first turns send no `/open_session`; it answers
-every `/open_session` of the second turns' burst (each
-waits for the scheduler's next iteration, tokenizer_manager.py `open_session` and its future) and every
+every `/open_session` of the second turns' burst (each waits for the scheduler's next iteration,
+tokenizer_manager.py `open_session` and its future) and every
 `/close_session` (answered once dispatched to the scheduler, `close_session`: it never waits for the close itself);
 the server keeps up: every chat 200, every turn records how it used its engine session, every DELETE 204 with its
 close landing in the background, one close per open, and the engine's KV back to zero.
@@ -24,6 +24,9 @@ from support.server import chat_url, metric
 from support.sglang_engine import Served, ServeFactory, assert_engine_clean
 from support.sim import wait_for
 
+# No more than the engine's --max-running-requests (8, harness.launchers.SGLANG_CPU_FLAGS): an open engine session
+# keeps one of those request rows until it is closed, so a ninth engine session's first turn would wait for a close
+# that never comes (docs/engines.md; at 24, 16 turns waited out the proxy's read timeout).
 SESSIONS = 8
 WAIT = 300.0  # a bound on waiting for an event, never a measure of speed
 
