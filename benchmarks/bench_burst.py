@@ -57,9 +57,12 @@ SETTLE_LIMIT = 120.0  # seconds to wait for the engine's books after the DELETEs
 _TIMEOUT_LINES = re.compile(r"did not answer within|timed out")
 
 
-def chat_body(i: int, reply_tokens: int) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": f"episode {i}: solve the task {directives.tokens(reply_tokens)}"}],
-            "max_tokens": reply_tokens + 8}
+def user_message(i: int, turn: int, reply_tokens: int) -> dict[str, str]:
+    return {"role": "user", "content": f"episode {i} turn {turn}: solve the task {directives.tokens(reply_tokens)}"}
+
+
+def chat_body(messages: list[dict[str, str]], reply_tokens: int) -> dict[str, Any]:
+    return {"messages": messages, "max_tokens": reply_tokens + 8}
 
 
 class Episode:
@@ -97,9 +100,10 @@ class Episode:
 
 
 async def run_burst(server: str, engine: str, n: int, vanish: int, reply_tokens: int, token_ms: float,
-                    seed: int, pids: tuple[int, int]) -> dict[str, Any]:
-    """One burst against a running pair: create n sessions, chat once each (`vanish` clients cancel mid-reply), then
-    DELETE them one after another, then wait for the engine's books to settle."""
+                    seed: int, pids: tuple[int, int], turns: int = 1) -> dict[str, Any]:
+    """One burst against a running pair: create n sessions, chat `turns` times each, every turn a burst of its own
+    (`vanish` clients cancel mid-reply in the first and are gone after it), then DELETE them one after another, then
+    wait for the engine's books to settle."""
     rng = random.Random(seed)
     vanishing = set(rng.sample(range(n), vanish))
     reply_s = reply_tokens * token_ms / 1000.0
@@ -115,11 +119,17 @@ async def run_burst(server: str, engine: str, n: int, vanish: int, reply_tokens:
     sids = await asyncio.gather(*(create(ep) for ep in episodes))
     latencies: list[float] = []
     statuses: Counter[str] = Counter()
+    histories: list[list[dict[str, str]]] = [[] for _ in range(n)]
+    gone: set[int] = set(vanishing)
 
-    async def chat(i: int, sid: str) -> None:
+    async def chat(i: int, sid: str, turn: int) -> None:
+        if turn > 0 and i in gone:  # vanished, or its previous turn failed: the episode is over
+            return
         t0 = time.perf_counter()
-        request = episodes[i].request("POST", f"/sessions/{sid}/v1/chat/completions", chat_body(i, reply_tokens))
-        if i in vanishing:  # the client goes away partway through its reply
+        histories[i].append(user_message(i, turn, reply_tokens))
+        request = episodes[i].request("POST", f"/sessions/{sid}/v1/chat/completions",
+                                      chat_body(histories[i], reply_tokens))
+        if i in vanishing and turn == 0:  # the client goes away partway through its reply
             try:
                 await asyncio.wait_for(request, timeout=rng.uniform(0.2, 0.8) * reply_s)
                 statuses["finished_before_vanishing"] += 1
@@ -127,16 +137,23 @@ async def run_burst(server: str, engine: str, n: int, vanish: int, reply_tokens:
                 statuses["vanished"] += 1
             return
         try:
-            status, _ = await request
+            status, body = await request
             statuses[str(status)] += 1
         except (OSError, asyncio.IncompleteReadError) as exc:
             statuses[type(exc).__name__] += 1
+            status, body = 0, b""
         latencies.append(time.perf_counter() - t0)
+        if status == 200:
+            histories[i].append({"role": "assistant", "content": json.loads(body)["choices"][0]["message"]["content"]})
+        else:
+            gone.add(i)
 
     cpu0 = [proc_cpu_seconds(pid) for pid in pids] + [self_cpu_seconds()]
-    t0 = time.perf_counter()
-    await asyncio.gather(*(chat(i, sid) for i, sid in enumerate(sids)))
-    burst_s = time.perf_counter() - t0
+    burst_s = 0.0
+    for turn in range(turns):  # the group's turns in lockstep: each a burst (the trainer waits for the slowest)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(chat(i, sid, turn) for i, sid in enumerate(sids)))
+        burst_s += time.perf_counter() - t0
     cpu = [b - a for a, b in zip(cpu0, [*(proc_cpu_seconds(pid) for pid in pids), self_cpu_seconds()], strict=True)]
     delete_lat: list[float] = []
     delete_status: Counter[int] = Counter()
@@ -155,11 +172,12 @@ async def run_burst(server: str, engine: str, n: int, vanish: int, reply_tokens:
         books = await settled_books(http, engine)
         settle_s = time.perf_counter() - t2
         metrics = (await http.get(f"{server}/metrics")).text
+        closes = (await http.get(f"{engine}/sim/hold_closes")).json()["received"]
     trainer.close()
     return {"burst_cpu_s": dict(zip(("server", "engine", "client"), cpu, strict=True)), "burst_s": burst_s,
             "cleanup_s": cleanup_s, "settle_s": settle_s, "chat_latencies": latencies, "statuses": dict(statuses),
             "delete_latencies": delete_lat, "delete_statuses": dict(delete_status), "books": books,
-            "metrics": metrics}
+            "metrics": metrics, "engine_closes": closes}
 
 
 async def settled_books(http: httpx.AsyncClient, engine: str) -> dict[str, Any]:
@@ -198,7 +216,7 @@ def control_timeouts(metrics: str, server: RunningProcess, lines_before: int) ->
 
 def measure(args: argparse.Namespace, config: str, n: int, figures: Figures, log_dir: Path | None) -> dict[str, Any]:
     engine_args = ["--enable-streaming-session", "--token-latency-ms", str(args.token_ms),
-                   "--kv-capacity-tokens", str(max(65536, n * args.kv_per_session))]
+                   "--kv-capacity-tokens", str(max(65536, n * args.kv_per_session * args.turns))]
     server_args = [*CONFIGS[config], "--request-timeout", str(args.request_timeout), *args.server_arg]
     server_cpu, engine_cpu, _ = pinning_plan(args.server_cpu, args.engine_cpu)
     sim, server = start_pair(tokenizer=args.tokenizer, family=args.family, engine_cpu=engine_cpu,
@@ -209,7 +227,7 @@ def measure(args: argparse.Namespace, config: str, n: int, figures: Figures, log
         load = os.getloadavg()[0]
         vanish = round(n * args.vanish_fraction)
         res = run_async(run_burst(server.url, sim.url, n, vanish, args.reply_tokens, args.token_ms, args.seed,
-                                      (server.pid, sim.pid)))
+                                  (server.pid, sim.pid), args.turns))
     finally:
         server.stop()
         sim.stop()
@@ -226,10 +244,11 @@ def measure(args: argparse.Namespace, config: str, n: int, figures: Figures, log
     figures.add(f"{tag}.delete_p50_ms", 1000 * (pct(res["delete_latencies"], 50) or 0), "ms", "lower", 1)
     figures.add(f"{tag}.delete_p99_ms", 1000 * (pct(res["delete_latencies"], 99) or 0), "ms", "lower", 2)
     figures.add(f"{tag}.chats_200", answered, "chats", "higher")
-    figures.add(f"{tag}.chats_failed", n - answered - res["statuses"].get("vanished", 0)
+    figures.add(f"{tag}.chats_failed", sum(res["statuses"].values()) - answered - res["statuses"].get("vanished", 0)
                 - res["statuses"].get("finished_before_vanishing", 0), "chats", "lower")
     figures.add(f"{tag}.control_timeouts", timeouts, "calls", "lower")
     figures.add(f"{tag}.fallbacks", fallbacks, "turns", "lower")
+    figures.add(f"{tag}.engine_closes", res["engine_closes"], "calls", "lower")
     figures.add(f"{tag}.engine_open_sessions_end", res["books"]["open_sessions"], "sessions", "lower")
     figures.add(f"{tag}.engine_kv_used_end", res["books"]["kv_used_tokens"], "tokens", "lower")
     figures.add(f"{tag}.loadavg_1m", load, "load")
@@ -239,7 +258,8 @@ def measure(args: argparse.Namespace, config: str, n: int, figures: Figures, log
     print(f"{tag:24} load {load:4.1f}  burst {res['burst_s']:6.2f}s  cleanup {res['cleanup_s']:6.2f}s  "
           f"settle {res['settle_s']:5.2f}s  chat p99 {figures.values[f'{tag}.chat_p99_ms']:7.0f}ms  "
           f"DELETE p99 {figures.values[f'{tag}.delete_p99_ms']:6.1f}ms  control timeouts {timeouts}  "
-          f"fallbacks {fallbacks:g}  burst CPU {cpu}  chats {res['statuses']}  deletes {res['delete_statuses']}  "
+          f"fallbacks {fallbacks:g}  closes {res['engine_closes']}  burst CPU {cpu}  chats {res['statuses']}  "
+          f"deletes {res['delete_statuses']}  "
           f"books {res['books']}")
     return {"statuses": res["statuses"], "delete_statuses": res["delete_statuses"], "books": res["books"]}
 
@@ -250,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--family", default="qwen3")
     p.add_argument("--sessions", type=int, nargs="+", default=[300, 1000])
     p.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--turns", type=int, default=1,
+                   help="turns per episode, each a burst of the group's chats (1: GRPO; 2: the engine sessions open)")
     p.add_argument("--reply-tokens", type=int, default=150)
     p.add_argument("--token-ms", type=float, default=2.0, help="the sim's latency per token")
     p.add_argument("--vanish-fraction", type=float, default=0.1, help="clients that go away mid-reply")

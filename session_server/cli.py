@@ -127,8 +127,8 @@ def flags() -> tuple[Flag, ...]:
              "%(default)s)"),
         Flag("--merge-segments", "continue a segment instead of starting one when the new history's full render "
              "extends every token of it (one sample per episode where the tokens allow it)"),
-        Flag("--engine-sessions", "one SGLang streaming session per trajectory; turns send only new tokens (engine: "
-             "streaming sessions on)"),
+        Flag("--engine-sessions", "one SGLang streaming session per trajectory, opened at its second turn (the first "
+             "has nothing to reuse); later turns send only new tokens (engine: streaming sessions on)"),
         Flag("--request-timeout", "seconds an engine call may take before it is aborted and the chat gets 504 "
              "(default %(default)s)"),
         Flag("--max-turn-continuations", "times a turn goes on after the engine aborted every in-flight request (a "

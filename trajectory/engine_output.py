@@ -176,8 +176,10 @@ class GenerateResult:
 
 
 # "reused": only the tokens past what the engine session held were sent; "opened": a fresh engine session got the whole
-# prompt; "without": none could be opened in time, so the whole history was sent and prefilled without one.
-ENGINE_SESSION_MODES = ("reused", "opened", "without")
+# prompt; "deferred": the turn reused nothing of the trajectory (its first turn, a full render), so none was opened and
+# the whole prompt was sent as without the flag (its KV left to the engine's radix cache for the next turn's open);
+# "without": none could be opened in time, so the whole history was sent and prefilled without one.
+ENGINE_SESSION_MODES = ("reused", "opened", "deferred", "without")
 
 
 def _finish_reason(reason: _Stop | _Length | _Abort) -> dict[str, Any]:

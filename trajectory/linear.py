@@ -108,7 +108,8 @@ class TurnRecord:
     tail_mask_rows: tuple[tuple[int, ...], ...] = ()
     tail_sampling_logprobs: tuple[float, ...] = ()
     # How the turn used an engine session (engine_output.ENGINE_SESSION_MODES; None without --engine-sessions):
-    # "without" says it prefilled its whole history because no engine session could be opened.
+    # "deferred": it reused nothing, so none was opened; "without": it prefilled its whole history because no engine
+    # session could be opened.
     engine_session: str | None = None
     # The LoRA adapter and revision that sampled the completion (the server pins one per session; both None: the base
     # model). A turn keeps one adapter revision from its first engine request to its last.

@@ -5,6 +5,13 @@ the next prompt keeps (`plan.new_token_start`). Anything else -- a rollback, a t
 turn that ran in it (502, abort, disconnect) -- replaces it with a fresh one that receives the full prompt. The
 trajectory's tokens are therefore identical with and without the flag; only the engine's prefill work differs.
 
+None is opened for a turn that keeps nothing of the trajectory (its first turn, a full render): the turn would send
+its whole prompt into a fresh one anyway, so it goes without (mode "deferred") and leaves its KV to the engine's
+radix cache; the next turn opens the engine session with its whole prompt, which the engine matches against that
+cache, and the turns after it append. A GRPO step's burst of single-turn episodes thus sends no open and no close:
+before, each first turn waited for an `/open_session` round trip through an engine busy with the whole burst before
+its `/generate` (at 1,000 sessions on a loaded machine that pushed half the chats past a 4 s deadline).
+
 The state of each trajectory's engine session is kept here, by session id: engine code never sees the session record.
 
 Under load the engine answers control calls late (a burst of 300 new sessions on a slow machine: many `/open_session`
@@ -123,6 +130,12 @@ class EngineSessions:
             return new_token_start, {"id": st.sid}
         if st is not None:
             await self.close(session_id)  # first: its KV is freed before the new one fills (a failed close retries)
+        if new_token_start == 0:
+            # Nothing of the trajectory is reused (its first turn, a full render): an engine session would save this
+            # turn nothing, so none is opened; its KV stays in the engine's radix cache, where the next turn's open
+            # finds it. A single-turn episode (a GRPO step) thus costs the engine no open and no close.
+            self._modes[session_id] = "deferred"
+            return 0, None
         sid = f"{session_id}-{secrets.token_hex(4)}"
         deadline = None if remaining is None else max(remaining * OPEN_SHARE, 0.001)
         self._on_opening(session_id, sid)  # before the open: a crash after it leaves the id in the book

@@ -34,10 +34,22 @@ def _generates(proxy: RecordingProxy) -> list[dict[str, object]]:
     return [c["request"] for c in proxy.settled() if c["path"] == "/generate"]
 
 
+def _second_turn(server: str, sid: str, proxy: RecordingProxy) -> dict[str, object]:
+    """The session's first turn (which opens no engine session: nothing to reuse), and the body of its second, which
+    opens one; the proxy's record starts after the first."""
+    history: list[object] = [CHAT["messages"][0]]
+    r = httpx.post(chat_url(server, sid), json={"messages": history}, timeout=30)
+    assert r.status_code == 200, r.text
+    history += [r.json()["choices"][0]["message"], {"role": "user", "content": "again [[sim: tokens 3]]"}]
+    proxy.clear()
+    return {"messages": history}
+
+
 def test_a_slow_open_on_a_turns_path_gets_the_turns_deadline(stack: Stack, proxy: RecordingProxy) -> None:
-    proxy.delay["/open_session"] = 1.5 * CONTROL_TIMEOUT  # the open answers after the control timeout
     sid = new_session(stack["es"])
-    r = httpx.post(chat_url(stack["es"], sid), json=CHAT, timeout=30)
+    second = _second_turn(stack["es"], sid, proxy)
+    proxy.delay["/open_session"] = 1.5 * CONTROL_TIMEOUT  # the open answers after the control timeout
+    r = httpx.post(chat_url(stack["es"], sid), json=second, timeout=30)
     assert r.status_code == 200, r.text
     (generate,) = _generates(proxy)
     assert generate["session_params"]  # the turn ran in the engine session it waited for
@@ -48,9 +60,10 @@ def test_a_slow_open_on_a_turns_path_gets_the_turns_deadline(stack: Stack, proxy
 def test_an_open_that_fails_degrades_to_a_plain_turn(stack: Stack, proxy: RecordingProxy) -> None:
     server = stack["es"]
     before = metric(server, "session_server_engine_session_fallbacks_total")
-    proxy.refuse["/open_session"] = 503
     sid = new_session(server)
-    history = [CHAT["messages"][0]]
+    history = _second_turn(server, sid, proxy)["messages"]
+    assert metric(server, "session_server_engine_session_fallbacks_total") == before  # a first turn opens none
+    proxy.refuse["/open_session"] = 503
     r = httpx.post(chat_url(server, sid), json={"messages": history}, timeout=30)
     assert r.status_code == 200, r.text
     assert metric(server, "session_server_engine_session_fallbacks_total") == before + 1
@@ -67,7 +80,7 @@ def test_an_open_that_fails_degrades_to_a_plain_turn(stack: Stack, proxy: Record
 def test_a_failed_close_is_retried_until_it_lands(stack: Stack, proxy: RecordingProxy) -> None:
     server = stack["es"]
     sid = new_session(server)
-    assert httpx.post(chat_url(server, sid), json=CHAT, timeout=30).status_code == 200
+    assert httpx.post(chat_url(server, sid), json=_second_turn(server, sid, proxy), timeout=30).status_code == 200
     assert engine_info(stack.engine)["open_sessions"] == 1
     closed = metric(server, 'session_server_engine_close_retries_total{outcome="closed"}', 0.0)
     retried = metric(server, 'session_server_engine_close_retries_total{outcome="retry"}', 0.0)

@@ -81,10 +81,17 @@ def test_request_timeout_is_the_total_with_a_delayed_engine(stack: Stack) -> Non
 def test_frozen_engine_chat_delete_and_ready_answer_in_time(stack: Stack, frozen, server: str) -> None:  # type: ignore[no-untyped-def]
     url = stack[server]
     busy, idle = new_session(url), new_session(url)
+    # A first turn each: the long turns are second turns, which with engine sessions open one (a first opens none).
+    second: dict[str, dict[str, object]] = {}
+    for sid in (busy, idle):
+        first = {"role": "user", "content": "first [[sim: tokens 3]]"}
+        r = httpx.post(chat_url(url, sid), json={"messages": [first]}, timeout=30)
+        assert r.status_code == 200, r.text
+        second[sid] = {**LONG, "messages": [first, r.json()["choices"][0]["message"], *LONG["messages"]]}
 
     async def main() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
-            chat = asyncio.ensure_future(http.post(chat_url(url, busy), json=LONG))
+            chat = asyncio.ensure_future(http.post(chat_url(url, busy), json=second[busy]))
             await wait_running(stack.engine)
             frozen()
             t0 = time.monotonic()
@@ -93,7 +100,7 @@ def test_frozen_engine_chat_delete_and_ready_answer_in_time(stack: Stack, frozen
             assert r.status_code == 504, r.text
             assert took < T + SLACK  # counted from the claim, which was before the freeze
 
-            chat = asyncio.ensure_future(http.post(chat_url(url, idle), json=LONG))
+            chat = asyncio.ensure_future(http.post(chat_url(url, idle), json=second[idle]))
             await asyncio.sleep(0.5)  # the chat reaches the (frozen) engine's socket
             t0 = time.monotonic()
             deleted = await http.delete(f"{url}/sessions/{idle}")

@@ -1,11 +1,13 @@
-"""A GRPO step's burst under --engine-sessions (issue 43), sized for CI: 300 sessions open at once and chat one turn
-each while 30 of their clients vanish mid-reply, then every session is deleted -- on a quiet stack and on one pinned
-to a core shared with two busy loops (tests/support/contention.py).
+"""A GRPO step's burst under --engine-sessions (issue 43), sized for CI: 300 sessions open at once and chat a first
+turn each, then a second turn each while 30 of their clients vanish mid-reply, then every session is deleted -- on a
+quiet stack and on one pinned to a core shared with two busy loops (tests/support/contention.py).
 
 What must hold, none of it measured by a clock (the deadlines are the server's own; every wait is for an event,
 bounded only so that a hang fails):
+- the first turns open no engine session (they have nothing to reuse: each record says "deferred", the engine
+  holds none), so a single-turn GRPO step costs the engine no open and no close;
 - every surviving chat is answered 200: no 504 from the server's own queueing of engine control calls (the
-  /open_session in front of each first turn), no 502;
+  /open_session in front of each second turn), no 502;
 - every DELETE answers 204 without waiting for the engine: the engine holds every /close_session unanswered (the
   sim's /sim/hold_closes) while the DELETEs are sent, and a control call's deadline is longer than any wait here, so
   a DELETE that waited for its close would stay blocked; all 300 are answered while the engine has answered none of
@@ -25,7 +27,7 @@ import httpx
 import pytest
 
 from support.contention import busy_loops, contended_core
-from support.server import assert_engine_baseline, chat_url, metric
+from support.server import assert_engine_baseline, chat_url, engine_info, metric
 from support.sim import wait_for
 from support.stack import Stack, StackFactory
 
@@ -70,15 +72,26 @@ def test_a_grpo_burst_answers_every_chat_and_delete_and_leaves_nothing(stack: St
     vanishing = set(range(0, SESSIONS, SESSIONS // VANISHING))
     fallbacks_before = metric(server, "session_server_engine_session_fallbacks_total")
 
+    def first(i: int) -> dict[str, str]:
+        return {"role": "user", "content": f"episode {i} {REPLY}"}
+
+    async def first_turns(http: httpx.AsyncClient) -> tuple[list[str], list[str]]:
+        sids = [(await http.post(f"{server}/sessions")).json()["session_id"] for _ in range(SESSIONS)]
+        replies = await asyncio.gather(*(http.post(chat_url(server, sid), json={"messages": [first(i)]})
+                                         for i, sid in enumerate(sids)))
+        assert Counter(r.status_code for r in replies) == Counter({200: SESSIONS})
+        return sids, [r.json()["choices"][0]["message"]["content"] for r in replies]
+
     async def burst() -> tuple[list[str], Counter[int]]:
         limits = httpx.Limits(max_connections=SESSIONS + 8, max_keepalive_connections=SESSIONS + 8)
         async with httpx.AsyncClient(timeout=WAIT, limits=limits) as http:
-            sids = [(await http.post(f"{server}/sessions")).json()["session_id"] for _ in range(SESSIONS)]
+            sids, answers = await first_turns(http)
+            assert engine_info(stack.engine)["open_sessions"] == 0  # the first turns opened none
 
             def chat(i: int, sid: str) -> asyncio.Future[httpx.Response]:
                 content = f"episode {i} {ENDLESS if i in vanishing else REPLY}"
-                return asyncio.ensure_future(http.post(chat_url(server, sid), json={
-                    "messages": [{"role": "user", "content": content}]}))
+                return asyncio.ensure_future(http.post(chat_url(server, sid), json={"messages": [
+                    first(i), {"role": "assistant", "content": answers[i]}, {"role": "user", "content": content}]}))
 
             chats = {i: chat(i, sid) for i, sid in enumerate(sids)}
             surviving = await asyncio.gather(*(c for i, c in chats.items() if i not in vanishing))
@@ -93,7 +106,9 @@ def test_a_grpo_burst_answers_every_chat_and_delete_and_leaves_nothing(stack: St
     # Every turn says how it used its engine session, and the ones that went without are the ones counted.
     modes: Counter[str] = Counter()
     for sid in sids:
-        for record in httpx.get(f"{server}/sessions/{sid}", timeout=WAIT).json()["records"]:
+        first_record, *later = httpx.get(f"{server}/sessions/{sid}", timeout=WAIT).json()["records"]
+        assert first_record["engine_session"] == "deferred"
+        for record in later:
             modes[record["engine_session"]] += 1
     committed = sum(modes.values())  # a vanishing client's reply may have ended before its client went
     assert SESSIONS - VANISHING <= committed <= SESSIONS and modes.keys() <= {"opened", "without"}, modes

@@ -51,7 +51,7 @@ def test_open_session_carries_the_idle_timeout_plus_a_margin(stack: Stack) -> No
     assert stack.proxy is not None
     stack.proxy.clear()
     sid = new_session(stack.server)
-    _turns(stack.server, sid, [], 1)
+    _turns(stack.server, sid, [], 2)  # the engine session is opened at the second turn
     opens = [c for c in stack.proxy.calls if c["path"] == "/open_session"]
     assert len(opens) == 1 and opens[0]["request"]["timeout"] == IDLE + 60 and opens[0]["request"]["streaming"]
     assert httpx.delete(f"{stack.server}/sessions/{sid}").status_code == 204
@@ -64,7 +64,7 @@ def test_the_engine_session_outlives_the_longest_turn(stack: Stack) -> None:
     assert stack.proxy is not None
     stack.proxy.clear()
     sid = new_session(stack["slow_turns"])
-    _turns(stack["slow_turns"], sid, [], 1)
+    _turns(stack["slow_turns"], sid, [], 2)
     (opened,) = [c for c in stack.proxy.calls if c["path"] == "/open_session"]
     assert opened["request"]["timeout"] == 600 + 60
     assert httpx.delete(f"{stack['slow_turns']}/sessions/{sid}").status_code == 204

@@ -216,13 +216,14 @@ def test_behind_smg_rl_engine_sessions_aborts_and_pause_go_through_the_fan_out(s
     wait_for(lambda: httpx.get(f"{server.url}/ready", timeout=10).json()["engines"][0]["kind"] == "smg --enable-rl", 30)
     sid = new_session(server.url)
     history: list[dict[str, str]] = []
-    for turn in range(2):
+    for turn in range(3):
         history.append({"role": "user", "content": f"turn {turn} [[sim: tokens 3]]"})
         r = httpx.post(chat_url(server.url, sid), json={"messages": history}, timeout=60)
         assert r.status_code == 200, r.text
         history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
-        assert _open_sessions(stack.sims) == [1, 1]  # opened under the server's id on every worker
-    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the second turn appended to it
+        # opened at the second turn (the first has nothing to reuse), under the server's id on every worker
+        assert _open_sessions(stack.sims) == [int(turn > 0)] * 2
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the third turn appended to it
 
     def running() -> bool:
         return any(engine_info(s)["running_requests"] for s in stack.sims)

@@ -134,8 +134,9 @@ def test_a_dead_worker_s_sessions_move_on_their_next_turn(fleet_factory: FleetFa
     with fleet(fleet_factory, "--engine-sessions", "--engine-health-interval", "0.2") as f:
         sessions = [new_session(f.server) for _ in range(4)]
         histories: dict[str, list[dict[str, str]]] = {sid: [] for sid in sessions}
-        for sid in sessions:
-            assert _chat(f.server, sid, histories[sid], "first").status_code == 200
+        for text in ("first", "second"):  # the second turn opens each session's engine session
+            for sid in sessions:
+                assert _chat(f.server, sid, histories[sid], text).status_code == 200
         assert [engine_info(u)["open_sessions"] for u in f.urls] == [2, 2]
         survivor, victim = f.sims
         victim.proc.kill()
@@ -145,7 +146,7 @@ def test_a_dead_worker_s_sessions_move_on_their_next_turn(fleet_factory: FleetFa
         assert ready.status_code == 200  # one worker left: still serving
         assert [e["healthy"] for e in ready.json()["engines"]] == [True, False]
         for sid in sessions:
-            r = _chat(f.server, sid, histories[sid], "second")
+            r = _chat(f.server, sid, histories[sid], "third")
             assert r.status_code == 200, r.text
         info = engine_info(survivor.url)
         assert info["open_sessions"] == 4, info  # the moved sessions reopened theirs on the survivor
@@ -153,7 +154,7 @@ def test_a_dead_worker_s_sessions_move_on_their_next_turn(fleet_factory: FleetFa
         assert _metric(f.server, "session_server_engines_healthy") == 1
         for sid in sessions:
             got = httpx.get(f"{f.server}/sessions/{sid}", timeout=30).json()
-            assert len(got["records"]) == 2  # the trajectory is intact across the move
+            assert len(got["records"]) == 3  # the trajectory is intact across the move
         new = new_session(f.server)
         assert _chat(f.server, new, [], "fresh").status_code == 200  # placed on the healthy worker
         for sid in [*sessions, new]:

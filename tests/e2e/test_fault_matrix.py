@@ -8,7 +8,8 @@ status, or for a stream that already began the same error in its error event; th
 must hold the same turns, and the engine must hold the same afterwards (its sessions; no request left running; after
 the DELETE, nothing at all).
 
-Against `sglang-sim` with --engine-sessions, so the engine session's books are part of every outcome. Replies that
+Against `sglang-sim` with --engine-sessions, so the engine session's books are part of every outcome (a first turn
+opens none: each case's turn comes after a committed one, so it opens and runs in one). Replies that
 must still run when a fault is injected are long by construction (LONG tokens at TOKEN_MS each, the fault injected
 once the engine has emitted a few of them); the deadline's reply is twenty times the deadline. One stack per module;
 each case runs its two modes one after the other and compares them.
@@ -21,8 +22,8 @@ import concurrent.futures
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -65,18 +66,17 @@ def stack(stack_factory: StackFactory) -> Iterator[Stack]:
 
 # -- the three APIs, as an agent speaks them ------------------------------------------------------------------------
 
-def _body(api: str, text: str, tokens: int, stream: bool, before: tuple[str, Any] | None = None) -> dict[str, Any]:
-    """One turn's request; `before`: the previous turn (its user text and the reply as the API returned it)."""
+def _body(api: str, text: str, tokens: int, stream: bool, before: Sequence[tuple[str, Any]] = ()) -> dict[str, Any]:
+    """One turn's request; `before`: the previous turns (each its user text and the reply as the API returned it)."""
     user = {"role": "user", "content": text}
     if api == "chat":
-        history = [] if before is None else [{"role": "user", "content": before[0]},
-                                             before[1]["choices"][0]["message"]]
+        history = [m for t, r in before for m in ({"role": "user", "content": t}, r["choices"][0]["message"])]
         return {"messages": [*history, user], "max_tokens": tokens, "stream": stream}
     if api == "responses":
-        chained = {} if before is None else {"previous_response_id": before[1]["id"]}
+        chained = {} if not before else {"previous_response_id": before[-1][1]["id"]}
         return {"model": "m", "input": text, "max_output_tokens": tokens, "stream": stream, **chained}
-    history = [] if before is None else [{"role": "user", "content": before[0]},
-                                         {"role": "assistant", "content": before[1]["content"]}]
+    history = [m for t, r in before for m in ({"role": "user", "content": t},
+                                              {"role": "assistant", "content": r["content"]})]
     return {"model": "m", "messages": [*history, user], "max_tokens": tokens, "stream": stream}
 
 
@@ -160,7 +160,7 @@ class Turn:
     streamed: bool
     server: str
     sid: str
-    before: tuple[str, Any] | None = None
+    before: list[tuple[str, Any]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -245,7 +245,10 @@ class Fault:
     status: int | None
     counts: str = ""
     server: str = "server"
-    setup_turn: bool = False  # a first turn, committed, before the one under the fault
+    # Turns committed before the one under the fault. The first opens no engine session (nothing to reuse), the
+    # second opens one: by default the fault meets a turn running in the engine session it opened, and the faults
+    # that take an engine session away come after two.
+    setup_turns: int = 1
     reset: Callable[[Stack], None] | None = None
 
 
@@ -273,8 +276,8 @@ def _pause(mode: str) -> Callable[[Stack, Turn], tuple[int, bytes]]:
 
 
 FAULTS: dict[str, Fault] = {
-    "engine_restarted": Fault(lambda s, t: (_restart_engine(s), t.post())[1], 200, REOPENS, "gone", True),
-    "engine_session_closed": Fault(lambda s, t: (_close_engine_session(s), t.post())[1], 200, REOPENS, "gone", True),
+    "engine_restarted": Fault(lambda s, t: (_restart_engine(s), t.post())[1], 200, REOPENS, "gone", 2),
+    "engine_session_closed": Fault(lambda s, t: (_close_engine_session(s), t.post())[1], 200, REOPENS, "gone", 2),
     "engine_5xx": Fault(lambda s, t: _sim_fault(s, "http_500")(t), 500),
     "connection_reset": Fault(lambda s, t: _sim_fault(s, "drop_connection")(t), 502),
     "malformed_reply": Fault(lambda s, t: _sim_fault(s, "malformed_json")(t), 502,
@@ -306,11 +309,11 @@ def _outcome(stack: Stack, name: str, api: str, streamed: bool) -> Outcome:
     server = stack[fault.server]
     sid = new_session(server)
     turn = Turn(stack, api, streamed, server, sid)
-    if fault.setup_turn:
-        first = "first [[sim: tokens 6]]"
-        status, body = Turn(stack, api, False, server, sid).post(first)
+    for k in range(fault.setup_turns):
+        text = f"setup {k} [[sim: tokens 6]]"
+        status, body = Turn(stack, api, False, server, sid, list(turn.before)).post(text)
         assert status == 200, body
-        turn.before = (first, json.loads(body))
+        turn.before.append((text, json.loads(body)))
     counted = metric(server, fault.counts, 0.0) if fault.counts else 0.0
     try:
         try:
@@ -353,7 +356,7 @@ def test_a_fault_ends_a_plain_and_a_streamed_turn_alike(stack: Stack, name: str,
     assert streamed.engine_sessions == plain.engine_sessions
     assert streamed.counted == plain.counted == (1 if fault.counts else 0)
     if expected == 200:
-        assert plain.committed is not None and len(plain.committed) == 1 + fault.setup_turn
+        assert plain.committed is not None and len(plain.committed) == 1 + fault.setup_turns
         assert plain.committed[-1]["content"] == plain.seen.text
     elif plain.committed is not None:
-        assert len(plain.committed) == fault.setup_turn  # nothing of the failed turn
+        assert len(plain.committed) == fault.setup_turns  # nothing of the failed turn

@@ -296,7 +296,10 @@ def test_children_open_their_own_engine_sessions(stack: Stack) -> None:
         for i, sid in enumerate([*children, parent]):
             request = [*history, {"role": "user", "content": f"branch {i} {reply('done')}"}]
             assert next_turn(server, sid, "chat", request).status_code == 200
-            assert len(info(server, sid)["records"]) == 3
+            records = info(server, sid)["records"]
+            assert len(records) == 3
+            # the parent's second turn opened its engine session; a child's first turn opens its own
+            assert records[-1]["engine_session"] == ("reused" if sid == parent else "opened")
         assert engine_info(stack.engine)["open_sessions"] == 3  # one each: a child's is its own
         for sid in (parent, *children):
             assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204

@@ -73,7 +73,10 @@ def test_idle_session_expires_exactly_like_delete(stack: dict[str, str]) -> None
     expired = metric(server, "session_server_sessions_expired_total")
     deleted = metric(server, "session_server_sessions_deleted_total")
     sid = new_session(server)
-    assert httpx.post(chat_url(server, sid), json=SHORT_CHAT).status_code == 200
+    first = httpx.post(chat_url(server, sid), json=SHORT_CHAT)
+    assert first.status_code == 200
+    history = [*SHORT_CHAT["messages"], first.json()["choices"][0]["message"], *SHORT_CHAT["messages"]]
+    assert httpx.post(chat_url(server, sid), json={"messages": history}).status_code == 200  # opens its engine session
     last_use = time.monotonic()
     assert_engine_baseline(engine, open_sessions=1)  # the trajectory's engine session holds its KV
     _wait_metric(server, "session_server_sessions_expired_total", expired + 1, timeout=IDLE + WAIT)

@@ -88,18 +88,21 @@ def test_engine_sessions_give_identical_tokens(stack: dict) -> None:
         raw = httpx.post(f"{server}/sessions/{sid}/samples").json()
         assert raw[0]["tokens"] == plain["token_ids"]
 
-    # What the engine-sessions server actually sent: open, then only new tokens while the session is reusable;
-    # the rollback closes the engine session and opens a fresh one that gets the full prompt.
+    # What the engine-sessions server actually sent: the first turn without an engine session (nothing to reuse),
+    # the second opens one with its full prompt, then only new tokens while the session is reusable; the rollback
+    # closes the engine session and opens a fresh one that gets the full prompt.
     paths = proxy.paths()
-    assert paths == ["/open_session", "/generate", "/generate", "/generate", "/close_session", "/open_session",
+    assert paths == ["/generate", "/open_session", "/generate", "/generate", "/close_session", "/open_session",
                      "/generate", "/generate"], paths
     gens = proxy.generates()
-    sids = [g["request"]["session_params"]["id"] for g in gens]
-    assert sids[0] == sids[1] == sids[2] != sids[3] == sids[4]
+    sids = [(g["request"].get("session_params") or {}).get("id") for g in gens]
+    assert sids[0] is None and sids[1] == sids[2] != sids[3] == sids[4] and sids[1] is not None
+    assert [r["engine_session"] for r in es["records"]] == ["deferred", "opened", "opened", "reused"]
     full_prompt_lens = [len(g["request"]["input_ids"]) for g in gens]
     turn_prompts = [r["prompt_len"] for r in es["records"]]
     assert full_prompt_lens[0] == plain["records"][0]["prompt_len"]
-    assert full_prompt_lens[1] < turn_prompts[1]  # only the appended tokens
+    assert full_prompt_lens[1] == turn_prompts[1]  # the engine session opened at the second turn: its full prompt
+    assert full_prompt_lens[2] < turn_prompts[2]  # only the appended tokens
     assert full_prompt_lens[3] == turn_prompts[2]  # fresh engine session after the rollback: full prompt
     assert full_prompt_lens[4] == turn_prompts[3] - es["checkpoints"][2]["num_tokens"]
     assert engine_info(stack["engine"])["open_sessions"] == 1
@@ -112,11 +115,15 @@ def test_delete_aborts_before_closing_the_engine_session(stack: dict) -> None:
     proxy: RecordingProxy = stack["proxy"]
     server, engine = stack["es"], stack["engine"]
     sid = new_session(server)
+    first = {"role": "user", "content": "first [[sim: tokens 3]]"}
+    reply = httpx.post(chat_url(server, sid), json={"messages": [first]}, timeout=60).json()["choices"][0]["message"]
+    history = [first, {k: v for k, v in reply.items() if v is not None}]
     proxy.clear()
 
     async def main() -> tuple[int, int]:
-        async with httpx.AsyncClient(timeout=60) as http:
-            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json=LONG_CHAT))
+        async with httpx.AsyncClient(timeout=60) as http:  # the second turn: it runs in the engine session it opens
+            chat = asyncio.ensure_future(http.post(chat_url(server, sid), json={
+                **LONG_CHAT, "messages": [*history, *LONG_CHAT["messages"]]}))
             await wait_running(engine)
             deleted = await http.delete(f"{server}/sessions/{sid}")
             return deleted.status_code, (await chat).status_code
@@ -166,8 +173,12 @@ def test_sigterm_answers_in_flight_chats_503_retry_after_closes_sessions_and_exi
     server = proc.url
     try:
         idle = new_session(server)
-        short = {"messages": [{"role": "user", "content": "hi [[sim: tokens 2]]"}]}
-        assert httpx.post(chat_url(server, idle), json=short).status_code == 200
+        history = [{"role": "user", "content": "hi [[sim: tokens 2]]"}]
+        for _ in range(2):  # the second turn opens the idle session's engine session, which the shutdown closes
+            r = httpx.post(chat_url(server, idle), json={"messages": history})
+            assert r.status_code == 200, r.text
+            history += [r.json()["choices"][0]["message"], {"role": "user", "content": "more [[sim: tokens 2]]"}]
+        assert engine_info(engine)["open_sessions"] == 1
         busy = new_session(server)
         status, retry_after, events = asyncio.run(_sigterm_during(proc, chat_url(server, busy), engine, stream))
         if stream:

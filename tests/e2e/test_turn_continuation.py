@@ -349,16 +349,19 @@ def test_delete_while_the_continuation_waits(stack: Stack, versions: None, strea
 
 
 def test_a_continuation_in_an_engine_session_reopens_it_under_the_new_weights(stack: Stack, versions: None) -> None:
-    """--engine-sessions: the second turn's engine request carries only its new tokens; cut by a weight update, its
-    continuation goes to a fresh SGLang streaming session with the whole prompt + the tokens sampled, keyed by the new
-    weights: the old session's KV is the old weights' (issue 38)."""
+    """--engine-sessions: the third turn's engine request carries only its new tokens (the second opened the engine
+    session); cut by a weight update, its continuation goes to a fresh SGLang streaming session with the whole prompt
+    + the tokens sampled, keyed by the new weights: the old session's KV is the old weights' (issue 38)."""
     server, engine = stack["sessions"], stack.engine
     assert stack.proxy is not None
     sid = new_session(server)
-    history = [{"role": "user", "content": "first [[sim: tokens 3]]"}]
-    first = httpx.post(chat_url(server, sid), json={"messages": history}, timeout=60)
-    assert first.status_code == 200, first.text
-    history += [first.json()["choices"][0]["message"], {"role": "user", "content": f"second [[sim: tokens {LONG}]]"}]
+    history: list[dict[str, Any]] = []
+    for text in ("first", "second"):
+        history.append({"role": "user", "content": f"{text} [[sim: tokens 3]]"})
+        reply = httpx.post(chat_url(server, sid), json={"messages": history}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        history.append(reply.json()["choices"][0]["message"])
+    history.append({"role": "user", "content": f"third [[sim: tokens {LONG}]]"})
     stack.proxy.clear()
     before = _continued(server)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -380,11 +383,11 @@ def test_a_continuation_in_an_engine_session_reopens_it_under_the_new_weights(st
     sampled = cut["response"]["output_ids"] + rest["response"]["output_ids"]
     assert sample.tokens.tolist()[-len(sampled):] == sampled
     assert sample.loss_mask.tolist()[-len(sampled):] == [1] * len(sampled)
-    spans = sample.metadata["weight_version_spans"]  # per turn: the first turn's, then the cut one's two
-    assert [v for v, _, _ in spans] == ["default", "default", "step-2"], spans
+    spans = sample.metadata["weight_version_spans"]  # per turn: the first two turns', then the cut one's two
+    assert [v for v, _, _ in spans] == ["default", "default", "default", "step-2"], spans
     engine_versions = _token_versions(cut["response"]) + _token_versions(rest["response"])  # as in the test above
-    assert _span_versions(spans[1:], len(sample.tokens) - len(sampled), len(sampled)) == engine_versions
-    third = [*history, resp.json()["choices"][0]["message"], {"role": "user", "content": "third [[sim: tokens 3]]"}]
-    assert httpx.post(chat_url(server, sid), json={"messages": third}, timeout=60).status_code == 200
+    assert _span_versions(spans[2:], len(sample.tokens) - len(sampled), len(sampled)) == engine_versions
+    fourth = [*history, resp.json()["choices"][0]["message"], {"role": "user", "content": "fourth [[sim: tokens 3]]"}]
+    assert httpx.post(chat_url(server, sid), json={"messages": fourth}, timeout=60).status_code == 200
     assert httpx.delete(f"{server}/sessions/{sid}").status_code == 204
     assert_engine_baseline(engine)

@@ -1,10 +1,12 @@
 """`--engine-sessions` against SGLang's streaming sessions, and an engine SIGKILLed mid-turn then restarted.
 
 With engine sessions each trajectory keeps its KV in an SGLang streaming session (`/open_session` with
-`streaming: true` and a timeout, `session_params: {"id"}` on every turn): the next turn's `cached_tokens` covers the
-whole previous turn. A rollback (an append-only session cannot express it) closes that session and opens a fresh
-one. An engine killed with SIGKILL mid-turn fails that turn (nothing committed); once the engine is back on its port
-the same turn succeeds in a new engine session, the old one having died with the engine.
+`streaming: true` and a timeout, `session_params: {"id"}` on every turn from the second): the next turn's
+`cached_tokens` covers the whole previous turn. The first turn opens none (it has nothing to reuse); the second
+opens one and sends its whole prompt, which SGLang matches against the radix tree the first turn's KV went to. A
+rollback (an append-only session cannot express it) closes that session and opens a fresh one. An engine killed with
+SIGKILL mid-turn fails that turn (nothing committed); once the engine is back on its port the same turn succeeds in a
+new engine session, the old one having died with the engine.
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ def test_turns_reuse_the_engine_session_and_a_rollback_reopens_it(served: Served
     assert len(opened) == 1 and opened[0]["request"]["streaming"] is True and opened[0]["request"]["timeout"] > 0
     engine_sid = opened[0]["response"]
     generates = [c for c in calls if c["path"] == "/generate"]
-    assert [g["request"]["session_params"]["id"] for g in generates] == [engine_sid] * 3
+    assert [(g["request"].get("session_params") or {}).get("id") for g in generates] == [None, engine_sid, engine_sid]
+    assert len(generates[1]["request"]["input_ids"]) > len(generates[2]["request"]["input_ids"])  # whole, then new
     for prev, now in itertools.pairwise(generates):
         held = len(prev["request"]["input_ids"]) + prev["response"]["meta_info"]["completion_tokens"]
-        # SGLang's session slot holds the whole previous turn (its last sampled token has no KV yet).
+        # The radix tree (for the turn that opened the session) and then SGLang's session slot hold the whole
+        # previous turn (its last sampled token has no KV yet).
         assert now["response"]["meta_info"]["cached_tokens"] >= held - 1, (held, now["response"]["meta_info"])
 
     # The same last request again: it diverges from what was stored (the stored turn ends with the reply), so the

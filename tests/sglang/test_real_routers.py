@@ -140,14 +140,18 @@ def paced_engines(routed: Routed) -> Iterator[None]:
 
 
 def _whole_prompts(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The calls with each prompt as the engine saw it: a turn in an engine session sends only its new tokens, which
-    SGLang appends to what the session holds (the previous turns' prompts and outputs)."""
+    """The calls with each prompt as the engine saw it: a turn in an engine session it already used sends only its new
+    tokens, which SGLang appends to what the session holds (the previous turns' prompts and outputs); the turn that
+    opens one sends its whole prompt."""
     held: list[int] = []
     whole = []
+    session = None
     for call in calls:
         ids = call["request"]["input_ids"]
-        if call["request"].get("session_params"):
+        now = (call["request"].get("session_params") or {}).get("id")
+        if now is not None and now == session:
             ids = held + ids
+        session = now
         whole.append({**call, "request": {**call["request"], "input_ids": ids}})
         held = ids + call["response"]["output_ids"]
     return whole
@@ -183,8 +187,10 @@ def test_tito_is_exact_and_every_turn_of_a_session_reaches_one_engine(routed: Ro
         sample = samples_from_json(httpx.post(f"{server}/sessions/{sid}/samples", json={}, timeout=30).json())[0]
         spans = assert_sample_is_what_the_engine_saw(sample, _whole_prompts(calls))
         if "--engine-sessions" in SERVER_FLAGS[router]:
-            # One engine session per session, each turn appended to it: the engine reuses the previous turns' KV.
-            assert len({c["request"]["session_params"]["id"] for c in calls}) == 1
+            # One engine session per session, opened at its second turn (the first has nothing to reuse; its KV
+            # stays in the radix tree) and each later turn appended to it: the engine reuses the previous turns' KV.
+            ids = [(c["request"].get("session_params") or {}).get("id") for c in calls]
+            assert ids[0] is None and None not in ids[1:] and len(set(ids[1:])) == 1, ids
             cached = [c["response"]["meta_info"]["cached_tokens"] for c in calls]
             assert all(now >= start - 1 for (start, _), now in zip(spans[:-1], cached[1:], strict=True)), cached
         assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204

@@ -1,8 +1,10 @@
 """A GRPO-shaped burst of engine sessions against released SGLang 0.5.23 (issue 43), sized for the CPU: 8 sessions
-open at once, chat one turn each, then are all deleted at once.
+open at once and chat a first turn each (which opens no engine session: nothing to reuse), then a second turn each
+(which opens one), then are all deleted at once.
 
-What it shows of SGLang itself (through the recording proxy): it answers every `/open_session` of the burst (each
-waits for the scheduler's next iteration, tokenizer_manager.py `open_session` and its future) and every
+What it shows of SGLang itself (through the recording proxy): the first turns send no `/open_session`; it answers
+every `/open_session` of the second turns' burst (each waits for the scheduler's next iteration,
+tokenizer_manager.py `open_session` and its future) and every
 `/close_session` (answered once dispatched to the scheduler, `close_session`: it never waits for the close itself);
 the server keeps up: every chat 200, every turn records how it used its engine session, every DELETE 204 with its
 close landing in the background, one close per open, and the engine's KV back to zero.
@@ -22,6 +24,9 @@ from support.server import chat_url, metric
 from support.sglang_engine import Served, ServeFactory, assert_engine_clean
 from support.sim import wait_for
 
+# No more than the engine's --max-running-requests (8, harness.launchers.SGLANG_CPU_FLAGS): an open engine session
+# keeps one of those request rows until it is closed, so a ninth engine session's first turn would wait for a close
+# that never comes (docs/engines.md; at 24, 16 turns waited out the proxy's read timeout).
 SESSIONS = 8
 WAIT = 300.0  # a bound on waiting for an event, never a measure of speed
 
@@ -39,8 +44,14 @@ def test_a_burst_of_engine_sessions_opens_and_closes_every_one(served: Served) -
     async def burst() -> tuple[Counter[int], Counter[int]]:
         async with httpx.AsyncClient(timeout=WAIT) as http:
             sids = [(await http.post(f"{server}/sessions")).json()["session_id"] for _ in range(SESSIONS)]
+            firsts = [[{"role": "user", "content": f"Episode {i}: say something."}] for i in range(SESSIONS)]
+            replies = await asyncio.gather(*(http.post(chat_url(server, sid), json={
+                "messages": firsts[i], "temperature": 0, "max_tokens": 6}) for i, sid in enumerate(sids)))
+            assert Counter(r.status_code for r in replies) == Counter({200: SESSIONS}), [r.text[:200] for r in replies]
+            assert not [c for c in proxy.calls if c["path"] == "/open_session"]  # the first turns opened none
             chats = await asyncio.gather(*(http.post(chat_url(server, sid), json={
-                "messages": [{"role": "user", "content": f"Episode {i}: say something."}], "temperature": 0,
+                "messages": [*firsts[i], replies[i].json()["choices"][0]["message"],
+                             {"role": "user", "content": "And then?"}], "temperature": 0,
                 "max_tokens": 6}) for i, sid in enumerate(sids)))
             slowest = {path: max((c.get("finished", time.monotonic()) - c["started"] for c in proxy.calls
                                   if c["path"] == path), default=None) for path in ("/open_session", "/generate")}
@@ -48,7 +59,9 @@ def test_a_burst_of_engine_sessions_opens_and_closes_every_one(served: Served) -
                 [r.text[:200] for r in chats if r.status_code != 200], slowest)
             modes = Counter()
             for sid in sids:
-                for record in (await http.get(f"{server}/sessions/{sid}")).json()["records"]:
+                first, *later = (await http.get(f"{server}/sessions/{sid}")).json()["records"]
+                assert first["engine_session"] == "deferred"
+                for record in later:
                     modes[record["engine_session"]] += 1
             deletes = await asyncio.gather(*(http.delete(f"{server}/sessions/{sid}") for sid in sids))
             assert modes.keys() <= {"opened", "without"} and sum(modes.values()) == SESSIONS, modes

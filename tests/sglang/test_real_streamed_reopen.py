@@ -7,7 +7,8 @@ that carries `status_code: 400` (tokenizer_manager.py `_handle_abort_finish_reas
 (session_server/turns/engine_call.py) the streamed turn failed there with 502 -- what Codex CLI and Claude Code, which
 stream every turn, would have met. Here the engine restarts between two turns and the next one streams; and, without
 the cost of a restart, the engine session is closed behind the server's back (what a restart loses) before a
-streamed turn of each API.
+streamed turn of each API. The fault comes after two turns: the first opens no engine session (it has nothing to
+reuse), the second opens the one the third then finds gone.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from support.server import metric, new_session
 from support.sglang_engine import Engines, Served, ServeFactory, assert_engine_clean
 
 REOPENS = "session_server_engine_session_reopens_total"
-FIRST = "Hello there."
-SECOND = "Tell me more."
+TEXTS = ("Hello there.", "Go on.", "Tell me more.")
 PATHS = {"chat": "chat/completions", "responses": "responses", "messages": "messages"}
 
 
@@ -34,20 +34,19 @@ def served(serve: ServeFactory) -> Iterator[Served]:
         yield s
 
 
-def _body(api: str, stream: bool, before: dict[str, Any] | None) -> dict[str, Any]:
-    """The first turn (`before` None) or the second, continuing the first's reply as the API returned it."""
+def _body(api: str, stream: bool, before: list[dict[str, Any]]) -> dict[str, Any]:
+    """The turn after `before` (the earlier turns' replies as the API returned them), continuing them."""
     sampling = {"temperature": 0, "stream": stream}
+    text, earlier = TEXTS[len(before)], list(zip(TEXTS, before, strict=False))
     if api == "chat":
-        history = [] if before is None else [{"role": "user", "content": FIRST}, before["choices"][0]["message"]]
-        return {"messages": [*history, {"role": "user", "content": SECOND if before else FIRST}], "max_tokens": 6,
-                **sampling}
+        history = [m for t, r in earlier for m in ({"role": "user", "content": t}, r["choices"][0]["message"])]
+        return {"messages": [*history, {"role": "user", "content": text}], "max_tokens": 6, **sampling}
     if api == "responses":
-        chained = {} if before is None else {"previous_response_id": before["id"]}
-        return {"model": "m", "input": SECOND if before else FIRST, "max_output_tokens": 6, **chained, **sampling}
-    history = [] if before is None else [{"role": "user", "content": FIRST},
-                                         {"role": "assistant", "content": before["content"]}]
-    return {"model": "m", "messages": [*history, {"role": "user", "content": SECOND if before else FIRST}],
-            "max_tokens": 6, **sampling}
+        chained = {"previous_response_id": before[-1]["id"]} if before else {}
+        return {"model": "m", "input": text, "max_output_tokens": 6, **chained, **sampling}
+    history = [m for t, r in earlier for m in ({"role": "user", "content": t},
+                                               {"role": "assistant", "content": r["content"]})]
+    return {"model": "m", "messages": [*history, {"role": "user", "content": text}], "max_tokens": 6, **sampling}
 
 
 def _streamed_ok(api: str, body: bytes) -> None:
@@ -63,7 +62,7 @@ def _streamed_ok(api: str, body: bytes) -> None:
         assert events[-1]["type"] == "message_stop", events[-1]
 
 
-def _turn(served: Served, sid: str, api: str, stream: bool, before: dict[str, Any] | None) -> dict[str, Any] | None:
+def _turn(served: Served, sid: str, api: str, stream: bool, before: list[dict[str, Any]]) -> dict[str, Any] | None:
     url = f"{served.server}/sessions/{sid}/v1/{PATHS[api]}"
     with httpx.stream("POST", url, json=_body(api, stream, before), timeout=300) as r:
         body = r.read()
@@ -78,13 +77,23 @@ def _records(served: Served, sid: str) -> list[dict[str, Any]]:
     return httpx.get(f"{served.server}/sessions/{sid}", timeout=10).json()["records"]
 
 
-def _second_turn_reopens(served: Served, sid: str, api: str, first: dict[str, Any]) -> None:
-    """The second turn, streamed: 200 and whole, after one reopen and the whole prompt resent; the session is
+def _two_turns(served: Served, sid: str, api: str) -> list[dict[str, Any]]:
+    """Two plain turns, the second opening the engine session; their replies."""
+    replies: list[dict[str, Any]] = []
+    for _ in range(2):
+        reply = _turn(served, sid, api, False, replies)
+        assert reply is not None
+        replies.append(reply)
+    return replies
+
+
+def _third_turn_reopens(served: Served, sid: str, api: str, before: list[dict[str, Any]]) -> None:
+    """The third turn, streamed: 200 and whole, after one reopen and the whole prompt resent; the session is
     deleted whatever happened (the engine is shared)."""
     try:
         reopens = metric(served.server, REOPENS, 0.0)
         served.proxy.clear()
-        _turn(served, sid, api, True, first)
+        _turn(served, sid, api, True, before)
         assert metric(served.server, REOPENS, 0.0) == reopens + 1
         generates = [c for c in served.proxy.settled() if c["path"] == "/generate"]
         seen = [(g["request"].get("rid"), g["request"].get("session_params"), g["request"]["stream"],
@@ -94,7 +103,7 @@ def _second_turn_reopens(served: Served, sid: str, api: str, first: dict[str, An
         refused, resent = generates
         assert len(resent["request"]["input_ids"]) > len(refused["request"]["input_ids"])  # the whole prompt again
         records = _records(served, sid)
-        assert len(records) == 2 and records[1]["prompt_len"] > records[0]["prompt_len"]
+        assert len(records) == 3 and records[2]["prompt_len"] > records[1]["prompt_len"]
     finally:
         assert httpx.delete(f"{served.server}/sessions/{sid}", timeout=30).status_code == 204
 
@@ -103,20 +112,18 @@ def _second_turn_reopens(served: Served, sid: str, api: str, first: dict[str, An
 def test_a_streamed_turn_reopens_an_engine_session_closed_behind_the_servers_back(served: Served, api: str) -> None:
     sid = new_session(served.server)
     served.proxy.clear()
-    first = _turn(served, sid, api, False, None)
-    assert first is not None
+    before = _two_turns(served, sid, api)
     (opened,) = [c for c in served.proxy.settled() if c["path"] == "/open_session"]
     closed = httpx.post(f"{served.engine}/close_session", json={"session_id": opened["response"]}, timeout=30)
     assert closed.status_code == 200, closed.text
-    _second_turn_reopens(served, sid, api, first)
+    _third_turn_reopens(served, sid, api, before)
     assert_engine_clean(served.engine)
 
 
 def test_a_streamed_turn_after_an_engine_restart_reopens_its_engine_session(served: Served, engines: Engines) -> None:
     sid = new_session(served.server)
-    first = _turn(served, sid, "chat", False, None)
-    assert first is not None
+    before = _two_turns(served, sid, "chat")
     engine = engines.get("dense")
     engines.start("dense", port=engine.port)  # back where the server and its proxy expect it, with no sessions
-    _second_turn_reopens(served, sid, "chat", first)
+    _third_turn_reopens(served, sid, "chat", before)
     assert_engine_clean(served.engine)

@@ -1,6 +1,6 @@
 """engine/sessions.py: DELETE's close (`retire`) never waits for the engine, comes after the abort it is given, is
 retried when it fails, and what never closes is reported; a turn whose open failed goes without and the next tries
-again."""
+again; a turn with nothing to reuse opens none (the next one does)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_retire_returns_at_once_and_closes_after_the_abort() -> None:
         engine = FakeEngine()
         engine.close_gate.clear()  # the engine does not answer closes: a caller that waited would hang
         sessions = EngineSessions(engine)  # type: ignore[arg-type]
-        await sessions.begin_turn("s", 0)
+        await sessions.begin_turn("s", 80)  # a turn with history to reuse opens one
         sid = engine.log[-1][1]
         abort_landed = asyncio.Event()
 
@@ -84,7 +84,7 @@ def test_a_failed_close_is_retried_and_one_that_never_lands_is_reported() -> Non
         engine.close_ok = False
         sessions = EngineSessions(engine, metrics=metrics)  # type: ignore[arg-type]
         sessions.engine_timeout = 0.3  # the retries' horizon: the engine's idle timeout closes it after that
-        await sessions.begin_turn("s", 0)
+        await sessions.begin_turn("s", 80)  # a turn with history to reuse opens one
         sid = engine.log[-1][1]
         sessions.retire("s")
         assert await bounded(sessions.wait_closes(10.0))
@@ -102,7 +102,7 @@ def test_a_turn_whose_open_fails_goes_without_and_the_next_turn_tries_again() ->
         engine = FakeEngine()
         engine.open_ok = False
         sessions = EngineSessions(engine, metrics=metrics)  # type: ignore[arg-type]
-        assert await sessions.begin_turn("s", 0) == (0, None)  # the whole prompt, no engine session
+        assert await sessions.begin_turn("s", 80) == (0, None)  # the whole prompt, no engine session
         assert _count(metrics, "engine_session_fallbacks") == 1 and sessions.state("s") is None
         assert sessions.take_mode("s") == "without" and sessions.take_mode("s") is None  # for the turn's record
         engine.open_ok = True
@@ -129,7 +129,7 @@ def test_an_abort_cuts_a_pending_open_short_and_its_id_is_closed_later() -> None
             callbacks.append(callback)
             return lambda: callbacks.remove(callback)
 
-        turn = asyncio.ensure_future(sessions.begin_turn("s", 0, 60.0, on_abort))
+        turn = asyncio.ensure_future(sessions.begin_turn("s", 80, 60.0, on_abort))
         await bounded(engine.open_called.wait())
         (abort,) = callbacks
         abort()  # the claim is aborted (DELETE)
@@ -140,6 +140,33 @@ def test_an_abort_cuts_a_pending_open_short_and_its_id_is_closed_later() -> None
             if ("close", sid) in engine.log:
                 break
         assert ("close", sid) in engine.log  # the engine answers /ready: the orphaned id is closed
+        await sessions.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_turn_with_nothing_to_reuse_opens_none_and_the_next_turn_opens_one() -> None:
+    """A trajectory's first turn (or a full render) reuses nothing: no open, no close, not a fallback; the next turn
+    opens the engine session with the whole prompt and the one after it appends."""
+    async def main() -> None:
+        metrics = Metrics()
+        engine = FakeEngine()
+        sessions = EngineSessions(engine, metrics=metrics)  # type: ignore[arg-type]
+        assert await sessions.begin_turn("s", 0) == (0, None)
+        assert engine.log == [] and sessions.state("s") is None and sessions.take_mode("s") == "deferred"
+        sessions.committed("s", 40)  # nothing to record: no engine session holds the turn
+        sessions.retire("s")  # a single-turn episode's DELETE: nothing to close
+        assert engine.log == [] and sessions.closes_under_way == 0
+        start, params = await sessions.begin_turn("s", 40)
+        assert start == 0 and params is not None and sessions.take_mode("s") == "opened"
+        sid = engine.log[-1][1]
+        sessions.committed("s", 90)
+        assert (await sessions.begin_turn("s", 90))[0] == 90 and sessions.take_mode("s") == "reused"
+        sessions.committed("s", 130)
+        # A full render (nothing of the trajectory kept): the engine session is closed and none is opened.
+        assert await sessions.begin_turn("s", 0) == (0, None) and sessions.take_mode("s") == "deferred"
+        assert engine.log[-1] == ("close", sid) and sessions.state("s") is None
+        assert _count(metrics, "engine_session_fallbacks") == 0
         await sessions.aclose()
 
     asyncio.run(main())

@@ -87,7 +87,7 @@ def test_unhealthy_worker_takes_no_new_sessions_and_its_sessions_move() -> None:
         pool.on_move.append(lambda session_id, _worker: moved.append(session_id))
         assert pool.place("a").url == "http://w0"
         assert pool.place("b").url == "http://w1"
-        await engine_sessions.begin_turn("b", 0)
+        await engine_sessions.begin_turn("b", 20)  # a turn with history to reuse opens one
         engine_sessions.committed("b", 42)
         pool.workers[1].healthy = False
         assert pool.place("c").url == "http://w0"
