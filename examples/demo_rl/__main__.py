@@ -53,6 +53,7 @@ import torch
 from examples.demo_rl.engine import ENGINE_ARGS, PLUGIN_DIR, ROOT
 from examples.demo_rl.game import WeatherGame
 from examples.demo_rl.loop import RunConfig, train_loop
+from examples.demo_rl.lora import LoraConfig, LoraPolicy, LoraWeights
 from examples.demo_rl.plot import plot
 from examples.demo_rl.policy import load_policy
 from examples.demo_rl.step_record import verdict
@@ -89,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="sample with this top-k, record the sampling masks and "
                    "train with support-normalised ratios (examples/demo_rl/truncation.py; default 0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --top-k, also this top-p (default %(default)s)")
+    p.add_argument("--lora", action="store_true", help="train a LoRA adapter on q/v instead of the alphabet's rows, "
+                   "a revision pushed per step, sessions pinned to one (examples/demo_rl/lora.py)")
+    p.add_argument("--lora-rank", type=int, default=LoraConfig.rank)
+    p.add_argument("--lora-lr", type=float, default=LoraConfig.lr, help="with --lora (default %(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "demo-rl")
     return p.parse_args(argv)
 
@@ -103,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         truncation = Truncation(top_k=args.top_k, top_p=args.top_p)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.lora and args.body_lr:
+        print("error: with --lora the layers stay frozen (--body-lr 0): the adapter is what trains", file=sys.stderr)
         return 2
     # A SIGTERM unwinds like Ctrl-C, so the engine and the session server are stopped on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -123,14 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     config = RunConfig(steps=args.steps, groups_per_step=args.groups_per_step, group_size=args.group_size,
                        ahead_groups=args.ahead_groups, max_staleness=args.max_staleness, lr=args.lr,
                        body_lr=args.body_lr, seed=args.seed, fork_groups=args.fork_groups,
-                       truncation=truncation)
+                       truncation=truncation,
+                       lora=LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, lr=args.lora_lr)
+                       if args.lora else None)
+    lora_weights = LoraWeights(config.lora, checkpoint, args.seed) if config.lora is not None else None
+    lora_engine_args = (config.lora.engine_args(lora_weights.save(out / "weights" / "adapter" / "r0"))
+                        if config.lora is not None and lora_weights is not None else ())
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     game = WeatherGame(tokenizer)
     # The engine starts (30-60 s of mostly its own imports) while the policy warms up.
     # One torch thread in the engine: a 2-layer model gains nothing from more, and spinning OpenMP threads starve
     # the trainer and the session server on a 2-core machine.
-    engine = start_sglang(python, checkpoint, *ENGINE_ARGS, plugin_dir=PLUGIN_DIR, name="sglang", wait=False,
-                          log_path=logs / "sglang.log", env={"OMP_NUM_THREADS": "1"})
+    engine = start_sglang(python, checkpoint, *ENGINE_ARGS, *lora_engine_args, plugin_dir=PLUGIN_DIR, name="sglang",
+                          wait=False, log_path=logs / "sglang.log", env={"OMP_NUM_THREADS": "1"})
     server: RunningProcess | None = None
     try:
         policy = load_policy(checkpoint, game, args.seed)
@@ -139,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                          p_call=args.warmup_call, rng=random.Random(args.seed))
         warm_seconds = time.perf_counter() - warm
         print(f"warm-up: {args.warmup_steps} steps in {warm_seconds:.0f} s, loss {losses[0]:.2f} -> {losses[-1]:.3f}")
+        if lora_weights is not None:
+            policy = LoraPolicy(policy, lora_weights)
         engine.wait_ready()
         print(f"engine ready after {time.perf_counter() - started:.0f} s (logs in {logs})")
-        server = start_session_server(engine.url, checkpoint, "qwen3", *truncation.server_args(), log_dir=logs)
+        server = start_session_server(engine.url, checkpoint, "qwen3", *truncation.server_args(),
+                                      *(LoraConfig.server_args() if lora_weights is not None else ()), log_dir=logs)
         steps_log = out / "steps.jsonl"
         steps_log.unlink(missing_ok=True)
         result = asyncio.run(train_loop(config, game, policy, engine_url=engine.url, server_url=server.url,
@@ -173,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             "worst_support_mismatch": float(np.nanmax([r.support_mismatch_max for r in records])),
             "worst_unmasked_mismatch": float(np.nanmax([r.unmasked_mismatch_max for r in records]))}
            if truncation.on else {}),
+        **({"lora": asdict(config.lora)} if config.lora is not None else {}),
         "engine_versions": result.versions, "groups_cancelled_at_the_end": result.cancelled_groups,
     }
     png = plot(records, out / "demo_rl.png",

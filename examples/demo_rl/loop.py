@@ -7,8 +7,10 @@ import json
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from examples.demo_rl.game import THINKING_OFF, Reward, WeatherGame
+from examples.demo_rl.lora import LoraConfig, LoraPolicy, LoraTrainer
 from examples.demo_rl.policy import TEMPERATURE, AlphabetPolicy
 from examples.demo_rl.rollouts import Rollouts
 from examples.demo_rl.step_record import StepRecord
@@ -40,6 +42,8 @@ class RunConfig:
     fork_groups: bool = False
     # --top-k / --top-p: sampling masks and support-normalised ratios (truncation.py)
     truncation: Truncation = field(default_factory=Truncation)
+    # --lora: a LoRA adapter on q/v trains instead of the alphabet's rows, a revision pushed per step (lora.py)
+    lora: LoraConfig | None = None
 
 
 @dataclass
@@ -61,10 +65,15 @@ async def train_loop(config: RunConfig, game: WeatherGame, policy: AlphabetPolic
                         extra_body={**THINKING_OFF, **config.truncation.sampling()},
                         busy_retries=50, default_retry_after=0.2, max_retry_after=0.5, sample_format="safetensors")
     async with SessionClient(server_url) as client, WeightPusher(engine_url, [server_url]) as pusher:
-        trainer = Trainer(policy, lr=config.lr, body_lr=config.body_lr, clip=config.clip, is_cap=config.is_cap,
-                          minibatches=config.minibatches, max_staleness=config.max_staleness,
-                          weights_dir=weights_dir, pusher=pusher, reward=reward, flush_cache=not config.overlap,
-                          support=config.truncation.on)
+        if isinstance(policy, LoraPolicy) != (config.lora is not None):
+            raise ValueError("RunConfig.lora and a LoraPolicy go together")
+        common: dict[str, Any] = dict(clip=config.clip, is_cap=config.is_cap, minibatches=config.minibatches,
+                                      max_staleness=config.max_staleness, weights_dir=weights_dir, pusher=pusher,
+                                      reward=reward, flush_cache=not config.overlap,
+                                      support=config.truncation.on)
+        trainer = (LoraTrainer(policy, lr=config.lora.lr, **common)
+                   if isinstance(policy, LoraPolicy) and config.lora is not None
+                   else Trainer(policy, lr=config.lr, body_lr=config.body_lr, **common))
         await trainer.push(0)
         versions = [await pusher.engine_version()]
         ahead = config.ahead_groups if config.overlap else 0

@@ -18,11 +18,12 @@ from examples.demo_rl.policy import TEMPERATURE, AlphabetPolicy
 from examples.demo_rl.rollouts import Group
 from examples.demo_rl.step_record import StepRecord
 from examples.demo_rl.truncation import batch_masks, rows_of, support_figures
-from rollout.grpo import clipped_pg_loss, filter_stale, group_advantages, truncated_is_weights
+from rollout.grpo import StalenessReport, clipped_pg_loss, filter_stale, group_advantages, truncated_is_weights
 from rollout.logprob_check import check_logprobs
 from rollout.torch_batch import to_torch_batch
 from rollout.weight_push import WeightPusher, save_weights
 from trajectory import Sample
+from trajectory.sample_metadata import AdapterRevision
 
 
 def cache_hit_rate(samples: list[Sample]) -> float:
@@ -91,9 +92,14 @@ class Trainer:
         self.pusher = pusher
         self.version = 0
         self.kept: dict[int, torch.nn.Module] = {0: copy.deepcopy(policy.model)}
+        self.adapter_dirs: dict[AdapterRevision, Path] | None = None  # --lora: each adapter revision's directory
 
     def model_of(self, version: Any) -> torch.nn.Module:
         return self.kept[int(version)]
+
+    def filter_stale(self, groups: list[list[Sample]], current: int) -> tuple[list[list[Sample]], StalenessReport]:
+        """The groups kept at collection (staleness in weight versions; the LoRA trainer counts revisions)."""
+        return filter_stale(groups, current, self.max_staleness)
 
     async def push(self, version: int) -> float:
         path = save_weights(self.policy.model, self.weights_dir / f"v{version % 2}")
@@ -105,8 +111,7 @@ class Trainer:
         current = self.version
         failed = sum(not r.ok for g in groups for r in g.results)
         healthy = [g for g in groups if all(r.ok and r.samples for r in g.results)]
-        kept, staleness = filter_stale([[s for r in g.results for s in r.samples] for g in healthy], current,
-                                       self.max_staleness)
+        kept, staleness = self.filter_stale([[s for r in g.results for s in r.samples] for g in healthy], current)
         kept_ids = {id(samples[0]) for samples in kept}
         used = [g for g in healthy if id(g.results[0].samples[0]) in kept_ids]
         rewards = [x for g in groups for x in g.rewards(self.reward)]
@@ -137,7 +142,7 @@ class Trainer:
     def _train(self, record: StepRecord, groups: list[Group]) -> None:
         episodes = [r.samples for g in groups for r in g.results]
         samples = [s for e in episodes for s in e]
-        report = check_logprobs(samples, self.model_of, temperature=TEMPERATURE, worst=5)
+        report = check_logprobs(samples, self.model_of, temperature=TEMPERATURE, worst=5, adapters=self.adapter_dirs)
         m = report.metrics
         record.check_ok = report.ok() and (report.ok_support() or not self.support)
         record.support_mismatch_max, record.unmasked_mismatch_max = support_figures(m)
