@@ -33,6 +33,7 @@ class StepRecord:
     push_seconds: float
     seconds: float
     worst: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # why the failed episodes failed (the first few)
     # With --top-k (truncation.py): the worst |support recompute - engine's sampling logprob|, and the full-vocabulary
     # recompute's beside it (the bias a ratio without masks would carry); nan without masks.
     support_mismatch_max: float = math.nan

@@ -118,7 +118,9 @@ class Trainer:
         calls = [r.tool_calls > 0 for g in groups for r in g.results]
         record = StepRecord(step=step, version=current, reward_mean=float(np.mean(rewards)) if rewards else 0.0,
                             lookup_rate=float(np.mean(calls)) if calls else 0.0, episodes=len(rewards),
-                            failed_episodes=failed, kept_groups=staleness.kept_groups,
+                            failed_episodes=failed, errors=[str(r.error) for g in groups for r in g.results
+                                                            if r.error is not None][:5],
+                            kept_groups=staleness.kept_groups,
                             dropped_groups=staleness.dropped_groups,
                             tokens_by_staleness=dict(sorted(staleness.tokens_by_staleness.items())), check_ok=True,
                             mismatch_max=0.0, mismatch_mean=0.0, mismatch_max_clean=0.0,

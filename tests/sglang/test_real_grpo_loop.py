@@ -91,7 +91,7 @@ def test_three_steps_push_the_trainers_weights_into_the_engine(stack: Stack, tmp
 
     assert result.versions == ["0", "1", "2", "3"]  # the engine's version after the first push and each step's
     for record in result.records:
-        assert record.failed_episodes == 0 and record.episodes == 8
+        assert record.failed_episodes == 0 and record.episodes == 8, record.errors
         assert record.dropped_groups == 0 and record.kept_groups == 2
         assert record.tokens_by_staleness and set(record.tokens_by_staleness) == {0}  # nothing ran across a push
         assert record.check_ok, "\n".join(record.worst)  # every sampled token within 1e-3 of its version's weights
