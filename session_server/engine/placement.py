@@ -63,6 +63,7 @@ class Worker:
     # Its request rows (SGLang's --max-running-requests, from /server_info; None until known) and the engine
     # sessions open on it, each of which holds one row until closed (engine/sessions.py).
     max_running_requests: int | None = None
+    rows_unsaid: bool = False  # its /server_info answered without them (a router): not asked again
     engine_sessions: int = 0
     asking_rows: asyncio.Future[int | None] | None = field(default=None, repr=False)
 
@@ -177,9 +178,9 @@ class EnginePlacement:
         return self._client(session_id)
 
     async def rows_of(self, worker: Worker) -> int | None:
-        """The worker's request rows (its /server_info, asked once; a failed ask is tried again on the next call),
-        or None when it does not say."""
-        if worker.max_running_requests is None:
+        """The worker's request rows (its /server_info, asked once; an unanswered ask is tried again on the next
+        call), or None when it does not say."""
+        if worker.max_running_requests is None and not worker.rows_unsaid:
             if worker.asking_rows is None or worker.asking_rows.done():
                 worker.asking_rows = asyncio.ensure_future(self._ask_rows(worker))
             await asyncio.wait((worker.asking_rows,))
@@ -188,6 +189,7 @@ class EnginePlacement:
     async def _ask_rows(self, worker: Worker) -> int | None:
         info = await worker.client.server_info()
         rows = max_running_requests(info) if info is not None else None
+        worker.rows_unsaid = info is not None and rows is None
         if rows is not None:
             worker.max_running_requests = rows
             logger.info("engine %s runs at most %d requests at once", worker.url, rows)

@@ -108,7 +108,7 @@ def test_unhealthy_worker_takes_no_new_sessions_and_its_sessions_move() -> None:
     asyncio.run(main())
 
 
-def test_a_workers_rows_are_asked_once_and_again_while_it_does_not_say() -> None:
+def test_a_workers_rows_are_asked_until_it_answers_and_then_never_again() -> None:
     async def main() -> None:
         pool, clients = _pool(1)
         worker = pool.worker_of("s")
@@ -120,6 +120,10 @@ def test_a_workers_rows_are_asked_once_and_again_while_it_does_not_say() -> None
         assert await pool.rows_of(worker) == 6
         assert clients[0].calls.count(("server_info", None)) == 2  # concurrent asks share one call; then learned
         assert worker.describe()["max_running_requests"] == 6
+        silent, (client,) = _pool(1)
+        client.info = {"model_path": "m"}  # answered, without rows (e.g. a router): no cap, and not asked again
+        assert [await silent.rows_of(silent.worker_of("s")) for _ in range(3)] == [None] * 3
+        assert client.calls.count(("server_info", None)) == 1
 
     asyncio.run(main())
 
