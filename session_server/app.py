@@ -56,6 +56,7 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
         engine, config.session_idle_timeout, metrics, config.request_timeout,
         on_opening=journal.engine_session_opening if journal is not None else None,
         on_gone=journal.engine_session_gone if journal is not None else None,
+        max_per_engine=config.max_engine_sessions_per_engine,
     ) if config.engine_sessions else None)
     drains = EngineDrains(engine, metrics, config.abort_grace, horizon=config.request_timeout)
     server = ServerState(

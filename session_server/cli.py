@@ -101,6 +101,8 @@ class Flag:
             kw["action"] = "store_true"
         elif kind in (int, float):
             kw["type"] = kind
+        elif kind == int | None:  # an int flag whose absence means "derive it" (e.g. from the engine)
+            kw["type"] = int
         return kw
 
 
@@ -129,6 +131,10 @@ def flags() -> tuple[Flag, ...]:
              "extends every token of it (one sample per episode where the tokens allow it)"),
         Flag("--engine-sessions", "one SGLang streaming session per trajectory, opened at its second turn (the first "
              "has nothing to reuse); later turns send only new tokens (engine: streaming sessions on)"),
+        Flag("--max-engine-sessions-per-engine", "engine sessions open at once on one engine: each holds one of its "
+             "--max-running-requests rows until closed, so a turn past this goes without one (counted) and a later "
+             "turn tries again (default: the engine's max_running_requests from /server_info less a quarter; 0 = no "
+             "cap)", metavar="N"),
         Flag("--request-timeout", "seconds an engine call may take before it is aborted and the chat gets 504 "
              "(default %(default)s)"),
         Flag("--max-turn-continuations", "times a turn goes on after the engine aborted every in-flight request (a "

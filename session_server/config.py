@@ -102,6 +102,9 @@ class ServerConfig:
     create_sessions_on_demand: bool = False
     engine_api_key: str | None = field(default=None, repr=False)  # SGLang --api-key; never logged
     engine_admin_api_key: str | None = field(default=None, repr=False)  # SGLang --admin-api-key; never logged
+    # Engine sessions open at once per engine (each holds one of its request rows); None: its --max-running-requests
+    # less a quarter (engine/sessions.py); 0: no cap.
+    max_engine_sessions_per_engine: int | None = None
     engine_control_timeout: float = 1.0  # bound on every control call (abort, open/close session, ready)
     journal: str | None = None  # SQLite file of sessions, turns and deletions (sessions/journal.py); None = memory only
     journal_sync: str = "normal"  # normal: survives a killed process; full: also a power loss (fsync per commit)
@@ -163,6 +166,8 @@ class ServerConfig:
             problems.append("--max-turn-continuations must be >= 0")
         if self.request_timeout <= 0:
             problems.append("--request-timeout must be > 0")
+        if self.max_engine_sessions_per_engine is not None and self.max_engine_sessions_per_engine < 0:
+            problems.append("--max-engine-sessions-per-engine must be >= 0")
         if self.engine_control_timeout <= 0:
             problems.append("--engine-control-timeout must be > 0")
         if self.journal_sync not in SYNC_MODES:

@@ -201,6 +201,10 @@ class Metrics:
         self.engine_session_fallbacks = counter(
             "engine_session_fallbacks", "turns sent without an engine session because none could be opened in time"
         )
+        self.engine_sessions_at_cap = counter(
+            "engine_sessions_at_cap", "turns sent without an engine session because their worker already held "
+            "--max-engine-sessions-per-engine open (each holds one of the engine's request rows)"
+        )
         self.engine_control_failures = counter(
             "engine_control_failures", "engine control calls (abort, open/close session, ready, ...) that failed, by "
             "path and kind: timeout (no answer within the call's deadline, the wait for a connection included) or "

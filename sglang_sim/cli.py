@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000, help="Port to bind; 0 picks a free one (see the ready line).")
     p.add_argument("--kv-capacity-tokens", type=int, default=65536,
                    help="KV pool size in token slots (server_info max_total_num_tokens).")
+    p.add_argument("--max-running-requests", type=int, default=4096,
+                   help="Request rows: requests running at once, an open streaming session keeping one (as SGLang).")
     p.add_argument("--context-length", type=int, default=32768, help="Longest prompt + max_new_tokens accepted.")
     p.add_argument("--token-latency-ms", type=float, default=0.0, help="Emulated decode time per generated token.")
     p.add_argument("--prefill-latency-ms", type=float, default=0.0,
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     family = EngineFamily.create(args.model_family, tokenizer, image_geometry(Path(args.tokenizer)))
     config = EngineConfig(kv_capacity_tokens=args.kv_capacity_tokens, context_length=args.context_length,
                           token_latency_ms=args.token_latency_ms, prefill_latency_ms=args.prefill_latency_ms,
-                          seed=args.seed,
+                          seed=args.seed, max_running_requests=args.max_running_requests,
                           enable_streaming_session=args.enable_streaming_session,
                           weight_version=args.weight_version,
                           incremental_streaming_output=args.incremental_streaming_output,

@@ -80,6 +80,9 @@ class EngineConfig:
     lora_paths: tuple[tuple[str, str], ...] = ()
     max_loaded_loras: int | None = None
     max_loras_per_batch: int = 8  # reported only: the sim runs every request on its own
+    # SGLang's --max-running-requests: the request rows (req_to_token_pool). A request is admitted only into a free
+    # row; a streaming session keeps its first turn's row until it is closed (session/streaming_session.py).
+    max_running_requests: int = 4096
 
 
 class Engine:
@@ -92,6 +95,8 @@ class Engine:
         self.cache = RadixCache(self.pool)
         self.requests: dict[str, SimRequest] = {}
         self.sessions: dict[str, EngineSession] = {}
+        self._row_requests: set[str] = set()  # rids of running requests in a row of their own
+        self._row_sessions: set[str] = set()  # streaming sessions that keep a row (their first turn's) until closed
         self.paused = False
         self.pause_mode: str | None = None
         self.forward_sleep_s = 0.0  # SGLang's /slow_down: added to every decode step
@@ -296,11 +301,29 @@ class Engine:
         while True:
             if req.abort_message is not None:
                 return False
-            if not self.paused and self._reserve(req):
+            if not self.paused and self._row_for(req) and self._reserve(req):
+                self._take_row(req)
                 req.state = "running"
                 return True
             req.wakeup.clear()
             await req.wakeup.wait()
+
+    def rows_used(self) -> int:
+        return len(self._row_requests) + len(self._row_sessions)
+
+    def _row_for(self, req: SimRequest) -> bool:
+        """A row to run in: its streaming session's, or a free one (scheduler.py `get_num_allocatable_reqs`)."""
+        session = req.session
+        if session is not None and session.streaming and session.session_id in self._row_sessions:
+            return True
+        return self.rows_used() < self.config.max_running_requests
+
+    def _take_row(self, req: SimRequest) -> None:
+        session = req.session
+        if session is not None and session.streaming:
+            self._row_sessions.add(session.session_id)  # kept until the session closes
+        else:
+            self._row_requests.add(req.rid)
 
     def _reserve(self, req: SimRequest) -> bool:
         kv = req.kv_tokens
@@ -439,7 +462,9 @@ class Engine:
         self._kv_changed()
 
     def _release(self, req: SimRequest, keep: bool, into_session: bool = False) -> None:
-        """Return a request's KV: into the radix tree or its session's slot when kept, to the pool otherwise."""
+        """Return a request's KV: into the radix tree or its session's slot when kept, to the pool otherwise; and
+        its row, unless a streaming session keeps it."""
+        self._row_requests.discard(req.rid)
         node = req.node
         if node is None:
             return
@@ -558,6 +583,7 @@ class Engine:
             self.pool.release(hold.private)
             self.cache.unlock(hold.node)
         self.sessions.pop(session.session_id, None)
+        self._row_sessions.discard(session.session_id)
         self._kv_changed()
 
     def reap_sessions(self) -> None:
@@ -592,6 +618,7 @@ class Engine:
             "kv_session_tokens": held,
             "open_sessions": len(self.sessions),
             "running_requests": running,
+            "request_rows_used": self.rows_used(),
             "waiting_requests": len(self.requests) - running,
             # tokens the live requests emitted so far: what a test waits for before it cuts a reply (an abort)
             "output_tokens_in_flight": sum(r.generated for r in self.requests.values()),
@@ -628,6 +655,14 @@ class Engine:
         mask[every] = True
         if len(np.unique(every)) != len(every) or not np.array_equal(mask, self.pool.in_use_mask()):
             errors.append("slots in use differ from the slots the tree and owners hold")
+        plain = {r.rid for r in self.requests.values()
+                 if r.state == "running" and not (r.session is not None and r.session.streaming)}
+        if self._row_requests != plain:
+            errors.append(f"rows of requests {sorted(self._row_requests)} != running requests {sorted(plain)}")
+        if not self._row_sessions <= set(self.sessions):
+            errors.append("a closed session still holds a row")
+        if self.rows_used() > self.config.max_running_requests:
+            errors.append(f"{self.rows_used()} rows used of {self.config.max_running_requests}")
         for session in self.sessions.values():
             if session.inflight is not None and session.inflight.state == "finished":
                 errors.append(f"session {session.session_id} points at a finished request")

@@ -60,10 +60,28 @@ class Worker:
     # Per version, how many of its cache namespaces were found holding KV of other weights (engine/versions.py).
     key_generations: dict[str, int] = field(default_factory=dict)
     probing: asyncio.Task[None] | None = field(default=None, repr=False)
+    # Its request rows (SGLang's --max-running-requests, from /server_info; None until known) and the engine
+    # sessions open on it, each of which holds one row until closed (engine/sessions.py).
+    max_running_requests: int | None = None
+    rows_unsaid: bool = False  # its /server_info answered without them (a router): not asked again
+    engine_sessions: int = 0
+    asking_rows: asyncio.Future[int | None] | None = field(default=None, repr=False)
 
     def describe(self) -> dict[str, Any]:
         return {"url": self.url, "healthy": self.healthy, "sessions": self.sessions, "load": self.load,
+                "engine_sessions": self.engine_sessions, "max_running_requests": self.max_running_requests,
                 "kind": str(self.kind) if self.kind is not None else None}
+
+
+def max_running_requests(info: dict[str, Any]) -> int | None:
+    """The request rows an engine runs at once, from its `/server_info`: SGLang 0.5.23's scheduler value
+    (`internal_states[0].effective_max_running_requests_per_dp`), else the resolved `--max-running-requests`."""
+    states = info.get("internal_states")
+    first = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
+    for value in (first.get("effective_max_running_requests_per_dp"), info.get("max_running_requests")):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _total_load(body: Any) -> int | None:
@@ -154,6 +172,28 @@ class EnginePlacement:
         one can hold what the call names; the others answer that they do not know it)."""
         worker = self._placement.get(routing_key) if routing_key is not None else None
         return [worker] if worker is not None else self.workers
+
+    def worker_of(self, session_id: str) -> Worker:
+        """The session's worker (placed now if it has none)."""
+        return self._client(session_id)
+
+    async def rows_of(self, worker: Worker) -> int | None:
+        """The worker's request rows (its /server_info, asked once; an unanswered ask is tried again on the next
+        call), or None when it does not say."""
+        if worker.max_running_requests is None and not worker.rows_unsaid:
+            if worker.asking_rows is None or worker.asking_rows.done():
+                worker.asking_rows = asyncio.ensure_future(self._ask_rows(worker))
+            await asyncio.wait((worker.asking_rows,))
+        return worker.max_running_requests
+
+    async def _ask_rows(self, worker: Worker) -> int | None:
+        info = await worker.client.server_info()
+        rows = max_running_requests(info) if info is not None else None
+        worker.rows_unsaid = info is not None and rows is None
+        if rows is not None:
+            worker.max_running_requests = rows
+            logger.info("engine %s runs at most %d requests at once", worker.url, rows)
+        return rows
 
     def forget(self, session_id: str) -> None:
         """The session is gone (DELETE, idle sweep): it no longer counts against its worker. Idempotent."""

@@ -29,6 +29,15 @@ short list of UNCLOSED_KEPT ids and counted (`engine_sessions_unclosed_total`; `
 its KV is then the engine's idle timeout's to free. A shutdown waits for the closes under way, bounded
 (`wait_closes`).
 
+Each open engine session keeps one of the engine's request rows until it is closed (SGLang 0.5.23: a streaming
+session's slot keeps its first turn's `req_to_token_pool` row; the engine has `--max-running-requests` of them and
+admits a request only into a free row; docs/engines.md). With as many open as the engine has rows, every other
+request waits forever. So at most `cap` engine sessions are open on a worker at once (ids whose open was sent and
+whose close has not landed or been given up, counted per worker): --max-engine-sessions-per-engine, by default the
+worker's rows (its /server_info) less ROW_HEADROOM of them, so first turns and plain requests still run. A turn that
+would open one past the cap goes without (mode "without", counted); a later turn tries again, and a close (a DELETE,
+a replaced or moved one) frees its slot.
+
 A server killed outright (SIGKILL, OOM) cannot close its engine sessions, and their KV would stay until the engine's
 idle timeout (the request timeout plus a minute at least). So every engine session id is put in a book before its
 open is sent (`on_opening`; with --journal, the journal's engine_sessions table) and taken out once it is closed or
@@ -67,11 +76,23 @@ NO_IDLE_TIMEOUT_ENGINE_TIMEOUT = 24 * 3600.0
 OPEN_SHARE = 0.5  # of the turn's remaining deadline an open on its path may take; the rest is for the turn itself
 CLOSE_BACKOFF = (0.5, 30.0)  # first and largest pause between retries of a failed close (doubling)
 MAX_CLOSE_RETRIES = 10_000  # failed closes retried at once (a task each); beyond, the engine's idle timeout closes
+ROW_HEADROOM = 0.25  # of a worker's rows left to requests outside engine sessions (at least one row)
 UNCLOSED_KEPT = 100  # the latest engine session ids whose close never landed, for /admin/sessions
 
 # SGLang's 400 messages for a session the engine does not hold (scheduler.py handle_generate_request): after an
 # engine restart, or once the engine's own idle timeout closed it.
 _GONE = (b"does not exist", b"close was requested for session")
+
+
+def engine_session_cap(rows: int | None, configured: int | None) -> int | None:
+    """How many engine sessions may be open on a worker with `rows` request rows (None: unknown): `configured` (the
+    flag; 0 = no cap), else the rows less ROW_HEADROOM of them (at least one row left, at least one session); None
+    means no cap."""
+    if configured is not None:
+        return configured or None
+    if rows is None:
+        return None
+    return max(1, rows - max(1, int(rows * ROW_HEADROOM)))
 
 
 def engine_session_gone(status: int, body: bytes) -> bool:
@@ -92,13 +113,15 @@ class EngineSessions:
     def __init__(
         self, engine: EnginePlacement, idle_timeout: float = 0.0, metrics: Metrics | None = None,
         request_timeout: float = 0.0, on_opening: Callable[[str, str], None] | None = None,
-        on_gone: Callable[[str], None] | None = None,
+        on_gone: Callable[[str], None] | None = None, max_per_engine: int | None = None,
     ) -> None:
         self._engine = engine
         # The book of engine session ids that may be open (see the module docstring): (session id, engine sid) in,
         # engine sid out.
         self._on_opening = on_opening or (lambda _session_id, _sid: None)
         self._on_gone = on_gone or (lambda _sid: None)
+        self._max_per_engine = max_per_engine  # --max-engine-sessions-per-engine (None: from the rows; 0: no cap)
+        self._slots: dict[str, Worker] = {}  # engine sid -> the worker whose row it holds (open sent, not yet gone)
         self._metrics = metrics or Metrics()
         self._states: dict[str, EngineSessionState] = {}  # by session id: the sessions that hold one now
         self._modes: dict[str, str] = {}  # by session id: how its turn in flight uses an engine session
@@ -136,7 +159,17 @@ class EngineSessions:
             # finds it. A single-turn episode (a GRPO step) thus costs the engine no open and no close.
             self._modes[session_id] = "deferred"
             return 0, None
+        worker = self._engine.worker_of(session_id)
+        cap = engine_session_cap(await self._engine.rows_of(worker), self._max_per_engine)
+        if cap is not None and worker.engine_sessions >= cap:
+            # Another would leave the engine too few rows for its other requests: this turn goes without.
+            self._metrics.engine_sessions_at_cap.inc()
+            self._metrics.engine_session_fallbacks.inc()
+            self._modes[session_id] = "without"  # the next turn tries again
+            return 0, None
         sid = f"{session_id}-{secrets.token_hex(4)}"
+        self._slots[sid] = worker
+        worker.engine_sessions += 1
         deadline = None if remaining is None else max(remaining * OPEN_SHARE, 0.001)
         self._on_opening(session_id, sid)  # before the open: a crash after it leaves the id in the book
         opening = asyncio.ensure_future(self._engine.open_session(CAPACITY_OF_STR_LEN, session_id,
@@ -163,6 +196,8 @@ class EngineSessions:
             self._metrics.engine_session_fallbacks.inc()
             self._modes[session_id] = "without"  # the next turn tries to open one again
             return 0, None
+        if opened != sid:  # the engine named it otherwise: its slot goes by that name
+            self._slots[opened] = self._slots.pop(sid, worker)
         self._states[session_id] = EngineSessionState(opened)
         self._modes[session_id] = "opened"
         return 0, {"id": opened}
@@ -194,7 +229,7 @@ class EngineSessions:
         next begin_turn opens a fresh one and sends the whole prompt."""
         st = self._states.pop(session_id, None)
         if st is not None:
-            self._on_gone(st.sid)
+            self._gone(st.sid)
 
     async def close(self, session_id: str) -> None:
         """Close the engine session, if any. Called by DELETE/shutdown only after the in-flight chat has finished.
@@ -224,7 +259,7 @@ class EngineSessions:
 
     async def _close_sid(self, sid: str, routing_key: str) -> None:
         if await self._engine.close_session(sid, routing_key):
-            self._on_gone(sid)
+            self._gone(sid)
         elif not self._closing.start(self._retry_close(sid, routing_key)):
             logger.warning("engine session %s not closed; %d closes are already being retried: the engine's idle "
                            "timeout will close it", sid, self._closing.pending)
@@ -237,10 +272,22 @@ class EngineSessions:
         if not await self._closing.until_landed(attempt, horizon=self.engine_timeout):
             logger.warning("engine session %s: close failed until its idle timeout closes it", sid)
             self._unclosed(sid)
+        self._gone(sid)
+
+    def _gone(self, sid: str) -> None:
+        """The engine session is closed or given up: out of the book, and its worker's slot is free."""
         self._on_gone(sid)
+        self._free(sid)
+
+    def _free(self, sid: str) -> None:
+        worker = self._slots.pop(sid, None)
+        if worker is not None:
+            worker.engine_sessions -= 1
 
     def _unclosed(self, sid: str) -> None:
-        """A close that never landed: reported (metrics, /admin/sessions); the engine's idle timeout frees it."""
+        """A close that never landed: reported (metrics, /admin/sessions); the engine's idle timeout frees it (and
+        its slot is counted free here: a later turn may find the engine still short of that row)."""
+        self._free(sid)
         self.unclosed.append(sid)
         self._metrics.engine_sessions_unclosed.inc()
 
@@ -266,7 +313,7 @@ class EngineSessions:
 
     async def _close_stale(self, sid: str, routing_key: str) -> None:
         if await self._engine.close_session(sid, routing_key):
-            self._on_gone(sid)
+            self._gone(sid)
         else:
             await self._retry_close(sid, routing_key)
 
@@ -284,7 +331,7 @@ class EngineSessions:
 
     async def _close_on(self, worker: Worker, sid: str, routing_key: str) -> None:
         await worker.client.close_session(sid, routing_key)
-        self._on_gone(sid)
+        self._gone(sid)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -298,11 +345,11 @@ class EngineSessions:
         while time.monotonic() < deadline:
             if await self._engine.ready():
                 await self._engine.close_session(sid, routing_key)
-                self._on_gone(sid)
+                self._gone(sid)
                 return
             await asyncio.sleep(0.5)
         logger.warning("engine session %s may be open; the engine's idle timeout will close it", sid)
-        self._on_gone(sid)
+        self._gone(sid)
 
     async def aclose(self) -> None:
         for task in [*self._orphans, *self._retiring]:

@@ -1,6 +1,7 @@
-"""A GRPO-shaped burst of engine sessions against released SGLang 0.5.23 (issue 43), sized for the CPU: 8 sessions
-open at once and chat a first turn each (which opens no engine session: nothing to reuse), then a second turn each
-(which opens one), then are all deleted at once.
+"""A GRPO-shaped burst of engine sessions against released SGLang 0.5.23 (issue 43), sized above the CPU engine's
+request rows: 24 sessions open at once and chat a first turn each (which opens no engine session: nothing to reuse),
+then a second turn each (which opens one, up to the server's cap per engine: the others go without), then are all
+deleted at once.
 
 What it shows of SGLang itself (through the recording proxy): the first turns send no `/open_session`; it answers
 every `/open_session` of the second turns' burst (each waits for the scheduler's next iteration,
@@ -24,10 +25,12 @@ from support.server import chat_url, metric
 from support.sglang_engine import Served, ServeFactory, assert_engine_clean
 from support.sim import wait_for
 
-# No more than the engine's --max-running-requests (8, harness.launchers.SGLANG_CPU_FLAGS): an open engine session
-# keeps one of those request rows until it is closed, so a ninth engine session's first turn would wait for a close
-# that never comes (docs/engines.md; at 24, 16 turns waited out the proxy's read timeout).
-SESSIONS = 8
+# Three times the engine's --max-running-requests (8, harness.launchers.SGLANG_CPU_FLAGS): an open engine session
+# keeps one of those request rows until it is closed, so without the server's cap 16 of these turns waited out the
+# proxy's read timeout (docs/engines.md); with it at most CAP hold one and the others go without.
+ROWS = 8
+SESSIONS = 3 * ROWS
+CAP = ROWS - ROWS // 4  # the server's default --max-engine-sessions-per-engine
 WAIT = 300.0  # a bound on waiting for an event, never a measure of speed
 
 
@@ -65,6 +68,7 @@ def test_a_burst_of_engine_sessions_opens_and_closes_every_one(served: Served) -
                     modes[record["engine_session"]] += 1
             deletes = await asyncio.gather(*(http.delete(f"{server}/sessions/{sid}") for sid in sids))
             assert modes.keys() <= {"opened", "without"} and sum(modes.values()) == SESSIONS, modes
+            assert 0 < modes["opened"] <= CAP, modes  # (an open that timed out under load also goes without)
             assert modes["without"] == metric(server, "session_server_engine_session_fallbacks_total", 0.0)
             return Counter(r.status_code for r in chats), Counter(r.status_code for r in deletes)
 

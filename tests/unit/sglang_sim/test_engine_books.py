@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from sglang_sim.engine import Engine, EngineConfig
 from sglang_sim.family import EngineFamily
 from sglang_sim.generation import SamplingParams
-from sglang_sim.requests import BadRequest, GenerateInput
+from sglang_sim.requests import BadRequest, GenerateInput, SimRequest
 from sglang_sim.sessions import SessionParams
 from support.examples import examples
 
@@ -40,7 +40,7 @@ steps = st.lists(st.one_of(
 
 async def _scenario(family: EngineFamily, ops: list[tuple]) -> None:
     engine = Engine(EngineConfig(kv_capacity_tokens=400, context_length=4096, token_latency_ms=0.5,
-                                 enable_streaming_session=True), family)
+                                 enable_streaming_session=True, max_running_requests=3), family)
     sessions = [engine.open_session(None, 0, streaming=i < 2, timeout=None) for i in range(3)]
     prefixes = [np.arange(10 + 7 * k, 30 + 7 * k, dtype=np.int32) for k in range(4)]
     requests = []
@@ -122,6 +122,34 @@ def test_prefill_latency_is_paid_only_for_uncached_tokens(family):
 
     cold, warm, cached = asyncio.run(scenario())
     assert cached == 1000 and cold >= 0.99 and warm < 0.5
+
+
+def test_an_open_streaming_session_keeps_its_row_until_closed(family):
+    """As SGLang 0.5.23 (session/streaming_session.py): with as many streaming sessions open, each past its first
+    turn, as the engine has rows, any request needing a row of its own waits; closing one lets it in."""
+    async def scenario() -> None:
+        engine = Engine(EngineConfig(kv_capacity_tokens=4000, enable_streaming_session=True, max_running_requests=2),
+                        family)
+
+        def submit(rid: str, session: str | None = None) -> SimRequest:
+            return engine.submit(GenerateInput(rid=rid, input_ids=np.arange(10, 30, dtype=np.int32), text=None,
+                                               session_params=SessionParams(id=session) if session else None,
+                                               sampling=SamplingParams(max_new_tokens=3)))
+
+        sessions = [engine.open_session(None, 0, streaming=True, timeout=None) for _ in range(2)]
+        for n, sid in enumerate(sessions):
+            await asyncio.wait_for(submit(f"turn{n}", sid).done.wait(), 60)
+        assert engine.rows_used() == 2
+        waiting = submit("plain")  # admitted first, were a row free: its task runs before the next one's
+        second = submit("turn-again", sessions[0])  # a session's next turn runs in the row it keeps
+        await asyncio.wait_for(second.done.wait(), 60)
+        assert waiting.state == "waiting" and not waiting.done.is_set()
+        engine.close_session(sessions[1])
+        await asyncio.wait_for(waiting.done.wait(), 60)
+        assert waiting.finish_reason is not None and waiting.finish_reason["type"] != "abort"
+        assert engine.check_books()["ok"] and engine.rows_used() == 1
+
+    asyncio.run(scenario())
 
 
 def test_appended_turn_drops_a_leading_bos(hf_tokenizers):

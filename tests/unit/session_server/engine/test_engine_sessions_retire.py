@@ -1,13 +1,15 @@
 """engine/sessions.py: DELETE's close (`retire`) never waits for the engine, comes after the abort it is given, is
 retried when it fails, and what never closes is reported; a turn whose open failed goes without and the next tries
-again; a turn with nothing to reuse opens none (the next one does)."""
+again; a turn with nothing to reuse opens none (the next one does); a worker holds at most its cap of engine
+sessions (each keeps one of the engine's request rows), past which a turn goes without until a close frees a slot."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from session_server.engine.sessions import EngineSessions
+from session_server.engine.placement import Worker, max_running_requests
+from session_server.engine.sessions import EngineSessions, engine_session_cap
 from session_server.errors import EngineUnavailableError
 from session_server.metrics import Metrics
 from support.bounded import bounded
@@ -26,6 +28,14 @@ class FakeEngine:
         self.open_gate = asyncio.Event()
         self.open_gate.set()
         self.open_called = asyncio.Event()
+        self.worker = Worker("http://engine", None)  # type: ignore[arg-type]
+        self.rows: int | None = None  # the engine's max_running_requests, as its /server_info says (None: silent)
+
+    def worker_of(self, session_id: str) -> Worker:
+        return self.worker
+
+    async def rows_of(self, worker: Worker) -> int | None:
+        return self.rows
 
     async def open_session(self, capacity: int, routing_key: str, idle_timeout: float | None, sid: str,
                            deadline: float | None) -> str:
@@ -168,5 +178,71 @@ def test_a_turn_with_nothing_to_reuse_opens_none_and_the_next_turn_opens_one() -
         assert engine.log[-1] == ("close", sid) and sessions.state("s") is None
         assert _count(metrics, "engine_session_fallbacks") == 0
         await sessions.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_cap_is_the_flag_else_the_rows_less_a_headroom() -> None:
+    assert engine_session_cap(8, None) == 6  # a quarter of the rows left to first turns and plain requests
+    assert engine_session_cap(4096, None) == 3072
+    assert engine_session_cap(2, None) == 1 and engine_session_cap(1, None) == 1  # one row left; one session at least
+    assert engine_session_cap(None, None) is None  # an engine that does not say: no cap
+    assert engine_session_cap(8, 3) == 3 and engine_session_cap(None, 3) == 3  # the flag wins
+    assert engine_session_cap(8, 0) is None  # 0: no cap
+
+
+def test_rows_are_read_from_server_info_as_sglang_reports_them() -> None:
+    # SGLang 0.5.23: the scheduler's value per DP rank, beside the resolved server arg (None when left to the engine)
+    assert max_running_requests({"max_running_requests": None,
+                                 "internal_states": [{"effective_max_running_requests_per_dp": 8}]}) == 8
+    assert max_running_requests({"max_running_requests": 16, "internal_states": [{}]}) == 16
+    assert max_running_requests({"max_running_requests": None}) is None
+    assert max_running_requests({"max_running_requests": True}) is None
+
+
+def test_past_the_cap_a_turn_goes_without_and_a_close_frees_the_slot_for_a_later_turn() -> None:
+    async def main() -> None:
+        engine, metrics = FakeEngine(), Metrics()
+        engine.rows = 4  # cap 3
+        sessions = EngineSessions(engine, metrics=metrics)  # type: ignore[arg-type]
+        for name in ("a", "b", "c"):
+            assert (await sessions.begin_turn(name, 80))[1] is not None
+            assert sessions.take_mode(name) == "opened"
+        assert engine.worker.engine_sessions == 3
+        opens = len(engine.log)
+        assert await sessions.begin_turn("d", 80) == (0, None)  # the whole prompt, no engine session
+        assert sessions.take_mode("d") == "without" and len(engine.log) == opens  # no open sent
+        assert _count(metrics, "engine_sessions_at_cap") == 1 and _count(metrics, "engine_session_fallbacks") == 1
+        await sessions.begin_turn("d", 120)  # still full: without again
+        assert sessions.take_mode("d") == "without" and _count(metrics, "engine_sessions_at_cap") == 2
+
+        sessions.retire("a")  # DELETE: the slot frees once its close has landed
+        await bounded(sessions.wait_closes(5.0))
+        assert engine.worker.engine_sessions == 2
+        assert (await sessions.begin_turn("d", 160))[1] is not None and sessions.take_mode("d") == "opened"
+        assert engine.worker.engine_sessions == 3
+
+        await sessions.close("b")  # a close of our own (a replaced engine session) frees its slot too
+        sessions.forget("c")  # as does one the engine lost
+        assert engine.worker.engine_sessions == 1
+        engine.open_ok = False  # an open that fails holds its slot until its id is closed (it may have landed)
+        await sessions.begin_turn("e", 80)
+        assert sessions.take_mode("e") == "without" and engine.worker.engine_sessions == 2
+        await sessions.aclose()
+
+    asyncio.run(main())
+
+
+def test_without_rows_known_or_with_the_cap_off_every_turn_opens_one() -> None:
+    async def main() -> None:
+        for rows, flag in ((None, None), (2, 0)):
+            engine = FakeEngine()
+            engine.rows = rows
+            sessions = EngineSessions(engine, max_per_engine=flag)  # type: ignore[arg-type]
+            for i in range(5):
+                await sessions.begin_turn(f"s{i}", 80)
+                assert sessions.take_mode(f"s{i}") == "opened"
+            assert engine.worker.engine_sessions == 5
+            await sessions.aclose()
 
     asyncio.run(main())

@@ -21,6 +21,11 @@ class FakeClient:
         self.base_url = url
         self.calls: list[tuple[str, Any]] = []
         self.abort_answer = abort
+        self.info: dict[str, Any] | None = {"max_running_requests": 8}  # what its /server_info answers (None: no)
+
+    async def server_info(self) -> dict[str, Any] | None:
+        self.calls.append(("server_info", None))
+        return self.info
 
     async def generate(self, payload: bytes, routing_key: str) -> EngineReply:
         self.calls.append(("generate", routing_key))
@@ -98,6 +103,27 @@ def test_unhealthy_worker_takes_no_new_sessions_and_its_sessions_move() -> None:
         assert [w.sessions for w in pool.workers] == [3, 0]
         await asyncio.gather(*engine_sessions._orphans)
         assert ("close_session", "sid-http://w1") in clients[1].calls  # best effort on the old worker
+        assert [w.engine_sessions for w in pool.workers] == [0, 0]  # its row on the old worker is counted free
+
+    asyncio.run(main())
+
+
+def test_a_workers_rows_are_asked_until_it_answers_and_then_never_again() -> None:
+    async def main() -> None:
+        pool, clients = _pool(1)
+        worker = pool.worker_of("s")
+        clients[0].info = None  # not answered (yet): no rows known, asked again next time
+        assert await pool.rows_of(worker) is None
+        clients[0].info = {"max_running_requests": None,
+                           "internal_states": [{"effective_max_running_requests_per_dp": 6}]}
+        assert await asyncio.gather(*(pool.rows_of(worker) for _ in range(5))) == [6] * 5
+        assert await pool.rows_of(worker) == 6
+        assert clients[0].calls.count(("server_info", None)) == 2  # concurrent asks share one call; then learned
+        assert worker.describe()["max_running_requests"] == 6
+        silent, (client,) = _pool(1)
+        client.info = {"model_path": "m"}  # answered, without rows (e.g. a router): no cap, and not asked again
+        assert [await silent.rows_of(silent.worker_of("s")) for _ in range(3)] == [None] * 3
+        assert client.calls.count(("server_info", None)) == 1
 
     asyncio.run(main())
 
@@ -154,6 +180,9 @@ class _Counts:
 
     class pool:
         capacity = 100
+
+    class config:
+        max_running_requests = 8
 
     def counts(self) -> dict[str, int]:
         return {"running_requests": 3, "waiting_requests": 2, "kv_used_tokens": 40}
