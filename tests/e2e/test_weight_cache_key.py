@@ -61,6 +61,17 @@ def _logprobs(reply: dict[str, Any]) -> np.ndarray:
     return np.asarray([e[0] for e in reply["meta_info"]["output_token_logprobs"]], np.float64)
 
 
+def _push_through(server: str, engine: str, path: str, version: str) -> None:
+    """A push as a trainer makes it: the server paused in place, the engine's update, the continue naming it."""
+    assert httpx.post(f"{server}/admin/pause", json={"mode": "in_place"}).status_code == 200
+    try:
+        updated = httpx.post(f"{engine}/update_weights_from_disk", json={
+            "model_path": path, "weight_version": version, "abort_all_requests": False, "flush_cache": False})
+        assert updated.status_code == 200, updated.text
+    finally:
+        assert httpx.post(f"{server}/admin/continue", json={"weight_version": version}).status_code == 200
+
+
 def test_a_push_while_a_reply_runs_leaves_every_token_exact_and_the_control_is_not(stack: Stack) -> None:
     server, engine, proxy = stack.server, stack.engine, stack.proxy
     assert proxy is not None
@@ -134,11 +145,7 @@ def test_a_turn_past_max_staleness_is_sampled_again_from_its_prompt_or_refused(s
         try:
             chat = pool.submit(httpx.post, chat_url(server, sid), json=CHAT, timeout=180)
             _wait(lambda: engine_info(engine)["output_tokens_in_flight"] >= CUT_AFTER, "tokens under the old weights")
-            assert httpx.post(f"{server}/admin/pause", json={"mode": "in_place"}).status_code == 200
-            updated = httpx.post(f"{engine}/update_weights_from_disk", json={
-                "model_path": "step-7", "weight_version": "7", "abort_all_requests": False, "flush_cache": False})
-            assert updated.status_code == 200, updated.text
-            assert httpx.post(f"{server}/admin/continue", json={"weight_version": "7"}).status_code == 200
+            _push_through(server, engine, "step-7", "7")
         finally:
             httpx.post(f"{engine}/slow_down", json={"forward_sleep_time": None})
         reply = chat.result()
@@ -163,17 +170,6 @@ def test_a_turn_past_max_staleness_is_sampled_again_from_its_prompt_or_refused(s
     httpx.post(f"{engine}/update_weight_version", json={"new_version": "default", "abort_all_requests": False})
     assert httpx.post(f"{server}/admin/continue").status_code == 200
     assert_engine_baseline(engine)
-
-
-def _push_through(server: str, engine: str, path: str, version: str) -> None:
-    """A push as a trainer makes it: the server paused in place, the engine's update, the continue naming it."""
-    assert httpx.post(f"{server}/admin/pause", json={"mode": "in_place"}).status_code == 200
-    try:
-        updated = httpx.post(f"{engine}/update_weights_from_disk", json={
-            "model_path": path, "weight_version": version, "abort_all_requests": False, "flush_cache": False})
-        assert updated.status_code == 200, updated.text
-    finally:
-        assert httpx.post(f"{server}/admin/continue", json={"weight_version": version}).status_code == 200
 
 
 def test_a_key_that_got_kv_of_other_weights_is_never_reused(stack: Stack) -> None:
