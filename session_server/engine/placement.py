@@ -167,7 +167,7 @@ class EnginePlacement:
             self._assign(session_id, worker)
         return worker
 
-    def _holders(self, routing_key: str | None) -> list[Worker]:
+    def holders(self, routing_key: str | None) -> list[Worker]:
         """Where a call about a session's engine state goes: its worker, or every worker when it is not placed (only
         one can hold what the call names; the others answer that they do not know it)."""
         worker = self._placement.get(routing_key) if routing_key is not None else None
@@ -225,7 +225,7 @@ class EnginePlacement:
         """Abort `rid` on the session's worker (on every worker when the session is unknown): DONE when a worker
         acknowledged it, else RETRY when one may later (no answer, 5xx), else REFUSED (e.g. a router's 404)."""
         # Each failure logs a warning.
-        answers = set(await asyncio.gather(*(w.client.abort(rid) for w in self._holders(routing_key))))
+        answers = set(await asyncio.gather(*(w.client.abort(rid) for w in self.holders(routing_key))))
         return next(a for a in (Answer.DONE, Answer.RETRY, Answer.REFUSED) if a in answers)
 
     async def pause_in_place(self) -> None:
@@ -325,7 +325,7 @@ class EnginePlacement:
     async def close_session(self, sid: str, routing_key: str) -> bool:
         """Close on the session's worker; a session no longer placed (an orphaned open closed after DELETE) is
         closed on every worker, since only one can hold it and the others answer that it does not exist."""
-        results = await asyncio.gather(*(w.client.close_session(sid, routing_key) for w in self._holders(routing_key)))
+        results = await asyncio.gather(*(w.client.close_session(sid, routing_key) for w in self.holders(routing_key)))
         return any(results)
 
     async def models(self) -> EngineReply:

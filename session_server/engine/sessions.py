@@ -24,10 +24,10 @@ at once, beyond which the idle timeout is left to do it. Both are counted in /me
 
 DELETE never waits for the engine (`retire`): the session's engine session is forgotten at once and closed in the
 background, after the abort of what ran in it has landed (bounded by the caller's wait), with the same bounded retries.
-An engine session whose close never landed (the retries' horizon passed, or too many were being retried) is kept in a
-short list of UNCLOSED_KEPT ids and counted (`engine_sessions_unclosed_total`; `GET /admin/sessions` shows both), and
-its KV is then the engine's idle timeout's to free. A shutdown waits for the closes under way, bounded
-(`wait_closes`).
+An engine session whose close never landed (the retries' horizon passed, too many were being retried, an orphaned
+open's engine never answered, a moved session's old worker refused) is kept in a short list of UNCLOSED_KEPT ids and
+counted (`engine_sessions_unclosed_total`; `GET /admin/sessions` shows both), and its KV is then the engine's idle
+timeout's to free. A shutdown waits for the closes under way, bounded (`wait_closes`).
 
 Each open engine session keeps one of the engine's request rows until it is closed (SGLang 0.5.23: a streaming
 session's slot keeps its first turn's `req_to_token_pool` row; the engine has `--max-running-requests` of them and
@@ -36,7 +36,9 @@ request waits forever. So at most `cap` engine sessions are open on a worker at 
 whose close has not landed or been given up, counted per worker): --max-engine-sessions-per-engine, by default the
 worker's rows (its /server_info) less ROW_HEADROOM of them, so first turns and plain requests still run. A turn that
 would open one past the cap goes without (mode "without", counted); a later turn tries again, and a close (a DELETE,
-a replaced or moved one) frees its slot.
+a replaced or moved one) frees its slot. A slot is freed only when the engine has let the row go: an engine session
+whose close never landed keeps its slot until the engine's idle timeout has closed it (`_unclosed`), and the ones a
+killed predecessor left (`close_stale`) hold a slot on every worker that may have them until their close lands.
 
 A server killed outright (SIGKILL, OOM) cannot close its engine sessions, and their KV would stay until the engine's
 idle timeout (the request timeout plus a minute at least). So every engine session id is put in a book before its
@@ -114,6 +116,7 @@ class EngineSessions:
         self, engine: EnginePlacement, idle_timeout: float = 0.0, metrics: Metrics | None = None,
         request_timeout: float = 0.0, on_opening: Callable[[str, str], None] | None = None,
         on_gone: Callable[[str], None] | None = None, max_per_engine: int | None = None,
+        max_close_retries: int = MAX_CLOSE_RETRIES,
     ) -> None:
         self._engine = engine
         # The book of engine session ids that may be open (see the module docstring): (session id, engine sid) in,
@@ -121,7 +124,10 @@ class EngineSessions:
         self._on_opening = on_opening or (lambda _session_id, _sid: None)
         self._on_gone = on_gone or (lambda _sid: None)
         self._max_per_engine = max_per_engine  # --max-engine-sessions-per-engine (None: from the rows; 0: no cap)
-        self._slots: dict[str, Worker] = {}  # engine sid -> the worker whose row it holds (open sent, not yet gone)
+        # engine sid -> the workers whose row it may hold (open sent, not yet gone; one, but every worker for an id a
+        # predecessor left unplaced)
+        self._slots: dict[str, tuple[Worker, ...]] = {}
+        self._releases: dict[str, asyncio.TimerHandle] = {}  # unclosed ids: when the engine's idle timeout frees them
         self._metrics = metrics or Metrics()
         self._states: dict[str, EngineSessionState] = {}  # by session id: the sessions that hold one now
         self._modes: dict[str, str] = {}  # by session id: how its turn in flight uses an engine session
@@ -129,7 +135,7 @@ class EngineSessions:
         self._retiring: set[asyncio.Task[None]] = set()  # DELETE's closes under way (their first attempt)
         self.unclosed: deque[str] = deque(maxlen=UNCLOSED_KEPT)  # the latest ids whose close never landed
         self._closing = ControlRetries(self._metrics.engine_close_retries, "closed", backoff=CLOSE_BACKOFF,
-                                       limit=MAX_CLOSE_RETRIES)
+                                       limit=max_close_retries)
         self.engine_timeout = (max(idle_timeout, request_timeout) + ENGINE_TIMEOUT_MARGIN if idle_timeout > 0
                                else NO_IDLE_TIMEOUT_ENGINE_TIMEOUT)
         engine.on_move.append(self._moved)
@@ -168,8 +174,7 @@ class EngineSessions:
             self._modes[session_id] = "without"  # the next turn tries again
             return 0, None
         sid = f"{session_id}-{secrets.token_hex(4)}"
-        self._slots[sid] = worker
-        worker.engine_sessions += 1
+        self._hold(sid, (worker,))
         deadline = None if remaining is None else max(remaining * OPEN_SHARE, 0.001)
         self._on_opening(session_id, sid)  # before the open: a crash after it leaves the id in the book
         opening = asyncio.ensure_future(self._engine.open_session(CAPACITY_OF_STR_LEN, session_id,
@@ -197,7 +202,7 @@ class EngineSessions:
             self._modes[session_id] = "without"  # the next turn tries to open one again
             return 0, None
         if opened != sid:  # the engine named it otherwise: its slot goes by that name
-            self._slots[opened] = self._slots.pop(sid, worker)
+            self._slots[opened] = self._slots.pop(sid, (worker,))
         self._states[session_id] = EngineSessionState(opened)
         self._modes[session_id] = "opened"
         return 0, {"id": opened}
@@ -263,7 +268,7 @@ class EngineSessions:
         elif not self._closing.start(self._retry_close(sid, routing_key)):
             logger.warning("engine session %s not closed; %d closes are already being retried: the engine's idle "
                            "timeout will close it", sid, self._closing.pending)
-            self._unclosed(sid)
+            self._unclosed(sid, self.engine_timeout)
 
     async def _retry_close(self, sid: str, routing_key: str) -> None:
         async def attempt() -> Answer:
@@ -271,25 +276,39 @@ class EngineSessions:
 
         if not await self._closing.until_landed(attempt, horizon=self.engine_timeout):
             logger.warning("engine session %s: close failed until its idle timeout closes it", sid)
-            self._unclosed(sid)
-        self._gone(sid)
+            self._unclosed(sid, 0.0)  # the retries ran to the horizon: the engine's idle timeout has freed it
+        else:
+            self._gone(sid)
 
     def _gone(self, sid: str) -> None:
         """The engine session is closed or given up: out of the book, and its worker's slot is free."""
         self._on_gone(sid)
         self._free(sid)
 
+    def _hold(self, sid: str, workers: tuple[Worker, ...]) -> None:
+        """The engine session may now keep a request row on each of `workers`: one slot there until it is gone."""
+        if sid in self._slots:
+            return
+        self._slots[sid] = workers
+        for worker in workers:
+            worker.engine_sessions += 1
+
     def _free(self, sid: str) -> None:
-        worker = self._slots.pop(sid, None)
-        if worker is not None:
+        release = self._releases.pop(sid, None)
+        if release is not None:
+            release.cancel()
+        for worker in self._slots.pop(sid, ()):
             worker.engine_sessions -= 1
 
-    def _unclosed(self, sid: str) -> None:
-        """A close that never landed: reported (metrics, /admin/sessions); the engine's idle timeout frees it (and
-        its slot is counted free here: a later turn may find the engine still short of that row)."""
-        self._free(sid)
+    def _unclosed(self, sid: str, held_for: float) -> None:
+        """A close that never landed: reported (metrics, /admin/sessions). The engine's idle timeout frees it at most
+        `held_for` s from now; until then its slot stays taken (the engine still keeps its row), then it is gone."""
         self.unclosed.append(sid)
         self._metrics.engine_sessions_unclosed.inc()
+        if held_for <= 0 or sid not in self._slots:
+            self._gone(sid)
+        elif sid not in self._releases:
+            self._releases[sid] = asyncio.get_running_loop().call_later(held_for, self._gone, sid)
 
     @property
     def closes_under_way(self) -> int:
@@ -309,7 +328,14 @@ class EngineSessions:
         """Close the engine sessions (session id, engine sid) a previous server process left in the book, on every
         worker that may hold them (their placement died with it), retried like any failed close; returns how many
         closes were started."""
-        return sum(self._closing.start(self._close_stale(sid, session_id)) for session_id, sid in stale)
+        started = 0
+        for session_id, sid in stale:
+            self._hold(sid, tuple(self._engine.holders(session_id)))  # its row is taken until the close lands
+            if self._closing.start(self._close_stale(sid, session_id)):
+                started += 1
+            else:
+                self._unclosed(sid, self.engine_timeout)
+        return started
 
     async def _close_stale(self, sid: str, routing_key: str) -> None:
         if await self._engine.close_session(sid, routing_key):
@@ -330,8 +356,10 @@ class EngineSessions:
             self._spawn(self._close_on(old, st.sid, session_id))
 
     async def _close_on(self, worker: Worker, sid: str, routing_key: str) -> None:
-        await worker.client.close_session(sid, routing_key)
-        self._gone(sid)
+        if await worker.client.close_session(sid, routing_key):
+            self._gone(sid)
+        else:  # the old worker keeps the row until its idle timeout (its session left it for a reason: no retries)
+            self._unclosed(sid, self.engine_timeout)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -344,14 +372,19 @@ class EngineSessions:
         deadline = time.monotonic() + ORPHAN_WAIT
         while time.monotonic() < deadline:
             if await self._engine.ready():
-                await self._engine.close_session(sid, routing_key)
-                self._gone(sid)
+                if await self._engine.close_session(sid, routing_key):
+                    self._gone(sid)
+                else:
+                    await self._retry_close(sid, routing_key)
                 return
             await asyncio.sleep(0.5)
         logger.warning("engine session %s may be open; the engine's idle timeout will close it", sid)
-        self._gone(sid)
+        self._unclosed(sid, self.engine_timeout - ORPHAN_WAIT)
 
     async def aclose(self) -> None:
+        for release in self._releases.values():
+            release.cancel()
+        self._releases.clear()
         for task in [*self._orphans, *self._retiring]:
             task.cancel()
         await self._closing.aclose()

@@ -54,6 +54,9 @@ class FakeEngine:
     async def ready(self) -> bool:
         return True
 
+    def holders(self, routing_key: str) -> list[Worker]:
+        return [self.worker]
+
 
 def _count(metrics: Metrics, name: str, labels: dict[str, str] | None = None) -> float:
     return metrics.registry.get_sample_value(f"session_server_{name}_total", labels or {}) or 0.0
@@ -101,6 +104,7 @@ def test_a_failed_close_is_retried_and_one_that_never_lands_is_reported() -> Non
         closes = [entry for entry in engine.log if entry == ("close", sid)]
         assert len(closes) >= 1 and list(sessions.unclosed) == [sid]
         assert _count(metrics, "engine_sessions_unclosed") == 1
+        assert engine.worker.engine_sessions == 0  # retried to the horizon: the engine's idle timeout freed its row
         await sessions.aclose()
 
     asyncio.run(main())
@@ -244,5 +248,52 @@ def test_without_rows_known_or_with_the_cap_off_every_turn_opens_one() -> None:
                 assert sessions.take_mode(f"s{i}") == "opened"
             assert engine.worker.engine_sessions == 5
             await sessions.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_close_that_never_lands_keeps_its_slot_until_the_engines_idle_timeout_frees_the_row() -> None:
+    """Too many closes already being retried: this one is given up at once, but the engine still keeps the session's
+    request row until its own idle timeout, so the slot stays taken (a turn past the cap goes without) until then."""
+    async def main() -> None:
+        for idle_timeout in (3600.0, 0.05):
+            engine, metrics = FakeEngine(), Metrics()
+            engine.rows, engine.close_ok = 2, False  # cap 1; the engine refuses every close
+            sessions = EngineSessions(engine, metrics=metrics, max_close_retries=0)  # type: ignore[arg-type]
+            sessions.engine_timeout = idle_timeout
+            await sessions.begin_turn("a", 80)
+            sid = engine.log[-1][1]
+            sessions.retire("a")
+            await bounded(sessions.wait_closes(5.0))
+            assert list(sessions.unclosed) == [sid] and _count(metrics, "engine_sessions_unclosed") == 1
+            if idle_timeout > 60:
+                assert engine.worker.engine_sessions == 1  # the row is still the engine's
+                assert await sessions.begin_turn("b", 80) == (0, None) and sessions.take_mode("b") == "without"
+            else:  # once the engine's idle timeout has passed, the slot is free
+                for _ in range(1000):
+                    if engine.worker.engine_sessions == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert engine.worker.engine_sessions == 0
+                assert (await sessions.begin_turn("b", 80))[1] is not None and sessions.take_mode("b") == "opened"
+            await sessions.aclose()
+
+    asyncio.run(main())
+
+
+def test_engine_sessions_a_killed_predecessor_left_take_slots_until_their_close_lands() -> None:
+    async def main() -> None:
+        engine = FakeEngine()
+        engine.rows = 2  # cap 1
+        engine.close_gate.clear()  # the engine has not answered the closes yet
+        sessions = EngineSessions(engine)  # type: ignore[arg-type]
+        assert sessions.close_stale([("old", "old-1a2b3c4d")]) == 1
+        assert engine.worker.engine_sessions == 1
+        assert await sessions.begin_turn("new", 80) == (0, None) and sessions.take_mode("new") == "without"
+        engine.close_gate.set()
+        assert await bounded(sessions.wait_closes(5.0))
+        assert ("close", "old-1a2b3c4d") in engine.log and engine.worker.engine_sessions == 0
+        assert (await sessions.begin_turn("new", 120))[1] is not None and sessions.take_mode("new") == "opened"
+        await sessions.aclose()
 
     asyncio.run(main())
