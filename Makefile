@@ -72,7 +72,7 @@ TEST_WORKERS ?= 3
 test: $(STAMP) $(TOKENIZERS)/.built nginx browser $(HARNESSES)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25
 
 # The real-engine tier (tests/sglang, docs/design.md 5.5): released SGLang 0.5.23 serving tiny random Qwen3 / Qwen3-MoE
 # checkpoints on the CPU. SGLang runs from its own venv (~6.5 GB, every package pinned in tests/sglang/engine-lock.txt,
@@ -93,7 +93,7 @@ $(CHECKPOINTS)/.built: $(SGLANG_STAMP) $(TOKENIZERS)/.built scripts/build_tiny_c
 	touch $@
 
 test-sglang: $(STAMP) $(CHECKPOINTS)/.built
-	$(PY) -m pytest -q -p no:xdist tests/sglang --sglang-venv $(SGLANG_VENV) --checkpoints $(CHECKPOINTS)
+	$(PY) -m pytest -q -p no:xdist --durations=25 tests/sglang --sglang-venv $(SGLANG_VENV) --checkpoints $(CHECKPOINTS)
 
 # A real GRPO loop on the CPU (examples/demo_rl/): released SGLang 0.5.23 from its venv serving the tiny Qwen3, a
 # policy warmed up in the run, G episodes per prompt through the session server, the trainer's check, advantages and
