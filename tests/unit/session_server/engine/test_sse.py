@@ -1,7 +1,7 @@
 """engine/sse.py, the stream loop (frames -> reader -> chunker): an engine stream read in any split into reads gives
 the same text and the same final body as the stream read whole, in both of SGLang's streaming modes, SGLang's own
 framing and odd framings alike; the agent's chunks keep their rules over real reads; errors and truncated streams
-are reported. The parts alone: test_engine_frames.py, test_engine_reader.py, test_engine_chunker.py."""
+are reported. The parts alone: test_frames.py, test_reader.py, test_chunker.py."""
 
 from __future__ import annotations
 
