@@ -179,3 +179,32 @@ def test_trajectory_is_pure() -> None:
         if target.split(".")[0] in PURE_FORBIDDEN
     }
     assert found == set()
+
+
+# Unit tests mirror the modules they test: tests/unit/<package path>/test_<module>.py (importlib import mode, so no
+# basename need be unique). A test of a concern that spans modules is named here; a new unit test module either
+# names the module it tests or joins this list on purpose.
+CONCERN_TESTS = {
+    "deploy/test_deploy.py",  # the nginx/replica deployment pieces together
+    "rollout/test_adapter_mappings.py", "rollout/test_adapter_sampling_masks.py",  # every trainer adapter at once
+    "session_server/engine/test_reply_shapes.py",  # SGLang's reply shapes through the engine client
+    "session_server/frontend/test_api_mapping.py",  # each API's request -> the shared turn request
+    "session_server/http/test_head_limit.py",  # the request head's size limit, as uvicorn and the server apply it
+    "session_server/test_event_loop.py",  # what keeps the one event loop responsive
+    "sglang_sim/test_engine_books.py", "sglang_sim/test_native_tags.py", "sglang_sim/test_prefix_limit.py",
+    "test_architecture.py", "test_exported_members.py", "test_workshop.py",
+    "trajectory/families/test_families.py", "trajectory/families/test_oracles.py",
+    "trajectory/families/test_thinking_mode.py",  # every model family against the same rules and oracles
+    "trajectory/test_control_tokens.py", "trajectory/test_tokenizers.py",
+}
+
+
+def test_unit_tests_are_named_after_the_module_they_test() -> None:
+    unit = ROOT / "tests" / "unit"
+    stray = []
+    for path in sorted(unit.rglob("test_*.py")):
+        rel = path.relative_to(unit)
+        if not (ROOT / rel.parent / path.name[len("test_"):]).exists() and rel.as_posix() not in CONCERN_TESTS:
+            stray.append(rel.as_posix())
+    assert stray == [], "unit test modules named after no module (rename, or add to CONCERN_TESTS)"
+    assert sorted(name for name in CONCERN_TESTS if not (unit / name).exists()) == []  # no stale entry
