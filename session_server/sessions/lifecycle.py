@@ -128,6 +128,8 @@ class Lifecycle:
         children = [self.registry.create(segments, {**parent.metadata, **metadata}) for segments in plan.children]
         for child in children:
             child.lineage = lineage
+            if plan.segment == 0:  # the first segment carries the primed prompt, if any
+                child.primed = parent.primed
         if self.journal is not None:
             try:
                 await self.journal.forked(parent.id, plan.segment, plan.version,
@@ -136,6 +138,8 @@ class Lifecycle:
                 for child in children:
                     self.registry.discard(child.id)
                 raise
+        if self._engines is not None:  # the shared prefix is in the parent's worker's radix cache
+            self._engines.place_beside([child.id for child in children], parent.id)
         self._metrics.sessions_created.inc(n)
         return children
 

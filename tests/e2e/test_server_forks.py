@@ -6,7 +6,9 @@ the lineage (trajectory/forks.py, issue 39)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -354,6 +356,42 @@ def test_a_group_forks_at_its_primed_prompt(stack: Stack, proxy: RecordingProxy)
         assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
 
 
+def test_a_primed_group_prefills_its_prompt_once(stack: Stack, proxy: RecordingProxy) -> None:
+    """The prime has the engine prefill the prompt (max_new_tokens 0) before it answers, so the group's first turns,
+    sent all at once, each find it in the radix cache and prefill only the prompt's last token (the one SGLang always
+    computes): on the engine's books the group prefilled the prompt once, whatever order its turns came in."""
+    server = stack["forks"]
+    prompt = [{"role": "system", "content": "Rules: " + " ".join(f"rule {i}." for i in range(60))},
+              {"role": "user", "content": f"Prefilled task. {reply('done')}"}]
+    parent = new_session(server)
+    proxy.clear()
+    primed = httpx.post(f"{server}/sessions/{parent}/prime", json={"messages": prompt, "tools": TOOLS}, timeout=30)
+    assert primed.status_code == 200, primed.text
+    n = primed.json()["prompt_tokens"]
+    done = primed.json()["prefill"]
+    assert done["prompt_tokens"] == n and done["cached_tokens"] < 10  # another test's prompt may share its opening
+    (prime_call,) = [c for c in proxy.settled() if c["path"] == "/generate"]
+    assert prime_call["request"]["sampling_params"]["max_new_tokens"] == 0
+    assert prime_call["response"]["meta_info"]["completion_tokens"] == 0
+    children = fork(server, parent, n=4).json()["session_ids"]
+
+    async def first_turns() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return list(await asyncio.gather(*(client.post(chat_url(server, sid), json={
+                "model": "m", "messages": prompt, "tools": TOOLS}) for sid in children)))
+
+    assert all(r.status_code == 200 for r in asyncio.run(first_turns()))
+    calls = [c for c in proxy.settled() if c["path"] == "/generate"]
+    assert len(calls) == 5 and all(c["request"]["input_ids"] == prime_call["request"]["input_ids"] for c in calls)
+    prefilled = [c["response"]["meta_info"]["prompt_tokens"] - c["response"]["meta_info"]["cached_tokens"]
+                 for c in calls]
+    assert prefilled == [n - done["cached_tokens"], 1, 1, 1, 1]  # the prompt once, then each child's last token
+    assert all(info(server, sid)["records"][0]["cached_tokens"] == n - 1 for sid in children)
+    assert httpx.get(f"{stack.engine}/sim/books", timeout=30).json()["ok"]
+    for sid in (parent, *children):
+        assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
+
+
 def test_session_client_runs_a_group_as_forks(stack: Stack) -> None:
     server = stack["forks"]
     prompt = [{"role": "user", "content": f"group task {reply('x')}"}]
@@ -370,23 +408,26 @@ def test_session_client_runs_a_group_as_forks(stack: Stack) -> None:
 
 
 def test_a_group_forked_at_its_prompt_survives_a_restart(stack: Stack, proxy: RecordingProxy, tmp_path: Path) -> None:
-    """The journal keeps a fork at the prompt (its children and their turns), not the primed prompt itself: after a
-    restart a child that took its turn is as it was, and one that did not renders its first turn -- the same ids the
-    primed prompt held."""
+    """The journal keeps the primed prompt (its request, rendered again at the restart) with the fork at it: after a
+    restart the primed parent and a child that has not taken its turn are still primed -- the child's first turn
+    renders nothing and sends the ids the primed prompt held -- and a child that took its turn is as it was, holding
+    the prompt by reference again (its own bytes do not count the prompt)."""
     journal = tmp_path / "journal.sqlite"
 
     def start() -> Any:
         return start_session_server(proxy.url, stack.tok, FAMILY, "--journal", str(journal), name="journaled-group",
                                     log_dir=stack.logs)
 
-    prompt = [{"role": "user", "content": f"a group on disk {reply('kept')}"}]
+    prompt = [{"role": "system", "content": "On disk. " + " ".join(f"rule {i}." for i in range(150))},
+              {"role": "user", "content": f"a group on disk {reply('kept')}"}]
     proc = start()
     server = proc.url
     parent = new_session(server)
     assert httpx.post(f"{server}/sessions/{parent}/prime", json={"messages": prompt, "tools": TOOLS},
                       timeout=30).status_code == 200
-    took, waited = fork(server, parent, n=2).json()["session_ids"]
+    took, waited, deleted = fork(server, parent, n=3).json()["session_ids"]
     first = engine_ids(proxy, server, took, "chat", prompt)
+    assert httpx.delete(f"{server}/sessions/{deleted}", timeout=30).status_code == 204
     was = info(server, took)
     assert proc.stop() == 0
     proc = start()
@@ -395,7 +436,16 @@ def test_a_group_forked_at_its_prompt_survives_a_restart(stack: Stack, proxy: Re
         for volatile in ("busy", "nbytes"):
             now.pop(volatile), was.pop(volatile)
         assert now == was
+        # 9 bytes a stored token (id, logprob, mask): the prompt's are the primed prompt's, held by reference
+        assert info(proc.url, took)["nbytes"] < len(first) * 9 / 2
         assert info(proc.url, waited)["lineage"]["fork_position"] == len(first)
+        before = first_turn_counts(proc.url)
         assert engine_ids(proxy, proc.url, waited, "chat", prompt) == first
+        assert engine_ids(proxy, proc.url, parent, "chat", prompt) == first
+        assert first_turn_counts(proc.url) == before  # both took the primed ids: no render, no lookup
+        for sid in (parent, took, waited):  # the last session holding the primed prompt takes its row along
+            assert httpx.delete(f"{proc.url}/sessions/{sid}", timeout=30).status_code == 204
     finally:
         proc.stop()
+    with contextlib.closing(sqlite3.connect(journal)) as conn:
+        assert conn.execute("SELECT count(*) FROM primes").fetchone()[0] == 0
