@@ -39,7 +39,7 @@ from trajectory.images import ImageLimits
 from trajectory.linear import PrimedPrompt
 
 
-def _prime(body: bytes, trajectory: LinearTrajectory, images: ImageLimits) -> tuple[PrimedPrompt, str | None]:
+def render_prime(body: bytes, trajectory: LinearTrajectory, images: ImageLimits) -> tuple[PrimedPrompt, str | None]:
     """The primed prompt of a Chat Completions body, and the body's `model` (which may name a LoRA adapter)."""
     turn = CHAT.parse(body, trajectory, images)
     return trajectory.prime(turn.messages, turn.tools, turn.template_kwargs, turn.messages_json), turn.model
@@ -53,9 +53,15 @@ def _primable(session: Session) -> LinearTrajectory:
     return session.trajectory
 
 
+def prime_key(session_id: str) -> str:
+    """The journal's key of a primed prompt (sessions/journal.py `primes`): new per prime, so the children of an
+    earlier prime of the same session keep theirs."""
+    return f"{session_id}/{secrets.token_hex(4)}"
+
+
 def primer(server: ServerState) -> Callable[[bytes], PrimedPrompt]:
     """A journaled prime request rendered again at a restart (sessions/recovery.py): the same ids, a fresh plan."""
-    return lambda body: _prime(body, server.new_trajectory(), server.config.image_limits)[0]
+    return lambda body: render_prime(body, server.new_trajectory(), server.config.image_limits)[0]
 
 
 def _unchanged(server: ServerState, session: Session, trajectory: LinearTrajectory) -> None:
@@ -70,10 +76,10 @@ async def prime_session(request: Request) -> Response:
     session = server.registry.require(request.path_params["session_id"])
     body = await read_body(request, config.max_request_bytes, config.body_timeout)
     trajectory = _primable(session)
-    primed, model = await server.pool.run(_prime, body, trajectory, config.image_limits)
+    primed, model = await server.pool.run(render_prime, body, trajectory, config.image_limits)
     _unchanged(server, session, trajectory)
     if server.journal is not None:  # on disk before it is answered: a restart brings the session back primed
-        key = f"{session.id}/{secrets.token_hex(4)}"  # a new key per prime: children of an earlier one keep theirs
+        key = prime_key(session.id)
         await server.journal.primed(dataclasses.replace(SessionInfo.of(session), primed=key), key, body)
         session.primed = key
         _unchanged(server, session, trajectory)

@@ -392,6 +392,46 @@ def test_a_primed_group_prefills_its_prompt_once(stack: Stack, proxy: RecordingP
         assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
 
 
+def test_a_group_in_one_request(stack: Stack, proxy: RecordingProxy) -> None:
+    """POST /sessions with `prime` and `n`: the group's sessions at one primed prompt, in one request -- rendered once,
+    prefilled once, no root session left to delete; `prime` alone is one primed session; `n` without `prime`, or
+    above --max-fork, creates nothing."""
+    server = stack["forks"]
+    prompt = [{"role": "system", "content": "One request. " + " ".join(f"rule {i}." for i in range(30))},
+              {"role": "user", "content": f"Group task. {reply('ok')}"}]
+    fresh = new_session(server)
+    expected = engine_ids(proxy, server, fresh, "chat", prompt)
+    before = first_turn_counts(server)
+    proxy.clear()
+    made = httpx.post(f"{server}/sessions", json={"metadata": {"task": 7}, "n": 3,
+                                                  "prime": {"messages": prompt, "tools": TOOLS}}, timeout=30)
+    assert made.status_code == 200, made.text
+    group = made.json()
+    assert group["prompt_tokens"] == group["fork_position"] == len(expected) and group["fork_turns"] == 0
+    assert group["prefill"]["prompt_tokens"] == len(expected)
+    assert [c["request"]["sampling_params"]["max_new_tokens"] for c in proxy.generates()] == [0]
+    assert httpx.get(f"{server}/sessions/{group['root_session']}", timeout=30).status_code == 404
+    for sid in group["session_ids"]:
+        assert engine_ids(proxy, server, sid, "chat", prompt) == expected
+        child = info(server, sid)
+        assert child["metadata"] == {"task": 7} and child["records"][0]["cached_tokens"] == len(expected) - 1
+        assert child["lineage"]["parent_session"] == child["lineage"]["root_session"] == group["root_session"]
+        assert child["lineage"]["group"] == group["group"]
+    assert sum(first_turn_counts(server)) == sum(before) + 1  # the prime's render (a lookup); the turns, nothing
+    single = httpx.post(f"{server}/sessions", json={"prime": {"messages": prompt, "tools": TOOLS}}, timeout=30)
+    assert single.status_code == 200 and single.json()["prompt_tokens"] == len(expected)
+    assert engine_ids(proxy, server, single.json()["session_id"], "chat", prompt) == expected
+    def live() -> list[str]:
+        return sorted(s["id"] for s in httpx.get(f"{server}/admin/sessions", timeout=30).json()["sessions"])
+
+    was = live()
+    for body in ({"n": 2}, {"n": 5, "prime": {"messages": prompt}}, {"n": 2, "prime": "text"}):
+        assert httpx.post(f"{server}/sessions", json=body, timeout=30).status_code == 400, body
+    assert live() == was
+    for sid in (fresh, single.json()["session_id"], *group["session_ids"]):
+        assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
+
+
 def test_session_client_runs_a_group_as_forks(stack: Stack) -> None:
     server = stack["forks"]
     prompt = [{"role": "user", "content": f"group task {reply('x')}"}]
@@ -428,6 +468,8 @@ def test_a_group_forked_at_its_prompt_survives_a_restart(stack: Stack, proxy: Re
     took, waited, deleted = fork(server, parent, n=3).json()["session_ids"]
     first = engine_ids(proxy, server, took, "chat", prompt)
     assert httpx.delete(f"{server}/sessions/{deleted}", timeout=30).status_code == 204
+    grouped = httpx.post(f"{server}/sessions", json={"n": 2, "prime": {"messages": prompt, "tools": TOOLS}},
+                         timeout=30).json()["session_ids"]  # a group in one request: its primed prompt on disk too
     was = info(server, took)
     assert proc.stop() == 0
     proc = start()
@@ -442,8 +484,9 @@ def test_a_group_forked_at_its_prompt_survives_a_restart(stack: Stack, proxy: Re
         before = first_turn_counts(proc.url)
         assert engine_ids(proxy, proc.url, waited, "chat", prompt) == first
         assert engine_ids(proxy, proc.url, parent, "chat", prompt) == first
-        assert first_turn_counts(proc.url) == before  # both took the primed ids: no render, no lookup
-        for sid in (parent, took, waited):  # the last session holding the primed prompt takes its row along
+        assert engine_ids(proxy, proc.url, grouped[0], "chat", prompt) == first
+        assert first_turn_counts(proc.url) == before  # all took the primed ids: no render, no lookup
+        for sid in (parent, took, waited, *grouped):  # the last session holding a primed prompt takes its row along
             assert httpx.delete(f"{proc.url}/sessions/{sid}", timeout=30).status_code == 204
     finally:
         proc.stop()

@@ -35,7 +35,8 @@ class FailingJournal:
     def __init__(self) -> None:
         self.forks = 0
 
-    async def forked(self, parent_id: str, segment: int, version: int, children: list[SessionInfo]) -> None:
+    async def forked(self, parent_id: str, segment: int, version: int, children: list[SessionInfo],
+                     prime: tuple[str, bytes] | None = None) -> None:
         self.forks += 1
         raise JournalUnavailableError("journal write failed")
 
