@@ -25,7 +25,7 @@ from trajectory.session_segments import DIVERGENCE_POLICIES
 REPLICA_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")
 # POST /sessions/{id}/prime: "engine" has the engine prefill the primed prompt before the prime answers
 # (turns/prefill.py), "off" leaves it to the group's first turns.
-PRIME_PREFILL_MODES = ("engine", "off")
+FORK_PREFILL_MODES = ("engine", "off")
 
 
 def default_cpu_workers() -> int:
@@ -75,7 +75,7 @@ class ServerConfig:
     max_header_bytes: int = 64 * 1024  # request line + headers of one request (431 beyond)
     max_sessions: int = 0  # live sessions; POST /sessions beyond gets 503 + Retry-After; 0 = unbounded
     max_fork: int = 64  # children one POST /sessions/{id}/fork may create (400 beyond)
-    prime_prefill: str = "engine"  # PRIME_PREFILL_MODES
+    fork_prefill: str = "engine"  # FORK_PREFILL_MODES
     max_session_tokens: int = 0  # tokens one session may hold (prompt + completion); 0 = unbounded
     drain_timeout: float = 60.0  # /admin/pause drain: seconds to wait for chats before aborting them (503)
     shutdown_timeout: float = 5.0  # SIGTERM: seconds uvicorn waits for open connections before closing them
@@ -188,8 +188,8 @@ class ServerConfig:
             problems.append("--max-sessions must be >= 0 (0 = unbounded)")
         if self.max_fork < 1:
             problems.append("--max-fork must be >= 1")
-        if self.prime_prefill not in PRIME_PREFILL_MODES:
-            problems.append(f"--prime-prefill must be one of {', '.join(PRIME_PREFILL_MODES)}")
+        if self.fork_prefill not in FORK_PREFILL_MODES:
+            problems.append(f"--fork-prefill must be one of {', '.join(FORK_PREFILL_MODES)}")
         if self.max_session_tokens < 0:
             problems.append("--max-session-tokens must be >= 0 (0 = unbounded)")
         if self.drain_timeout <= 0:

@@ -9,7 +9,7 @@ appended turn of its body costs. A first turn that sends anything else renders a
 ids a turn sends. Answers `{"prompt_tokens": N, "prefill": {"prompt_tokens", "cached_tokens"} | null}`; 409 while
 a turn is in flight, 400 once the session has a turn.
 
-With --prime-prefill engine (the default) the engine prefills the prompt before the prime answers (turns/prefill.py),
+With --fork-prefill engine (the default) the engine prefills the prompt before the prime answers (turns/prefill.py),
 so that the G first turns, arriving together in any order, find it in the radix cache; `prefill` is what the engine
 reported, null when it was not asked (off, paused) or did not answer.
 
@@ -27,12 +27,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from session_server.chat.serving import CHAT
+from session_server.engine.wire import encode_ids
 from session_server.errors import SessionBusyError, json_response
 from session_server.sessions.journal import SessionInfo
 from session_server.sessions.session import Session
 from session_server.state import ServerState, server_of
 from session_server.turns.pipeline import read_body
-from session_server.turns.prefill import prefill
+from session_server.turns.prefill import prefill_primed
 from trajectory import LinearTrajectory
 from trajectory.errors import ForkPointError
 from trajectory.images import ImageLimits
@@ -42,7 +43,10 @@ from trajectory.linear import PrimedPrompt
 def render_prime(body: bytes, trajectory: LinearTrajectory, images: ImageLimits) -> tuple[PrimedPrompt, str | None]:
     """The primed prompt of a Chat Completions body, and the body's `model` (which may name a LoRA adapter)."""
     turn = CHAT.parse(body, trajectory, images)
-    return trajectory.prime(turn.messages, turn.tools, turn.template_kwargs, turn.messages_json), turn.model
+    primed = trajectory.prime(turn.messages, turn.tools, turn.template_kwargs, turn.messages_json)
+    # its ids encoded for the engine once, for the prefill and every child's first turn
+    return dataclasses.replace(primed, plan=dataclasses.replace(primed.plan, wire_ids=encode_ids(
+        primed.plan.prompt_ids))), turn.model
 
 
 def _primable(session: Session) -> LinearTrajectory:
@@ -84,5 +88,5 @@ async def prime_session(request: Request) -> Response:
         session.primed = key
         _unchanged(server, session, trajectory)
     trajectory.set_primed(primed)
-    done = await prefill(server, session.id, primed, session.metadata, model)
+    done = await prefill_primed(server, session.id, primed, session.metadata, model)
     return json_response({"prompt_tokens": primed.num_tokens, "prefill": None if done is None else done.to_json()})

@@ -31,7 +31,7 @@ from session_server.http.body import check_json_value, decode_object, read_body
 from session_server.sessions.journal import SessionInfo
 from session_server.sessions.session import Session
 from session_server.state import ServerState, server_of
-from session_server.turns.prefill import prefill
+from session_server.turns.prefill import prefill_primed
 from session_server.turns.sampling_masks import mask_policy
 from trajectory import LinearTrajectory, Segment
 from trajectory.errors import RequestValidationError
@@ -128,7 +128,7 @@ async def create_session(request: Request) -> Response:
         await server.journal.primed(dataclasses.replace(SessionInfo.of(session), primed=key), key, prime)
         session.primed = key
     segments.main.set_primed(primed)  # no turn can have come: nobody knew its id
-    done = await prefill(server, session.id, primed, metadata, model)
+    done = await prefill_primed(server, session.id, primed, metadata, model)
     return json_response({"session_id": session.id, "prompt_tokens": primed.num_tokens,
                           "prefill": None if done is None else done.to_json()})
 
@@ -141,7 +141,7 @@ async def _create_group(server: ServerState, prime: bytes, n: int, metadata: dic
     primed, model = await server.pool.run(render_prime, prime, root.main, server.config.image_limits)
     root.main.set_primed(primed)
     root_id = server.registry.mint()
-    done = await prefill(server, root_id, primed, metadata, model)
+    done = await prefill_primed(server, root_id, primed, metadata, model)
     key = prime_key(root_id)
     children = await server.lifecycle.create_group(root_id, root, n, metadata, masks, server.new_segments,
                                                    (key, prime) if server.journal is not None else None)

@@ -287,14 +287,18 @@ def test_session_client_forks_and_samples_read_the_lineage(stack: Stack) -> None
 
 def test_children_open_their_own_engine_sessions(stack: Stack) -> None:
     """With --engine-sessions a child has no engine session of its parent's: its first turn opens one and sends the
-    whole prompt (the radix cache holds the prefix); every engine session is closed with its session."""
+    whole prompt; the parent's engine session holds its history outside the radix cache (SGLang's streaming sessions
+    publish only their first prompt), so the fork has the engine prefill the forked prefix once and each child's turn
+    finds it cached; every engine session is closed with its session."""
     proc = start_session_server(stack.engine, stack.tok, FAMILY, "--engine-sessions", name="engine-sessions",
                                 log_dir=stack.logs)
     try:
         server = proc.url
         parent = new_session(server)
         history, _ = play(server, parent, ["tool", "text"], "s")
-        children = fork(server, parent, n=2).json()["session_ids"]
+        made = fork(server, parent, n=2).json()
+        children, position = made["session_ids"], made["fork_position"]
+        assert made["prefill"]["prompt_tokens"] == position
         for i, sid in enumerate([*children, parent]):
             request = [*history, {"role": "user", "content": f"branch {i} {reply('done')}"}]
             assert next_turn(server, sid, "chat", request).status_code == 200
@@ -302,6 +306,7 @@ def test_children_open_their_own_engine_sessions(stack: Stack) -> None:
             assert len(records) == 3
             # the parent's second turn opened its engine session; a child's first turn opens its own
             assert records[-1]["engine_session"] == ("reused" if sid == parent else "opened")
+            assert records[-1]["cached_tokens"] >= position - 2
         assert engine_info(stack.engine)["open_sessions"] == 3  # one each: a child's is its own
         for sid in (parent, *children):
             assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
