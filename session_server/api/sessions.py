@@ -27,7 +27,7 @@ from session_server.errors import (
     json_response,
 )
 from session_server.frontend.root_session import header_id, not_found
-from session_server.http.body import check_json_value, decode_object, read_body
+from session_server.http.body import decode_object, read_body
 from session_server.sessions.journal import SessionInfo
 from session_server.sessions.session import Session
 from session_server.state import ServerState, server_of
@@ -51,30 +51,22 @@ def relay(reply: EngineReply) -> Response:
     return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
 
 
-class _CreateBody(msgspec.Struct):
-    """POST /sessions' body, the prime kept as the bytes it came as (its messages' bytes are what the children's first
-    turns are recognised by, SentHistory)."""
+class _Prime(msgspec.Struct):
+    """POST /sessions' `prime` as the bytes it came as: its messages' bytes are what the children's first turns are
+    recognised by (SentHistory)."""
 
-    metadata: Any = None
-    return_sampling_masks: Any = None
-    n: Any = None
     prime: msgspec.Raw = msgspec.Raw()
 
 
-_decode_create = msgspec.json.Decoder(_CreateBody).decode
+_decode_prime = msgspec.json.Decoder(_Prime).decode
 
 
-def _create_body(body: bytes) -> _CreateBody:
-    if not body.strip():
-        return _CreateBody()
-    try:
-        parsed = _decode_create(body)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-        decode_object(body)  # the 400 any malformed or non-object body gets
-        raise RequestValidationError("request body: 'prime' must be a Chat Completions request object") from None
-    check_json_value({"metadata": parsed.metadata, "return_sampling_masks": parsed.return_sampling_masks,
-                      "n": parsed.n})
-    return parsed
+def _create_body(body: bytes) -> tuple[dict[str, Any], bytes | None]:
+    """The body as an object, checked as any body is (the prime is left to the chat parse), and the prime's bytes."""
+    obj = decode_object(body, {}, unchecked="prime")
+    if obj.get("prime") is None:
+        return obj, None
+    return obj, bytes(_decode_prime(body).prime)
 
 
 async def create_session(request: Request) -> Response:
@@ -93,12 +85,11 @@ async def create_session(request: Request) -> Response:
     server = server_of(request)
     config = server.config
     raw = await read_body(request, config.max_request_bytes, config.body_timeout)
-    parsed = _create_body(raw)
-    prime = bytes(parsed.prime) if len(parsed.prime) and bytes(parsed.prime) != b"null" else None
+    obj, prime = _create_body(raw)
     small = min(config.max_request_bytes, config.max_metadata_bytes + METADATA_ENVELOPE)
     if prime is None and len(raw) > small:
         raise RequestTooLargeError(f"request body exceeds the limit of {small} bytes")
-    metadata = parsed.metadata
+    metadata = obj.get("metadata")
     if metadata is None:
         metadata = {}
     if not isinstance(metadata, dict):
@@ -108,13 +99,13 @@ async def create_session(request: Request) -> Response:
         raise RequestTooLargeError(
             f"'metadata' is {size} bytes encoded; the limit is {config.max_metadata_bytes} bytes"
         )
-    masks = parsed.return_sampling_masks
+    masks = obj.get("return_sampling_masks")
     if masks is not None and not isinstance(masks, bool):
         raise RequestValidationError("'return_sampling_masks' must be a boolean")
-    if parsed.n is not None:
+    if obj.get("n") is not None:
         if prime is None:
             raise RequestValidationError("'n' makes a group of sessions that share a primed prompt: give 'prime'")
-        return await _create_group(server, prime, parse_fork(parsed.n, None, config.max_fork)[0], metadata, masks)
+        return await _create_group(server, prime, parse_fork(obj["n"], None, config.max_fork)[0], metadata, masks)
     if prime is None:
         # 503 if not journaled
         session = await server.lifecycle.create_durably(server.new_segments(), metadata, masks)
