@@ -113,10 +113,15 @@ async def create_session(request: Request) -> Response:
     server.lifecycle.check_accepting()
     segments = server.new_segments()
     primed, model = await server.pool.run(render_prime, prime, segments.main, config.image_limits)
-    session = await server.lifecycle.create_durably(segments, metadata, masks)
-    if server.journal is not None:
+    session = server.lifecycle.create(segments, metadata)
+    session.sampling_masks = masks
+    if server.journal is not None:  # the session's row and its primed prompt in one transaction, or neither
         key = prime_key(session.id)
-        await server.journal.primed(dataclasses.replace(SessionInfo.of(session), primed=key), key, prime)
+        try:
+            await server.journal.primed(dataclasses.replace(SessionInfo.of(session), primed=key), key, prime)
+        except BaseException:
+            server.registry.discard(session.id)
+            raise
         session.primed = key
     segments.main.set_primed(primed)  # no turn can have come: nobody knew its id
     done = await prefill_primed(server, session.id, primed, metadata, model)

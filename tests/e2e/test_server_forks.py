@@ -475,6 +475,8 @@ def test_a_group_forked_at_its_prompt_survives_a_restart(stack: Stack, proxy: Re
     assert httpx.delete(f"{server}/sessions/{deleted}", timeout=30).status_code == 204
     grouped = httpx.post(f"{server}/sessions", json={"n": 2, "prime": {"messages": prompt, "tools": TOOLS}},
                          timeout=30).json()["session_ids"]  # a group in one request: its primed prompt on disk too
+    single = httpx.post(f"{server}/sessions", json={"prime": {"messages": prompt, "tools": TOOLS}},
+                        timeout=30).json()["session_id"]  # one session primed in the request that opens it
     was = info(server, took)
     assert proc.stop() == 0
     proc = start()
@@ -490,8 +492,9 @@ def test_a_group_forked_at_its_prompt_survives_a_restart(stack: Stack, proxy: Re
         assert engine_ids(proxy, proc.url, waited, "chat", prompt) == first
         assert engine_ids(proxy, proc.url, parent, "chat", prompt) == first
         assert engine_ids(proxy, proc.url, grouped[0], "chat", prompt) == first
+        assert engine_ids(proxy, proc.url, single, "chat", prompt) == first
         assert first_turn_counts(proc.url) == before  # all took the primed ids: no render, no lookup
-        for sid in (parent, took, waited, *grouped):  # the last session holding a primed prompt takes its row along
+        for sid in (parent, took, waited, *grouped, single):  # the last holder of a primed prompt takes its row
             assert httpx.delete(f"{proc.url}/sessions/{sid}", timeout=30).status_code == 204
     finally:
         proc.stop()
