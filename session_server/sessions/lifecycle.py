@@ -130,13 +130,13 @@ class Lifecycle:
         a fork: all or none, 429/400 past --max-sessions; with a journal the children and the primed prompt's request
         (`prime`: key, body) are on disk in one transaction before the ids are handed out; they join the worker the
         root was placed on (its prefill), which then no longer counts it."""
-        self.check_accepting()
-        self._check_fork_capacity(n)
-        plan = plan_fork(root, new_segments, n, 0)
         try:
+            self.check_accepting()
+            self._check_fork_capacity(n)
+            plan = plan_fork(root, new_segments, n, 0)
             return await self._spawn(root_id, None, plan, metadata, sampling_masks,
                                      prime[0] if prime is not None else None, prime)
-        finally:
+        finally:  # placed by its prefill (or not at all): it never counts against its worker after this
             if self._engines is not None:
                 self._engines.forget(root_id)
 
