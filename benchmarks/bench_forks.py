@@ -8,14 +8,15 @@ order, each round with a new prompt (a new task: the first-turn cache holds noth
   on our stack spends on them (it sends the engine text, which the engine tokenizes on its own core);
 - independent: G sessions, each opened and sent the first request (today's group: one render, G-1 first-turn cache
   hits);
-- forks: one session opened, primed with the prompt (POST /sessions/{id}/prime: one render), forked into G
-  (POST /sessions/{id}/fork) and deleted, then each child sent the same first request (no render: the primed ids).
+- forks: the group made in one request (POST /sessions with `prime` and `n`: one render, the engine's prefill of the
+  prompt, G sessions forked at it), then each child sent the same first request (no render: the primed ids).
 
 Server CPU is the process's schedstat runtime (ns, all threads) from the first request of the group to its last
 reply; the figure is each way's median over the rounds as a multiple of the floor's median (the floor's group: its
-G session opens and G chats). The forks' CPU is also split into its setup (open, prime, fork, delete the parent) and
+G session opens and G chats). The forks' CPU is also split into its setup (the one request that makes the group) and
 the G first turns after it. The engine's prefilled
-tokens are the sim's books as the replies report them (prompt tokens less cached tokens, per turn).
+tokens are the sim's books as the replies report them (prompt tokens less cached tokens, per turn, and the forks'
+prime's prefill).
 
 Part 2 (in process, the real tokenizer): the memory the G histories hold after their first turns, forked and
 independent, against one history (the trajectories' own bytes, `nbytes`, plus what the forks share once: the primed
@@ -83,15 +84,14 @@ async def run_way(way: str, client: httpx.AsyncClient, url: str, pid: int, body:
     """One group's first turns one `way`; the process's CPU over it and the sessions to delete afterwards."""
     cpu0 = proc_runtime_ns(pid)
     t0 = time.perf_counter()
-    if way == "forks":
-        parent = (await client.post(f"{url}/sessions", json={})).json()["session_id"]
-        primed = await client.post(f"{url}/sessions/{parent}/prime",
-                                   json={"messages": body["messages"], "tools": body["tools"]})
-        primed.raise_for_status()
-        forked = await client.post(f"{url}/sessions/{parent}/fork", json={"n": group})
-        forked.raise_for_status()
-        sids = forked.json()["session_ids"]
-        (await client.delete(f"{url}/sessions/{parent}")).raise_for_status()
+    primed = 0  # prompt tokens the engine prefilled before the first turns (the prime's prefill)
+    if way == "forks":  # the group in one request: rendered once, prefilled once, forked at the prompt
+        made = await client.post(f"{url}/sessions", json={
+            "n": group, "prime": {"messages": body["messages"], "tools": body["tools"]}})
+        made.raise_for_status()
+        sids = made.json()["session_ids"]
+        done = made.json()["prefill"] or {}
+        primed = int(done.get("prompt_tokens", 0)) - int(done.get("cached_tokens", 0))
     else:
         sids = await open_sessions(client, url, group)
     cpu1 = proc_runtime_ns(pid)
@@ -99,7 +99,7 @@ async def run_way(way: str, client: httpx.AsyncClient, url: str, pid: int, body:
     cpu = proc_runtime_ns(pid) - cpu0
     seconds = time.perf_counter() - t0
     return {"way": way, "cpu_ns": cpu, "setup_cpu_ns": cpu1 - cpu0, "seconds": seconds, "sids": sids,
-            "usages": usages}
+            "usages": usages, "primed": primed}
 
 
 async def prefilled(client: httpx.AsyncClient, url: str, sids: list[str]) -> int:
@@ -135,11 +135,11 @@ async def end_to_end(urls: dict[str, str], pids: dict[str, int], args: argparse.
                 url = urls["floor" if way == "floor" else "server"]
                 out = await run_way(way, client, url, pids[way], body, args.group)
                 if way != "floor":
-                    prefill[way].append(await prefilled(client, url, out["sids"]))
+                    prefill[way].append(out["primed"] + await prefilled(client, url, out["sids"]))
                     prompt_tokens.append(int(out["usages"][0]["prompt_tokens"]))
                 for sid in out["sids"]:
                     await client.delete(f"{url}/sessions/{sid}")
-                rows.append({k: v for k, v in out.items() if k not in ("sids", "usages")})
+                rows.append({k: v for k, v in out.items() if k not in ("sids", "usages", "primed")})
     return {"rows": rows, "prefill": prefill, "prompt_tokens": prompt_tokens}
 
 
@@ -151,7 +151,7 @@ def summarize(e2e: dict[str, Any], figs: Figures, args: argparse.Namespace) -> N
         figs.add(f"{way}_group_cpu_ms", medians[way], "ms", "lower", floor=0.5)
         chats_ms = statistics.median(r["cpu_ns"] - r["setup_cpu_ns"] for r in e2e["rows"] if r["way"] == way) / 1e6
         figs.add(f"{way}_first_turns_cpu_ms", chats_ms, "ms", "lower", floor=0.5)
-    # forks' setup: open, prime (the one render), fork, delete the parent -- four requests before the first turns
+    # forks' setup: the one request that renders, prefills and forks the group, before the first turns
     figs.add("forks_setup_cpu_ms", statistics.median(r["setup_cpu_ns"] for r in e2e["rows"] if r["way"] == "forks")
              / 1e6, "ms", "lower", floor=0.5)
     figs.add("independent_vs_floor", medians["independent"] / medians["floor"], "x", "lower", floor=0.05)

@@ -149,20 +149,24 @@ class SessionClient:
         created there); any other failure is raised.
         """
         payload = {"metadata": metadata} if metadata is not None else {}
+        server, response = await self._open_sessions(payload)
+        session_id: str = response.json()["session_id"]
+        self._server_of[session_id] = server
+        self._open[server] += 1
+        return session_id
+
+    async def _open_sessions(self, payload: dict[str, Any]) -> tuple[str, httpx.Response]:
+        """POST /sessions on the least-loaded server that takes the connection (a refused connection created nothing
+        there: the next server is tried); any other failure is raised."""
         last_error: ServerConnectionError | None = None
         for server in self._placement_order():
             try:
-                response = await self._request("POST", f"{server}/sessions", json=payload)
+                return server, await self._request("POST", f"{server}/sessions", json=payload)
             except ServerConnectionError as exc:
                 if not isinstance(exc.cause, httpx.ConnectError):
                     raise
                 last_error = exc
                 logger.warning("session server %s unreachable, trying the next one: %s", server, exc.cause)
-                continue
-            session_id = response.json()["session_id"]
-            self._server_of[session_id] = server
-            self._open[server] += 1
-            return session_id
         assert last_error is not None
         raise last_error
 
@@ -196,16 +200,25 @@ class SessionClient:
         return tokens
 
     async def group(self, n: int, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    metadata: dict[str, Any] | None = None) -> list[str]:
-        """A GRPO group of `n` sessions that share their prompt: one session is created and primed with it, forked
-        at the prompt into `n` children and deleted (the children keep the prompt; their lineage names it). Each
-        child's first turn must send exactly `messages` and `tools` to skip the render."""
-        parent = await self.create(metadata)
-        try:
-            await self.prime(parent, messages, tools)
-            return await self.fork(parent, n, metadata)
-        finally:
-            await _uncancellable(self.delete(parent))
+                    metadata: dict[str, Any] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[str]:
+        """A GRPO group of `n` sessions that share their prompt, in one request (POST /sessions with `prime` and `n`):
+        the server renders and tokenizes the prompt once, has the engine prefill it, and answers `n` sessions forked
+        at it. Each child's first turn must send exactly `messages` and `tools` to skip the render."""
+        prime: dict[str, Any] = {"messages": messages}
+        if tools:
+            prime["tools"] = tools
+        if template_kwargs:
+            prime["chat_template_kwargs"] = template_kwargs
+        payload: dict[str, Any] = {"prime": prime, "n": n}
+        if metadata is not None:
+            payload["metadata"] = metadata
+        server, response = await self._open_sessions(payload)
+        ids: list[str] = response.json()["session_ids"]
+        for child in ids:
+            self._server_of[child] = server
+        self._open[server] += len(ids)
+        return ids
 
     async def info(self, session_id: str) -> dict[str, Any]:
         """`GET /sessions/{id}`: records, metadata, token ids and the mismatch report."""

@@ -78,7 +78,8 @@ def build_state(config: ServerConfig, family: ModelFamily, journaled: JournalOpe
         drains=drains,
     )
     if journaled is not None:
-        restored = restore_sessions(server.registry, server.family, journaled[1], server.new_segments)
+        restored = restore_sessions(server.registry, server.family, journaled[1], server.new_segments,
+                                    primes.primer(server))
         if restored:
             logger.warning("restored %d sessions from journal %s", restored, config.journal)
         if journaled[1].paused is not None:  # restarted during a pause: keep refusing chats until /admin/continue

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 
-from session_server.config import ADAPTER_REVISIONS, STALE_TURNS, STRADDLED_REPLIES, ServerConfig
+from session_server.config import ADAPTER_REVISIONS, FORK_PREFILL_MODES, STALE_TURNS, STRADDLED_REPLIES, ServerConfig
 from session_server.engine import pacing
 from session_server.engine.client import ENGINE_CLIENTS
 from session_server.http.limits import limited_httptools
@@ -173,6 +173,10 @@ def flags() -> tuple[Flag, ...]:
              "is closed (default %(default)s)"),
         Flag("--max-fork", "children one POST /sessions/{id}/fork may create; more is a 400 and nothing is created "
              "(default %(default)s)"),
+        Flag("--fork-prefill", "engine: what a fork's children share is prefilled by the engine once (max_new_tokens "
+             "0) before the fork or prime answers -- a primed prompt, and with --engine-sessions a forked history "
+             "that the parent's engine session holds outside the radix cache -- so their turns find it cached "
+             "whatever their order; off: each child prefills it (default %(default)s)", choices=FORK_PREFILL_MODES),
         Flag("--max-sessions", "live sessions the server holds; POST /sessions (and on-demand creation) beyond gets "
              "503 with Retry-After (a fork whose children do not fit: 429); 0 = unbounded (default %(default)s)"),
         Flag("--max-session-tokens", "tokens one session may hold (prompt + completion): a turn whose prompt reaches "

@@ -23,6 +23,9 @@ from trajectory.session_segments import DIVERGENCE_POLICIES
 # A replica's name starts the ids it mints (`NAME.<hex>`), which a load balancer maps back to it: lowercase, short,
 # and with no dot, so the name is exactly what precedes an id's first dot.
 REPLICA_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")
+# POST /sessions/{id}/prime: "engine" has the engine prefill the primed prompt before the prime answers
+# (turns/prefill.py), "off" leaves it to the group's first turns.
+FORK_PREFILL_MODES = ("engine", "off")
 
 
 def default_cpu_workers() -> int:
@@ -72,6 +75,7 @@ class ServerConfig:
     max_header_bytes: int = 64 * 1024  # request line + headers of one request (431 beyond)
     max_sessions: int = 0  # live sessions; POST /sessions beyond gets 503 + Retry-After; 0 = unbounded
     max_fork: int = 64  # children one POST /sessions/{id}/fork may create (400 beyond)
+    fork_prefill: str = "engine"  # FORK_PREFILL_MODES
     max_session_tokens: int = 0  # tokens one session may hold (prompt + completion); 0 = unbounded
     drain_timeout: float = 60.0  # /admin/pause drain: seconds to wait for chats before aborting them (503)
     shutdown_timeout: float = 5.0  # SIGTERM: seconds uvicorn waits for open connections before closing them
@@ -184,6 +188,8 @@ class ServerConfig:
             problems.append("--max-sessions must be >= 0 (0 = unbounded)")
         if self.max_fork < 1:
             problems.append("--max-fork must be >= 1")
+        if self.fork_prefill not in FORK_PREFILL_MODES:
+            problems.append(f"--fork-prefill must be one of {', '.join(FORK_PREFILL_MODES)}")
         if self.max_session_tokens < 0:
             problems.append("--max-session-tokens must be >= 0 (0 = unbounded)")
         if self.drain_timeout <= 0:

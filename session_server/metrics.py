@@ -233,6 +233,11 @@ class Metrics:
             "hosted tools, ...), by API and field", ("api", "field"),
         )
         self.sessions_created = counter("sessions_created", "sessions created")
+        self.fork_prefills = counter(
+            "fork_prefills", "shared prefixes of forks (primed prompts, forked histories an engine session held) sent "
+            "to the engine to prefill (turns/prefill.py), by result: done, refused (a 4xx/5xx answer), failed (no "
+            "answer in time, or aborted)", ("result",),
+        )
         self.sessions_deleted = counter("sessions_deleted", "sessions deleted by DELETE")
         self.sessions_expired = counter("sessions_expired", "sessions deleted by the idle sweep")
         self.sessions_moved = counter(

@@ -68,6 +68,9 @@ class TurnPlan:
     # Every image of the prompt in order (trajectory/images.py): the engine's `image_data`; their runs of pads in
     # `prompt_ids` are expanded, the engine gets each collapsed to one pad.
     images: tuple[Image, ...] = ()
+    # `prompt_ids` already encoded for the engine (a JSON array), when a caller encodes them once for many turns: a
+    # primed prompt's, sent by every child of its group (session_server/api/primes.py). None: encoded per request.
+    wire_ids: bytes | None = None
 
     @property
     def num_new_tokens(self) -> int:

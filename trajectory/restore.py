@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import InvariantError
 from .families.base import ModelFamily
-from .linear import LinearTrajectory, TurnDelta, TurnRecord
+from .linear import LinearTrajectory, PrimedPrompt, TurnDelta, TurnRecord
 from .messages import Message
 from .sampling_masks import SamplingMasks
 
@@ -141,14 +141,16 @@ def load_turn(stored: StoredTurn, trajectory: LinearTrajectory) -> TurnDelta:
 
 def restore_trajectory(
     family: ModelFamily, turns: list[StoredTurn], *, max_rollback: int = 1, matcher: str = "loose_tool_call",
-    special_tokens: str = "text", cuts: Sequence[tuple[int, int]] = (),
+    special_tokens: str = "text", cuts: Sequence[tuple[int, int]] = (), primed: PrimedPrompt | None = None,
 ) -> LinearTrajectory:
     """Rebuild a trajectory by replaying its stored turns in order; raises InvariantError if they do not chain.
     `special_tokens` is the serving trajectory's mode (LinearTrajectory), which its later turns keep using. `cuts`:
     a forked session's (version, turns) forks (trajectory/forks.py), each made when the replay reaches its version.
-    A primed prompt is not journaled: a child forked at the prompt comes back empty and renders its first turn (the
-    same ids the primed prompt held)."""
+    `primed`: the primed prompt it held (rendered again from its journaled request, shared by a group), set before
+    the replay, so a first turn that took it holds it by reference again and a turnless one takes it."""
     trajectory = LinearTrajectory(family, max_rollback=max_rollback, matcher=matcher, special_tokens=special_tokens)
+    if primed is not None:
+        trajectory.set_primed(primed)
     pending = list(cuts)
     for stored in [*turns, None]:
         while pending and pending[0][0] == trajectory.version:

@@ -10,12 +10,14 @@ pool, so inspecting a long session does not stall /health or other sessions' cha
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from session_server.api.primes import prime_key, render_prime
 from session_server.engine.client import EngineReply
 from session_server.errors import (
     AbortReason,
@@ -25,12 +27,15 @@ from session_server.errors import (
     json_response,
 )
 from session_server.frontend.root_session import header_id, not_found
-from session_server.http.body import read_object
+from session_server.http.body import decode_object, read_body
+from session_server.sessions.journal import SessionInfo
 from session_server.sessions.session import Session
 from session_server.state import ServerState, server_of
+from session_server.turns.prefill import prefill_primed
 from session_server.turns.sampling_masks import mask_policy
 from trajectory import LinearTrajectory, Segment
 from trajectory.errors import RequestValidationError
+from trajectory.forks import parse_fork
 
 _encoder = msgspec.json.Encoder()
 METADATA_ENVELOPE = 1024  # bytes of the body around the metadata object (key, braces, whitespace)
@@ -46,14 +51,44 @@ def relay(reply: EngineReply) -> Response:
     return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
 
 
+class _Prime(msgspec.Struct):
+    """POST /sessions' `prime` as the bytes it came as: its messages' bytes are what the children's first turns are
+    recognised by (SentHistory)."""
+
+    prime: msgspec.Raw = msgspec.Raw()
+
+
+_decode_prime = msgspec.json.Decoder(_Prime).decode
+
+
+def _create_body(body: bytes) -> tuple[dict[str, Any], bytes | None]:
+    """The body as an object, checked as any body is (the prime is left to the chat parse), and the prime's bytes."""
+    obj = decode_object(body, {}, unchecked="prime")
+    if obj.get("prime") is None:
+        return obj, None
+    return obj, bytes(_decode_prime(body).prime)
+
+
 async def create_session(request: Request) -> Response:
-    """POST /sessions, optional body `{"metadata": {...}, "return_sampling_masks": bool}`. The body is bounded by the
-    metadata cap (plus room for the envelope) as well as the request limit, and the metadata itself by its encoded
-    size. `return_sampling_masks` overrides --return-sampling-masks for this session (turns/sampling_masks.py)."""
+    """POST /sessions, optional body `{"metadata": {...}, "return_sampling_masks": bool, "prime": {...}, "n": N}`. The
+    metadata is bounded by its encoded size, and a body without `prime` by the metadata cap (plus room for the
+    envelope) as well as the request limit. `return_sampling_masks` overrides --return-sampling-masks for this
+    session (turns/sampling_masks.py).
+
+    `prime` (a Chat Completions request: `messages`, `tools`, `chat_template_kwargs`) primes the new session with its
+    first prompt as POST /sessions/{id}/prime does (rendered once, prefilled by the engine, journaled), in the same
+    request: `{"session_id", "prompt_tokens", "prefill"}`. With `n` as well, a GRPO group in one request: `n` sessions
+    that each start at that primed prompt, as a fork at the prompt of a primed session that is then deleted, without
+    the open, fork and delete requests (`{"session_ids", "group", "root_session", "fork_position", "fork_turns",
+    "prompt_tokens", "prefill"}`; the root is never a session of its own). `n` without `prime` is a 400; past
+    --max-fork a 400, past --max-sessions a 429 with nothing created, as a fork."""
     server = server_of(request)
     config = server.config
-    limit = min(config.max_request_bytes, config.max_metadata_bytes + METADATA_ENVELOPE)
-    obj = await read_object(request, limit, config.body_timeout)
+    raw = await read_body(request, config.max_request_bytes, config.body_timeout)
+    obj, prime = _create_body(raw)
+    small = min(config.max_request_bytes, config.max_metadata_bytes + METADATA_ENVELOPE)
+    if prime is None and len(raw) > small:
+        raise RequestTooLargeError(f"request body exceeds the limit of {small} bytes")
     metadata = obj.get("metadata")
     if metadata is None:
         metadata = {}
@@ -67,9 +102,50 @@ async def create_session(request: Request) -> Response:
     masks = obj.get("return_sampling_masks")
     if masks is not None and not isinstance(masks, bool):
         raise RequestValidationError("'return_sampling_masks' must be a boolean")
-    # 503 if not journaled
-    session = await server.lifecycle.create_durably(server.new_segments(), metadata, masks)
-    return json_response({"session_id": session.id})
+    if obj.get("n") is not None:
+        if prime is None:
+            raise RequestValidationError("'n' makes a group of sessions that share a primed prompt: give 'prime'")
+        return await _create_group(server, prime, parse_fork(obj["n"], None, config.max_fork)[0], metadata, masks)
+    if prime is None:
+        # 503 if not journaled
+        session = await server.lifecycle.create_durably(server.new_segments(), metadata, masks)
+        return json_response({"session_id": session.id})
+    server.lifecycle.check_accepting()
+    segments = server.new_segments()
+    primed, model = await server.pool.run(render_prime, prime, segments.main, config.image_limits)
+    session = server.lifecycle.create(segments, metadata)
+    session.sampling_masks = masks
+    if server.journal is not None:  # the session's row and its primed prompt in one transaction, or neither
+        key = prime_key(session.id)
+        try:
+            await server.journal.primed(dataclasses.replace(SessionInfo.of(session), primed=key), key, prime)
+        except BaseException:
+            server.registry.discard(session.id)
+            raise
+        session.primed = key
+    segments.main.set_primed(primed)  # no turn can have come: nobody knew its id
+    done = await prefill_primed(server, session.id, primed, metadata, model)
+    return json_response({"session_id": session.id, "prompt_tokens": primed.num_tokens,
+                          "prefill": None if done is None else done.to_json()})
+
+
+async def _create_group(server: ServerState, prime: bytes, n: int, metadata: dict[str, Any],
+                        masks: bool | None) -> Response:
+    """`n` sessions at one primed prompt (Lifecycle.create_group): render, prefill, fork, in one request."""
+    server.lifecycle.check_accepting()
+    root = server.new_segments()
+    primed, model = await server.pool.run(render_prime, prime, root.main, server.config.image_limits)
+    root.main.set_primed(primed)
+    root_id = server.registry.mint()
+    done = await prefill_primed(server, root_id, primed, metadata, model)
+    key = prime_key(root_id)
+    children = await server.lifecycle.create_group(root_id, root, n, metadata, masks, server.new_segments,
+                                                   (key, prime) if server.journal is not None else None)
+    lineage = children[0].lineage
+    assert lineage is not None
+    return json_response({"session_ids": [c.id for c in children], "group": lineage.group, "root_session": root_id,
+                          "fork_position": lineage.position, "fork_turns": lineage.turns,
+                          "prompt_tokens": primed.num_tokens, "prefill": None if done is None else done.to_json()})
 
 
 async def get_session(request: Request) -> Response:

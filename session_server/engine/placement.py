@@ -160,6 +160,13 @@ class EnginePlacement:
         self._assign(session_id, new)
         return new
 
+    def place_beside(self, session_ids: Iterable[str], holder: str) -> None:
+        """Put `session_ids` on `holder`'s worker (placed now if it has none): a fork's children, whose shared prefix
+        is in that worker's radix cache (a primed prompt's prefill, the parent's turns), not in another's."""
+        worker = self.place(holder)
+        for session_id in session_ids:
+            self._assign(session_id, worker)
+
     def _client(self, session_id: str) -> Worker:
         worker = self._placement.get(session_id)
         if worker is None:  # a call before place() (e.g. close of a session that never chatted): place it now

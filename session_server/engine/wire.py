@@ -64,6 +64,9 @@ class GenerateRequest:
     # SGLang's `lora_path`: the engine name of the LoRA adapter revision the session is pinned to (engine/adapters.py);
     # None: the base model.
     lora_path: str | None = None
+    # `input_ids` as a JSON array, encoded once for many requests (TurnPlan.wire_ids); used when the whole prompt is
+    # sent as it is (no images, no engine session's `start`).
+    input_json: bytes | None = None
 
     @property
     def size(self) -> int:
@@ -81,8 +84,10 @@ def encode_generate(request: GenerateRequest) -> bytes:
     if request.stream and request.stream_interval is not None:
         sp = {**sp, "stream_interval": request.stream_interval}
     images = request.images
+    encoded = request.input_json if not images and not request.start else None
     payload: dict[str, Any] = {
-        "input_ids": collapse(request.input_ids, request.image_pad) if images else request.input_ids[request.start:],
+        "input_ids": orjson.Fragment(encoded) if encoded is not None else collapse(request.input_ids, request.image_pad)
+        if images else request.input_ids[request.start:],
         "sampling_params": sp,
         "return_logprob": True,
         "logprob_start_len": -1,
@@ -110,6 +115,11 @@ def encode_generate(request: GenerateRequest) -> bytes:
         payload["return_sampling_mask"] = True
         payload["sampling_logprobs_mode"] = "selected"
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def encode_ids(ids: Any) -> bytes:
+    """Prompt ids as the JSON array `encode_generate` writes (GenerateRequest.input_json)."""
+    return orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 _ROUTED_KEY = b'"routed_experts":'

@@ -6,7 +6,11 @@ can open with the `sqlite3` shell. What is stored (docs/design.md 7, durability)
     sessions    id, family, settings (max_rollback, matcher, sampling_masks), metadata, created_at, last_active
                 (wall clock), and a forked session's lineage (trajectory/forks.py): its turns are copies of its
                 parent's rows up to the fork, in the same transaction as its row, replayed and then cut to the fork
-                point (`cuts`)
+                point (`cuts`); and `primed`, the key of the primed prompt its first segment holds
+    primes      a primed prompt (api/primes.py) as the request that primed it, once for every session that holds it
+                (the primed session, a group's children): a restart renders it again (the same ids), so a primed
+                session and its children come back primed, their buffers holding the prompt once; a row goes with
+                the last session that names it
     turns       one row per committed turn, as deltas (trajectory/restore.py): appended prompt tokens, completion and
                 logprobs as blobs, messages past the unchanged prefix, tools when changed, the record, routed experts;
                 the segment it belongs to, and on a segment's first turn where the segment came from (Segment.info)
@@ -64,8 +68,8 @@ logger = logging.getLogger("session_server.sessions.journal")
 APPLICATION_ID = 0x534A524E  # "SJRN"
 # 2: turns carry their segment (1 is migrated on open: every turn of segment 0); 3: the pause table; 4: the
 # engine_sessions table; 5: turns carry their sampling masks; 6: the sessions' lineage column (forks) (each added on
-# open)
-SCHEMA_VERSION = 6
+# open); 7: the primes table and the sessions' primed column
+SCHEMA_VERSION = 7
 SYNC_MODES = ("normal", "full")
 MAX_BATCH = 512  # operations per transaction
 VACUUM_FREE_PAGES = 2048  # return free pages to the file system once this many accumulate (8 MiB at 4 KiB pages)
@@ -78,7 +82,13 @@ CREATE TABLE sessions (
     metadata TEXT NOT NULL,
     created_at REAL NOT NULL,
     last_active REAL NOT NULL,
-    lineage TEXT
+    lineage TEXT,
+    primed TEXT
+);
+CREATE INDEX sessions_by_primed ON sessions (primed);
+CREATE TABLE primes (
+    id TEXT PRIMARY KEY,
+    body BLOB NOT NULL
 );
 CREATE TABLE turns (
     n INTEGER PRIMARY KEY,
@@ -147,6 +157,7 @@ class SessionInfo:
     created_at: float
     sampling_masks: bool | None = field(default=None, kw_only=True)  # Session.sampling_masks
     lineage: dict[str, Any] | None = field(default=None, kw_only=True)  # a forked session's (Lineage.to_json)
+    primed: str | None = field(default=None, kw_only=True)  # the key of its primed prompt's row (Session.primed)
 
     @classmethod
     def of(cls, session: Session) -> SessionInfo:
@@ -154,7 +165,7 @@ class SessionInfo:
         return cls(
             id=session.id, family=traj.family.name, max_rollback=traj.max_rollback, matcher=traj.matcher.mode,
             metadata=session.metadata, created_at=session.created_at, sampling_masks=session.sampling_masks,
-            lineage=None if session.lineage is None else session.lineage.to_json(),
+            lineage=None if session.lineage is None else session.lineage.to_json(), primed=session.primed,
         )
 
 
@@ -176,6 +187,7 @@ class Restored:
     tombstones: list[tuple[str, str]]  # (id, why), oldest first
     paused: str | None = None  # the mode of the /admin/pause in force when the file was last written, if any
     engine_sessions: list[tuple[str, str]] = field(default_factory=list)  # (session id, engine sid) maybe open
+    primes: dict[str, bytes] = field(default_factory=dict)  # primed prompts' requests by key (SessionInfo.primed)
 
 
 # -- operations the writer applies -------------------------------------------------------------------------------
@@ -198,12 +210,24 @@ class _Turn:
 
 @dataclass(frozen=True, slots=True)
 class _Fork:
-    """Children of a fork: their rows and copies of the parent's turns of `segment` before `version`, all or none."""
+    """Children of a fork: their rows and copies of the parent's turns of `segment` before `version`, all or none;
+    with `prime`, the (key, request) of the primed prompt they hold, written in the same transaction."""
 
     parent_id: str
     segment: int
     version: int
     children: list[SessionInfo]
+    at: float
+    prime: tuple[str, bytes] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Prime:
+    """A session primed: the request as a primes row under `key`, and the session's row naming it."""
+
+    info: SessionInfo
+    key: str
+    body: bytes
     at: float
 
 
@@ -226,7 +250,7 @@ class _EngineSession:
     session_id: str | None  # None: closed (out of the book)
 
 
-_Op = _Create | _Turn | _Fork | _Delete | _Pause | _EngineSession
+_Op = _Create | _Turn | _Fork | _Prime | _Delete | _Pause | _EngineSession
 _STOP = object()
 
 
@@ -239,6 +263,8 @@ _MIGRATIONS = {
     3: "CREATE TABLE engine_sessions (sid TEXT PRIMARY KEY, session_id TEXT NOT NULL);",
     4: "ALTER TABLE turns ADD COLUMN sampling_masks BLOB;",
     5: "ALTER TABLE sessions ADD COLUMN lineage TEXT;",
+    6: ("ALTER TABLE sessions ADD COLUMN primed TEXT;CREATE INDEX sessions_by_primed ON sessions (primed);"
+        "CREATE TABLE primes (id TEXT PRIMARY KEY, body BLOB NOT NULL);"),
 }
 
 
@@ -317,15 +343,15 @@ class Journal:
     @staticmethod
     def _read(conn: sqlite3.Connection) -> Restored:
         sessions: dict[str, RestoredSession] = {}
-        for sid, family, settings, metadata, created_at, last_active, lineage in conn.execute(
-            "SELECT id, family, settings, metadata, created_at, last_active, lineage FROM sessions"
+        for sid, family, settings, metadata, created_at, last_active, lineage, primed in conn.execute(
+            "SELECT id, family, settings, metadata, created_at, last_active, lineage, primed FROM sessions"
         ):
             s = msgspec.json.decode(settings)
             sessions[sid] = RestoredSession(
                 id=sid, family=family, max_rollback=int(s["max_rollback"]), matcher=str(s["matcher"]),
                 metadata=msgspec.json.decode(metadata), created_at=created_at, last_active=last_active,
                 sampling_masks=s.get("sampling_masks"),
-                lineage=None if lineage is None else msgspec.json.decode(lineage),
+                lineage=None if lineage is None else msgspec.json.decode(lineage), primed=primed,
             )
         cols = ", ".join(_TURN_COLUMNS)
         for row in conn.execute(
@@ -345,8 +371,10 @@ class Journal:
         paused = conn.execute("SELECT mode FROM pause").fetchone()
         engine_sessions = [(session_id, sid) for sid, session_id in conn.execute(
             "SELECT sid, session_id FROM engine_sessions ORDER BY rowid")]
+        primes = {key: bytes(body) for key, body in conn.execute("SELECT id, body FROM primes")}
         return Restored(sessions=list(sessions.values()), tombstones=tombstones,
-                        paused=None if paused is None else str(paused[0]), engine_sessions=engine_sessions)
+                        paused=None if paused is None else str(paused[0]), engine_sessions=engine_sessions,
+                        primes=primes)
 
     def start(self) -> None:
         """Begin writing: call on the event loop that will await the writes."""
@@ -398,9 +426,15 @@ class Journal:
         is on disk (JournalUnavailableError if it is not)."""
         return self._submit(_Turn(info, delta, prev_messages, prev_tools, time.time(), segment, segment_info))
 
-    async def forked(self, parent_id: str, segment: int, version: int, children: list[SessionInfo]) -> None:
-        """The children of a fork are on disk (rows and their copies of the parent's turns) or none is."""
-        await self._write(_Fork(parent_id, segment, version, children, time.time()))
+    async def forked(self, parent_id: str, segment: int, version: int, children: list[SessionInfo],
+                     prime: tuple[str, bytes] | None = None) -> None:
+        """The children of a fork are on disk (rows and their copies of the parent's turns, and with `prime` the
+        primed prompt they hold as (key, request)) or none is."""
+        await self._write(_Fork(parent_id, segment, version, children, time.time(), prime))
+
+    async def primed(self, info: SessionInfo, key: str, body: bytes) -> None:
+        """The session `info` is primed with the request `body` (api/primes.py), kept under `key`."""
+        await self._write(_Prime(info, key, body, time.time()))
 
     async def deleted(self, session_id: str, why: str) -> None:
         await self._write(_Delete(session_id, why, time.time()))
@@ -504,8 +538,16 @@ class Journal:
                 f"VALUES (?, ?, ?, {', '.join('?' * len(_TURN_COLUMNS))})",
                 [op.info.id, op.segment, info, *values],
             )
+        elif isinstance(op, _Prime):
+            self._upsert_session(conn, op.info, op.at)
+            was = conn.execute("SELECT primed FROM sessions WHERE id = ?", (op.info.id,)).fetchone()
+            conn.execute("INSERT OR REPLACE INTO primes (id, body) VALUES (?, ?)", (op.key, op.body))
+            conn.execute("UPDATE sessions SET primed = ? WHERE id = ?", (op.key, op.info.id))
+            self._drop_prime(conn, was[0] if was is not None else None)  # primed again: the old one, if unheld
         elif isinstance(op, _Fork):
             cols = ", ".join(_TURN_COLUMNS)
+            if op.prime is not None:
+                conn.execute("INSERT OR REPLACE INTO primes (id, body) VALUES (?, ?)", op.prime)
             for child in op.children:
                 self._upsert_session(conn, child, op.at)
                 conn.execute(
@@ -524,8 +566,10 @@ class Journal:
             if op.mode is not None:
                 conn.execute("INSERT INTO pause (id, mode, since) VALUES (0, ?, ?)", (op.mode, op.at))
         else:
+            primed = conn.execute("SELECT primed FROM sessions WHERE id = ?", (op.session_id,)).fetchone()
             conn.execute("DELETE FROM turns WHERE session_id = ?", (op.session_id,))
             conn.execute("DELETE FROM sessions WHERE id = ?", (op.session_id,))
+            self._drop_prime(conn, primed[0] if primed is not None else None)
             conn.execute(
                 "INSERT INTO tombstones (id, why, deleted_at) VALUES (?, ?, ?) "
                 "ON CONFLICT (id) DO UPDATE SET why = excluded.why, deleted_at = excluded.deleted_at",
@@ -536,15 +580,22 @@ class Journal:
             )
 
     @staticmethod
+    def _drop_prime(conn: sqlite3.Connection, key: str | None) -> None:
+        """Delete the primed prompt `key` unless a session still holds it."""
+        if key is not None:
+            conn.execute("DELETE FROM primes WHERE id = ?1 AND NOT EXISTS (SELECT 1 FROM sessions WHERE primed = ?1)",
+                         (key,))
+
+    @staticmethod
     def _upsert_session(conn: sqlite3.Connection, info: SessionInfo, last_active: float) -> None:
         conn.execute(
-            "INSERT INTO sessions (id, family, settings, metadata, created_at, last_active, lineage) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET last_active = excluded.last_active",
+            "INSERT INTO sessions (id, family, settings, metadata, created_at, last_active, lineage, primed) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET last_active = excluded.last_active",
             (info.id, info.family,
              _encoder.encode({"max_rollback": info.max_rollback, "matcher": info.matcher,
                               "sampling_masks": info.sampling_masks}).decode(),
              _encoder.encode(info.metadata).decode(), info.created_at, last_active,
-             None if info.lineage is None else _encoder.encode(info.lineage).decode()),
+             None if info.lineage is None else _encoder.encode(info.lineage).decode(), info.primed),
         )
 
     def _maybe_vacuum(self, conn: sqlite3.Connection) -> None:

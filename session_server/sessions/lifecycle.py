@@ -43,7 +43,7 @@ from session_server.sessions.registry import Registry
 from session_server.sessions.session import Claim, Session
 from trajectory import SegmentPlan, SegmentSet
 from trajectory.errors import RequestValidationError
-from trajectory.forks import plan_fork
+from trajectory.forks import ForkPlan, Lineage, plan_fork
 
 
 class Lifecycle:
@@ -116,6 +116,31 @@ class Lifecycle:
         self.check_accepting()
         if parent.claims:
             raise SessionBusyError(f"session {parent.id} has a chat in flight: fork it when the turn has ended")
+        self._check_fork_capacity(n)
+        plan = plan_fork(parent.segments, new_segments, n, at)
+        # the first segment carries the primed prompt, if any
+        return await self._spawn(parent.id, parent.lineage, plan, {**parent.metadata, **metadata}, None,
+                                 parent.primed if plan.segment == 0 else None)
+
+    async def create_group(self, root_id: str, root: SegmentSet, n: int, metadata: dict[str, Any],
+                           sampling_masks: bool | None, new_segments: Callable[[], SegmentSet],
+                           prime: tuple[str, bytes] | None) -> list[Session]:
+        """POST /sessions with `prime` and `n` (api/sessions.py): `n` sessions forked at the primed prompt of `root`,
+        a session that is never registered (`root_id`, minted, is the group's root and parent in their lineage). As
+        a fork: all or none, 429/400 past --max-sessions; with a journal the children and the primed prompt's request
+        (`prime`: key, body) are on disk in one transaction before the ids are handed out; they join the worker the
+        root was placed on (its prefill), which then no longer counts it."""
+        try:
+            self.check_accepting()
+            self._check_fork_capacity(n)
+            plan = plan_fork(root, new_segments, n, 0)
+            return await self._spawn(root_id, None, plan, metadata, sampling_masks,
+                                     prime[0] if prime is not None else None, prime)
+        finally:  # placed by its prefill (or not at all): it never counts against its worker after this
+            if self._engines is not None:
+                self._engines.forget(root_id)
+
+    def _check_fork_capacity(self, n: int) -> None:
         if self.max_sessions and n > self.max_sessions:
             raise RequestValidationError(f"'n' is {n}; the server holds at most {self.max_sessions} sessions "
                                          "(--max-sessions)")
@@ -123,20 +148,27 @@ class Lifecycle:
             self._check_capacity(n)
         except TooManySessionsError as full:
             raise ForkCapacityError(full.message, full.retry_after) from None
-        plan = plan_fork(parent.segments, new_segments, n, at)
-        lineage = plan.lineage_of(parent.id, parent.lineage)
-        children = [self.registry.create(segments, {**parent.metadata, **metadata}) for segments in plan.children]
+
+    async def _spawn(self, parent_id: str, parent_lineage: Lineage | None, plan: ForkPlan, metadata: dict[str, Any],
+                     sampling_masks: bool | None, primed: str | None,
+                     prime: tuple[str, bytes] | None = None) -> list[Session]:
+        """Register a fork's children (journaled with `prime`, if any, before they count), beside their parent's
+        worker, whose radix cache holds what they share."""
+        lineage = plan.lineage_of(parent_id, parent_lineage)
+        children = [self.registry.create(segments, metadata, sampling_masks) for segments in plan.children]
         for child in children:
-            child.lineage = lineage
+            child.lineage, child.primed = lineage, primed
         if self.journal is not None:
             try:
-                await self.journal.forked(parent.id, plan.segment, plan.version,
-                                          [SessionInfo.of(child) for child in children])
+                await self.journal.forked(parent_id, plan.segment, plan.version,
+                                          [SessionInfo.of(child) for child in children], prime)
             except BaseException:
                 for child in children:
                     self.registry.discard(child.id)
                 raise
-        self._metrics.sessions_created.inc(n)
+        if self._engines is not None:  # the shared prefix is in the parent's worker's radix cache
+            self._engines.place_beside([child.id for child in children], parent_id)
+        self._metrics.sessions_created.inc(len(children))
         return children
 
     def _check_capacity(self, n: int = 1) -> None:

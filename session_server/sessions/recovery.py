@@ -4,11 +4,12 @@ Trajectories are rebuilt by replaying their stored turns (trajectory.restore), e
 samples and the next chat see exactly what was committed. Engine sessions are not restored: a restored session starts
 without one and the next turn opens a new one and re-prefills (engine/sessions.py), as after an engine restart. Idle
 clocks continue from the journaled wall-clock time of each session's last write, so the idle sweep expires a session as
-it would have.
+it would have. A primed prompt is rendered again from its journaled request, once for every session that holds it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from session_server.sessions.journal import JournalError, Restored, wall_to_monotonic
@@ -16,14 +17,33 @@ from session_server.sessions.registry import Registry
 from session_server.sessions.session import Session
 from trajectory import ModelFamily, Segment, SegmentSet
 from trajectory.forks import Lineage
+from trajectory.linear import PrimedPrompt
 from trajectory.restore import restore_trajectory
+
+logger = logging.getLogger("session_server.sessions.recovery")
 
 
 def restore_sessions(registry: Registry, family: ModelFamily, restored: Restored,
-                     new_segments: Callable[[], SegmentSet]) -> int:
-    """Put every restored session and tombstone into a fresh registry; returns the number of sessions."""
+                     new_segments: Callable[[], SegmentSet],
+                     primer: Callable[[bytes], PrimedPrompt] | None = None) -> int:
+    """Put every restored session and tombstone into a fresh registry; returns the number of sessions. `primer`
+    renders a journaled prime request again (api/primes.py), once per key for every session that holds it."""
     for tomb_id, why in restored.tombstones:
         registry.restore_tombstone(tomb_id, why)
+    primes: dict[str, PrimedPrompt | None] = {}
+
+    def primed_of(key: str | None) -> PrimedPrompt | None:
+        if key is None or primer is None or key not in restored.primes:
+            return None
+        if key not in primes:
+            try:
+                primes[key] = primer(restored.primes[key])
+            except Exception as exc:  # e.g. an image URL gone: its sessions' first turns render as unprimed ones do
+                logger.warning("journaled primed prompt %s cannot be rendered again (%r): its sessions come back "
+                               "unprimed", key, exc)
+                primes[key] = None
+        return primes[key]
+
     for saved in restored.sessions:
         if saved.family != family.name:
             raise JournalError(
@@ -40,7 +60,8 @@ def restore_sessions(registry: Registry, family: ModelFamily, restored: Restored
                 # a forked session's first segment: its parent's turns up to the fork, cut to the fork point(s)
                 cuts = lineage.cuts if lineage is not None and segment == 0 else ()
                 trajectory = restore_trajectory(family, turns, max_rollback=saved.max_rollback, matcher=saved.matcher,
-                                                special_tokens=special_tokens, cuts=cuts)
+                                                special_tokens=special_tokens, cuts=cuts,
+                                                primed=primed_of(saved.primed) if segment == 0 else None)
                 if segment == 0:
                     segments.get(0).trajectory = trajectory
                     continue
@@ -53,5 +74,6 @@ def restore_sessions(registry: Registry, family: ModelFamily, restored: Restored
         registry.restore(Session(
             id=saved.id, segments=segments, metadata=saved.metadata, created_at=saved.created_at,
             last_active=wall_to_monotonic(saved.last_active), sampling_masks=saved.sampling_masks, lineage=lineage,
+            primed=saved.primed,
         ))
     return len(restored.sessions)

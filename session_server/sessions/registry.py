@@ -32,10 +32,14 @@ class Registry:
 
     def create(self, segments: SegmentSet, metadata: dict[str, Any] | None = None,
                sampling_masks: bool | None = None) -> Session:
+        return self.create_named(self.mint(), segments, metadata, sampling_masks)
+
+    def mint(self) -> str:
+        """A new id, neither live nor tombstoned, carrying the replica's name (what routes it back here)."""
         while True:
             sid = self._id_prefix + secrets.token_hex(16)
             if not self.knows(sid):
-                return self.create_named(sid, segments, metadata, sampling_masks)
+                return sid
 
     def create_named(self, sid: str, segments: SegmentSet, metadata: dict[str, Any] | None = None,
                      sampling_masks: bool | None = None) -> Session:

@@ -39,6 +39,9 @@ class Session:
     # --return-sampling-masks.
     sampling_masks: bool | None = None
     lineage: Lineage | None = None  # where a forked session came from (trajectory/forks.py)
+    # The journal's key of the primed prompt its first segment holds (api/primes.py; sessions/journal.py `primes`):
+    # the id of the session that was primed, inherited by its children. None: not primed, or no journal.
+    primed: str | None = None
     # The infrastructure failure the session's latest turn ended with (trajectory/infrastructure.py), with the
     # commits the session had then: its samples carry it until a later turn commits (`failure`).
     _failure: tuple[InfrastructureAbort, int] | None = None

@@ -239,6 +239,7 @@ class EngineCall(Generic[R]):
             sampling_masks=request.sampling_mask_bound is not None,
             extra_key=adapter_cache_key(self.cache_key, self.adapter),
             lora_path=self.adapter.engine_name if self.adapter is not None else None,
+            input_json=plan.wire_ids if prompt is plan.prompt_ids else None,
         )
 
     async def _encode(self) -> bytes:

@@ -6,7 +6,9 @@ the lineage (trajectory/forks.py, issue 39)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -285,14 +287,18 @@ def test_session_client_forks_and_samples_read_the_lineage(stack: Stack) -> None
 
 def test_children_open_their_own_engine_sessions(stack: Stack) -> None:
     """With --engine-sessions a child has no engine session of its parent's: its first turn opens one and sends the
-    whole prompt (the radix cache holds the prefix); every engine session is closed with its session."""
+    whole prompt; the parent's engine session holds its history outside the radix cache (SGLang's streaming sessions
+    publish only their first prompt), so the fork has the engine prefill the forked prefix once and each child's turn
+    finds it cached; every engine session is closed with its session."""
     proc = start_session_server(stack.engine, stack.tok, FAMILY, "--engine-sessions", name="engine-sessions",
                                 log_dir=stack.logs)
     try:
         server = proc.url
         parent = new_session(server)
         history, _ = play(server, parent, ["tool", "text"], "s")
-        children = fork(server, parent, n=2).json()["session_ids"]
+        made = fork(server, parent, n=2).json()
+        children, position = made["session_ids"], made["fork_position"]
+        assert made["prefill"]["prompt_tokens"] == position
         for i, sid in enumerate([*children, parent]):
             request = [*history, {"role": "user", "content": f"branch {i} {reply('done')}"}]
             assert next_turn(server, sid, "chat", request).status_code == 200
@@ -300,6 +306,7 @@ def test_children_open_their_own_engine_sessions(stack: Stack) -> None:
             assert len(records) == 3
             # the parent's second turn opened its engine session; a child's first turn opens its own
             assert records[-1]["engine_session"] == ("reused" if sid == parent else "opened")
+            assert records[-1]["cached_tokens"] >= position - 2
         assert engine_info(stack.engine)["open_sessions"] == 3  # one each: a child's is its own
         for sid in (parent, *children):
             assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
@@ -354,6 +361,82 @@ def test_a_group_forks_at_its_primed_prompt(stack: Stack, proxy: RecordingProxy)
         assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
 
 
+def test_a_primed_group_prefills_its_prompt_once(stack: Stack, proxy: RecordingProxy) -> None:
+    """The prime has the engine prefill the prompt (max_new_tokens 0) before it answers, so the group's first turns,
+    sent all at once, each find it in the radix cache and prefill only the prompt's last token (the one SGLang always
+    computes): on the engine's books the group prefilled the prompt once, whatever order its turns came in."""
+    server = stack["forks"]
+    prompt = [{"role": "system", "content": "Rules: " + " ".join(f"rule {i}." for i in range(60))},
+              {"role": "user", "content": f"Prefilled task. {reply('done')}"}]
+    parent = new_session(server)
+    proxy.clear()
+    primed = httpx.post(f"{server}/sessions/{parent}/prime", json={"messages": prompt, "tools": TOOLS}, timeout=30)
+    assert primed.status_code == 200, primed.text
+    n = primed.json()["prompt_tokens"]
+    done = primed.json()["prefill"]
+    assert done["prompt_tokens"] == n and done["cached_tokens"] < 10  # another test's prompt may share its opening
+    (prime_call,) = [c for c in proxy.settled() if c["path"] == "/generate"]
+    assert prime_call["request"]["sampling_params"]["max_new_tokens"] == 0
+    assert prime_call["response"]["meta_info"]["completion_tokens"] == 0
+    children = fork(server, parent, n=4).json()["session_ids"]
+
+    async def first_turns() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return list(await asyncio.gather(*(client.post(chat_url(server, sid), json={
+                "model": "m", "messages": prompt, "tools": TOOLS}) for sid in children)))
+
+    assert all(r.status_code == 200 for r in asyncio.run(first_turns()))
+    calls = [c for c in proxy.settled() if c["path"] == "/generate"]
+    assert len(calls) == 5 and all(c["request"]["input_ids"] == prime_call["request"]["input_ids"] for c in calls)
+    prefilled = [c["response"]["meta_info"]["prompt_tokens"] - c["response"]["meta_info"]["cached_tokens"]
+                 for c in calls]
+    assert prefilled == [n - done["cached_tokens"], 1, 1, 1, 1]  # the prompt once, then each child's last token
+    assert all(info(server, sid)["records"][0]["cached_tokens"] == n - 1 for sid in children)
+    assert httpx.get(f"{stack.engine}/sim/books", timeout=30).json()["ok"]
+    for sid in (parent, *children):
+        assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
+
+
+def test_a_group_in_one_request(stack: Stack, proxy: RecordingProxy) -> None:
+    """POST /sessions with `prime` and `n`: the group's sessions at one primed prompt, in one request -- rendered once,
+    prefilled once, no root session left to delete; `prime` alone is one primed session; `n` without `prime`, or
+    above --max-fork, creates nothing."""
+    server = stack["forks"]
+    prompt = [{"role": "system", "content": "One request. " + " ".join(f"rule {i}." for i in range(30))},
+              {"role": "user", "content": f"Group task. {reply('ok')}"}]
+    fresh = new_session(server)
+    expected = engine_ids(proxy, server, fresh, "chat", prompt)
+    before = first_turn_counts(server)
+    proxy.clear()
+    made = httpx.post(f"{server}/sessions", json={"metadata": {"task": 7}, "n": 3,
+                                                  "prime": {"messages": prompt, "tools": TOOLS}}, timeout=30)
+    assert made.status_code == 200, made.text
+    group = made.json()
+    assert group["prompt_tokens"] == group["fork_position"] == len(expected) and group["fork_turns"] == 0
+    assert group["prefill"]["prompt_tokens"] == len(expected)
+    assert [c["request"]["sampling_params"]["max_new_tokens"] for c in proxy.generates()] == [0]
+    assert httpx.get(f"{server}/sessions/{group['root_session']}", timeout=30).status_code == 404
+    for sid in group["session_ids"]:
+        assert engine_ids(proxy, server, sid, "chat", prompt) == expected
+        child = info(server, sid)
+        assert child["metadata"] == {"task": 7} and child["records"][0]["cached_tokens"] == len(expected) - 1
+        assert child["lineage"]["parent_session"] == child["lineage"]["root_session"] == group["root_session"]
+        assert child["lineage"]["group"] == group["group"]
+    assert sum(first_turn_counts(server)) == sum(before) + 1  # the prime's render (a lookup); the turns, nothing
+    single = httpx.post(f"{server}/sessions", json={"prime": {"messages": prompt, "tools": TOOLS}}, timeout=30)
+    assert single.status_code == 200 and single.json()["prompt_tokens"] == len(expected)
+    assert engine_ids(proxy, server, single.json()["session_id"], "chat", prompt) == expected
+    def live() -> list[str]:
+        return sorted(s["id"] for s in httpx.get(f"{server}/admin/sessions", timeout=30).json()["sessions"])
+
+    was = live()
+    for body in ({"n": 2}, {"n": 5, "prime": {"messages": prompt}}, {"n": 2, "prime": "text"}):
+        assert httpx.post(f"{server}/sessions", json=body, timeout=30).status_code == 400, body
+    assert live() == was
+    for sid in (fresh, single.json()["session_id"], *group["session_ids"]):
+        assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
+
+
 def test_session_client_runs_a_group_as_forks(stack: Stack) -> None:
     server = stack["forks"]
     prompt = [{"role": "user", "content": f"group task {reply('x')}"}]
@@ -370,23 +453,30 @@ def test_session_client_runs_a_group_as_forks(stack: Stack) -> None:
 
 
 def test_a_group_forked_at_its_prompt_survives_a_restart(stack: Stack, proxy: RecordingProxy, tmp_path: Path) -> None:
-    """The journal keeps a fork at the prompt (its children and their turns), not the primed prompt itself: after a
-    restart a child that took its turn is as it was, and one that did not renders its first turn -- the same ids the
-    primed prompt held."""
+    """The journal keeps the primed prompt (its request, rendered again at the restart) with the fork at it: after a
+    restart the primed parent and a child that has not taken its turn are still primed -- the child's first turn
+    renders nothing and sends the ids the primed prompt held -- and a child that took its turn is as it was, holding
+    the prompt by reference again (its own bytes do not count the prompt)."""
     journal = tmp_path / "journal.sqlite"
 
     def start() -> Any:
         return start_session_server(proxy.url, stack.tok, FAMILY, "--journal", str(journal), name="journaled-group",
                                     log_dir=stack.logs)
 
-    prompt = [{"role": "user", "content": f"a group on disk {reply('kept')}"}]
+    prompt = [{"role": "system", "content": "On disk. " + " ".join(f"rule {i}." for i in range(150))},
+              {"role": "user", "content": f"a group on disk {reply('kept')}"}]
     proc = start()
     server = proc.url
     parent = new_session(server)
     assert httpx.post(f"{server}/sessions/{parent}/prime", json={"messages": prompt, "tools": TOOLS},
                       timeout=30).status_code == 200
-    took, waited = fork(server, parent, n=2).json()["session_ids"]
+    took, waited, deleted = fork(server, parent, n=3).json()["session_ids"]
     first = engine_ids(proxy, server, took, "chat", prompt)
+    assert httpx.delete(f"{server}/sessions/{deleted}", timeout=30).status_code == 204
+    grouped = httpx.post(f"{server}/sessions", json={"n": 2, "prime": {"messages": prompt, "tools": TOOLS}},
+                         timeout=30).json()["session_ids"]  # a group in one request: its primed prompt on disk too
+    single = httpx.post(f"{server}/sessions", json={"prime": {"messages": prompt, "tools": TOOLS}},
+                        timeout=30).json()["session_id"]  # one session primed in the request that opens it
     was = info(server, took)
     assert proc.stop() == 0
     proc = start()
@@ -395,7 +485,18 @@ def test_a_group_forked_at_its_prompt_survives_a_restart(stack: Stack, proxy: Re
         for volatile in ("busy", "nbytes"):
             now.pop(volatile), was.pop(volatile)
         assert now == was
+        # 9 bytes a stored token (id, logprob, mask): the prompt's are the primed prompt's, held by reference
+        assert info(proc.url, took)["nbytes"] < len(first) * 9 / 2
         assert info(proc.url, waited)["lineage"]["fork_position"] == len(first)
+        before = first_turn_counts(proc.url)
         assert engine_ids(proxy, proc.url, waited, "chat", prompt) == first
+        assert engine_ids(proxy, proc.url, parent, "chat", prompt) == first
+        assert engine_ids(proxy, proc.url, grouped[0], "chat", prompt) == first
+        assert engine_ids(proxy, proc.url, single, "chat", prompt) == first
+        assert first_turn_counts(proc.url) == before  # all took the primed ids: no render, no lookup
+        for sid in (parent, took, waited, *grouped, single):  # the last holder of a primed prompt takes its row
+            assert httpx.delete(f"{proc.url}/sessions/{sid}", timeout=30).status_code == 204
     finally:
         proc.stop()
+    with contextlib.closing(sqlite3.connect(journal)) as conn:
+        assert conn.execute("SELECT count(*) FROM primes").fetchone()[0] == 0

@@ -77,6 +77,41 @@ def test_turns_reuse_the_engine_session_and_a_rollback_reopens_it(served: Served
     assert_engine_clean(served.engine)
 
 
+def test_a_fork_of_a_session_with_an_engine_session_prefills_its_prefix_once(served: Served) -> None:
+    """SGLang's streaming session keeps its turns' KV in its own slot (only the session's first prompt reaches the
+    radix tree) and cannot be branched, so a fork of a parent that has one has the engine prefill the forked prefix
+    once (turns/prefill.py): each child's next turn, opening an engine session of its own with its whole prompt,
+    finds the parent's history in the radix cache but its last token or two (its stop token replaced, the last
+    sampled token never computed)."""
+    parent = new_session(served.server)
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "Keep answers short. " + " ".join(f"note {i}." for i in range(60))}]
+    for turn in range(3):  # the first without an engine session, the second opens it, the third appends
+        history.append({"role": "user", "content": f"Turn {turn}: tell me more."})
+        r = chat(served.server, parent, history)
+        assert r.status_code == 200, r.text
+        history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    served.proxy.clear()
+    fork = httpx.post(f"{served.server}/sessions/{parent}/fork", json={"n": 2}, timeout=300)
+    assert fork.status_code == 200, fork.text
+    position = fork.json()["fork_position"]
+    assert fork.json()["prefill"]["prompt_tokens"] == position
+    (prefill,) = [c for c in served.proxy.settled() if c["path"] == "/generate"]
+    assert prefill["request"]["sampling_params"]["max_new_tokens"] == 0 and "session_params" not in prefill["request"]
+    served.proxy.clear()
+    children = fork.json()["session_ids"]
+    for i, child in enumerate(children):
+        r = chat(served.server, child, [*history, {"role": "user", "content": f"Branch {i}: go on."}])
+        assert r.status_code == 200, r.text
+    generates = [c for c in served.proxy.settled() if c["path"] == "/generate"]
+    assert len(generates) == 2
+    for call in generates:
+        assert call["response"]["meta_info"]["cached_tokens"] >= position - 2, (position, call["response"]["meta_info"])
+    for sid in (parent, *children):
+        assert httpx.delete(f"{served.server}/sessions/{sid}", timeout=30).status_code == 204
+    assert_engine_clean(served.engine)
+
+
 def test_engine_sigkill_mid_turn_then_restart(serve: ServeFactory, engines: Engines) -> None:
     """No proxy here: the server must see the engine's connection die, as it would in production."""
     with serve("dense", "--engine-sessions", proxied=False) as s:

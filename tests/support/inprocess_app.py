@@ -94,6 +94,9 @@ class StubEngine:
     def forget(self, session_id: str) -> None:
         self.calls.append("forget")
 
+    def place_beside(self, session_ids: Any, holder: str) -> None:
+        self.calls.append("place_beside")
+
 
 @contextlib.contextmanager
 def in_process_app(family: ModelFamily, *, engine: Any = None, journal: Any = None, drains: Any = None,

@@ -35,7 +35,8 @@ class FailingJournal:
     def __init__(self) -> None:
         self.forks = 0
 
-    async def forked(self, parent_id: str, segment: int, version: int, children: list[SessionInfo]) -> None:
+    async def forked(self, parent_id: str, segment: int, version: int, children: list[SessionInfo],
+                     prime: tuple[str, bytes] | None = None) -> None:
         self.forks += 1
         raise JournalUnavailableError("journal write failed")
 
@@ -97,5 +98,36 @@ def test_refusals_leave_nothing_behind(family: ModelFamily) -> None:
                 refused = await http.post(f"/sessions/{parent.id}/fork", json={"n": 2})
             assert refused.status_code == 503 and journal.forks == 1
             assert len(server.registry) == 1  # no id handed out without the children on disk
+
+    asyncio.run(main())
+
+
+def test_a_group_in_one_request_is_all_or_nothing(family: ModelFamily) -> None:
+    """POST /sessions with `prime` and `n` (the engine's prefill off here: no engine): n sessions at the primed
+    prompt, their root never registered and never counted on a worker; past --max-sessions a 429 and nothing made,
+    as a fork; a journal that cannot write them: 503, no id handed out."""
+    prime = {"messages": [{"role": "user", "content": "the group's task"}]}
+
+    async def main() -> None:
+        with in_process_app(family, max_sessions=4, retry_after=4, fork_prefill="off") as (app, server):
+            async with client_of(app) as http:
+                made = await http.post("/sessions", json={"prime": prime, "n": 3, "metadata": {"k": 1}})
+                full = await http.post("/sessions", json={"prime": prime, "n": 2})  # 3 + 2 > 4
+            assert made.status_code == 200, made.text
+            body = made.json()
+            assert len(body["session_ids"]) == 3 and body["fork_turns"] == 0
+            assert body["fork_position"] == body["prompt_tokens"] > 0 and body["prefill"] is None
+            assert not server.registry.knows(body["root_session"])
+            for sid in body["session_ids"]:
+                child = server.registry.require(sid)
+                assert child.metadata == {"k": 1} and child.trajectory.primed is not None
+                assert child.lineage is not None and child.lineage.root == body["root_session"]
+            assert full.status_code == 429 and full.headers["retry-after"] == "4" and len(server.registry) == 3
+            assert server.engine.calls.count("forget") == 2  # each root let go of its placement, made or refused
+        journal = FailingJournal()
+        with in_process_app(family, journal=journal, fork_prefill="off") as (app, server):
+            async with client_of(app) as http:
+                refused = await http.post("/sessions", json={"prime": prime, "n": 2})
+            assert refused.status_code == 503 and journal.forks == 1 and len(server.registry) == 0
 
     asyncio.run(main())

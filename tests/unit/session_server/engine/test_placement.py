@@ -84,6 +84,20 @@ def test_live_session_counts_stay_balanced(ops: list[tuple[bool, int]], n: int) 
         assert sum(w.sessions for w in pool.workers) == len(live)
 
 
+def test_a_forks_children_go_to_their_parents_worker_and_count_there() -> None:
+    """The shared prefix (a primed prompt's prefill, the parent's turns) is in the parent's worker's radix cache."""
+    pool, _ = _pool(3)
+    pool.place("other")  # w0: the parent goes to the next least-loaded worker
+    pool.place_beside(["c0", "c1", "c2"], "parent")
+    assert {pool.place(s).url for s in ("parent", "c0", "c1", "c2")} == {"http://w1"}
+    assert [w.sessions for w in pool.workers] == [1, 4, 0]
+    pool.place_beside(["d0"], "unplaced")  # a parent with no worker yet is placed first, then its children beside it
+    assert pool.place("d0") is pool.place("unplaced") is pool.workers[2]
+    for sid in ("c0", "c1", "c2", "d0"):
+        pool.forget(sid)
+    assert [w.sessions for w in pool.workers] == [1, 1, 1]
+
+
 def test_unhealthy_worker_takes_no_new_sessions_and_its_sessions_move() -> None:
     async def main() -> None:  # on a loop, as in the server: the move closes the old engine session in the background
         pool, clients = _pool(2)

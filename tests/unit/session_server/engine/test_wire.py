@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from session_server.engine.wire import GenerateRequest, encode_generate
+from session_server.engine.wire import GenerateRequest, encode_generate, encode_ids
 from trajectory.images import Image
 
 PAD = 7
@@ -52,3 +52,18 @@ def test_the_stream_interval_does_not_touch_the_turns_params() -> None:
 def test_size_counts_what_is_sent() -> None:
     assert GenerateRequest(input_ids=IDS, start=5, sampling_params={}, rid="r").size == 8
     assert GenerateRequest(input_ids=IDS, sampling_params={}, rid="r", images=(IMAGE,)).size == 28 + len(IMAGE.data)
+
+
+@pytest.mark.parametrize("start, images", [(0, ()), (5, ()), (0, (IMAGE,))])
+def test_ids_encoded_ahead_give_the_same_body(start: int, images: tuple[Image, ...]) -> None:
+    """A primed prompt's ids are encoded once for its group (TurnPlan.wire_ids): the body is the one encoding them
+    per request gives; with an engine session's `start` or images the ids sent are not the whole prompt's, so the
+    encoded array is not used."""
+    def body(**extra: object) -> bytes:
+        return encode_generate(GenerateRequest(input_ids=IDS, start=start, sampling_params={"max_new_tokens": 4},
+                                               rid="r", images=images, image_pad=PAD, **extra))  # type: ignore[arg-type]
+
+    assert body(input_json=encode_ids(IDS)) == body()
+    assert encode_ids(IDS) == b"[1,2,7,7,7,3,4]"
+    used = b'"input_ids":[9],' in body(input_json=b"[9]")  # the array given is what is sent, unchecked
+    assert used == (not start and not images)

@@ -175,7 +175,8 @@ def test_a_journal_of_schema_2_gains_the_new_tables_and_keeps_its_sessions(tmp_p
     asyncio.run(main())
     with sqlite3.connect(path) as db:
         db.executescript("DROP TABLE pause; DROP TABLE engine_sessions; ALTER TABLE turns DROP COLUMN sampling_masks; "
-                         "ALTER TABLE sessions DROP COLUMN lineage;"
+                         "ALTER TABLE sessions DROP COLUMN lineage; DROP INDEX sessions_by_primed; "
+                         "ALTER TABLE sessions DROP COLUMN primed; DROP TABLE primes;"
                          "PRAGMA user_version = 2;")
     restored = Journal(path).open()
     assert [s.id for s in restored.sessions] == ["a"] and restored.paused is None and restored.engine_sessions == []
@@ -186,6 +187,8 @@ def test_a_journal_of_schema_2_gains_the_new_tables_and_keeps_its_sessions(tmp_p
         assert "sampling_masks" in [row[1] for row in db.execute("PRAGMA table_info(turns)")]
         assert db.execute("SELECT count(*) FROM pause").fetchone()[0] == 0
         assert db.execute("SELECT count(*) FROM engine_sessions").fetchone()[0] == 0
+        assert "primed" in [row[1] for row in db.execute("PRAGMA table_info(sessions)")]
+        assert db.execute("SELECT count(*) FROM primes").fetchone()[0] == 0
 
 
 def test_files_we_must_not_read_are_refused_untouched(tmp_path: Path) -> None:
