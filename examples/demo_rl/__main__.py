@@ -53,7 +53,7 @@ import torch
 from examples.demo_rl.engine import ENGINE_ARGS, PLUGIN_DIR, ROOT
 from examples.demo_rl.game import WeatherGame
 from examples.demo_rl.loop import RunConfig, train_loop
-from examples.demo_rl.lora import LoraConfig, LoraPolicy, LoraWeights
+from examples.demo_rl.lora import WARMUP_LR, LoraConfig, LoraPolicy, LoraWeights
 from examples.demo_rl.plot import plot
 from examples.demo_rl.policy import load_policy
 from examples.demo_rl.step_record import verdict
@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--body-lr", type=float, default=RunConfig.body_lr,
                    help="the RL learning rate of the transformer's layers (default %(default)s: frozen)")
     p.add_argument("--warmup-steps", type=int, default=300)
-    p.add_argument("--warmup-lr", type=float, default=3e-3)
+    p.add_argument("--warmup-lr", type=float, default=None,
+                   help=f"default 3e-3, {WARMUP_LR:g} with --lora (examples/demo_rl/lora.py says why)")
     p.add_argument("--warmup-call", type=float, default=0.1,
                    help="how often the warm-up's demonstrations of the choice call the tool (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
@@ -90,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="sample with this top-k, record the sampling masks and "
                    "train with support-normalised ratios (examples/demo_rl/truncation.py; default 0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --top-k, also this top-p (default %(default)s)")
-    p.add_argument("--lora", action="store_true", help="train a LoRA adapter on q/v instead of the alphabet's rows, "
+    p.add_argument("--lora", action="store_true", help="train a LoRA adapter on o_proj instead of the alphabet's rows, "
                    "a revision pushed per step, sessions pinned to one (examples/demo_rl/lora.py)")
     p.add_argument("--lora-rank", type=int, default=LoraConfig.rank)
     p.add_argument("--lora-lr", type=float, default=LoraConfig.lr, help="with --lora (default %(default)s)")
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policy = load_policy(checkpoint, game, args.seed)
         warm = time.perf_counter()
-        losses = warm_up(policy, game, steps=args.warmup_steps, batch=16, lr=args.warmup_lr,
+        warmup_lr = args.warmup_lr if args.warmup_lr is not None else WARMUP_LR if args.lora else 3e-3
+        losses = warm_up(policy, game, steps=args.warmup_steps, batch=16, lr=warmup_lr,
                          p_call=args.warmup_call, rng=random.Random(args.seed))
         warm_seconds = time.perf_counter() - warm
         print(f"warm-up: {args.warmup_steps} steps in {warm_seconds:.0f} s, loss {losses[0]:.2f} -> {losses[-1]:.3f}")
@@ -189,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             "worst_support_mismatch": float(np.nanmax([r.support_mismatch_max for r in records])),
             "worst_unmasked_mismatch": float(np.nanmax([r.unmasked_mismatch_max for r in records]))}
            if truncation.on else {}),
-        **({"lora": asdict(config.lora)} if config.lora is not None else {}),
+        **({"lora": asdict(config.lora),
+            "episodes_across_revisions": sum(r.episodes_across_revisions for r in records)}
+           if config.lora is not None else {}),
         "engine_versions": result.versions, "groups_cancelled_at_the_end": result.cancelled_groups,
     }
     png = plot(records, out / "demo_rl.png",

@@ -42,7 +42,7 @@ class RunConfig:
     fork_groups: bool = False
     # --top-k / --top-p: sampling masks and support-normalised ratios (truncation.py)
     truncation: Truncation = field(default_factory=Truncation)
-    # --lora: a LoRA adapter on q/v trains instead of the alphabet's rows, a revision pushed per step (lora.py)
+    # --lora: a LoRA adapter on o_proj trains instead of the alphabet's rows, a revision pushed per step (lora.py)
     lora: LoraConfig | None = None
 
 

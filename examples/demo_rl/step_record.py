@@ -38,6 +38,9 @@ class StepRecord:
     # recompute's beside it (the bias a ratio without masks would carry); nan without masks.
     support_mismatch_max: float = math.nan
     unmasked_mismatch_max: float = math.nan
+    # With --lora: the step's episodes whose turns ran on more than one adapter revision (a revision pushed while the
+    # episode ran, its next turn on the new one: --adapter-revisions latest).
+    episodes_across_revisions: int = 0
 
 
 def verdict(r: StepRecord) -> str:

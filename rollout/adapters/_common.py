@@ -22,8 +22,9 @@ import numpy as np
 
 from rollout.client import SessionClient
 from rollout.infrastructure import collect_after_failure
-from trajectory import InfrastructureAbort, Sample, infrastructure_abort
+from trajectory import InfrastructureAbort, Sample, infrastructure_abort, sample_metadata
 from trajectory.infrastructure import ABORTED
+from trajectory.sample_metadata import AdapterRevision
 
 Agent = Callable[..., Awaitable[Any]]
 
@@ -43,6 +44,32 @@ def response_part(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The response's token ids, loss mask and rollout logprobs (tool output and glue inside it masked 0)."""
     p = prompt_length(sample)
     return sample.tokens[p:], sample.loss_mask[p:], sample.rollout_log_probs[p:]
+
+
+def adapter_label(adapter: AdapterRevision) -> str:
+    """A LoRA adapter revision as one string for a trainer's field: `NAME@REVISION` (revision 0 too, unlike the
+    engine's own name for it), `NAME` for an adapter without revisions, "" for the base model (the session server's
+    spelling of it in `lora_adapter`)."""
+    if adapter.is_base:
+        return ""
+    return f"{adapter.name}@{adapter.revision}" if adapter.revision is not None else str(adapter.name)
+
+
+def on_adapters(samples: Sequence[Sample]) -> bool:
+    """Whether a LoRA adapter sampled any token of `samples` (a trainer field for the revision is added only then,
+    so a base-model run's output keeps its shape)."""
+    return any(not a.is_base for s in samples for a in sample_metadata(s).adapters())
+
+
+def token_adapter_labels(sample: Sample, start: int = 0) -> list[str | None]:
+    """Per token from `start`: `adapter_label` of the revision that sampled it, None where nothing was sampled (tool
+    output, glue, the prompt), as `weight_versions` has it."""
+    return [None if a is None else adapter_label(a) for a in sample_metadata(sample).token_adapters[start:]]
+
+
+def turn_adapter_labels(sample: Sample) -> list[str]:
+    """One `adapter_label` per generated turn, beside slime's and miles' one weight version per engine call."""
+    return [adapter_label(turn.adapter) for turn in sample_metadata(sample).turns]
 
 
 def response_sampling_masks(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

@@ -14,6 +14,9 @@ With sampling masks (AReaL 1.0.4 has no field for them: extras, as lists AReaL's
 without padding): `sampling_mask_ids` (int32) and `sampling_mask_offsets` (int64, `len(tokens) + 1`), one CSR per
 row over its tokens as the sample holds it (empty rows where nothing was sampled), and `sampling_logprobs` float32
 [B, L] (the engine's logprob of each sampled token over its row). With `lineage=True`, `lineage`: one entry per row.
+With `adapters=True`, `adapter_revisions`: one list per row, per token the LoRA adapter revision that sampled it,
+`NAME@REVISION` ("" the base model, None where nothing was sampled; AReaL 1.0.4 has no field for it, and its tensor
+`versions` stays the weight version). A flag, not automatic: AReaL concatenates only trajectories with the same keys.
 
 An episode the infrastructure ended (status "aborted", trajectory/infrastructure.py) is AReaL's rejected trajectory:
 `SessionWorkflow.arun_episode` returns None, so it is not trained on and scores nothing.
@@ -33,16 +36,19 @@ from rollout.adapters._common import (
     request_kwargs,
     require_samples,
     run_session,
+    token_adapter_labels,
 )
 from trajectory import Sample, parse_version, sample_metadata
 
 
 def to_tensor_dict(samples: Sequence[Sample], *, reward: float | None = None,
-                   version_of: Callable[[str], int] = parse_version, lineage: bool = False) -> dict[str, Any]:
+                   version_of: Callable[[str], int] = parse_version, lineage: bool = False,
+                   adapters: bool = False) -> dict[str, Any]:
     """One session's samples as AReaL's trajectory dict: a row per segment, padded to one length.
 
     `lineage`: add the `lineage` key (a list, one entry per row; None for a session that was not forked), on every
-    episode of a run alike (AReaL concatenates only dicts with the same keys)."""
+    episode of a run alike (AReaL concatenates only dicts with the same keys); `adapters`: add `adapter_revisions`
+    (a list, one per-token list per row) the same way."""
     import torch
     from areal.utils.data import concat_padded_tensors
 
@@ -55,6 +61,8 @@ def to_tensor_dict(samples: Sequence[Sample], *, reward: float | None = None,
                       "sampling_logprobs": torch.from_numpy(masks.logprobs.copy()).unsqueeze(0)}
         if lineage:
             extras["lineage"] = [sample.metadata.get("lineage")]
+        if adapters:
+            extras["adapter_revisions"] = [token_adapter_labels(sample)]
         rows.append({
             "input_ids": torch.from_numpy(sample.tokens.copy()).to(torch.int32).unsqueeze(0),
             "loss_mask": torch.from_numpy(sample.loss_mask.astype("int32")).unsqueeze(0),
@@ -77,9 +85,11 @@ def _workflow_class() -> type:
 
         def __init__(self, servers: str | Sequence[str], agent: str | Agent, *, max_seq_len: int | None = None,
                      sampling_params: dict[str, Any] | None = None,
-                     version_of: Callable[[str], int] = parse_version, lineage: bool = False) -> None:
+                     version_of: Callable[[str], int] = parse_version, lineage: bool = False,
+                     adapters: bool = False) -> None:
             self.servers = [servers] if isinstance(servers, str) else list(servers)
             self.lineage = lineage
+            self.adapters = adapters
             self.agent = load_function(agent)
             self.max_seq_len = max_seq_len
             self.request = request_kwargs(sampling_params)
@@ -98,7 +108,7 @@ def _workflow_class() -> type:
                 return None
             require_samples(episode.samples)
             return to_tensor_dict(episode.samples, reward=episode.reward, version_of=self.version_of,
-                                  lineage=self.lineage)
+                                  lineage=self.lineage, adapters=self.adapters)
 
     SessionWorkflow.__module__ = __name__
     return SessionWorkflow

@@ -12,7 +12,8 @@ slime's fields), with `rollout_routed_experts` as miles' int32 numpy array [len(
 (`--num-layers`), every segment sharing the input's `rollout_id` as miles' v2 path sets it, and the agent's returned
 dict merged into each sample's metadata as miles' v1 path does. The same as slime's too: sampling masks as
 `rollout_top_p_token_ids` / `rollout_top_p_token_offsets` (miles' sampling-support replay, int32 numpy), a forked
-session's `lineage` in `metadata`, and an episode the infrastructure ended as ABORTED with `remove_sample = True`.
+session's `lineage` and a LoRA-sampled one's `adapter_revisions` (one per engine call) in `metadata`, and an episode
+the infrastructure ended as ABORTED with `remove_sample = True`.
 """
 
 from __future__ import annotations

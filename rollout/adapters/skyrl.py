@@ -20,6 +20,9 @@ a TypedDict of per-row lists. Field for field, per row (one per segment of a ses
   caller who wants the group out filters on that count or on the stop reason.
 
 Per-token weight versions have no field in SkyRL 0.4: they go in `rollout_metrics["weight_versions"]`, one list per row;
+nor has the LoRA adapter revision that sampled each token (its `lora_target` is the weight sync's): when an adapter
+sampled any row, `rollout_metrics["adapter_revisions"]`, one list per row, `NAME@REVISION` per response token ("" the
+base model, None where nothing was sampled);
 a forked session's lineage in `rollout_metrics["lineage"]` (None for a session that was not forked), and without
 trajectory ids of the input, forked siblings get `TrajectoryID(instance_id=<fork group>, repetition_id=<i>)`, so
 SkyRL groups them as one prompt's samples.
@@ -36,11 +39,13 @@ from rollout.adapters._common import (
     Agent,
     fed_routed_experts,
     load_function,
+    on_adapters,
     prompt_length,
     request_kwargs,
     require_samples,
     response_support_rows,
     run_session,
+    token_adapter_labels,
     widest_mask_row,
 )
 from trajectory import Sample, sample_metadata
@@ -72,6 +77,8 @@ def to_generator_output(
     all_samples = [s for episode in episodes for s in episode]
     with_masks = any(s.sampling_masks is not None for s in all_samples)
     width = support_width if support_width is not None else widest_mask_row(all_samples)
+    with_adapters = on_adapters(all_samples)
+    adapters: list[list[str | None]] = []
     tree_ids = trajectory_ids is None and bool(episodes) and all(
         e and sample_metadata(e[0]).lineage is not None for e in episodes)
     for e, episode in enumerate(episodes):
@@ -87,6 +94,8 @@ def to_generator_output(
             rows_reward.append(float(rewards[e] or 0.0))
             last.append(k == len(episode) - 1)
             versions.append(list(meta.token_versions[p:]))
+            if with_adapters:
+                adapters.append(token_adapter_labels(sample, p))
             lineages.append(sample.metadata.get("lineage"))
             if trajectory_ids is not None:
                 ids.append(trajectory_ids[e])
@@ -111,7 +120,8 @@ def to_generator_output(
         loss_masks=masks,
         stop_reasons=stops,
         rollout_metrics={"weight_versions": versions, "lineage": lineages,
-                         "infrastructure_aborts": sum(s.status == ABORTED for s in all_samples)},
+                         "infrastructure_aborts": sum(s.status == ABORTED for s in all_samples),
+                         **({"adapter_revisions": adapters} if with_adapters else {})},
         rollout_logprobs=logprobs,
         trajectory_ids=ids if trajectory_ids is not None or tree_ids else None,
         trajectory_generation_times=None,

@@ -20,7 +20,9 @@ copy of the input sample (its prompt, label, index, group_index and metadata kep
   `remove_sample = True`, slime's own way to keep a sample in its group but out of the loss, and the failure's
   record in `metadata["abort"]`;
 - `metadata`: the input's, our sample's (per-version token counts `weight_version_tokens`, a forked session's
-  `lineage`: parent session, fork position, group, root, depth) and what the agent returned;
+  `lineage`: parent session, fork position, group, root, depth) and what the agent returned; for a sample a LoRA
+  adapter sampled, `adapter_revisions`: one `NAME@REVISION` per engine call ("" the base model) beside
+  `weight_versions` (slime's `Sample` has no field for it);
 - `rollout_id`: the same on every segment of one session, so slime's loss averages within the rollout once.
 
 `generate` reads its servers from `args.session_servers` (a list of URLs) and the agent from
@@ -39,10 +41,12 @@ import numpy as np
 from rollout.adapters._common import (
     fed_routed_experts,
     load_function,
+    on_adapters,
     prompt_length,
     request_kwargs,
     response_sampling_masks,
     run_session,
+    turn_adapter_labels,
 )
 from trajectory import Sample, sample_metadata
 
@@ -75,6 +79,8 @@ def to_samples(samples: Sequence[Sample], base: Any, *, reward: Any = None, roll
         item.reward = reward
         item.rollout_id = rollout_id
         item.metadata = {**(base.metadata or {}), **sample.metadata, **(metadata or {})}
+        if on_adapters([sample]):
+            item.metadata["adapter_revisions"] = turn_adapter_labels(sample)
         if tokenizer is not None:
             item.response = tokenizer.decode(sample.tokens[p:].tolist())
         if (support := response_sampling_masks(sample)) is not None:

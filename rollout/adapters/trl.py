@@ -15,7 +15,10 @@ reward functions as a keyword. Field for field:
   its group's baseline, advantage 0) instead of a fake zero;
 - with sampling masks (TRL 1.16 has no field for them: extras, which reach the reward functions as keywords):
   `sampling_mask_ids` / `sampling_mask_offsets` (CSR over the completion, empty rows on tool output) and
-  `sampling_logprobs`; a forked session's `lineage` (None for the others) when any episode has one.
+  `sampling_logprobs`; a forked session's `lineage` (None for the others) when any episode has one;
+- `adapter_revisions` when a LoRA adapter sampled any episode (TRL 1.16 has no field for it: an extra): per
+  completion token the revision that sampled it, `NAME@REVISION` ("" the base model, None on tool output), beside
+  `weight_versions`.
 
 TRL pushes new weights only into its own vLLM. With `engine_url`, the rollout function pushes them into SGLang
 before each rollout whose `trainer.state.global_step` is new, through rollout.weight_push (every session server
@@ -35,9 +38,11 @@ from typing import Any
 from rollout.adapters._common import (
     Agent,
     load_function,
+    on_adapters,
     prompt_length,
     request_kwargs,
     run_session,
+    token_adapter_labels,
 )
 from trajectory import Sample, sample_metadata
 from trajectory.infrastructure import ABORTED
@@ -52,6 +57,7 @@ def to_rollout_output(episodes: Sequence[Sequence[Sample]],
                                  "weight_versions": [], "rollout_status": []}
     with_masks = any(s.sampling_masks is not None for episode in episodes for s in episode)
     with_lineage = any("lineage" in s.metadata for episode in episodes for s in episode)
+    with_adapters = on_adapters([s for episode in episodes for s in episode])
     for e, episode in enumerate(episodes):
         if len(episode) != 1:
             raise ValueError(f"episode {e} has {len(episode)} samples: a TRL row is one completion of one prompt, "
@@ -74,6 +80,8 @@ def to_rollout_output(episodes: Sequence[Sequence[Sample]],
             out.setdefault("sampling_logprobs", []).append(part.logprobs.astype(float).tolist())
         if with_lineage:
             out.setdefault("lineage", []).append(sample.metadata.get("lineage"))
+        if with_adapters:
+            out.setdefault("adapter_revisions", []).append(token_adapter_labels(sample, p))
     if rewards is not None:
         # an episode the infrastructure ended scores None: TRL's unscorable completion (NaN reward, out of its
         # group's baseline, advantage 0) once a reward function returns it

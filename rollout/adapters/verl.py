@@ -14,7 +14,11 @@ AgentLoopOutput`, registered by name (`@register`) or in the agent-loop YAML (`n
   weights that sampled a token, as verl's fully-async trainer reads them), the per-token `weight_versions` and
   their counts `weight_version_tokens`, the `rollout_id` shared by every segment, the segment's provenance, a
   forked session's `lineage` (trajectory/sample_metadata.py), and with sampling masks `sampling_mask_ids` /
-  `sampling_mask_offsets` / `sampling_log_probs` (slime's convention over the response: verl has no field of its own);
+  `sampling_mask_offsets` / `sampling_log_probs` (slime's convention over the response: verl has no field of its own),
+  and for a sample a LoRA adapter sampled `adapter_revisions`: per response token the revision that sampled it,
+  `NAME@REVISION` ("" the base model, None where nothing was sampled; verl 0.9 has no field for it either, its
+  `lora_request` is the server's). verl's agent loop gathers every output's `extra_fields` into `non_tensor_batch`,
+  one object array per key (None where an output lacks it);
 - an episode the infrastructure ended (status "aborted", trajectory/infrastructure.py): `SessionAgentLoop` raises
   `EpisodeAbortedError` (`on_abort="raise"`, the default), which verl's TransferQueue worker turns into the prompt's
   status "failure" and its replay buffer evicts the whole group (so no sibling's advantage is computed against a fake
@@ -34,12 +38,14 @@ from typing import TYPE_CHECKING, Any
 from rollout.adapters._common import (
     Agent,
     load_function,
+    on_adapters,
     prompt_length,
     request_kwargs,
     require_samples,
     response_sampling_masks,
     routed_experts,
     run_session,
+    token_adapter_labels,
 )
 from rollout.infrastructure import EpisodeAbortedError
 from trajectory import Sample, parse_version, sample_metadata
@@ -92,6 +98,7 @@ def to_agent_loop_outputs(
                 "weight_version_tokens": meta.version_counts(),
                 **({"segment": segment} if segment else {}),
                 **({"lineage": sample.metadata["lineage"]} if meta.lineage is not None else {}),
+                **({"adapter_revisions": token_adapter_labels(sample, p)} if on_adapters([sample]) else {}),
                 **({"abort": sample.metadata.get("abort")} if aborted else {}),
                 **_sampling_masks(sample),
                 # verl's TransferQueue worker copies the last output's reward_extra_info onto the others whenever a

@@ -13,6 +13,8 @@ from typing import Any
 import msgspec
 
 from session_server.chat.logprobs import openai_logprobs
+from session_server.chat.policy_spans import policy_token_spans
+from session_server.engine.adapters import AdapterRef
 from session_server.frontend.fields import RequestOptions
 from session_server.frontend.reply_facts import ReplyFacts, reply_facts
 from session_server.frontend.token_ids import TurnTokens
@@ -51,17 +53,19 @@ def usage(facts: ReplyFacts) -> dict[str, Any]:
 
 def chat_completion(
     out: TurnOutput, family: ModelFamily, rid: str, model: str, created: int, options: RequestOptions,
-    tokens: TurnTokens | None = None,
+    tokens: TurnTokens | None = None, adapter: AdapterRef | None = None,
 ) -> bytes:
     """The client reply of a plain turn, encoded once. It never carries the heavy replay payloads (routed experts
     stay in the trajectory's records). `tokens`: the turn's ids, as vLLM writes them for `return_token_ids`
-    (`prompt_token_ids` beside the choices, `token_ids` in the choice)."""
+    (`prompt_token_ids` beside the choices, `token_ids` in the choice). `adapter`: the LoRA adapter revision of the
+    turn, named on the choice as ART reads it (policy_spans.py)."""
     result, message = out.result, out.message
     facts = reply_facts(family, result, message)
     logprobs = (openai_logprobs(family.tokenizer, result.output_ids, result.logprobs, result.top_logprobs,
                                 options.top_logprobs, options.tokens_as_token_ids) if options.logprobs else None)
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason(facts),
-                              "logprobs": logprobs}
+                              "logprobs": logprobs,
+                              **policy_token_spans(adapter, rid, facts.prompt_tokens, facts.completion_tokens)}
     body: dict[str, Any] = {
         "id": f"chatcmpl-{rid}",
         "object": "chat.completion",

@@ -31,7 +31,7 @@ class ChatCompletions:
 
     def reply(self, turn: Turn[ChatRequest], out: TurnOutput) -> bytes:
         return chat_completion(out, turn.family, turn.rid, turn.model, turn.created, turn.request.api.options,
-                               turn_tokens(turn.return_token_ids, turn.plan, out))
+                               turn_tokens(turn.return_token_ids, turn.plan, out), turn.adapter)
 
     def stream(self, turn: Turn[ChatRequest]) -> ChatStream:
         return ChatStream(turn)

@@ -240,6 +240,7 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
         recorded = None if session.id in book.pins else recorded_adapter(session.trajectory.records)
         adapter = await book.for_turn(session.id, session.metadata, parsed.model, recorded)
         claim.raise_if_aborted()
+        turn.adapter = adapter
     call = EngineCall(server, claim, turn, api, adapter)
     await call.open()
     if parsed.stream:

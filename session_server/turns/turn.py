@@ -20,6 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 from starlette.responses import Response
 
+from session_server.engine.adapters import AdapterRef
 from session_server.turns.output import TurnOutput
 from trajectory import LinearTrajectory, ModelFamily, SegmentPlan, TurnPlan
 from trajectory.errors import SessionError
@@ -75,6 +76,7 @@ class Turn(Generic[R]):
     segment: SegmentPlan | None = None  # the segment matched (None: a caller without segments)
     created: int = field(default_factory=lambda: int(time.time()))
     return_token_ids: bool = False  # the reply carries the turn's token ids (frontend/token_ids.py)
+    adapter: AdapterRef | None = None  # the LoRA adapter revision every engine request of the turn names
 
     @property
     def headers(self) -> dict[str, str]:

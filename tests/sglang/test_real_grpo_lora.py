@@ -1,5 +1,5 @@
 """`make demo-rl`'s `--lora` (examples/demo_rl/lora.py) against real SGLang: three GRPO steps train a LoRA adapter on
-q/v, each pushed as a new revision (`/load_lora_adapter`) with the sessions pinned to one; every sampled token is
+o_proj, each pushed as a new revision (`/load_lora_adapter`) with each turn on the newest one; every sampled token is
 checked against the base plus the revision that sampled it, and the engine then serves exactly the trainer's adapter.
 
 Its own engine, launched as the demo launches it with `--lora` (ENGINE_ARGS plus LoraConfig.engine_args). The reward
@@ -91,6 +91,7 @@ def test_three_steps_push_three_adapter_revisions(stack: Stack) -> None:
         assert record.failed_episodes == 0 and record.episodes == 8
         assert record.dropped_groups == 0 and record.kept_groups == 2
         assert record.tokens_by_staleness and set(record.tokens_by_staleness) == {0}  # sampled by its revision
+        assert record.episodes_across_revisions == 0  # synchronous: no push while an episode runs
         assert record.check_ok, "\n".join(record.worst)  # base + the token's revision, within 1e-3
     with torch.no_grad():
         trained = policy.log_probs(ids, mask)[0, 1:].double().numpy()

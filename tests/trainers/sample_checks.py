@@ -14,6 +14,7 @@ from support.stack import Stack
 from trajectory import Sample
 
 TOOL_VERSIONS = ("5", "7")  # trainer_agents.tool_agent: turns 1-2 on "5", turn 3 on "7"
+LORA = "a1"  # the LoRA adapter the sim serves (conftest.py), revision 0: "a1@0" in the trainers' fields
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Episodes:
     stack: Stack
     tool: SessionEpisode       # one segment, three turns, two tool results masked, versions 5 and 7
     compacted: SessionEpisode  # two segments of one session
+    lora: SessionEpisode       # the tool episode's agent on a session pinned to the adapter LORA
 
 
 def sampled_runs(sample: Sample) -> list[tuple[int, int]]:
@@ -63,6 +65,13 @@ def expected_token_versions(sample: Sample) -> list[str | None]:
         for i in range(start, end):
             out[i] = version
     return out
+
+
+def expected_adapter_labels(sample: Sample) -> list[str | None]:
+    """Per token: "a1@0" on a token the LORA episode sampled, "" on a base-model one, None off the mask."""
+    adapters = sample.metadata.get("adapters") or []
+    label = f"{LORA}@0" if adapters and all(a == [LORA, "0"] for a in adapters) else ""
+    return [label if m else None for m in sample.loss_mask.tolist()]
 
 
 def run_episode(stack: Stack, agent: Any, **kwargs: Any) -> SessionEpisode:

@@ -14,7 +14,14 @@ import trainer_agents
 from areal.api.workflow_api import RolloutWorkflow
 from areal.infra.workflow_executor import check_trajectory_format
 from areal.utils.data import concat_padded_tensors
-from sample_checks import Episodes, assert_tool_sample, expected_token_versions, run_episode, sampled_runs
+from sample_checks import (
+    Episodes,
+    assert_tool_sample,
+    expected_adapter_labels,
+    expected_token_versions,
+    run_episode,
+    sampled_runs,
+)
 
 from rollout.adapters import areal as adapter
 from rollout.adapters import verl
@@ -52,6 +59,17 @@ def test_compacted_session_is_one_row_per_segment(episodes: Episodes) -> None:
     # AReaL batches episodes with its own padding: the rows stay as they are
     batch = concat_padded_tensors([d, adapter.to_tensor_dict(episodes.tool.samples, reward=0.0)])
     assert batch["input_ids"].shape[0] == 3 and batch["rewards"].tolist() == [trainer_agents.REWARD] * 2 + [0.0]
+
+
+def test_adapter_revisions_per_token_with_the_flag_and_batched_by_areal(episodes: Episodes) -> None:
+    (lora,), (base,) = episodes.lora.samples, episodes.tool.samples
+    d = adapter.to_tensor_dict([lora], reward=1.0, adapters=True)
+    assert check_trajectory_format(d, expected_keys=KEYS | {"adapter_revisions"})
+    assert d["adapter_revisions"] == [expected_adapter_labels(lora)]  # "a1@0" per sampled token, None elsewhere
+    assert d["versions"].tolist() == [[int(v) if v is not None else -1 for v in expected_token_versions(lora)]]
+    batch = concat_padded_tensors([d, adapter.to_tensor_dict([base], reward=0.0, adapters=True)])
+    assert batch["adapter_revisions"] == [expected_adapter_labels(lora), expected_adapter_labels(base)]
+    assert "adapter_revisions" not in adapter.to_tensor_dict([lora], reward=1.0)  # off unless asked
 
 
 def test_session_workflow_runs_an_episode(episodes: Episodes) -> None:

@@ -10,7 +10,13 @@ from typing import Any
 
 import numpy as np
 import trainer_agents
-from sample_checks import Episodes, assert_split, assert_tool_sample, expected_token_versions
+from sample_checks import (
+    Episodes,
+    assert_split,
+    assert_tool_sample,
+    expected_adapter_labels,
+    expected_token_versions,
+)
 from skyrl.backends.skyrl_train.utils.routed_experts import compact_routed_expert_indices
 from skyrl.train.generators.base import GeneratorInput, GeneratorInterface, GeneratorOutput, TrajectoryID
 from trainer_agents import LAYERS, TOP_K
@@ -69,6 +75,20 @@ def test_tool_and_compacted_episodes_field_for_field(episodes: Episodes) -> None
     assert out["trajectory_ids"] == [ids[0], ids[1], ids[1]]  # both segments of the compacted session share its id
     assert out["is_last_step"] == [True, False, True]
     assert out["stop_reasons"] == ["stop"] * 3
+
+
+def test_adapter_revisions_go_in_rollout_metrics_one_list_per_row(episodes: Episodes) -> None:
+    (lora,) = episodes.lora.samples
+    out = adapter.to_generator_output([episodes.lora.samples, episodes.compacted.samples], [1.0, 0.0],
+                                      expert_layers=LAYERS)
+    validated(out)
+    rows = [lora, *episodes.compacted.samples]
+    revisions = out["rollout_metrics"]["adapter_revisions"]
+    assert len(revisions) == 3 and {x for x in revisions[0] if x is not None} == {"a1@0"}
+    for i, sample in enumerate(rows):
+        assert revisions[i] == expected_adapter_labels(sample)[len(out["prompt_token_ids"][i]):]  # "" on the base's
+    plain = adapter.to_generator_output([episodes.tool.samples], [1.0], expert_layers=LAYERS)
+    assert "adapter_revisions" not in plain["rollout_metrics"]
 
 
 def test_session_generator_runs_a_batch(episodes: Episodes) -> None:

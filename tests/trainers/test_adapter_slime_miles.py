@@ -49,6 +49,17 @@ def test_slime_tool_episode_field_for_field(episodes: Episodes) -> None:
     assert base.tokens == [] and base.status is Status.PENDING  # the input is left as it was
 
 
+def test_slime_and_miles_carry_each_engine_calls_adapter_revision(episodes: Episodes) -> None:
+    (lora,) = episodes.lora.samples
+    (out,) = slime.to_samples([lora], SlimeSample(index=1), reward=1.0, expert_layers=LAYERS)
+    (mout,) = miles.to_miles_samples([lora], MilesSample(index=1), reward=1.0, expert_layers=LAYERS)
+    for sample in (out, mout):
+        assert sample.metadata["adapter_revisions"] == ["a1@0"] * 3  # one per engine call, beside weight_versions
+        assert len(sample.weight_versions) == 3
+    (plain,) = slime.to_samples(episodes.tool.samples, SlimeSample(index=2), reward=1.0, expert_layers=LAYERS)
+    assert "adapter_revisions" not in plain.metadata
+
+
 def test_slime_compacted_session_shares_one_rollout_id(episodes: Episodes) -> None:
     base = SlimeSample(index=4, rollout_id=40, prompt="p", metadata={"task": 1})
     outs = slime.to_samples(episodes.compacted.samples, base, reward=1.0, expert_layers=LAYERS)

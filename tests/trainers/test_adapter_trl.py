@@ -14,7 +14,13 @@ import pytest
 import torch
 import trainer_agents
 from datasets import Dataset
-from sample_checks import Episodes, assert_split, assert_tool_sample, expected_token_versions
+from sample_checks import (
+    Episodes,
+    assert_split,
+    assert_tool_sample,
+    expected_adapter_labels,
+    expected_token_versions,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 from trl import GRPOConfig, GRPOTrainer
 
@@ -32,6 +38,16 @@ def test_tool_episode_field_for_field(episodes: Episodes) -> None:
     p = len(out["prompt_ids"][0])
     assert out["weight_versions"][0] == expected_token_versions(sample)[p:]
     assert out["rollout_reward"] == [trainer_agents.REWARD]
+
+
+def test_an_adapter_sampled_row_names_each_completion_tokens_revision(episodes: Episodes) -> None:
+    (lora,), (base,) = episodes.lora.samples, episodes.tool.samples
+    out = adapter.to_rollout_output([[lora], [base]], [1.0, 0.0])
+    p, q = len(out["prompt_ids"][0]), len(out["prompt_ids"][1])
+    assert out["adapter_revisions"][0] == expected_adapter_labels(lora)[p:]  # "a1@0" on every sampled token
+    assert out["adapter_revisions"][1] == expected_adapter_labels(base)[q:]  # "" on the base model's
+    assert {x for x in out["adapter_revisions"][0] if x is not None} == {"a1@0"}
+    assert "adapter_revisions" not in adapter.to_rollout_output([[base]])
 
 
 def test_a_compacted_session_is_not_one_trl_row(episodes: Episodes) -> None:

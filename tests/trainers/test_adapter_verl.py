@@ -4,12 +4,19 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import trainer_agents
 import verl.experimental.agent_loop.agent_loop as verl_loop
-from sample_checks import Episodes, assert_split, assert_tool_sample, expected_token_versions
+from sample_checks import (
+    Episodes,
+    assert_split,
+    assert_tool_sample,
+    expected_adapter_labels,
+    expected_token_versions,
+)
 from trainer_agents import LAYERS, TOP_K
 
 from rollout.adapters import verl as adapter
@@ -39,6 +46,36 @@ def test_tool_episode_field_for_field(episodes: Episodes) -> None:
     assert torch.allclose(d["rollout_log_probs"], torch.from_numpy(sample.rollout_log_probs[p:]))
     assert d["routed_experts"].shape == (len(sample.tokens), LAYERS, TOP_K)
     assert d["rm_scores"][-1] == trainer_agents.REWARD and d["rm_scores"][:-1].abs().sum() == 0
+
+
+def test_an_adapter_sampled_output_reaches_verls_non_tensor_batch_with_its_revisions(episodes: Episodes) -> None:
+    (lora,), (base,) = episodes.lora.samples, episodes.tool.samples
+    (with_adapter,) = adapter.to_agent_loop_outputs([lora], reward=1.0, rollout_id="r3")
+    (without,) = adapter.to_agent_loop_outputs([base], reward=0.0, rollout_id="r4")
+    p = len(with_adapter.prompt_ids)
+    assert with_adapter.extra_fields["adapter_revisions"] == expected_adapter_labels(lora)[p:]
+    assert "adapter_revisions" not in without.extra_fields
+    # verl's own batching (AgentLoopWorker._postprocess): every output's extra_fields into non_tensor_batch
+    batch = verl_loop.AgentLoopWorker._postprocess(SimpleNamespace(reward_loop_worker_handles=None),
+                                                   [_padded(with_adapter), _padded(without)])
+    revisions = batch.non_tensor_batch["adapter_revisions"]
+    assert revisions[0] == expected_adapter_labels(lora)[p:] and revisions[1] is None
+
+
+def _padded(out: verl_loop.AgentLoopOutput, prompt: int = 64, response: int = 64) -> verl_loop._InternalAgentLoopOutput:
+    """`out` padded as verl's agent loop worker pads it (the prompt on the left, the response on the right)."""
+    def pad(ids: list[int], width: int, left: bool) -> torch.Tensor:
+        fill = [0] * (width - len(ids))
+        return torch.tensor([fill + ids if left else ids + fill])
+
+    prompt_ids, response_ids = pad(out.prompt_ids, prompt, True), pad(out.response_ids, response, False)
+    attention = torch.cat([pad([1] * len(out.prompt_ids), prompt, True), pad([1] * len(out.response_ids), response,
+                                                                              False)], dim=1)
+    return verl_loop._InternalAgentLoopOutput(
+        prompt_ids=prompt_ids, response_ids=response_ids, input_ids=torch.cat([prompt_ids, response_ids], dim=1),
+        position_ids=(attention.cumsum(-1) - 1).clamp(min=0), response_mask=pad(out.response_mask, response, False),
+        attention_mask=attention, reward_score=out.reward_score, num_turns=out.num_turns, metrics=out.metrics,
+        extra_fields=dict(out.extra_fields))
 
 
 def test_compacted_session_is_one_output_per_segment_sharing_the_rollout_id(episodes: Episodes) -> None:

@@ -31,9 +31,11 @@ from typing import Any, Literal, Optional
 
 import openai
 import pytest
-from capture_episode import TOOLS, Call, CallIds, assert_recovered, run_episode, session_base
+from capture_episode import SYSTEM, TOOLS, Call, CallIds, assert_recovered, run_episode, session_base
 from openai.types.chat.chat_completion import Choice
+from sample_checks import LORA
 
+from support.server import new_session
 from support.stack import Stack
 
 # ART's trainable-model defaults (art/model.py, Model._default_chat_completion_extra_body)
@@ -127,3 +129,30 @@ def test_art_reads_the_sessions_ids(trainer_stack: Stack, stream: bool) -> None:
 
     stored = run_episode(trainer_stack.server, call_for)
     assert_recovered(stored, read)
+
+
+def test_art_requires_policy_spans_and_reads_the_adapter_revision_off_a_lora_turn(trainer_stack: Stack) -> None:
+    """ART's "require" policy tracking (its immutable step-LoRA mode): a turn of a session pinned to the sim's adapter
+    carries complete spans naming its revision; a base-model turn carries none, which ART refuses."""
+    art = Art()
+    spans = _art_modules()["policy_spans"]
+
+    def first_reply(metadata: dict[str, Any] | None) -> Any:
+        sdk = openai.OpenAI(base_url=session_base(trainer_stack.server, new_session(trainer_stack.server, metadata)),
+                            api_key="x", max_retries=0)
+        return sdk.chat.completions.create(model="m", messages=[SYSTEM, {"role": "user", "content": "fix it"}],
+                                           logprobs=True, extra_body=ART_EXTRA_BODY)
+
+    lora = first_reply({"lora_adapter": LORA})
+    art.attach(lora, None, "require", "m")  # ART's own checks: both lists present, each a complete partition
+    (choice,) = lora.choices
+    prompt, completion = art.token_metadata(choice)
+    (span,) = spans.choice_policy_token_spans(choice)
+    assert (span.start_token, span.end_token) == (0, len(completion)) == (0, art.completion_tokens(choice))
+    assert (span.lora_slot, span.policy_version, span.update_seq) == (LORA, 0, 0)
+    (prompt_span,) = spans.choice_prompt_policy_token_spans(choice)
+    assert (prompt_span.start_token, prompt_span.end_token) == (1, len(prompt))
+
+    base = first_reply(None)
+    with pytest.raises(RuntimeError, match="requires prompt_policy_token_spans"):
+        art.attach(base, None, "require", "m")

@@ -126,7 +126,8 @@ def test_a_compacted_session_is_a_row_per_segment(trainer_stack: Stack) -> None:
 
 def test_openenv_probe_grades_a_session_trainable(trainer_stack: Stack) -> None:
     base = session_base(trainer_stack.server, new_session(trainer_stack.server))
-    (model,) = [m["id"] for m in httpx.get(f"{base}/models", timeout=30).json()["data"]]
+    listed = httpx.get(f"{base}/models", timeout=30).json()["data"]
+    (model,) = [m["id"] for m in listed if not m.get("parent")]  # the base model (the sim's adapter lists its parent)
     report = validate_llm(base, model, timeout=60.0, check_logprobs_mode=False, check_tools=False)
     assert report.ok and report.capture_level == "tokens", report
     assert report.param_fixes == [] and report.n_prompt_ids > 0 and report.n_completion_ids > 0

@@ -14,7 +14,14 @@ import openai
 import pytest
 
 from rollout.adapters import nemo_gym, trl
-from rollout.adapters._common import response_support_rows, run_session, widest_mask_row
+from rollout.adapters._common import (
+    on_adapters,
+    response_support_rows,
+    run_session,
+    token_adapter_labels,
+    turn_adapter_labels,
+    widest_mask_row,
+)
 from rollout.adapters.slime import to_samples
 from rollout.infrastructure import EpisodeAbortedError
 from support.slime_sample import SlimeSample, Status
@@ -24,9 +31,12 @@ LINEAGE = {"parent_session": "p", "fork_position": 2, "fork_turns": 0, "group": 
 ENGINE_DIED = InfrastructureAbort("engine_unavailable", "engine_unavailable", 502, "gone", 2, "server")
 
 
-def sample(*, masks: bool = True, lineage: bool = False) -> Sample:
-    """Prompt [1, 2], reply [7, 8] (rows [7, 3] and [8]), tool output [4], reply [9] (row [5, 9, 6])."""
+def sample(*, masks: bool = True, lineage: bool = False, adapters: list[Any] | None = None) -> Sample:
+    """Prompt [1, 2], reply [7, 8] (rows [7, 3] and [8]), tool output [4], reply [9] (row [5, 9, 6]); `adapters`: the
+    LoRA adapter revision of each turn, as the session server writes them."""
     extra: dict[str, Any] = {"lineage": dict(LINEAGE)} if lineage else {}
+    if adapters is not None:
+        extra["adapters"] = adapters
     return Sample(tokens=np.array([1, 2, 7, 8, 4, 9], np.int32), loss_mask=np.array([0, 0, 1, 1, 0, 1], np.uint8),
                   rollout_log_probs=np.array([0, 0, -3, -4, 0, -5], np.float32), response_length=4,
                   status="completed", metadata={"num_turns": 2, "turns": [[2, 2], [5, 1]],
@@ -53,7 +63,24 @@ def test_dense_support_rows_pad_with_minus_one_and_leave_unsampled_tokens_empty(
         response_support_rows(sample(), 2)
 
 
+def test_adapter_labels_name_each_tokens_revision_and_the_base_model_by_an_empty_string() -> None:
+    lora = sample(adapters=[["policy", "0"], ["policy", "3"]])
+    assert token_adapter_labels(lora, 2) == ["policy@0", "policy@0", None, "policy@3"]  # the tool output: None
+    assert token_adapter_labels(lora)[:2] == [None, None]  # the prompt
+    assert turn_adapter_labels(lora) == ["policy@0", "policy@3"]
+    mixed = sample(adapters=[None, ["policy", "3"]])  # the first turn on the base model, the second on the adapter
+    assert token_adapter_labels(mixed, 2) == ["", "", None, "policy@3"]
+    assert on_adapters([sample(), mixed]) and not on_adapters([sample(), sample(adapters=[None, None])])
+
+
 # -- slime / miles ------------------------------------------------------------------------------------------------
+
+def test_slime_carries_each_engine_calls_adapter_revision_in_the_metadata() -> None:
+    lora, plain = to_samples([sample(adapters=[["policy", "2"], ["policy", "3"]]), sample()], SlimeSample(),
+                             experts_as="numpy")
+    assert lora.metadata["adapter_revisions"] == ["policy@2", "policy@3"]
+    assert len(lora.weight_versions) == 2 and "adapter_revisions" not in plain.metadata  # one of each per call
+
 
 
 def test_slime_removes_a_sample_the_infrastructure_ended_and_keeps_the_lineage() -> None:
@@ -77,9 +104,15 @@ def test_trl_rows_an_infrastructure_abort_as_unscorable_and_carries_masks_and_li
     assert out["sampling_logprobs"] == [[-0.5, 0.0, 0.0, -1.5]] * 2
     assert out["lineage"] == [LINEAGE, None]
     plain = trl.to_rollout_output([[sample(masks=False)]], [1.0])
-    assert "sampling_mask_ids" not in plain and "lineage" not in plain
+    assert "sampling_mask_ids" not in plain and "lineage" not in plain and "adapter_revisions" not in plain
     with pytest.raises(ValueError, match="no sampling masks while others do"):
         trl.to_rollout_output([[sample()], [sample(masks=False)]])
+
+
+def test_trl_rows_carry_the_adapter_revision_of_each_completion_token_once_any_episode_has_one() -> None:
+    out = trl.to_rollout_output([[sample(adapters=[["policy", "2"], ["policy", "3"]])], [sample()]], [1.0, 0.0])
+    assert out["adapter_revisions"] == [["policy@2", "policy@2", None, "policy@3"], ["", "", None, ""]]
+    assert out["weight_versions"][0] == ["3", "3", None, "4"]
 
 
 # -- NeMo Gym -----------------------------------------------------------------------------------------------------

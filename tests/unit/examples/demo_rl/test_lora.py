@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -29,8 +30,9 @@ def test_revision_0_is_the_base_and_a_trained_one_is_what_its_saved_adapter_merg
     mask = torch.ones(3, 12)
     mask[:, :4] = 0
     base = policy.log_probs(ids, mask).detach()
-    lora = LoraPolicy(policy, LoraWeights(LoraConfig(rank=2, alpha=4.0), checkpoint, seed=0))
-    assert len(lora.targets) == 4 and lora.model.config.num_hidden_layers == 2
+    every = ("q_proj", "k_proj", "v_proj", "o_proj")  # each projection's shape (kv heads are fewer)
+    lora = LoraPolicy(policy, LoraWeights(LoraConfig(rank=2, alpha=4.0, targets=every), checkpoint, seed=0))
+    assert len(lora.targets) == 8 and lora.model.config.num_hidden_layers == 2
     assert torch.equal(lora.log_probs(ids, mask).detach(), base)  # B starts at zero
 
     loss = -(lora.log_probs(ids, mask) * mask).sum()
@@ -49,10 +51,16 @@ def test_revision_0_is_the_base_and_a_trained_one_is_what_its_saved_adapter_merg
     torch.testing.assert_close(merged.log_probs(ids, mask), adapted, atol=1e-5, rtol=0)
 
 
+def test_a_target_outside_the_attention_is_refused(tmp_path: Path) -> None:
+    _, checkpoint = _policy(tmp_path)
+    with pytest.raises(ValueError, match="no LoRA target 'gate_proj'"):
+        LoraWeights(LoraConfig(targets=("o_proj", "gate_proj")), checkpoint, seed=0)
+
+
 def test_the_engine_and_the_server_are_told_the_adapter() -> None:
     config = LoraConfig(rank=4, max_loaded=6)
     args = config.engine_args(Path("/w/r0"))
     assert args[:3] == ("--enable-lora", "--lora-paths", f"{ADAPTER}=/w/r0")
-    assert args[args.index("--lora-target-modules") + 1:args.index("--lora-backend")] == ("q_proj", "v_proj")
+    assert args[args.index("--lora-target-modules") + 1:args.index("--lora-backend")] == ("o_proj",)
     assert args[args.index("--max-loaded-loras") + 1] == "6" and args[args.index("--max-lora-rank") + 1] == "4"
-    assert LoraConfig.server_args() == ("--lora-adapter", ADAPTER)
+    assert LoraConfig.server_args() == ("--lora-adapter", ADAPTER, "--adapter-revisions", "latest")
