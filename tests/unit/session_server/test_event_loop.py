@@ -68,4 +68,4 @@ def test_startup_heap_is_frozen_out_of_full_collections(tokenizer_dirs, families
             assert client.get("/health").status_code == 200
             assert gc.get_freeze_count() > 100_000  # the loaded tokenizer and libraries, out of the GC's walks
     finally:
-        gc.unfreeze()
+        gc.freeze()  # the test process's heap stays out of full collections too (tests/conftest.py `kept`)
