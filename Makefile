@@ -122,11 +122,13 @@ test-trainers: $(TRAINERS_STAMP)
 	TEST_TRAINERS=1 $(TRAINERS_VENV)/bin/python -m pytest -q -p no:xdist tests/trainers
 
 # The pure tier only, in seconds: run it constantly. Two workers: most of its time is hypothesis examples (here a
-# fraction of each property's count, tests/support/examples.py; `make test` runs them all), and each worker binds
-# the families its tests read (up to 14 s of CPU for all nine), once.
+# fraction of each property's count, tests/support/examples.py; `make test` runs them all), and binding the families
+# (up to 14 s of CPU for all nine), each on one worker (tests/conftest.py deals their tests). Bytecode is cached even
+# where the environment says not to (PYTHONDONTWRITEBYTECODE): else each process compiles the project and rewrites
+# every test module again, 3-4 s of CPU per process.
 FAST_EXAMPLES_SCALE ?= 0.3
 test-fast: $(STAMP) $(TOKENIZERS)/.built
-	TEST_EXAMPLES_SCALE=$(FAST_EXAMPLES_SCALE) $(PY) -m pytest -q -n 2 tests/unit
+	PYTHONDONTWRITEBYTECODE= TEST_EXAMPLES_SCALE=$(FAST_EXAMPLES_SCALE) $(PY) -m pytest -q -n 2 tests/unit
 
 # Benchmarks (timing goals live here, never in tests). Extra flags: make bench BENCH_ARGS="--duration 20".
 BENCH_OUT := out/bench

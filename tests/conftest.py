@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import os
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from scripts.build_tokenizers import build_all
-from support.families import FAMILIES
+from support.families import BOUND_FAMILIES, FAMILIES, SHARED_VOCABULARIES
+from support.on_first_use import OnFirstUse
 from support.server import RecordingProxy
 from support.stack import Fleet, FleetFactory, Stack, StackFactory, launch_fleet, launch_stack
 from trajectory import ModelFamily, get_family
@@ -26,8 +28,6 @@ T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 
 TOKENIZER_CACHE = ROOT / ".cache" / "tokenizers"
-# Families with no tokenizer directory of their own: the family whose vocabulary they use.
-SHARED_VOCABULARIES = {"qwen3-vl": "qwen3"}
 
 # CI (.ci/run) sets HYPOTHESIS_PROFILE=ci: every property's examples derive from the test itself, so CI's verdict on a
 # commit is the one a fresh clone reproduces; `make test` and `make test-fast` elsewhere draw fresh examples and keep
@@ -93,27 +93,22 @@ def tokenizer_dirs() -> dict[str, Path]:
     return {name: TOKENIZER_CACHE / name for name in FAMILIES}
 
 
-class OnFirstUse(Mapping[str, T]):
-    """A read-only mapping over fixed keys whose values are made on their first lookup, then kept: a test process
-    pays only for what its tests read."""
+def kept(make: Callable[[str], T]) -> Callable[[str], T]:
+    """`make`, then the heap frozen (gc.freeze) with what it made: a tokenizer or a bound family lives for the whole
+    test process, as the server's startup heap does, and like that heap (session_server/app.py) is kept out of the
+    collector's full passes, each of which walked it again (7 s of CPU per worker in a run of the unit tier)."""
 
-    def __init__(self, keys: tuple[str, ...], make: Callable[[str], T]) -> None:
-        self._keys = keys
-        self._make = make
-        self._made: dict[str, T] = {}
+    def make_and_freeze(name: str) -> T:
+        value = make(name)
+        gc.freeze()
+        return value
 
-    def __getitem__(self, key: str) -> T:
-        if key not in self._made:
-            if key not in self._keys:
-                raise KeyError(key)
-            self._made[key] = self._make(key)
-        return self._made[key]
+    return make_and_freeze
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
 
-    def __len__(self) -> int:
-        return len(self._keys)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported and built (the libraries, the test items) lives as long as the process: frozen."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
@@ -121,7 +116,7 @@ def hf_tokenizers(tokenizer_dirs: dict[str, Path]) -> Mapping[str, Any]:
     """Each family's tokenizer (AutoTokenizer), loaded when a test first reads it."""
     from transformers import AutoTokenizer
 
-    return OnFirstUse(tuple(tokenizer_dirs), lambda name: AutoTokenizer.from_pretrained(tokenizer_dirs[name]))
+    return OnFirstUse(tuple(tokenizer_dirs), kept(lambda name: AutoTokenizer.from_pretrained(tokenizer_dirs[name])))
 
 
 @pytest.fixture(scope="session")
@@ -131,8 +126,8 @@ def families(hf_tokenizers: Mapping[str, Any]) -> Mapping[str, ModelFamily]:
     CPU each, 14 s for all nine), which every xdist worker paid in full at its first test, even one whose tests read
     Qwen3 only (a fixture per module paid it a dozen times over before that).
     A vision family reads its text through its base family's vocabulary (qwen3-vl: Qwen3's own files)."""
-    names = (*hf_tokenizers, *SHARED_VOCABULARIES)
-    return OnFirstUse(names, lambda name: get_family(name, hf_tokenizers[SHARED_VOCABULARIES.get(name, name)]))
+    return OnFirstUse(BOUND_FAMILIES,
+                      kept(lambda name: get_family(name, hf_tokenizers[SHARED_VOCABULARIES.get(name, name)])))
 
 
 @pytest.fixture(scope="session")
@@ -206,17 +201,67 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+# Binding a family costs 0.5-3 s of CPU in each test process that reads it (its tokenizer.json parsed, its template
+# compiled), and most families are read only by tests parametrized with their name: the unit tests of one family go
+# to one worker as one unit of work, so each family is bound on one worker, not on all. Qwen3 (and Qwen3-VL, its
+# vocabulary) is read by nearly every server test on every worker anyway: its tests stay in their modules' units.
+PINNED_FAMILIES: tuple[str, ...] = tuple(name for name in FAMILIES if name != "qwen3")
+# Unit tests of one pinned family that do not name it in their ids (node id prefixes): they go with its tests. A test
+# missing here still passes, on whichever worker, which then binds the family too.
+FAMILY_TESTS = {
+    "tests/unit/trajectory/families/test_gpt_oss.py::": "gpt-oss",
+    "tests/unit/trajectory/families/test_llama3.py::": "llama-3.1",
+    "tests/unit/trajectory/families/test_mistral.py::": "mistral-nemo",
+    "tests/unit/trajectory/families/test_oracles.py::test_deepseek_v4_": "deepseek-v4",
+    "tests/unit/trajectory/test_tokenizers.py::test_qwen35_": "qwen3.5",
+    "tests/unit/trajectory/test_images.py::test_qwen35_": "qwen3.5",
+}
+
+
+def _family_of(nodeid: str) -> str | None:
+    """The pinned family a unit test reads: FAMILY_TESTS', or the one it is parametrized with (a family name among the
+    dash-joined ids), if any."""
+    prefix = next((prefix for prefix in FAMILY_TESTS if nodeid.startswith(prefix)), None)
+    if prefix is not None:
+        return FAMILY_TESTS[prefix]
+    if not nodeid.startswith("tests/unit/"):
+        return None
+    _, bracket, ids = nodeid.rpartition("::")[2].partition("[")
+    if not bracket:
+        return None
+    joined = f"-{ids.removesuffix(']')}-"
+    return next((name for name in sorted(PINNED_FAMILIES, key=len, reverse=True) if f"-{name}-" in joined), None)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`-n N` (xdist's default `--dist load`): units of work are modules, except SPREAD_MODULES' tests, handed out in
-    collection order (`pytest_collection_modifyitems`). An explicit `--dist` mode is left to xdist."""
+    collection order (`pytest_collection_modifyitems`), and each pinned family's unit tests, one unit per family. The
+    families are dealt over the workers: a worker takes its own families' units first, then the unpinned unit
+    modules (whose even spread fills the workers' last minutes), and another worker's family only when nothing else
+    is left. An explicit `--dist` mode is left to xdist."""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return nodeid if _module(nodeid) in SPREAD_MODULES else _module(nodeid)
+            if _module(nodeid) in SPREAD_MODULES:
+                return nodeid
+            family = _family_of(nodeid)
+            return f"family {family}" if family else _module(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            workers = sorted(str(n.gateway.id) for n in self.nodes)
+
+            def preference(scope: str) -> int:  # the lowest first; ties in queue order
+                if not scope.startswith("family "):
+                    return 2 if scope.startswith("tests/unit/") else 0
+                owner = workers[PINNED_FAMILIES.index(scope.removeprefix("family ")) % len(workers)]
+                return 1 if owner == node.gateway.id else 3
+
+            self.workqueue.move_to_end(min(self.workqueue, key=preference), last=False)
+            super()._assign_work_unit(node)
 
     config.option.loadscopereorder = False  # keep the order below, not xdist's "most tests first"
     return ModuleScheduling(config, log)

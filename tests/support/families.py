@@ -5,6 +5,10 @@ from __future__ import annotations
 from scripts.build_tokenizers import BUILDERS
 
 FAMILIES: tuple[str, ...] = tuple(BUILDERS)
+# Families with no tokenizer directory of their own: the family whose vocabulary they use.
+SHARED_VOCABULARIES: dict[str, str] = {"qwen3-vl": "qwen3"}
+# Every family the `families` fixture binds to a real tokenizer.
+BOUND_FAMILIES: tuple[str, ...] = (*FAMILIES, *SHARED_VOCABULARIES)
 
 # Families whose template re-renders a generated turn without reasoning exactly as it was generated, so a TITO prompt
 # equals the full render of the conversation. Qwen3.5/3.6 are not: with thinking on the generation prompt opens

@@ -51,16 +51,15 @@ def test_zero_cut_pools_everything_and_inline_decode_pools_no_decode() -> None:
     assert inline_sized.startswith("session-cpu")  # --inline-decode is about engine replies only
 
 
-def test_startup_heap_is_frozen_out_of_full_collections(tokenizer_dirs) -> None:
+def test_startup_heap_is_frozen_out_of_full_collections(tokenizer_dirs, families) -> None:
     """Full collections under load walked the tokenizer's millions of objects (50-140 ms loop stalls); the lifespan
     freezes everything allocated before serving so they never do."""
     from starlette.testclient import TestClient
 
     from session_server.app import build_app
-    from session_server.cli import load_family
     from session_server.config import ServerConfig
 
-    family = load_family(str(tokenizer_dirs["qwen3"]), "qwen3")
+    family = families["qwen3"]  # the suite's own, already loaded: allocated before serving as the server's would be
     config = ServerConfig(engine_url="http://127.0.0.1:9", tokenizer=str(tokenizer_dirs["qwen3"]), model_family="qwen3")
     gc.unfreeze()
     try:
@@ -69,4 +68,4 @@ def test_startup_heap_is_frozen_out_of_full_collections(tokenizer_dirs) -> None:
             assert client.get("/health").status_code == 200
             assert gc.get_freeze_count() > 100_000  # the loaded tokenizer and libraries, out of the GC's walks
     finally:
-        gc.unfreeze()
+        gc.freeze()  # the test process's heap stays out of full collections too (tests/conftest.py `kept`)

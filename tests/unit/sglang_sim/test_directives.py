@@ -9,6 +9,7 @@ that holds it: that misreading gave no call, and a scripted agent whose tools an
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from sglang_sim.family import EngineFamily
 from sglang_sim.generation import find_script
 from support.examples import examples
 from support.families import FAMILIES
+from support.on_first_use import OnFirstUse
 
 _TEXT = st.text(max_size=12).filter(lambda s: "[[" not in s)  # a directive only where the test puts one
 _SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
@@ -74,8 +76,9 @@ def test_other_directives_beside_json() -> None:
 
 
 @pytest.fixture(scope="module")
-def engine_families(hf_tokenizers: dict[str, Any], families: dict[str, Any]) -> dict[str, EngineFamily]:
-    return {name: EngineFamily.create(name, hf_tokenizers[name], family=families[name]) for name in FAMILIES}
+def engine_families(hf_tokenizers: dict[str, Any], families: dict[str, Any]) -> Mapping[str, EngineFamily]:
+    """Each family's engine side, made when a test first reads it: a worker binds only the families its tests read."""
+    return OnFirstUse(FAMILIES, lambda name: EngineFamily.create(name, hf_tokenizers[name], family=families[name]))
 
 
 _TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
@@ -86,7 +89,7 @@ _TOOLS = [{"type": "function", "function": {"name": "get_weather", "description"
 @settings(max_examples=examples(15), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(result=JSON_VALUES, placement=st.sampled_from(["before", "after", "around"]))
-def test_every_family_reads_the_call_in_a_json_tool_result(engine_families: dict[str, EngineFamily],
+def test_every_family_reads_the_call_in_a_json_tool_result(engine_families: Mapping[str, EngineFamily],
                                                            family_name: str, result: Any, placement: str) -> None:
     """Through each family's real template and tokenizer, as the engine sees a rendered tool loop."""
     family = engine_families[family_name]

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from support.examples import examples
-from support.families import FAMILIES
+from support.families import BOUND_FAMILIES, FAMILIES
 from trajectory import LinearTrajectory, ModelFamily
 from trajectory.families.control import trie_pattern
 from trajectory.tito import continuation_ids, first_turn_ids
@@ -105,14 +105,15 @@ def test_no_content_adds_a_control_token_on_appended_turns(families, name: str, 
     assert control_counts(family, ids) == control_counts(family, plain)
 
 
-def test_benign_text_is_tokenized_exactly_as_before(families) -> None:
+@pytest.mark.parametrize("name", BOUND_FAMILIES)
+def test_benign_text_is_tokenized_exactly_as_before(families, name: str) -> None:
     """Without any spelling nothing changes: the same ids as rendering and tokenizing the string as one."""
-    for family in families.values():
-        messages = [{"role": "user", "content": "What is 2 < 3 | 4 > 1? <b>bold</b> <|almost"}]
-        text_only = first_turn_ids(family, messages, None)
-        engine = first_turn_ids(family, messages, None, text_only=False)
-        assert text_only.tolist() == engine.tolist()
-        assert text_only.tolist() == family.encode(family.render(messages, None, add_generation_prompt=True))
+    family = families[name]
+    messages = [{"role": "user", "content": "What is 2 < 3 | 4 > 1? <b>bold</b> <|almost"}]
+    text_only = first_turn_ids(family, messages, None)
+    engine = first_turn_ids(family, messages, None, text_only=False)
+    assert text_only.tolist() == engine.tolist()
+    assert text_only.tolist() == family.encode(family.render(messages, None, add_generation_prompt=True))
 
 
 def test_engine_mode_keeps_the_tokenizers_behaviour(families) -> None:
@@ -166,6 +167,7 @@ def test_protect_finds_spellings_as_the_walk_does(families, name: str, data: st.
         assert protected is value
 
 
-def test_every_family_scans_the_json_text(families) -> None:
+@pytest.mark.parametrize("name", BOUND_FAMILIES)
+def test_every_family_scans_the_json_text(families, name: str) -> None:
     """No family has a control-token spelling that JSON escapes, so every one takes the JSON scan."""
-    assert all(family.control._json_scan for family in families.values())
+    assert families[name].control._json_scan

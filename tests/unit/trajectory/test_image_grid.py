@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 from tokenizers import Tokenizer
-from transformers import AutoImageProcessor
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
 from support.examples import examples
 from trajectory import image_grid
@@ -28,12 +28,28 @@ from trajectory.image_grid import (
 TOKENIZERS = Path(__file__).resolve().parents[3] / ".cache" / "tokenizers"
 
 
+def _auto_image_processor() -> Any:
+    """transformers' image processors, imported by the tests that read them: the import costs 1.5 s of CPU, which a
+    test process that runs none of them (collection imports every test module) need not pay."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor
+
+
+@pytest.fixture(scope="module")
+def hf_smart_resize() -> Callable[..., tuple[int, int]]:
+    """transformers' own smart_resize for Qwen2-VL-style processors (imported only where read, as above)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    return smart_resize
+
+
 @pytest.fixture(scope="module")
 def processor(tmp_path_factory: pytest.TempPathFactory) -> object:
     """The processor transformers builds from the preprocessor_config.json the tiny checkpoint ships."""
     directory = tmp_path_factory.mktemp("processor")
     (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_VL.preprocessor_config()))
-    return AutoImageProcessor.from_pretrained(str(directory))
+    return _auto_image_processor().from_pretrained(str(directory))
 
 
 def test_the_issue_example_320x240_is_16x20_patches_80_pads(processor: object) -> None:
@@ -63,7 +79,8 @@ sides = st.integers(min_value=1, max_value=20000)
 
 @settings(max_examples=examples(2000), deadline=None)
 @given(height=sides, width=sides)
-def test_smart_resize_is_transformers_smart_resize(height: int, width: int) -> None:
+def test_smart_resize_is_transformers_smart_resize(hf_smart_resize: Callable[..., tuple[int, int]], height: int,
+                                                  width: int) -> None:
     try:
         expected = hf_smart_resize(height, width, factor=32, min_pixels=65536, max_pixels=16777216)
     except ValueError:
@@ -85,7 +102,7 @@ def processors(tmp_path_factory: pytest.TempPathFactory) -> dict[ImageGeometry, 
     for geometry in (QWEN3_VL, LEGACY):
         directory = tmp_path_factory.mktemp(f"p{geometry.patch_size}")
         (directory / "preprocessor_config.json").write_text(json.dumps(geometry.preprocessor_config()))
-        out[geometry] = AutoImageProcessor.from_pretrained(str(directory))
+        out[geometry] = _auto_image_processor().from_pretrained(str(directory))
     return out
 
 
@@ -112,7 +129,7 @@ def test_grid_matches_the_processor_on_real_images(processor: object, height: in
     assert out["pixel_values"].shape[0] == grid[0] * grid[1] * grid[2]
 
 
-def test_refusals() -> None:
+def test_refusals(hf_smart_resize: Callable[..., tuple[int, int]]) -> None:
     for height, width in [(0, 10), (10, 0), (-3, 5)]:
         with pytest.raises(ValueError, match="positive"):
             smart_resize(height, width)

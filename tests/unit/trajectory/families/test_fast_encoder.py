@@ -28,11 +28,12 @@ def hf_ids(family: ModelFamily, text: str) -> list[int]:
     return list(family.tokenizer.backend_tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
 
 
-def test_which_families_get_the_fast_encoder(families):
-    got = {name: families[name].fast_encoder is not None for name in FAMILIES}
-    assert got == {name: name in QUALIFYING for name in FAMILIES}, {n: families[n].fast_encoder_refusal for n in got}
-    for name in ("deepseek", "deepseek-v4"):
-        assert "pre-tokenizer" in families[name].fast_encoder_refusal
+@pytest.mark.parametrize("name", FAMILIES)
+def test_which_families_get_the_fast_encoder(families, name):
+    family = families[name]
+    assert (family.fast_encoder is not None) == (name in QUALIFYING), family.fast_encoder_refusal
+    if name in ("deepseek", "deepseek-v4"):
+        assert "pre-tokenizer" in family.fast_encoder_refusal
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -111,16 +112,16 @@ def test_vocabulary_tokens_in_context_encode_to_the_hugging_face_ids(families, n
     assert [(t, g) for t, g, e in zip(texts, got, expected, strict=True) if g not in (None, e)] == []
 
 
+@pytest.mark.parametrize("name", QUALIFYING)
 @pytest.mark.parametrize("text", [
     "", "x", "e\u0301 <|im_start|>\u0338 'ſ 12345 \r\n\n  x",
     "<|im_start|>user\n" + "word " * 3000 + "<|im_end|>", "\n\n\n   \n\t \r\n", "東京123abc 𝔘𝔫𝔦", "don'T I'LL we'ſ",
 ])
-def test_pinned_texts(families, text):
-    for name in QUALIFYING:
-        family = families[name]
-        ids = family.fast_encoder.encode(text)
-        assert ids is None or ids == hf_ids(family, text), name
-        assert family.encode(text) == hf_ids(family, text), name
+def test_pinned_texts(families, text, name):
+    family = families[name]
+    ids = family.fast_encoder.encode(text)
+    assert ids is None or ids == hf_ids(family, text)
+    assert family.encode(text) == hf_ids(family, text)
 
 
 def test_a_text_tiktoken_gives_up_on_is_left_to_the_hugging_face_encoder(families):

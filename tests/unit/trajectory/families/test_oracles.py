@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from support.examples import examples
+from support.on_first_use import OnFirstUse
 from support.sglang_real import import_sglang_schema
 from support.tito import _ALPHABET
 from support.tito import call_item as _call
@@ -36,9 +38,10 @@ SETTINGS = settings(max_examples=examples(40), deadline=None, suppress_health_ch
 
 
 @pytest.fixture(scope="module")
-def oracle_renderers(hf_tokenizers: dict[str, Any]) -> dict[str, Any]:
-    return {name: renderers.create_renderer(hf_tokenizers[name], config())
-            for name, config in RENDERER_CONFIGS.items()}
+def oracle_renderers(hf_tokenizers: dict[str, Any]) -> Mapping[str, Any]:
+    """Each renderer made when a test first reads it: a worker loads only the tokenizers its tests read."""
+    return OnFirstUse(tuple(RENDERER_CONFIGS),
+                      lambda name: renderers.create_renderer(hf_tokenizers[name], RENDERER_CONFIGS[name]()))
 
 
 TOOLS = [
@@ -186,22 +189,17 @@ _SGLANG_PARSERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def json_families(families: dict[str, ModelFamily]) -> dict[str, ModelFamily]:
-    return {name: families[name] for name in _SGLANG_PARSERS}
-
-
 @pytest.mark.parametrize("name", _SGLANG_PARSERS)
 @SETTINGS
 @given(content=_PROSE, reasoning=st.none() | _PROSE, calls=_CALLS)
-def test_parse_equals_sglangs_json_detectors(json_families, name, content, reasoning, calls):
+def test_parse_equals_sglangs_json_detectors(families, name, content, reasoning, calls):
     """Replies as the model writes them (what format_completion writes). SGLang strips the content before a call
     (`normal_text = text[:idx].strip()`) where we keep what the model wrote, so content is compared stripped when
     the reply has calls. Known divergences, outside this domain and left as they are: a reply cut inside a call
     (we keep the unclosed call as content, SGLang drops everything from the opener), text after the calls and a
     malformed call between good ones (we keep them in the content, SGLang drops them), calls to tools the request
     did not declare (SGLang drops them unless SGLANG_FORWARD_UNKNOWN_TOOLS)."""
-    family = json_families[name]
+    family = families[name]
     tool_detector, reasoning_detector, inner, after = _SGLANG_PARSERS[name]
     content = content.strip()
     reasoning = reasoning.strip() if reasoning is not None else None
