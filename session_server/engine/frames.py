@@ -43,7 +43,8 @@ class Frames:
             n = len(pieces) - (1 if carry else 0)
             n_events = n - 1 if n and pieces[n - 1] == _DONE_PIECE else n
             whole: list[Payload] = [memoryview(p)[6:-2] for p in pieces[:n_events]
-                                    if p.startswith(b"data: {") and p.find(b"\n") == len(p) - 2 and b"\r" not in p]
+                                    if p.startswith(b"data: {") and p.endswith(b"\n\n") and p.find(b"\n") == len(p) - 2
+                                    and b"\r" not in p]
             if len(whole) == n_events:  # SGLang's own framing: every piece one event
                 self.done = n_events < n
                 self._carry = b"" if self.done else carry

@@ -76,6 +76,16 @@ def test_any_split_reads_the_same_events(events: list[dict[str, str]], framing: 
     assert _read(raw, reads) == (events, done)
 
 
+def test_a_piece_cut_one_byte_past_a_line_break_is_not_taken_for_a_whole_event() -> None:
+    """A piece that ends in a line break and the next line's first byte (a proxy re-chunking the stream) looks like
+    SGLang's one event per piece by its first line break; it is half an event (found by the property above)."""
+    events = [{"x": ":"}, {"text": "a", "x": "b"}]
+    raw = _body(events, "lines", done=True)
+    first = raw.index(b"\n\n") + 2
+    cut = raw.index(b",\ndata: ") + 3  # just past the line break inside the second event
+    assert _read(raw, [[first, cut]]) == (events, True)
+
+
 def test_sglangs_pieces_are_read_as_views_without_a_search() -> None:
     """One piece per event, as SGLang writes its HTTP chunks: each payload is a view of its piece (no copy of a
     cumulative event's megabytes), and `[DONE]` ends the stream."""
