@@ -212,9 +212,52 @@ def test_events_not_expected_before_the_time_wait_in_the_kernel_until_it() -> No
         for _ in range(5):
             await asyncio.sleep(0)
         assert not waiting.done() and stream._arrivals == 3
-        assert stream._resume is None  # no read scheduled before the time: the time's own wake-up reads
         assert await asyncio.wait_for(waiting, 5) == chunks[3:5]
         assert len(kernel.resumed_at) == 1 and kernel.resumed_at[0] >= due - 1e-6
+
+    run(main())
+
+
+class _Reading:
+    """A transport that only records whether reading is paused."""
+
+    def __init__(self) -> None:
+        self.paused = False
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+
+def test_a_take_reads_on_until_the_pace_is_known_then_pauses() -> None:
+    """A take that waits for more events than have come reads every event while the engine's pace is unknown; once
+    three events give it, the take plans its wait again and reading pauses until the rest are expected (not one
+    wake-up per event for the rest of the take). Fed by hand, the pace set on the stream's clock."""
+    framed = [b"%x\r\n%s\r\n" % (len(c), c) for c in (b"data: %d\n\n" % i for i in range(3))]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stream = EngineStream()
+        transport = _Reading()
+        stream.transport = transport  # type: ignore[assignment]
+        stream.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + framed[0])
+        stream._first_at = loop.time() - 2.0  # the first event two seconds ago
+        waiting = asyncio.ensure_future(stream.take(10, 0.0, None))
+        await asyncio.sleep(0)
+        assert not transport.paused  # the pace is unknown: every event is read
+        stream.data_received(framed[1])
+        await asyncio.sleep(0)
+        assert not transport.paused and not waiting.done()
+        stream.data_received(framed[2])  # an event a second: the next seven are 7 s away
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert transport.paused and not waiting.done()
+        waiting.cancel()
 
     run(main())
 
