@@ -19,10 +19,10 @@ interval asked for, the chunks the agent got and the largest gap between two of 
 reply retokenized) and in ms (with an unpaced engine the ms say how fast the server relays, not how fast a GPU
 decodes; `--engine-arg=--token-latency-ms --engine-arg=20` paces it).
 
-`--paced` measures at a real engine's pace instead: the sim decodes at `--pace-ms` (0.5 ms) a token, so each event
-the server asks for (32 tokens, a delta engine by default) is a socket read, a wake-up and a chunk of its own, as on
-a GPU; by default 16k and 32k tokens of deltas. There a streamed reply pays per event, not per byte, and the goal is
-the same (at most 2x the plain reply's server CPU).
+`--paced` measures at a real engine's pace instead: the sim decodes at `--pace-ms` (0.5 ms) a token, so the events
+the server asks for (32 tokens, a delta engine by default) come ~16 ms apart, as on a GPU, and the agent's chunks
+go by time (engine/pacing.py: one per 200 ms by default); by default 16k and 32k tokens of deltas. There a streamed
+reply pays per chunk, not per byte, and the goal is the same (at most 2x the plain reply's server CPU).
 
     python -m benchmarks.bench_stream --tokenizer .cache/tokenizers/qwen3 --json-out out/bench/stream.json
     python -m benchmarks.bench_stream --tokenizer .cache/tokenizers/qwen3 --paced --reps 3

@@ -197,6 +197,12 @@ def flags() -> tuple[Flag, ...]:
              "its first chunk, and sends what arrived meanwhile as one chunk: with one engine event per token "
              "(SGLang's stream_interval 1), each event on its own costs ~20 us of server CPU, 30x an unstreamed token; "
              "0 = every event as it arrives (default %(default)s)"),
+        Flag("--stream-chunk-ms", "a streamed chat's text reaches the agent in chunks: the first at once, then what "
+             "arrived every this many milliseconds (a gap between two chunks is at most this plus one engine event), "
+             "0 = what each read brings; fewer chunks cost less server CPU (default %(default)s, engine/pacing.py)"),
+        Flag("--stream-chunk-tokens", "... or as soon as this many tokens are held, whichever comes first; what "
+             "arrives faster goes out in chunks of this many tokens, several in one write (default %(default)s: "
+             "above what a GPU decodes for one request within --stream-chunk-ms)"),
         Flag("--engine-stream-interval",
              "tokens per engine stream event asked for (SGLang's per-request stream_interval; the first token always "
              f"comes at once). 0 (default) chooses: {pacing.DELTA_INTERVAL} when the engine streams deltas; with "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from session_server.cpu_pool import DEFAULT_INLINE_BELOW_BYTES
 from session_server.engine.client import ENGINE_CLIENTS
+from session_server.engine.pacing import CHUNK_SECONDS, CHUNK_TOKENS
 from session_server.sessions.journal import SYNC_MODES
 from trajectory import first_turns
 from trajectory.images import ImageLimits
@@ -115,9 +116,14 @@ class ServerConfig:
     # The engine runs with SGLang's --incremental-streaming-output: stream events carry deltas, not the reply so far.
     engine_incremental_streaming: bool = False
     # A streamed turn reads the engine at most once per this many milliseconds after its first chunk: the events
-    # that arrived meanwhile are handled as one batch (and reach the agent in its chunks: engine/pacing.py,
-    # 64 tokens or 100 ms, sent in one write). 0 = every event as it arrives.
+    # that arrived meanwhile are handled as one batch (and reach the agent in its chunks, below). 0 = every event
+    # as it arrives.
     stream_coalesce_ms: float = 20.0
+    # The agent's chunks (engine/pacing.py): the first text at once, then what arrived goes out every this many
+    # milliseconds (0: as each read brings it) ...
+    stream_chunk_ms: float = CHUNK_SECONDS * 1000
+    # ... or as soon as this many tokens are held, whichever comes first (a cap that does not bind at a GPU's pace).
+    stream_chunk_tokens: int = CHUNK_TOKENS
     # Tokens per engine stream event asked of the engine (SGLang's per-request stream_interval); 0 chooses by the
     # streaming mode and the reply's size (engine/pacing.py).
     engine_stream_interval: int = 0
@@ -152,6 +158,10 @@ class ServerConfig:
             problems.append("--max-rollback must be >= 0")
         if not self.stream_coalesce_ms >= 0:
             problems.append("--stream-coalesce-ms must be >= 0")
+        if not self.stream_chunk_ms >= 0:
+            problems.append("--stream-chunk-ms must be >= 0 (0 sends what each read brings)")
+        if self.stream_chunk_tokens < 1:
+            problems.append("--stream-chunk-tokens must be >= 1")
         if self.engine_stream_interval < 0:
             problems.append("--engine-stream-interval must be >= 0 (0 chooses by the engine's streaming mode)")
         if self.on_divergence not in DIVERGENCE_POLICIES:

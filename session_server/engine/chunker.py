@@ -1,9 +1,10 @@
 """When a streamed reply's text goes out to the agent: the chunk rules of engine/pacing.py over what the engine's
 events added (engine/reader.py).
 
-The rules: the first text goes on at once; then what is held goes on as soon as it fills a chunk of `chunk_tokens`
-tokens, or `chunk_seconds` after the last hand-on, whichever comes first; and all of it when the engine's final
-event comes (nothing is held past it). What arrives faster than that is cut into chunks of `chunk_tokens` tokens
+The rules: the first text goes on at once; then what is held goes on `chunk_seconds` after the last hand-on, or as
+soon as it fills a chunk of `chunk_tokens` tokens, whichever comes first (the server's defaults make the time decide
+at a GPU's pace: --stream-chunk-ms, --stream-chunk-tokens); and all of it when the engine's final event comes
+(nothing is held past it). What arrives faster than that is cut into chunks of `chunk_tokens` tokens
 that go out together (a Progress's `cuts`, one write). An event is never cut: an engine whose events hold more tokens
 than a chunk gets a chunk per event. A cumulative event's text cannot be cut by tokens (its tokens are unknown): it
 goes on at once, one chunk per read.

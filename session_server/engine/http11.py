@@ -136,10 +136,10 @@ class EngineStream(_Parsed):
         self._wake = asyncio.Event()
         self._taker: asyncio.Future[None] | None = None  # take() waiting, for `_enough` whole pieces
         self._enough = 1
+        self._replan = False  # take() reads on until the engine's pace is known, then plans its wait again
         self._held = 0  # bytes received and not yet taken (reading pauses past HIGH_WATER)
         self._arrivals = 0  # whole pieces received (each an engine event, in SGLang's framing) ...
         self._first_at = self._last_at = 0.0  # ... the loop time the first and the last of them came
-        self._resume: asyncio.TimerHandle | None = None
         self._chunks: list[bytes] = []
         self._chunked = False  # Transfer-Encoding: chunked
         self._open = False  # the last of _chunks is an HTTP chunk not yet complete (a socket read ended inside it)
@@ -183,8 +183,9 @@ class EngineStream(_Parsed):
                 self._first_at = self._last_at
             self._arrivals += len(pieces) - self._open
             if self._taker is not None:
-                if len(self._chunks) - self._open >= self._enough:
-                    self._wake_taker()
+                if len(self._chunks) - self._open >= self._enough or (self._replan and self._arrivals >= _PACE_EVENTS):
+                    self._replan = False
+                    self._wake_taker()  # enough; or the pace is known now: the take plans its wait again
             elif self._held > HIGH_WATER:  # the reader is away (sending to the agent): let the kernel hold the rest
                 self._pause(True)
 
@@ -202,8 +203,8 @@ class EngineStream(_Parsed):
         self._wake_taker()
 
     def _wake_taker(self) -> None:
-        if self._taker is not None and not self._taker.done():
-            self._taker.set_result(None)
+        if self._taker is not None:
+            _wake(self._taker)
 
     # -- reader side ------------------------------------------------------------------------------------
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
@@ -235,8 +236,10 @@ class EngineStream(_Parsed):
         None once the body has ended and all of it was taken (engine/sse.py Reads).
 
         The socket is read all along (each read a parser feed and a count, no wake-up of the reader): only the
-        `enough`-th piece, the time bound or the body's end wakes it. Past HIGH_WATER bytes unread by the reader,
-        reading pauses (what the engine sends then waits in the kernel)."""
+        `enough`-th piece, the time bound or the body's end wakes it. Once the engine's pace is known, reading pauses
+        until the `enough`-th piece is expected, or until the time bound when that comes first: the events wait in
+        the kernel and are read in one read, and the reader is woken once, after it. Past HIGH_WATER bytes unread by
+        the reader, reading pauses too (what the engine sends then waits in the kernel)."""
         loop = self._loop
         now = loop.time()
         not_before = now + after
@@ -259,28 +262,29 @@ class EngineStream(_Parsed):
                 wake = due if whole < enough else (not_before if due is None else min(due, not_before))
                 if timer is not None:
                     timer.cancel()
-                timer = loop.call_at(wake, self._wake_taker) if wake is not None else None
-                self._taker = loop.create_future()
+                taker = self._taker = loop.create_future()
                 self._enough = enough if whole < enough else 1 << 62  # enough already: only the time wakes it
-                resume = self._expected(enough - whole, due) if whole < enough else None
+                resume = self._expected(enough - whole) if whole < enough else None
                 if whole >= enough:
                     self._pause(True)  # only the time wakes it: what comes meanwhile waits in the kernel
-                elif resume is not None and resume > now + _MIN_PAUSE:
-                    self._pause(True)  # the events wait in the kernel until they are expected all to be there
-                    self._resume = loop.call_at(resume, self._pause, False)
+                elif resume is not None and (read_at := resume if due is None else min(resume, due)) > now + _MIN_PAUSE:
+                    # the events wait in the kernel until they are expected all to be there (at most _MAX_PAUSE) or
+                    # the time, and the stream is woken once, after the one read then (not by the read and again
+                    # by the time); if not enough came by then, it plans its wait again
+                    self._pause(True)
+                    timer = loop.call_at(read_at, self._read_then_wake, taker)
+                    await taker
+                    continue
                 else:
                     self._pause(False)
-                await self._taker
-                if self._resume is not None:
-                    self._resume.cancel()
-                    self._resume = None
+                    self._replan = resume is None and whole < enough and self._chunked
+                timer = loop.call_at(wake, self._wake_taker) if wake is not None else None
+                await taker
         finally:
             self._taker = None
+            self._replan = False
             if timer is not None:
                 timer.cancel()
-            if self._resume is not None:
-                self._resume.cancel()
-                self._resume = None
         if whole == len(self._chunks):
             pieces, self._chunks = self._chunks, []
         else:
@@ -289,17 +293,24 @@ class EngineStream(_Parsed):
         self._held = 0
         return pieces
 
-    def _expected(self, more: int, due: float | None) -> float | None:
+    def _expected(self, more: int) -> float | None:
         """When `more` engine events will have come, by the pace of those so far (SGLang's events come at a steady
         pace: a decode step's time times the stream interval), a little after; None while the pace is unknown.
         Reading pauses until then: the events wait in the kernel and wake the process once, not once each."""
-        if not self._chunked or self._arrivals < 3:
+        if not self._chunked or self._arrivals < _PACE_EVENTS:
             return None
         spacing = (self._last_at - self._first_at) / (self._arrivals - 1)
         # a margin of half an event's time (at most 10 ms): an engine's pace jitters, and an event a little late
         # would cost a wake-up of its own
         at = self._first_at + (self._arrivals - 1 + more) * spacing + max(_MIN_PAUSE, min(spacing / 2, 0.01))
-        return at if due is None else min(at, due - _MIN_PAUSE)
+        return min(at, self._loop.time() + _MAX_PAUSE)  # any event may be the reply's last
+
+    def _read_then_wake(self, taker: asyncio.Future[None]) -> None:
+        """The time is up while reading is paused: read what the kernel holds, then wake `taker`. Two hops of the
+        loop, so that its next poll for I/O (which reads the socket) runs first, in asyncio's loop and in uvloop's
+        alike; the wake-up is the one the time costs, the read needs none of its own."""
+        self._pause(False)
+        self._loop.call_soon(self._loop.call_soon, _wake, taker)
 
     def _pause(self, paused: bool) -> None:
         transport = self.transport
@@ -319,7 +330,14 @@ class EngineStream(_Parsed):
             self.transport.close()
 
 
+def _wake(taker: asyncio.Future[None]) -> None:
+    if not taker.done():
+        taker.set_result(None)
+
+
 HIGH_WATER = 4 * 2**20  # bytes of a stream received and not yet taken before reading pauses
+_PACE_EVENTS = 3  # events whose times give the engine's pace
+_MAX_PAUSE = 0.2  # seconds an engine event may wait in the kernel at most (it may end the reply)
 _MIN_PAUSE = 0.001  # seconds: reading pauses for an expected event only when it is at least this far off
 
 # How long a connection may sit idle and still be reused. SGLang's uvicorn closes a keep-alive connection idle for

@@ -27,6 +27,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import msgspec
 
 from session_server.engine.adapters import AdapterRef, adapter_cache_key
+from session_server.engine.chunker import Chunker
 from session_server.engine.http11 import EngineStream
 from session_server.engine.pacing import stream_interval
 from session_server.engine.sessions import engine_session_gone
@@ -405,9 +406,11 @@ class EngineCall(Generic[R]):
             raw = None
             progressed = False
             try:
+                chunker = Chunker(config.stream_chunk_tokens, config.stream_chunk_ms / 1000,
+                                  asyncio.get_running_loop().time)
                 async for event in engine_events(
                         reads, config.engine_incremental_streaming, listener.logprobs, config.stream_coalesce_ms / 1000,
-                        vocab_size=self.turn.family.vocab_size,
+                        chunker=chunker, vocab_size=self.turn.family.vocab_size,
                         event_tokens=stream_interval(config.engine_stream_interval, True, None, None)):
                     if isinstance(event, Final):
                         raw = event.raw

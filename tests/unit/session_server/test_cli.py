@@ -17,6 +17,7 @@ from session_server.cli import (
     flags,
 )
 from session_server.config import ServerConfig
+from session_server.engine import pacing
 
 REQUIRED = ["--engine-url", "http://127.0.0.1:1", "--tokenizer", "T", "--model-family", "qwen3"]
 
@@ -93,3 +94,16 @@ def test_engine_keys_default_to_the_environment_when_the_parser_is_built(monkeyp
     monkeypatch.delenv(ENGINE_ADMIN_API_KEY_ENV, raising=False)
     config = config_from_args(build_parser().parse_args(REQUIRED))
     assert (config.engine_api_key, config.engine_admin_api_key) == ("k-from-env", None)
+
+
+def test_the_stream_chunk_rule_is_two_flags() -> None:
+    """The agent's chunks (engine/pacing.py): by default a chunk per CHUNK_SECONDS or CHUNK_TOKENS; both flags reach
+    the config, and an impossible value is refused by name."""
+    config = config_from_args(build_parser().parse_args(REQUIRED))
+    assert (config.stream_chunk_ms, config.stream_chunk_tokens) == (pacing.CHUNK_SECONDS * 1000, pacing.CHUNK_TOKENS)
+    config = config_from_args(build_parser().parse_args([*REQUIRED, "--stream-chunk-ms", "50",
+                                                         "--stream-chunk-tokens", "64"]))
+    assert (config.stream_chunk_ms, config.stream_chunk_tokens) == (50.0, 64)
+    for flag, bad in (("--stream-chunk-ms", "-1"), ("--stream-chunk-tokens", "0")):
+        with pytest.raises(ValueError, match=flag):
+            config_from_args(build_parser().parse_args([*REQUIRED, flag, bad]))

@@ -157,6 +157,111 @@ def test_a_take_waits_for_enough_whole_pieces_or_its_time() -> None:
     run(main())
 
 
+class _Kernel:
+    """A transport whose paused socket holds what the engine sends (`send`) until reading resumes; then the loop's
+    next poll hands it to the protocol, as a real socket's readiness would. Records when reading resumed."""
+
+    def __init__(self, stream: EngineStream) -> None:
+        self.stream = stream
+        self.paused = False
+        self.held: list[bytes] = []
+        self.resumed_at: list[float] = []
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+        self.resumed_at.append(asyncio.get_running_loop().time())
+        asyncio.get_running_loop().call_soon(self._deliver)
+
+    def send(self, data: bytes) -> None:
+        self.held.append(data)
+        if not self.paused:
+            self._deliver()
+
+    def _deliver(self) -> None:
+        held, self.held = self.held, []
+        for data in held:
+            self.stream.data_received(data)
+
+
+def test_events_not_expected_before_the_time_wait_in_the_kernel_until_it() -> None:
+    """Once the engine's pace is known and the events asked for are not expected before the take's time, reading
+    pauses until that time: the events sent meanwhile wake nothing, and are read at the time, in the take's answer
+    (reading resumes at the time, not before it, and the take is answered after that read)."""
+    chunks = [b"data: %d\n\n" % i for i in range(6)]
+    framed = [b"%x\r\n%s\r\n" % (len(c), c) for c in chunks]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stream = EngineStream()
+        kernel = _Kernel(stream)
+        stream.transport = kernel  # type: ignore[assignment]
+        kernel.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"".join(framed[:3]))
+        assert await stream.take(3, 0.0, None) == chunks[:3]
+        stream._first_at, stream._last_at = loop.time() - 2.0, loop.time()  # an event per second so far
+        due = loop.time() + 0.05
+        waiting = asyncio.ensure_future(stream.take(3, 0.0, due - loop.time()))
+        await asyncio.sleep(0)
+        assert kernel.paused  # the next three are expected in 3 s: nothing is read before the time
+        kernel.send(framed[3] + framed[4])
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not waiting.done() and stream._arrivals == 3
+        assert await asyncio.wait_for(waiting, 5) == chunks[3:5]
+        assert len(kernel.resumed_at) == 1 and kernel.resumed_at[0] >= due - 1e-6
+
+    run(main())
+
+
+class _Reading:
+    """A transport that only records whether reading is paused."""
+
+    def __init__(self) -> None:
+        self.paused = False
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+
+def test_a_take_reads_on_until_the_pace_is_known_then_pauses() -> None:
+    """A take that waits for more events than have come reads every event while the engine's pace is unknown; once
+    three events give it, the take plans its wait again and reading pauses until the rest are expected (not one
+    wake-up per event for the rest of the take). Fed by hand, the pace set on the stream's clock."""
+    framed = [b"%x\r\n%s\r\n" % (len(c), c) for c in (b"data: %d\n\n" % i for i in range(3))]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stream = EngineStream()
+        transport = _Reading()
+        stream.transport = transport  # type: ignore[assignment]
+        stream.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + framed[0])
+        stream._first_at = loop.time() - 2.0  # the first event two seconds ago
+        waiting = asyncio.ensure_future(stream.take(10, 0.0, None))
+        await asyncio.sleep(0)
+        assert not transport.paused  # the pace is unknown: every event is read
+        stream.data_received(framed[1])
+        await asyncio.sleep(0)
+        assert not transport.paused and not waiting.done()
+        stream.data_received(framed[2])  # an event a second: the next seven are 7 s away
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert transport.paused and not waiting.done()
+        waiting.cancel()
+
+    run(main())
+
+
 def test_connection_close_response_is_not_reused() -> None:
     async def closing(o: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if (body := await o.read_request(reader)) is not None:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from session_server.engine import sse
+from session_server.engine import pacing, sse
 from session_server.engine.chunker import Chunker
 from session_server.engine.frames import Frames
 from session_server.engine.sse import EngineError, Final, Progress, engine_events
@@ -256,3 +256,91 @@ def test_the_first_text_goes_on_at_once_and_held_text_by_the_deadline() -> None:
 
     asyncio.run(asyncio.wait_for(run(), 10))
     assert got == ["a", "b"]
+
+
+class _PacedEngine:
+    """An engine that sends its events (one HTTP chunk each) at given times on a clock of its own: `take` moves the
+    clock on to when a real socket would answer it (the `enough`-th event after `after` seconds, or `within`
+    seconds, or the body's end) and hands over what has arrived by then. The verdicts are the clock's, never the
+    wall's: the stream loop and the chunker run as in the server, with this clock injected."""
+
+    def __init__(self, pieces: list[bytes], times: list[float]) -> None:
+        self.pieces, self.times = pieces, times
+        self.now = 0.0
+        self.taken = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    async def take(self, enough: int, after: float, within: float | None) -> list[bytes] | None:
+        if self.taken == len(self.pieces):
+            return None
+        start = self.now
+        last = min(self.taken + enough, len(self.pieces)) - 1  # the body's end wakes it too
+        ready = max(self.times[last], start + after)
+        self.now = max(start, min(ready, start + within) if within is not None else ready)
+        upto = self.taken
+        while upto < len(self.pieces) and self.times[upto] <= self.now:
+            upto += 1
+        out, self.taken = self.pieces[self.taken:upto], upto
+        return out
+
+
+def _paced_chunks(tokens: int, event_tokens: int, seconds_per_token: float, chunk_tokens: int,
+                  chunk_seconds: float) -> tuple[list[tuple[float, int]], list[float]]:
+    """A delta reply of `tokens` tokens in events of `event_tokens` (the first of one token, as SGLang sends it),
+    decoded at `seconds_per_token`, through the stream loop (with the server's 20 ms between reads) and a chunker of
+    `chunk_tokens` / `chunk_seconds`: (the clock time, the tokens) of each chunk the agent gets, and the events'
+    times."""
+    sizes = [1] + [event_tokens] * ((tokens - 1) // event_tokens)
+    sizes += [tokens - sum(sizes)] if tokens > sum(sizes) else []
+    raw, _ = _stream([("x" * n, [7] * n) for n in sizes], incremental=True)
+    ends = _chunk_ends(raw, "sglang")
+    pieces = [raw[a:b] for a, b in itertools.pairwise([0, *ends])]
+    done = list(itertools.accumulate(sizes))
+    times = [n * seconds_per_token for n in done] + [done[-1] * seconds_per_token]  # [DONE] with the last
+    engine = _PacedEngine(pieces, times)
+    chunks: list[tuple[float, int]] = []
+
+    async def run() -> None:
+        async for event in engine_events(engine, True, coalesce=0.02, event_tokens=event_tokens,
+                                         chunker=Chunker(chunk_tokens, chunk_seconds, engine.clock)):
+            if isinstance(event, Progress):
+                assert event.cuts is not None
+                ends = [tokens for _, tokens in event.cuts]
+                chunks.extend((engine.now, b - a) for a, b in itertools.pairwise([0, *ends]))
+
+    asyncio.run(run())
+    return chunks, times[:-1]
+
+
+@pytest.mark.parametrize(("tokens_per_second", "event_tokens"), [(2000, 32), (2000, 4), (5000, 32), (320, 32)])
+def test_at_a_real_engines_pace_the_chunks_go_by_time(tokens_per_second: int, event_tokens: int) -> None:
+    """The server's defaults (engine/pacing.py) at a GPU's pace: the first text as soon as the first event brings it,
+    then a chunk per CHUNK_SECONDS -- not per CHUNK_TOKENS, which a GPU does not decode within that time -- each
+    chunk at most CHUNK_SECONDS plus one event after the one before, and the rest with the last event."""
+    chunks, times = _paced_chunks(4096, event_tokens, 1 / tokens_per_second, pacing.CHUNK_TOKENS,
+                                  pacing.CHUNK_SECONDS)
+    assert sum(n for _, n in chunks) == 4096 - (4095 % event_tokens or event_tokens)  # the last event's: the Final
+    assert chunks[0] == (times[0], 1)  # the first token's event, at once
+    event_time = event_tokens / tokens_per_second
+    gaps = [b - a for (a, _), (b, _) in itertools.pairwise(chunks)]
+    assert max(gaps) <= pacing.CHUNK_SECONDS + event_time + 1e-9
+    # by time: every chunk but the last (cut short by the final event) comes CHUNK_SECONDS after the one before,
+    # or with the first event after that
+    assert all(gap >= pacing.CHUNK_SECONDS - 1e-9 for gap in gaps[:-1])
+    assert all(n < pacing.CHUNK_TOKENS for _, n in chunks)
+    assert len(chunks) <= 2 + times[-1] / pacing.CHUNK_SECONDS
+
+
+def test_a_slow_decoder_gets_a_chunk_per_event() -> None:
+    """At 50 tokens/s an event of 32 tokens comes every 640 ms, more than CHUNK_SECONDS: each goes out as it comes."""
+    chunks, times = _paced_chunks(320, 32, 1 / 50, pacing.CHUNK_TOKENS, pacing.CHUNK_SECONDS)
+    assert [t for t, _ in chunks] == times[:-1] and [n for _, n in chunks] == [1] + [32] * 9
+
+
+def test_what_arrives_faster_than_the_cap_goes_in_chunks_of_the_cap() -> None:
+    """An engine faster than the cap per CHUNK_SECONDS (here everything at once): chunks of the cap, cut where an
+    event ends (the first: 225 tokens, the token of the first event and 7 of 32), all in one hand-on."""
+    chunks, _ = _paced_chunks(4096, 32, 0.0, 256, pacing.CHUNK_SECONDS)
+    assert chunks == [(0.0, 225)] + [(0.0, 256)] * 15
