@@ -303,7 +303,10 @@ class EngineStream(_Parsed):
         # a margin of half an event's time (at most 10 ms): an engine's pace jitters, and an event a little late
         # would cost a wake-up of its own
         at = self._first_at + (self._arrivals - 1 + more) * spacing + max(_MIN_PAUSE, min(spacing / 2, 0.01))
-        return min(at, self._loop.time() + _MAX_PAUSE)  # any event may be the reply's last
+        # any event may be the reply's last: it waits at most _MAX_PAUSE, and at most _LATE_SHARE of the time the
+        # reply has streamed so far, so a short reply's end is never late by more than a fraction of its own time
+        now = self._loop.time()
+        return min(at, now + min(_MAX_PAUSE, (now - self._first_at) * _LATE_SHARE))
 
     def _read_then_wake(self, taker: asyncio.Future[None]) -> None:
         """The time is up while reading is paused: read what the kernel holds, then wake `taker`. Two hops of the
@@ -338,6 +341,7 @@ def _wake(taker: asyncio.Future[None]) -> None:
 HIGH_WATER = 4 * 2**20  # bytes of a stream received and not yet taken before reading pauses
 _PACE_EVENTS = 3  # events whose times give the engine's pace
 _MAX_PAUSE = 0.2  # seconds an engine event may wait in the kernel at most (it may end the reply)
+_LATE_SHARE = 0.25  # ... and at most this share of the time since the reply's first event
 _MIN_PAUSE = 0.001  # seconds: reading pauses for an expected event only when it is at least this far off
 
 # How long a connection may sit idle and still be reused. SGLang's uvicorn closes a keep-alive connection idle for

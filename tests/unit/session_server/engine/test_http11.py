@@ -262,6 +262,25 @@ def test_a_take_reads_on_until_the_pace_is_known_then_pauses() -> None:
     run(main())
 
 
+def test_an_event_waits_in_the_kernel_at_most_a_share_of_the_replys_time_so_far() -> None:
+    """Any event may end the reply, so the pause before the next read is bounded twice: by _MAX_PAUSE, and by a
+    quarter of the time since the reply's first event -- a short reply's end is late by a fraction of its own time
+    at most. The pace set by hand on the stream's clock: three events so far, the next five due later than either
+    bound."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stream = EngineStream()
+        stream._chunked, stream._arrivals = True, 3
+        for streamed in (0.1, 10.0):  # the reply's first event that long ago, the last one just now
+            now = loop.time()
+            stream._first_at, stream._last_at = now - streamed, now
+            at = stream._expected(5)
+            assert at is not None and at - loop.time() <= min(0.2, streamed / 4) + 1e-6
+            assert at - now >= min(0.2, streamed / 4) - 0.05  # it does pause (the events are seconds away)
+
+    run(main())
+
+
 def test_connection_close_response_is_not_reused() -> None:
     async def closing(o: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if (body := await o.read_request(reader)) is not None:
