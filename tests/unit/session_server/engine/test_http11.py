@@ -157,15 +157,11 @@ def test_a_take_waits_for_enough_whole_pieces_or_its_time() -> None:
     run(main())
 
 
-class _Kernel:
-    """A transport whose paused socket holds what the engine sends (`send`) until reading resumes; then the loop's
-    next poll hands it to the protocol, as a real socket's readiness would. Records when reading resumed."""
+class _Reading:
+    """A transport that only records whether reading is paused."""
 
-    def __init__(self, stream: EngineStream) -> None:
-        self.stream = stream
+    def __init__(self) -> None:
         self.paused = False
-        self.held: list[bytes] = []
-        self.resumed_at: list[float] = []
 
     def is_closing(self) -> bool:
         return False
@@ -175,6 +171,20 @@ class _Kernel:
 
     def resume_reading(self) -> None:
         self.paused = False
+
+
+class _Kernel(_Reading):
+    """A transport whose paused socket holds what the engine sends (`send`) until reading resumes; then the loop's
+    next poll hands it to the protocol, as a real socket's readiness would. Records when reading resumed."""
+
+    def __init__(self, stream: EngineStream) -> None:
+        super().__init__()
+        self.stream = stream
+        self.held: list[bytes] = []
+        self.resumed_at: list[float] = []
+
+    def resume_reading(self) -> None:
+        super().resume_reading()
         self.resumed_at.append(asyncio.get_running_loop().time())
         asyncio.get_running_loop().call_soon(self._deliver)
 
@@ -216,22 +226,6 @@ def test_events_not_expected_before_the_time_wait_in_the_kernel_until_it() -> No
         assert len(kernel.resumed_at) == 1 and kernel.resumed_at[0] >= due - 1e-6
 
     run(main())
-
-
-class _Reading:
-    """A transport that only records whether reading is paused."""
-
-    def __init__(self) -> None:
-        self.paused = False
-
-    def is_closing(self) -> bool:
-        return False
-
-    def pause_reading(self) -> None:
-        self.paused = True
-
-    def resume_reading(self) -> None:
-        self.paused = False
 
 
 def test_a_take_reads_on_until_the_pace_is_known_then_pauses() -> None:
