@@ -98,9 +98,17 @@ async def prefill(server: ServerState, session_id: str, prompt_ids: np.ndarray, 
         lora_path=adapter.engine_name if adapter is not None else None, input_json=wire_ids,
     )
     payload = await server.pool.run_sized(request.size, encode_generate, request)
+    work = asyncio.ensure_future(engine.generate(payload, session_id))
     try:
-        # A cancelled wait closes the request's connection, which SGLang takes as its client gone (an abort).
-        reply = await asyncio.wait_for(engine.generate(payload, session_id), config.request_timeout)
+        finished, _ = await asyncio.wait((work,), timeout=config.request_timeout)
+    except asyncio.CancelledError:  # the caller went away: aborted by its rid, as any engine request
+        _abandon(server, session_id, request.rid, work)
+        raise
+    try:
+        if not finished:
+            _abandon(server, session_id, request.rid, work)
+            raise TimeoutError(f"no answer within --request-timeout {config.request_timeout:g}s")
+        reply = work.result()
     except (TimeoutError, EngineUnavailableError) as exc:
         server.metrics.fork_prefills.labels("failed").inc()
         logger.warning("session %s: the prefill of what its fork shares did not finish (%r)", session_id, exc)
@@ -112,14 +120,25 @@ async def prefill(server: ServerState, session_id: str, prompt_ids: np.ndarray, 
         return None
     try:
         meta = _decode(reply.body).meta_info
-    except msgspec.DecodeError:
-        meta = _Meta(prompt_tokens=len(prompt_ids))
+    except msgspec.DecodeError as exc:  # not an answer to report: no figures are made up for it
+        server.metrics.fork_prefills.labels("failed").inc()
+        logger.warning("session %s: the engine's answer to the prefill is not SGLang's (%s)", session_id, exc)
+        return None
     finish = meta.finish_reason
     if isinstance(finish, dict) and finish.get("type") == "abort":  # aborted for everyone (a weight update)
         server.metrics.fork_prefills.labels("failed").inc()
         return None
     server.metrics.fork_prefills.labels("done").inc()
     return Prefilled(prompt_tokens=meta.prompt_tokens, cached_tokens=meta.cached_tokens)
+
+
+def _abandon(server: ServerState, session_id: str, rid: str, work: asyncio.Future[Any]) -> None:
+    """Abort the request by its rid and let it end in the background (engine/drains.py), as a turn's engine call
+    does; the session's next chat waits for that."""
+    if server.drains is not None:
+        server.drains.start(session_id, rid, work)
+    else:  # no lifespan state (unit use): at least close the connection, which SGLang takes as an abort
+        work.cancel()
 
 
 async def prefill_primed(server: ServerState, session_id: str, primed: PrimedPrompt, metadata: dict[str, Any],

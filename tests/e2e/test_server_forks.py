@@ -397,6 +397,33 @@ def test_a_primed_group_prefills_its_prompt_once(stack: Stack, proxy: RecordingP
         assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
 
 
+def test_a_prefill_past_the_request_timeout_is_aborted_by_its_rid(stack: Stack, proxy: RecordingProxy) -> None:
+    """The prime's prefill is an engine request like a turn's: held by the engine far past --request-timeout (a delay
+    fault of 600 s against 1 s), the prime answers without it (`prefill: null`, still primed) and the request is
+    aborted by its rid, so the engine ends it and frees what it held, rather than leaving it to run."""
+    proc = start_session_server(proxy.url, stack.tok, FAMILY, "--request-timeout", "1", name="short-timeout",
+                                log_dir=stack.logs)
+    try:
+        sid = new_session(proc.url)
+        proxy.clear()
+        assert httpx.post(f"{stack.engine}/sim/faults", json={"delay": 1.0, "delay_seconds": 600}).status_code == 200
+        try:
+            primed = httpx.post(f"{proc.url}/sessions/{sid}/prime", timeout=60, json={
+                "messages": [{"role": "user", "content": "A prime the engine holds."}]})
+        finally:
+            httpx.post(f"{stack.engine}/sim/faults", json={})
+        assert primed.status_code == 200, primed.text
+        assert primed.json()["prefill"] is None and primed.json()["prompt_tokens"] > 0
+        calls = proxy.settled()
+        (prime_call,) = [c for c in calls if c["path"] == "/generate"]
+        rid = prime_call["request"]["rid"]
+        assert [c["request"].get("rid") for c in calls if c["path"] == "/abort_request"] == [rid]
+        assert prime_call["status"] == 499  # the sim ended the held request (its answer to one aborted while held)
+        assert httpx.delete(f"{proc.url}/sessions/{sid}", timeout=30).status_code == 204
+    finally:
+        proc.stop()
+
+
 def test_a_group_in_one_request(stack: Stack, proxy: RecordingProxy) -> None:
     """POST /sessions with `prime` and `n`: the group's sessions at one primed prompt, in one request -- rendered once,
     prefilled once, no root session left to delete; `prime` alone is one primed session; `n` without `prime`, or
