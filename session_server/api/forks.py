@@ -28,7 +28,7 @@ from starlette.responses import Response
 from session_server.errors import RequestTooLargeError, json_response
 from session_server.http.body import read_object
 from session_server.state import server_of
-from session_server.turns.prefill import prefill
+from session_server.turns.prefill import prefill, prefill_json
 from trajectory.errors import RequestValidationError
 from trajectory.forks import parse_fork
 
@@ -60,4 +60,4 @@ async def fork_session(request: Request) -> Response:
                              parent.metadata, None)
     return json_response({"session_ids": [c.id for c in children], "group": lineage.group,
                           "fork_position": lineage.position, "fork_turns": lineage.turns,
-                          "prefill": None if done is None else done.to_json()})
+                          "prefill": prefill_json(done)})

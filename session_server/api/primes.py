@@ -33,7 +33,7 @@ from session_server.sessions.journal import SessionInfo
 from session_server.sessions.session import Session
 from session_server.state import ServerState, server_of
 from session_server.turns.pipeline import read_body
-from session_server.turns.prefill import prefill_primed
+from session_server.turns.prefill import prefill_json, prefill_primed
 from trajectory import LinearTrajectory
 from trajectory.errors import ForkPointError
 from trajectory.images import ImageLimits
@@ -63,6 +63,16 @@ def prime_key(session_id: str) -> str:
     return f"{session_id}/{secrets.token_hex(4)}"
 
 
+async def journal_prime(server: ServerState, session: Session, body: bytes) -> None:
+    """With --journal, the prime request on disk under a new key that the session then names, before the prime is
+    answered (a restart renders it again, sessions/recovery.py); without, nothing."""
+    if server.journal is None:
+        return
+    key = prime_key(session.id)
+    await server.journal.primed(dataclasses.replace(SessionInfo.of(session), primed=key), key, body)
+    session.primed = key
+
+
 def primer(server: ServerState) -> Callable[[bytes], PrimedPrompt]:
     """A journaled prime request rendered again at a restart (sessions/recovery.py): the same ids, a fresh plan."""
     return lambda body: render_prime(body, server.new_trajectory(), server.config.image_limits)[0]
@@ -82,11 +92,8 @@ async def prime_session(request: Request) -> Response:
     trajectory = _primable(session)
     primed, model = await server.pool.run(render_prime, body, trajectory, config.image_limits)
     _unchanged(server, session, trajectory)
-    if server.journal is not None:  # on disk before it is answered: a restart brings the session back primed
-        key = prime_key(session.id)
-        await server.journal.primed(dataclasses.replace(SessionInfo.of(session), primed=key), key, body)
-        session.primed = key
-        _unchanged(server, session, trajectory)
+    await journal_prime(server, session, body)
+    _unchanged(server, session, trajectory)
     trajectory.set_primed(primed)
     done = await prefill_primed(server, session.id, primed, session.metadata, model)
-    return json_response({"prompt_tokens": primed.num_tokens, "prefill": None if done is None else done.to_json()})
+    return json_response({"prompt_tokens": primed.num_tokens, "prefill": prefill_json(done)})

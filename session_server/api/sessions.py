@@ -10,14 +10,13 @@ pool, so inspecting a long session does not stall /health or other sessions' cha
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from session_server.api.primes import prime_key, render_prime
+from session_server.api.primes import journal_prime, prime_key, render_prime
 from session_server.engine.client import EngineReply
 from session_server.errors import (
     AbortReason,
@@ -28,10 +27,9 @@ from session_server.errors import (
 )
 from session_server.frontend.root_session import header_id, not_found
 from session_server.http.body import decode_object, read_body
-from session_server.sessions.journal import SessionInfo
 from session_server.sessions.session import Session
 from session_server.state import ServerState, server_of
-from session_server.turns.prefill import prefill_primed
+from session_server.turns.prefill import prefill_json, prefill_primed
 from session_server.turns.sampling_masks import mask_policy
 from trajectory import LinearTrajectory, Segment
 from trajectory.errors import RequestValidationError
@@ -115,18 +113,15 @@ async def create_session(request: Request) -> Response:
     primed, model = await server.pool.run(render_prime, prime, segments.main, config.image_limits)
     session = server.lifecycle.create(segments, metadata)
     session.sampling_masks = masks
-    if server.journal is not None:  # the session's row and its primed prompt in one transaction, or neither
-        key = prime_key(session.id)
-        try:
-            await server.journal.primed(dataclasses.replace(SessionInfo.of(session), primed=key), key, prime)
-        except BaseException:
-            server.registry.discard(session.id)
-            raise
-        session.primed = key
+    try:  # the session's row and its primed prompt in one transaction, or neither
+        await journal_prime(server, session, prime)
+    except BaseException:
+        server.registry.discard(session.id)
+        raise
     segments.main.set_primed(primed)  # no turn can have come: nobody knew its id
     done = await prefill_primed(server, session.id, primed, metadata, model)
     return json_response({"session_id": session.id, "prompt_tokens": primed.num_tokens,
-                          "prefill": None if done is None else done.to_json()})
+                          "prefill": prefill_json(done)})
 
 
 async def _create_group(server: ServerState, prime: bytes, n: int, metadata: dict[str, Any],
@@ -145,7 +140,7 @@ async def _create_group(server: ServerState, prime: bytes, n: int, metadata: dic
     assert lineage is not None
     return json_response({"session_ids": [c.id for c in children], "group": lineage.group, "root_session": root_id,
                           "fork_position": lineage.position, "fork_turns": lineage.turns,
-                          "prompt_tokens": primed.num_tokens, "prefill": None if done is None else done.to_json()})
+                          "prompt_tokens": primed.num_tokens, "prefill": prefill_json(done)})
 
 
 async def get_session(request: Request) -> Response:

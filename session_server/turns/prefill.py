@@ -52,8 +52,10 @@ class Prefilled:
     prompt_tokens: int
     cached_tokens: int  # of the prompt, already in its radix cache (another group's prompt, a retry)
 
-    def to_json(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
+
+def prefill_json(done: Prefilled | None) -> dict[str, int] | None:
+    """A reply's `prefill`: what the engine reported, or null when it was not asked or did not answer."""
+    return None if done is None else {"prompt_tokens": done.prompt_tokens, "cached_tokens": done.cached_tokens}
 
 
 class _Meta(msgspec.Struct):
