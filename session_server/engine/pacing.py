@@ -7,8 +7,9 @@ that, what arrived goes out every CHUNK_SECONDS (counted from the last chunk), o
 held, whichever comes first; nothing is held past the engine's last event. So no gap between two chunks is longer
 than CHUNK_SECONDS plus the time of one engine event (what is held goes out at its time; when nothing is, the next
 event goes out as it comes). The events between two chunks wait in the kernel until the chunk's time (at most
-200 ms, engine/http11.py), the last one too: the end of a streamed reply reaches the agent up to that long after the
-engine sent it, the price of a read per chunk rather than per event. The token cap is twice what a GPU
+200 ms and a quarter of the time the reply has streamed so far, engine/http11.py), the last one too: the end of a
+streamed reply reaches the agent up to that long after the engine sent it, the price of a read per chunk rather than
+per event. The token cap is twice what a GPU
 decodes for one request in CHUNK_SECONDS at 5,000 tokens/s (400 tokens at 2,000): at a real engine's pace the time
 decides, and the cap only cuts what arrives faster (an unpaced engine, a backlog) into chunks of CHUNK_TOKENS
 tokens, several in one write.
