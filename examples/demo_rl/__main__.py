@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from examples.demo_rl.engine import ENGINE_ARGS, PLUGIN_DIR, ROOT
+from examples.demo_rl.engine import ROOT, start_demo_engine
 from examples.demo_rl.game import WeatherGame
 from examples.demo_rl.loop import RunConfig, train_loop
 from examples.demo_rl.lora import WARMUP_LR, LoraConfig, LoraPolicy, LoraWeights
@@ -60,7 +60,7 @@ from examples.demo_rl.step_record import verdict
 from examples.demo_rl.table import table
 from examples.demo_rl.truncation import Truncation
 from examples.demo_rl.warmup import warm_up
-from harness.launchers import RunningProcess, start_session_server, start_sglang
+from harness.launchers import RunningProcess, start_session_server
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -141,10 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     game = WeatherGame(tokenizer)
     # The engine starts (30-60 s of mostly its own imports) while the policy warms up.
-    # One torch thread in the engine: a 2-layer model gains nothing from more, and spinning OpenMP threads starve
-    # the trainer and the session server on a 2-core machine.
-    engine = start_sglang(python, checkpoint, *ENGINE_ARGS, *lora_engine_args, plugin_dir=PLUGIN_DIR, name="sglang",
-                          wait=False, log_path=logs / "sglang.log", env={"OMP_NUM_THREADS": "1"})
+    engine = start_demo_engine(python, checkpoint, *lora_engine_args, name="sglang", wait=False,
+                               log_path=logs / "sglang.log")
     server: RunningProcess | None = None
     try:
         policy = load_policy(checkpoint, game, args.seed)

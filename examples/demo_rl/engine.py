@@ -1,9 +1,12 @@
 """How the demo launches released SGLang: the flags a real GRPO loop needs from the engine, and the real-engine tier's
-plugin for SGLang's CPU path (tests/sglang/test_real_grpo_loop.py launches its engine the same way)."""
+plugin for SGLang's CPU path (tests/sglang/test_real_grpo_loop.py and test_real_grpo_lora.py launch theirs with
+`start_demo_engine` too)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from harness.launchers import EngineProcess, start_sglang
 
 ROOT = Path(__file__).resolve().parents[2]
 # SGLang's CPU path imports a CUDA-only op at load time: the real-engine tier's plugin supplies a pure-torch one
@@ -17,3 +20,12 @@ PLUGIN_DIR = ROOT / "tests" / "sglang" / "plugin"
 # running at a push, so no token is sampled on KV of older weights and every step's check holds on every token.
 ENGINE_ARGS = ("--dtype", "float32", "--disable-overlap-schedule",
                "--max-running-requests", "16", "--reasoning-parser", "qwen3")
+
+
+def start_demo_engine(python: Path, checkpoint: Path, *extra_args: str, name: str, log_path: Path,
+                      wait: bool = True) -> EngineProcess:
+    """Released SGLang (run by `python`, its venv's interpreter) serving `checkpoint` as the demo needs it:
+    ENGINE_ARGS and `extra_args` (a LoRA adapter's), the CPU plugin, and one torch thread -- a 2-layer model gains
+    nothing from more, and spinning OpenMP threads starve the trainer and the session server on a 2-core machine."""
+    return start_sglang(python, checkpoint, *ENGINE_ARGS, *extra_args, plugin_dir=PLUGIN_DIR, name=name, wait=wait,
+                        log_path=log_path, env={"OMP_NUM_THREADS": "1"})

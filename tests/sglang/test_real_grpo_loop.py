@@ -3,7 +3,7 @@ through the session server, the trainer checks every sampled token against the w
 (rollout.logprob_check), takes its clipped policy-gradient step and pushes the weights in place (rollout.weight_push);
 the engine then serves exactly the trainer's weights under the next version.
 
-The module runs its own engine, launched as the demo launches it (examples.demo_rl.engine.ENGINE_ARGS): `--dtype
+The module runs its own engine, launched as the demo launches it (examples.demo_rl.engine.start_demo_engine): `--dtype
 float32`, where the tier's shared engines serve the fp32 checkpoints in SGLang's "auto" dtype, float16, whose logprobs
 differ from an fp32 recomputation by up to ~1e-2 once the weights are trained. The reward here is deliberately arbitrary
 (the first episode of each group wins): whatever text a barely warmed-up policy samples, every group then has advantages
@@ -26,12 +26,12 @@ import numpy as np
 import pytest
 import torch
 
-from examples.demo_rl.engine import ENGINE_ARGS, PLUGIN_DIR
+from examples.demo_rl.engine import start_demo_engine
 from examples.demo_rl.game import Prompt, WeatherGame
 from examples.demo_rl.loop import RunConfig, train_loop
 from examples.demo_rl.policy import load_policy
 from examples.demo_rl.warmup import warm_up
-from harness.launchers import start_session_server, start_sglang
+from harness.launchers import start_session_server
 from rollout.episodes import EpisodeResult
 
 
@@ -47,8 +47,7 @@ def stack(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory)
     python = pytestconfig.getoption("--sglang-venv").resolve() / "bin" / "python"
     checkpoint = pytestconfig.getoption("--checkpoints").resolve() / "qwen3-dense"
     logs = tmp_path_factory.mktemp("grpo-loop")
-    engine = start_sglang(python, checkpoint, *ENGINE_ARGS, plugin_dir=PLUGIN_DIR, name="sglang[grpo]",
-                          log_path=logs / "sglang.log", env={"OMP_NUM_THREADS": "1"})
+    engine = start_demo_engine(python, checkpoint, name="sglang[grpo]", log_path=logs / "sglang.log")
     try:
         with start_session_server(engine.url, checkpoint, "qwen3", log_dir=logs) as server:
             yield Stack(engine.url, server.url, checkpoint)

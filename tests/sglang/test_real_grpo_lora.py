@@ -2,7 +2,7 @@
 o_proj, each pushed as a new revision (`/load_lora_adapter`) with each turn on the newest one; every sampled token is
 checked against the base plus the revision that sampled it, and the engine then serves exactly the trainer's adapter.
 
-Its own engine, launched as the demo launches it with `--lora` (ENGINE_ARGS plus LoraConfig.engine_args). The reward
+Its own engine, launched as the demo launches it with `--lora` (start_demo_engine, LoRA flags). The reward
 is arbitrary (the first episode of each group wins), as in test_real_grpo_loop.py: every group has advantages of both
 signs, so every step must move the adapter. Synchronous (`overlap=False`): every token is its step's revision's.
 """
@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from examples.demo_rl.engine import ENGINE_ARGS, PLUGIN_DIR
+from examples.demo_rl.engine import start_demo_engine
 from examples.demo_rl.game import Prompt, WeatherGame
 from examples.demo_rl.loop import RunConfig, train_loop
 from examples.demo_rl.lora import ADAPTER, LoraConfig, LoraPolicy, LoraWeights
 from examples.demo_rl.policy import load_policy
 from examples.demo_rl.warmup import warm_up
-from harness.launchers import start_session_server, start_sglang
+from harness.launchers import start_session_server
 from rollout.episodes import EpisodeResult
 
 LORA = LoraConfig(rank=4, alpha=8.0, lr=5e-2)
@@ -49,8 +49,8 @@ def stack(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory)
     weights_dir = logs / "weights"
     weights = LoraWeights(LORA, checkpoint, seed=0)
     first = weights.save(weights_dir / "adapter" / "r0")  # where the trainer saves revision 0 too
-    engine = start_sglang(python, checkpoint, *ENGINE_ARGS, *LORA.engine_args(first), plugin_dir=PLUGIN_DIR,
-                          name="sglang[grpo-lora]", log_path=logs / "sglang.log", env={"OMP_NUM_THREADS": "1"})
+    engine = start_demo_engine(python, checkpoint, *LORA.engine_args(first), name="sglang[grpo-lora]",
+                               log_path=logs / "sglang.log")
     try:
         with start_session_server(engine.url, checkpoint, "qwen3", *LORA.server_args(), log_dir=logs) as server:
             yield Stack(engine.url, server.url, checkpoint, weights, weights_dir)
