@@ -26,7 +26,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
-from session_server.engine.adapters import AdapterRef, adapter_cache_key
+from session_server.engine.adapters import adapter_cache_key
 from session_server.engine.chunker import Chunker
 from session_server.engine.http11 import EngineStream
 from session_server.engine.pacing import stream_interval
@@ -153,12 +153,8 @@ class EngineCall(Generic[R]):
     """The engine side of one prepared turn: `open`, then `reply` (raced, continued, reopened, decoded), then
     `commit`; `close` once the turn is over, committed or not, before its slot is released."""
 
-    def __init__(self, server: ServerState, claim: Claim, turn: Turn[R], api: FrontEnd[R],
-                 adapter: AdapterRef | None = None) -> None:
+    def __init__(self, server: ServerState, claim: Claim, turn: Turn[R], api: FrontEnd[R]) -> None:
         self.server = server
-        # The LoRA adapter revision the session is pinned to (engine/adapters.py), the same for every engine request
-        # of the turn; None: the base model.
-        self.adapter = adapter
         self.claim = claim
         self.turn = turn
         self.api = api
@@ -238,8 +234,8 @@ class EngineCall(Generic[R]):
             thinking=server.family.thinking_mode(request.template_kwargs),
             images=plan.images, image_pad=vision.tokens.pad if vision is not None else -1,
             sampling_masks=request.sampling_mask_bound is not None,
-            extra_key=adapter_cache_key(self.cache_key, self.adapter),
-            lora_path=self.adapter.engine_name if self.adapter is not None else None,
+            extra_key=adapter_cache_key(self.cache_key, self.turn.adapter),
+            lora_path=self.turn.adapter.engine_name if self.turn.adapter is not None else None,
             input_json=plan.wire_ids if prompt is plan.prompt_ids else None,
         )
 
@@ -478,8 +474,9 @@ class EngineCall(Generic[R]):
         t0 = time.perf_counter()
         assert claim.plan is not None and claim.plan.turn is plan  # bound by the pipeline before the engine call
         result = out.result
-        if self.adapter is not None:  # the revision that sampled every token of the turn, on its record
-            result = dataclasses.replace(result, adapter=self.adapter.name, adapter_revision=self.adapter.revision)
+        adapter = self.turn.adapter
+        if adapter is not None:  # the revision that sampled every token of the turn, on its record
+            result = dataclasses.replace(result, adapter=adapter.name, adapter_revision=adapter.revision)
         record = await commit_turn(server, claim.session, claim.plan, result, out.message)
         self.committed = True
         metrics.stage("commit", time.perf_counter() - t0)

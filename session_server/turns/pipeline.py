@@ -234,14 +234,12 @@ async def _turn(server: ServerState, claim: Claim, request: Request, api: FrontE
     turn = Turn(parsed, matched.turn, new_rid(), parsed.model or server.family.name, server.family, matched,
                 return_token_ids=wants_ids)
     server.engine.place(session.id)  # its worker, or a healthy one if its worker failed (placement.py)
-    adapter = None
     book = server.adapters
     if book is not None:  # the session's LoRA adapter revision, pinned; refused here if the engines do not hold it
         recorded = None if session.id in book.pins else recorded_adapter(session.trajectory.records)
-        adapter = await book.for_turn(session.id, session.metadata, parsed.model, recorded)
+        turn.adapter = await book.for_turn(session.id, session.metadata, parsed.model, recorded)
         claim.raise_if_aborted()
-        turn.adapter = adapter
-    call = EngineCall(server, claim, turn, api, adapter)
+    call = EngineCall(server, claim, turn, api)
     await call.open()
     if parsed.stream:
         return StreamedTurn(call)  # type: ignore[return-value]  # an ASGI response
