@@ -118,9 +118,10 @@ class Lifecycle:
             raise SessionBusyError(f"session {parent.id} has a chat in flight: fork it when the turn has ended")
         self._check_fork_capacity(n)
         plan = plan_fork(parent.segments, new_segments, n, at)
-        # the first segment carries the primed prompt, if any
-        return await self._spawn(parent.id, parent.lineage, plan, {**parent.metadata, **metadata}, None,
-                                 parent.primed if plan.segment == 0 else None)
+        # the first segment carries the primed prompt, if any; the children ask for sampling masks as the parent
+        # does (a child's stored head holds the parent's masks, its own turns add theirs)
+        return await self._spawn(parent.id, parent.lineage, plan, {**parent.metadata, **metadata},
+                                 parent.sampling_masks, parent.primed if plan.segment == 0 else None)
 
     async def create_group(self, root_id: str, root: SegmentSet, n: int, metadata: dict[str, Any],
                            sampling_masks: bool | None, new_segments: Callable[[], SegmentSet],

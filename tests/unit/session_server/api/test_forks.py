@@ -131,3 +131,26 @@ def test_a_group_in_one_request_is_all_or_nothing(family: ModelFamily) -> None:
             assert refused.status_code == 503 and journal.forks == 1 and len(server.registry) == 0
 
     asyncio.run(main())
+
+
+def test_children_ask_for_sampling_masks_as_their_parent_does(family: ModelFamily) -> None:
+    """A parent opened with `return_sampling_masks` on a server that asks for none by default: its children's turns
+    ask for masks too (their stored heads hold the parent's rows, their own turns must add theirs), and say so; a
+    parent that asked for none has children that ask for none."""
+    async def main() -> None:
+        with in_process_app(family) as (app, server):
+            async with client_of(app) as http:
+                answers = {}
+                for wanted in (True, False):
+                    made = await http.post("/sessions", json={"return_sampling_masks": wanted})
+                    parent = server.registry.require(made.json()["session_id"])
+                    turn(parent, [user("step 0")], "reply 0")
+                    forked = await http.post(f"/sessions/{parent.id}/fork", json={"n": 2})
+                    assert forked.status_code == 200, forked.text
+                    answers[wanted] = [(await http.get(f"/sessions/{sid}")).json()["return_sampling_masks"]
+                                       for sid in forked.json()["session_ids"]]
+                    assert all(server.registry.require(sid).sampling_masks is wanted
+                               for sid in forked.json()["session_ids"])
+            assert answers == {True: [True, True], False: [False, False]}
+
+    asyncio.run(main())
