@@ -16,7 +16,8 @@ reply; the figure is each way's median over the rounds as a multiple of the floo
 G session opens and G chats). The forks' CPU is also split into its setup (the one request that makes the group) and
 the G first turns after it. The engine's prefilled
 tokens are the sim's books as the replies report them (prompt tokens less cached tokens, per turn, and the forks'
-prime's prefill).
+prime's prefill). The same ratios are also given for the server's and the engine's CPU together: the floor's text is
+tokenized by the engine (8 times a group), the server's ids were tokenized once.
 
 Part 2 (in process, the real tokenizer): the memory the G histories hold after their first turns, forked and
 independent, against one history (the trajectories' own bytes, `nbytes`, plus what the forks share once: the primed
@@ -80,8 +81,10 @@ async def open_sessions(client: httpx.AsyncClient, url: str, n: int) -> list[str
 
 
 async def run_way(way: str, client: httpx.AsyncClient, url: str, pid: int, body: dict[str, Any],
-                  group: int) -> dict[str, Any]:
-    """One group's first turns one `way`; the process's CPU over it and the sessions to delete afterwards."""
+                  group: int, engine_pid: int | None = None) -> dict[str, Any]:
+    """One group's first turns one `way`; the process's CPU over it (and the engine's, given its pid) and the
+    sessions to delete afterwards."""
+    engine0 = proc_runtime_ns(engine_pid) if engine_pid is not None else 0
     cpu0 = proc_runtime_ns(pid)
     t0 = time.perf_counter()
     primed = 0  # prompt tokens the engine prefilled before the first turns (the prime's prefill)
@@ -97,9 +100,10 @@ async def run_way(way: str, client: httpx.AsyncClient, url: str, pid: int, body:
     cpu1 = proc_runtime_ns(pid)
     usages = await chats(client, url, sids, body)
     cpu = proc_runtime_ns(pid) - cpu0
+    engine_cpu = proc_runtime_ns(engine_pid) - engine0 if engine_pid is not None else 0
     seconds = time.perf_counter() - t0
-    return {"way": way, "cpu_ns": cpu, "setup_cpu_ns": cpu1 - cpu0, "seconds": seconds, "sids": sids,
-            "usages": usages, "primed": primed}
+    return {"way": way, "cpu_ns": cpu, "setup_cpu_ns": cpu1 - cpu0, "engine_cpu_ns": engine_cpu, "seconds": seconds,
+            "sids": sids, "usages": usages, "primed": primed}
 
 
 async def prefilled(client: httpx.AsyncClient, url: str, sids: list[str]) -> int:
@@ -133,7 +137,7 @@ async def end_to_end(urls: dict[str, str], pids: dict[str, int], args: argparse.
                 body = {"messages": group_prompt(rng, r * 3 + WAYS.index(way), args.prompt_words, args.reply_tokens),
                         "tools": tools, "max_tokens": args.reply_tokens}
                 url = urls["floor" if way == "floor" else "server"]
-                out = await run_way(way, client, url, pids[way], body, args.group)
+                out = await run_way(way, client, url, pids[way], body, args.group, pids["engine"])
                 if way != "floor":
                     prefill[way].append(out["primed"] + await prefilled(client, url, out["sids"]))
                     prompt_tokens.append(int(out["usages"][0]["prompt_tokens"]))
@@ -165,6 +169,16 @@ def summarize(e2e: dict[str, Any], figs: Figures, args: argparse.Namespace) -> N
              "lower", floor=0.05)
     for way in ("independent", "forks"):
         figs.add(f"{way}_prefilled_tokens", statistics.median(e2e["prefill"][way]), "tokens", "lower")
+    # Server and engine together: the floor sends text, which the engine tokenizes (as SGLang's tokenizer manager
+    # does, on its own core); the session server sends ids, having tokenized once. The engine's side of the group
+    # also holds its emulated prefill and decode bookkeeping, the same for every way but for the tokenizing.
+    totals = {way: statistics.median(r["cpu_ns"] + r["engine_cpu_ns"] for r in e2e["rows"] if r["way"] == way) / 1e6
+              for way in WAYS}
+    for way in WAYS:
+        figs.add(f"{way}_group_with_engine_cpu_ms", totals[way], "ms", "lower", floor=0.5)
+    figs.add("forks_with_engine_vs_floor_with_engine", totals["forks"] / totals["floor"], "x", "lower", floor=0.05)
+    figs.add("independent_with_engine_vs_floor_with_engine", totals["independent"] / totals["floor"], "x", "lower",
+             floor=0.05)
 
 
 # -- part 2: memory ----------------------------------------------------------------------------------------------------
@@ -240,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             floor = start_floor(sim.url, *floor_args(server_args), cpu=args.server_cpu, log_dir=log_dir)
             urls = {"server": server.url, "floor": floor.url}
-            pids = {"floor": floor.pid, "independent": server.pid, "forks": server.pid}
+            pids = {"floor": floor.pid, "independent": server.pid, "forks": server.pid, "engine": sim.pid}
             summarize(asyncio.run(end_to_end(urls, pids, args)), figs, args)
         finally:
             for proc in (floor, server, sim):

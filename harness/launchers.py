@@ -381,6 +381,12 @@ class EngineProcess(RunningProcess):
             os.killpg(self.pid, sig)
 
 
+# SGLang's CPU path imports a CUDA-only op at load time: the real-engine tier's plugin supplies a pure-torch one,
+# registered through SGLang's own `sglang.srt.plugins` entry point (its directory goes on the engine's PYTHONPATH:
+# `plugin_dir`). The demo launches its engine with it too.
+SGLANG_CPU_PLUGIN = Path(__file__).resolve().parent.parent / "tests" / "sglang" / "plugin"
+
+
 def start_sglang(
     python: str | Path, model_path: str | Path, *extra_args: str, plugin_dir: str | Path | None = None,
     cpu: bool = True, port: int | None = None, name: str = "sglang", **options: Unpack[LaunchOptions],

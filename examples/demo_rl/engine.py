@@ -6,12 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.launchers import EngineProcess, start_sglang
+from harness.launchers import SGLANG_CPU_PLUGIN, EngineProcess, start_sglang
 
-ROOT = Path(__file__).resolve().parents[2]
-# SGLang's CPU path imports a CUDA-only op at load time: the real-engine tier's plugin supplies a pure-torch one
-# (tests/sglang/plugin, registered through SGLang's own `sglang.srt.plugins` entry point).
-PLUGIN_DIR = ROOT / "tests" / "sglang" / "plugin"
 # `--dtype float32`: SGLang's "auto" serves a float32 checkpoint in float16 (weights and KV cache), and the trainer's
 # fp32 recomputation then differs by ~1e-2 on a trained model's tokens.
 # `--disable-overlap-schedule`: with the overlap scheduler a token's results are processed a batch after it was
@@ -27,5 +23,5 @@ def start_demo_engine(python: Path, checkpoint: Path, *extra_args: str, name: st
     """Released SGLang (run by `python`, its venv's interpreter) serving `checkpoint` as the demo needs it:
     ENGINE_ARGS and `extra_args` (a LoRA adapter's), the CPU plugin, and one torch thread -- a 2-layer model gains
     nothing from more, and spinning OpenMP threads starve the trainer and the session server on a 2-core machine."""
-    return start_sglang(python, checkpoint, *ENGINE_ARGS, *extra_args, plugin_dir=PLUGIN_DIR, name=name, wait=wait,
-                        log_path=log_path, env={"OMP_NUM_THREADS": "1"})
+    return start_sglang(python, checkpoint, *ENGINE_ARGS, *extra_args, plugin_dir=SGLANG_CPU_PLUGIN, name=name,
+                        wait=wait, log_path=log_path, env={"OMP_NUM_THREADS": "1"})

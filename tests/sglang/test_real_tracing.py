@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from harness.launchers import EngineProcess, start_session_server, start_sglang
+from harness.launchers import SGLANG_CPU_PLUGIN, EngineProcess, start_session_server, start_sglang
 from support.otlp_collector import OtlpCollector, otlp_collector
 from support.server import new_session
-from support.sglang_engine import CONSTRAINED, PLUGIN_DIR, Engines, wait_engine_idle
+from support.sglang_engine import CONSTRAINED, Engines, wait_engine_idle
 
 FAMILY = "qwen3"
 TRACE_DUMP = Path(__file__).resolve().parents[2] / "out" / "viewer" / "trace-real-engine.json"
@@ -36,7 +36,8 @@ def traced_engine(engines: Engines, collector: tuple[OtlpCollector, str]) -> Ite
     """The tiny dense Qwen3 on its own engine, tracing to the collector (its own: the shared ones do not trace)."""
     _, url = collector
     proc = start_sglang(engines.python, engines.checkpoint("qwen3-dense"), *CONSTRAINED, "--enable-trace",
-                        "--otlp-traces-endpoint", f"{url}/v1/traces", plugin_dir=PLUGIN_DIR, name="sglang[traced]",
+                        "--otlp-traces-endpoint", f"{url}/v1/traces", plugin_dir=SGLANG_CPU_PLUGIN,
+                        name="sglang[traced]",
                         env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},
                         log_path=engines.logs / f"sglang-traced-{time.monotonic_ns()}.log")
     try:

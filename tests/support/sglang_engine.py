@@ -25,11 +25,10 @@ from typing import Any
 
 import httpx
 
-from harness.launchers import EngineProcess, RunningProcess, start_sglang
+from harness.launchers import SGLANG_CPU_PLUGIN, EngineProcess, RunningProcess, start_sglang
 
 from .server import RecordingProxy
 
-PLUGIN_DIR = Path(__file__).resolve().parent.parent / "sglang" / "plugin"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -93,7 +92,7 @@ class Engines:
         args = spec.args
         if any("{adapters}" in arg for arg in args):
             args = tuple(arg.replace("{adapters}", str(self.adapters())) for arg in args)
-        proc = start_sglang(self.python, self.checkpoint(spec.checkpoint), *args, plugin_dir=PLUGIN_DIR,
+        proc = start_sglang(self.python, self.checkpoint(spec.checkpoint), *args, plugin_dir=SGLANG_CPU_PLUGIN,
                             port=port, name=f"sglang[{name}]", log_path=log)
         self.running[name] = proc
         return proc
