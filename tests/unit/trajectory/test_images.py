@@ -203,6 +203,9 @@ def test_qwen35_takes_images_in_its_own_vocabulary(families: dict[str, Any]) -> 
     plan = LinearTrajectory(family).prepare([user("look ", picture(320, 240))])
     ((start, end),) = runs(plan.prompt_ids, 248056)
     assert end - start == 80 and plan.prompt_ids[start - 1] == 248053 and plan.prompt_ids[end] == 248054
+
+
+def test_a_text_only_family_has_no_vision(families: dict[str, Any]) -> None:
     assert families["deepseek"].vision is None
 
 
