@@ -203,12 +203,15 @@ def _module(nodeid: str) -> str:
 
 # Binding a family costs 0.5-3 s of CPU in each test process that reads it (its tokenizer.json parsed, its template
 # compiled), and most families are read only by tests parametrized with their name; a few tests read every family
-# (properties that draw one, or a loop). So the unit tests of these families all go to one worker, one unit of work
-# per family (and one for the tests that read every family): each family is bound once per run, not once per worker
-# (dealt over two workers, the every-family tests bound the other worker's families again: ~8 s of CPU a run). Qwen3
-# (and Qwen3-VL, its vocabulary) is read by nearly every server test on every worker anyway: its tests stay in their
-# modules' units.
+# (properties that draw one, or a loop). So the unit tests of one family go to one worker as one unit of work, and
+# the tests that read every family to the worker that has most of them: the first, home of every pinned family but
+# the two DeepSeeks, whose tokenizers load fastest (~0.5 s each: what the every-family tests pay again) and whose
+# tests (~10 s of CPU) would otherwise leave the first worker with ~40 s of family work while the second has none.
+# (Dealt by turns over two workers, the every-family tests bound the other worker's families again: ~8 s of CPU a
+# run.) Qwen3 (and Qwen3-VL, its vocabulary) is read by nearly every server test on every worker anyway: its tests
+# stay in their modules' units.
 PINNED_FAMILIES: tuple[str, ...] = tuple(name for name in FAMILIES if name != "qwen3")
+SECOND_WORKER_FAMILIES = frozenset({"deepseek", "deepseek-v4"})
 EVERY_FAMILY = "*"
 # Unit tests of pinned families that do not name one in their ids (node id prefixes): they go with its tests (or, for
 # EVERY_FAMILY, with the other tests that read every family). A test missing here still passes, on whichever worker,
@@ -247,10 +250,10 @@ def _family_of(nodeid: str) -> str | None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`-n N` (xdist's default `--dist load`): units of work are modules, except SPREAD_MODULES' tests, handed out in
-    collection order (`pytest_collection_modifyitems`), and the pinned families' unit tests, one unit per family. The
-    family units go to the first worker, which takes them before the unpinned unit modules (whose even spread fills
-    the workers' last minutes); another worker takes one only when nothing else is left. An explicit `--dist` mode is
-    left to xdist."""
+    collection order (`pytest_collection_modifyitems`), and the pinned families' unit tests, one unit per family. A
+    family's unit goes to its home worker (the first, or the second for SECOND_WORKER_FAMILIES), which takes it before
+    the unpinned unit modules (whose even spread fills the workers' last minutes); another worker takes one only when
+    nothing else is left. An explicit `--dist` mode is left to xdist."""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -263,12 +266,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return f"family {family}" if family else _module(nodeid)
 
         def _assign_work_unit(self, node: Any) -> None:
-            first = min(str(n.gateway.id) for n in self.nodes)
+            workers = sorted(str(n.gateway.id) for n in self.nodes)
 
             def preference(scope: str) -> int:  # the lowest first; ties in queue order
                 if not scope.startswith("family "):
                     return 2 if scope.startswith("tests/unit/") else 0
-                return 1 if node.gateway.id == first else 3
+                home = workers[int(scope.removeprefix("family ") in SECOND_WORKER_FAMILIES) % len(workers)]
+                return 1 if node.gateway.id == home else 3
 
             self.workqueue.move_to_end(min(self.workqueue, key=preference), last=False)
             super()._assign_work_unit(node)
