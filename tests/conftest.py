@@ -107,8 +107,14 @@ def kept(make: Callable[[str], T]) -> Callable[[str], T]:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """What collection imported and built (the libraries, the test items) lives as long as the process: frozen."""
+    """What collection imported and built (the libraries, the test items) lives as long as the process: frozen. And a
+    full collection comes after every 100th pass over the middle generation, not every 10th: each walks what the
+    tests keep beyond the frozen heap (hypothesis' state, the families' caches), and at the default a worker ran ~45
+    of them in a run of the unit tier (1.7-2.8 s of CPU), now 2-4 (0.2-1.0 s); the young generations are collected as
+    before, and the largest worker's peak memory did not grow (1.56 GB, 1.62 before)."""
     gc.freeze()
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, 100)
 
 
 @pytest.fixture(scope="session")
