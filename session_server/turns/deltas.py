@@ -169,11 +169,11 @@ class DeltaTracker:
             if self._calls[1] not in self._text.tail(max(self._open_call, start - self._overlap)):
                 return None  # the block is still open: nothing before it changes, nothing in it is sent yet
             self._open_call = None
-        elif self._quiet is not None:
-            # Everything not yet settled (a held-back tail may hold a whole marker: an opener that ends reasoning is
-            # never settled past) and enough before it to see a marker that straddles the settled end.
-            if not self._holds_marker(self._text.tail(min(start, self._settled_end) - self._overlap)):
-                return self._plain()
+        # After a quiet place: everything not yet settled (a held-back tail may hold a whole marker: an opener that
+        # ends reasoning is never settled past) and enough before it to see a marker that straddles the settled end.
+        elif self._quiet is not None and not self._holds_marker(
+                self._text.tail(min(start, self._settled_end) - self._overlap)):
+            return self._plain()
         return self._parse()
 
     def _holds_marker(self, text: str) -> bool:
