@@ -53,8 +53,11 @@ def reply(prompt_len: int, ids: list[int], text: str = "ok") -> GenerateResult:
 
 
 @pytest.fixture(scope="module")
-def vl(hf_tokenizers: dict[str, Any]) -> Qwen3VLFamily:
-    return Qwen3VLFamily(hf_tokenizers["qwen3"])
+def vl(families: dict[str, Any]) -> Qwen3VLFamily:
+    """The suite's Qwen3-VL, bound once per test process (to Qwen3's vocabulary), not once more here."""
+    family = families["qwen3-vl"]
+    assert isinstance(family, Qwen3VLFamily)
+    return family
 
 
 @given(st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=4), st.integers(1, 6)), max_size=6),
