@@ -162,17 +162,17 @@ class DeltaTracker:
         self._text.append(piece)
         if not self._markers:
             return None  # a family without declared markers: everything is sent at the end
-        # Everything not yet settled (a held-back tail may hold a whole marker: an opener that ends reasoning is
-        # never settled past) and enough before it to see a marker that straddles the settled end.
-        window = self._text.tail(min(start, self._settled_end) - self._overlap)
-        if self._open_call is not None:
+        if self._open_call is not None:  # only the new text is read while a block is held back (however long)
             if self._calls is None:  # a message the family's own rule holds back whole: only a marker may end it
                 fresh = self._text.tail(start - self._overlap)
                 return self._parse() if any(m in fresh for m in self._markers) else None
             if self._calls[1] not in self._text.tail(max(self._open_call, start - self._overlap)):
                 return None  # the block is still open: nothing before it changes, nothing in it is sent yet
             self._open_call = None
-        elif self._quiet is not None and not self._holds_marker(window):
+        # After a quiet place: everything not yet settled (a held-back tail may hold a whole marker: an opener that
+        # ends reasoning is never settled past) and enough before it to see a marker that straddles the settled end.
+        elif self._quiet is not None and not self._holds_marker(
+                self._text.tail(min(start, self._settled_end) - self._overlap)):
             return self._plain()
         return self._parse()
 

@@ -10,6 +10,7 @@ launches processes (`harness`) stands beside it and nothing the product ships im
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,8 +47,14 @@ def modules(package: str) -> dict[str, Path]:
     return out
 
 
-def imports(name: str, path: Path) -> Iterator[str]:
-    """Every module `name` imports (absolute names), wherever the import statement stands."""
+@functools.cache
+def imports(name: str, path: Path) -> tuple[str, ...]:
+    """Every module `name` imports (absolute names), wherever the import statement stands; each file is parsed once
+    per test process, however many checks read it."""
+    return tuple(_imports(name, path))
+
+
+def _imports(name: str, path: Path) -> Iterator[str]:
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):

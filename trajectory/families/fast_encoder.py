@@ -162,7 +162,9 @@ def model_refusal(definition: Definition, state: bytes) -> str | None:
 
 def coverage_refusal(core: Any) -> str | None:
     """tiktoken encodes only what its pattern matches: a pattern that skips a character would drop it."""
-    every_char = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000 and chr(c) not in "\r\n ")
+    codes = np.arange(0x110000, dtype=np.uint32)  # every character but surrogates and "\r\n ", built in C (~20 ms)
+    codes = codes[((codes < 0xD800) | (codes >= 0xE000)) & ~np.isin(codes, [ord(c) for c in "\r\n "])]
+    every_char = codes.tobytes().decode("utf-32-le")
     probe = f"{every_char} \r\n{every_char}\n"
     if core.decode_bytes(core.encode(probe, _NONE)) != probe.encode():
         return "the split pattern skips characters"

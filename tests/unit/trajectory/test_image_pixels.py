@@ -43,9 +43,10 @@ def screen(width: int, height: int, i: int) -> Image:
 
 
 @pytest.fixture(scope="module")
-def episode(hf_tokenizers: dict[str, Any]) -> tuple[Sample, dict[str, Image]]:
+def episode(families: dict[str, Any]) -> tuple[Sample, dict[str, Image]]:
     """A three-turn episode with a new image per turn (320x240 twice, one tall), its merged sample and its images."""
-    vl = Qwen3VLFamily(hf_tokenizers["qwen3"])
+    vl = families["qwen3-vl"]  # the suite's, bound once per test process
+    assert isinstance(vl, Qwen3VLFamily)
     traj = LinearTrajectory(vl)
     pictures = [screen(320, 240, 0), screen(320, 240, 1), screen(100, 500, 2)]
     history: list[dict[str, Any]] = []

@@ -53,8 +53,11 @@ def reply(prompt_len: int, ids: list[int], text: str = "ok") -> GenerateResult:
 
 
 @pytest.fixture(scope="module")
-def vl(hf_tokenizers: dict[str, Any]) -> Qwen3VLFamily:
-    return Qwen3VLFamily(hf_tokenizers["qwen3"])
+def vl(families: dict[str, Any]) -> Qwen3VLFamily:
+    """The suite's Qwen3-VL, bound once per test process (to Qwen3's vocabulary), not once more here."""
+    family = families["qwen3-vl"]
+    assert isinstance(family, Qwen3VLFamily)
+    return family
 
 
 @given(st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=4), st.integers(1, 6)), max_size=6),
@@ -203,6 +206,9 @@ def test_qwen35_takes_images_in_its_own_vocabulary(families: dict[str, Any]) -> 
     plan = LinearTrajectory(family).prepare([user("look ", picture(320, 240))])
     ((start, end),) = runs(plan.prompt_ids, 248056)
     assert end - start == 80 and plan.prompt_ids[start - 1] == 248053 and plan.prompt_ids[end] == 248054
+
+
+def test_a_text_only_family_has_no_vision(families: dict[str, Any]) -> None:
     assert families["deepseek"].vision is None
 
 
