@@ -348,7 +348,9 @@ def _flattened(joined: bytes, n: int) -> bytes | None:
     no bracket; deeper ones are left to the strict decode, which refuses an entry that is not SGLang's."""
     inner = joined[1:-1]
     depth = len(inner) - len(inner.lstrip(b"["))
-    if not 1 <= depth <= 3 or b'"' in inner or b"{" in inner:
+    # Every list as deep as the first: a deeper one's own joins would pass for the joins between the lists (and
+    # make up for a shallower one's missing ones), so d+1 brackets in a row send the whole to the piecewise path.
+    if not 1 <= depth <= 3 or b'"' in inner or b"{" in inner or b"[" * (depth + 1) in inner:
         return None
     closes, opens = b"]" * depth, b"[" * depth
     if not inner.endswith(closes) or inner.count(closes + b"," + opens) != n - 1:

@@ -270,6 +270,8 @@ def test_spliced_lists_are_the_concatenation(lists: list[list[int]], last: list[
              max_size=3),
     st.lists(st.lists(st.tuples(st.floats(-9, 0), st.integers(0, 99), st.none()).map(list), max_size=2),
              max_size=2)), max_size=6))
+# Mixed depths whose joins add up to n-1 all the same: the deeper lists' own joins made up for the shallow one's.
+@example(lists=[[[0.0, 0, None]], [0], [[[0.0, 0, None]], [[0.0, 0, None]]], [[[0.0, 0, None]], [[0.0, 0, None]]]])
 def test_spliced_lists_of_any_depth_are_the_concatenation(lists: list[list[Any]]) -> None:
     """The byte-level flattening (_flattened) and the piece-by-piece one agree with the concatenation, whatever
     depth the pieces have, empty ones and strings holding brackets included."""
