@@ -4,7 +4,9 @@ empty `choices` when `stream_options.include_usage`, and `[DONE]`; an error afte
 
 With token ids asked for (frontend/token_ids.py) the first chunk carries `prompt_token_ids`, as vLLM's does, and the
 finishing chunk carries them again with the choice's `token_ids`: every token of the reply at once, as it is
-committed (the chunks before carry none, so a client that joins the chunks' `token_ids` gets the reply's too).
+committed (the chunks before carry none, so a client that joins the chunks' `token_ids` gets the reply's too). A turn
+on a LoRA adapter revision names it on the finishing chunk's choice as a plain reply does (policy_spans.py): ART
+joins the chunks' spans and, tracking policies, refuses a stream without them.
 
 The streamed turn itself is the turn's engine call (turns/engine_call.py: the engine stream, the commit, every
 failure rule) and turns/stream.py (the deltas); this only formats what they hand over, the same facts a plain reply
@@ -18,6 +20,7 @@ from typing import Any
 import msgspec
 
 from session_server.chat.logprobs import openai_logprobs
+from session_server.chat.policy_spans import policy_token_spans
 from session_server.chat.reply import finish_reason, system_fingerprint, usage
 from session_server.frontend.chat_request import ChatRequest
 from session_server.frontend.errors import chat_stream_error
@@ -45,8 +48,9 @@ class ChatStream:
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
                fingerprint: str | None = None, prompt_ids: list[int] | None = None,
-               token_ids: list[int] | None = None) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+               token_ids: list[int] | None = None, spans: dict[str, Any] | None = None) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                                  **(spans or {})}
         chunk: dict[str, Any] = {
             "id": self.id, "object": "chat.completion.chunk", "created": self.turn.created, "model": self.turn.model,
             "choices": [choice],
@@ -86,7 +90,9 @@ class ChatStream:
         events.append(self._chunk({}, finish=finish_reason(facts), logprobs=logprobs,
                                   fingerprint=fingerprint,
                                   prompt_ids=None if ids is None else ids.prompt_token_ids,
-                                  token_ids=None if ids is None else ids.token_ids))
+                                  token_ids=None if ids is None else ids.token_ids,
+                                  spans=policy_token_spans(self.turn.adapter, self.turn.rid, facts.prompt_tokens,
+                                                           facts.completion_tokens)))
         if self.options.include_usage:
             events.append(_event({"id": self.id, "object": "chat.completion.chunk", "created": self.turn.created,
                                   "model": self.turn.model, "system_fingerprint": fingerprint, "choices": [],

@@ -11,6 +11,7 @@ again; a server whose --lora-adapter the engine lacks does not start.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -175,3 +176,46 @@ def _until(condition: Any, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "never happened"
         time.sleep(0.05)
+
+
+def _stream_chunks(server: str, sid: str) -> list[dict[str, Any]]:
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    with httpx.stream("POST", chat_url(server, sid), json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_a_streamed_reply_names_its_adapter_revision_as_a_plain_one_does(stack: Stack) -> None:
+    """ART's policy spans (chat/policy_spans.py) on the finishing chunk of a streamed turn on an adapter: the same
+    two lists a plain reply of the session carries, covering the streamed reply's own prompt and completion; a base
+    session's stream carries none."""
+    a1 = new_session(stack.server, {"lora_adapter": "a1"})
+    plain = _chat(stack.server, a1, return_token_ids=True)
+    assert plain.status_code == 200, plain.text
+    (plain_choice,) = plain.json()["choices"]
+    streamed_sid = new_session(stack.server, {"lora_adapter": "a1"})
+    chunks = _stream_chunks(stack.server, streamed_sid)
+    with_spans = [c for c in chunks for choice in c["choices"] if "policy_token_spans" in choice]
+    assert len(with_spans) == 1 and with_spans[0]["choices"][0]["finish_reason"] is not None
+    (choice,) = with_spans[0]["choices"]
+    usage = chunks[-1]["usage"]
+    (record,) = httpx.get(f"{stack.server}/sessions/{streamed_sid}", timeout=10).json()["records"]
+    assert record["adapter"] == "a1"
+    revision = int(record["adapter_revision"])  # the latest a1 when the session began (a test above may push one)
+    assert len(choice["token_ids"]) == usage["completion_tokens"]
+    assert len(with_spans[0]["prompt_token_ids"]) == usage["prompt_tokens"]
+    for name, start, end in (("policy_token_spans", 0, usage["completion_tokens"]),
+                             ("prompt_policy_token_spans", 1, usage["prompt_tokens"])):
+        (span,) = choice[name]
+        assert (span["start_token"], span["end_token"]) == (start, end)
+        assert span["lora_slot"].split("@")[0] == "a1" and span["policy_version"] == span["update_seq"] == revision
+        (plain_span,) = plain_choice[name]
+        assert {k: v for k, v in span.items() if k != "generation_id"} == {
+            k: v for k, v in plain_span.items() if k != "generation_id"}  # the same prompt, the same reply length
+    base = new_session(stack.server)
+    base_chunks = _stream_chunks(stack.server, base)
+    assert not any("policy_token_spans" in choice for c in base_chunks for choice in c["choices"])
+    for sid in (a1, streamed_sid, base):
+        assert httpx.delete(f"{stack.server}/sessions/{sid}", timeout=10).status_code == 204

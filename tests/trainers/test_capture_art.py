@@ -156,3 +156,29 @@ def test_art_requires_policy_spans_and_reads_the_adapter_revision_off_a_lora_tur
     base = first_reply(None)
     with pytest.raises(RuntimeError, match="requires prompt_policy_token_spans"):
         art.attach(base, None, "require", "m")
+
+
+def test_art_requires_policy_spans_of_a_streamed_lora_turn_too(trainer_stack: Stack) -> None:
+    """The same on a streamed turn, through ART's own stream assembly in its "require" mode (the flag its client
+    sets on the stream): the spans on the finishing chunk make both lists complete for the joined reply's ids; a
+    base-model stream carries none, which ART refuses."""
+    art = Art()
+    spans = _art_modules()["policy_spans"]
+
+    def streamed(metadata: dict[str, Any] | None) -> Any:
+        sdk = openai.OpenAI(base_url=session_base(trainer_stack.server, new_session(trainer_stack.server, metadata)),
+                            api_key="x", max_retries=0)
+        stream = sdk.chat.completions.create(model="m", messages=[SYSTEM, {"role": "user", "content": "fix it"}],
+                                             logprobs=True, stream=True, extra_body=ART_EXTRA_BODY)
+        stream._art_require_policy_spans = True  # what ART's client sets in its "require" mode
+        return art.consume_stream(stream)
+
+    (choice,) = streamed({"lora_adapter": LORA}).choices
+    prompt, completion = art.token_metadata(choice)
+    (span,) = spans.choice_policy_token_spans(choice)
+    assert (span.start_token, span.end_token) == (0, len(completion))
+    assert (span.lora_slot, span.policy_version, span.update_seq) == (LORA, 0, 0)
+    (prompt_span,) = spans.choice_prompt_policy_token_spans(choice)
+    assert (prompt_span.start_token, prompt_span.end_token) == (1, len(prompt))
+    with pytest.raises(Exception, match="omitted prompt or completion policy spans"):
+        streamed(None)
