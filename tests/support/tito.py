@@ -8,6 +8,7 @@ decoder. Strategies keep generated text free of template markers, since a model 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +108,14 @@ CALL_NAME = st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True)
 def replies(family: ModelFamily, reasoning: bool) -> st.SearchStrategy[Reply]:
     """Replies the model may generate; `reasoning` also enables reasoning and cuts at arbitrary tokens,
     which are not append-stable under the template (so the canonical-render property excludes them)."""
-    stops = STOPS if family.max_trim_tokens else ("eos", "length")
+    return _replies(bool(family.max_trim_tokens), reasoning)
+
+
+@functools.cache
+def _replies(alternative_stops: bool, reasoning: bool) -> st.SearchStrategy[Reply]:
+    """One strategy object per kind of reply, drawn from again and again (`conversations` draws one per turn): a new
+    object per draw is validated and its properties computed again by hypothesis, as costly as the draw itself."""
+    stops = STOPS if alternative_stops else ("eos", "length")
     return st.builds(
         Reply,
         content=TEXT | st.just(""),
@@ -126,13 +134,15 @@ class Turn:
     reply: Reply
 
 
+TOOLS = st.none() | st.lists(TOOL_NAME, min_size=1, max_size=2, unique=True).map(
+    lambda names: [{"type": "function", "function": {"name": n, "description": "d", "parameters": {"type": "object"}}}
+                   for n in names])
+
+
 @st.composite
 def conversations(draw: st.DrawFn, family: ModelFamily, reasoning: bool, max_turns: int = 4) -> tuple[Any, list[Turn]]:
     """(tools, turns): a random multi-turn agent episode valid for `family`."""
-    tools = draw(st.none() | st.lists(TOOL_NAME, min_size=1, max_size=2, unique=True).map(
-        lambda names: [{"type": "function", "function": {"name": n, "description": "d",
-                                                          "parameters": {"type": "object"}}} for n in names]
-    ))
+    tools = draw(TOOLS)
     turns: list[Turn] = []
     n_turns = draw(st.integers(1, max_turns))
     previous: Reply | None = None
