@@ -210,17 +210,18 @@ def test_a_recorded_verdict_counts_only_for_the_definition_it_judged():
     assert _bind(good) == (None, "recorded")
 
 
-def test_a_real_tokenizer_with_two_merges_swapped_falls_back(hf_tokenizers):
+def test_a_real_tokenizer_with_two_merges_swapped_falls_back(hf_tokenizers, tmp_path):
     """Qwen3 with its merges 10 and 11 swapped: not the same function as tiktoken over the same ranks, so the family
-    keeps the Hugging Face encoder, and its ids are that tokenizer's own."""
-    from tokenizers import Tokenizer
+    keeps the Hugging Face encoder, and its ids are that tokenizer's own. (Loaded from the edited file: a tokenizer
+    object passed in is deep-copied by transformers, which parses the whole definition a second time.)"""
     from transformers import PreTrainedTokenizerFast
 
     qwen3: Any = hf_tokenizers["qwen3"]
     definition = json.loads(qwen3.backend_tokenizer.to_str())
     merges = definition["model"]["merges"]
     merges[10], merges[11] = merges[11], merges[10]
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(definition)),
+    (tmp_path / "tokenizer.json").write_text(json.dumps(definition))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
                                         chat_template=qwen3.chat_template, eos_token="<|im_end|>")
     tokenizer.init_kwargs[fe.VERDICT_KEY] = qwen3.init_kwargs[fe.VERDICT_KEY]  # the unswapped tokenizer's verdict
     family = get_family("qwen3", tokenizer)
