@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import gc
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -115,6 +116,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, 100)
+    _share_the_cores_with_the_other_workers()
+
+
+def _share_the_cores_with_the_other_workers() -> None:
+    """On an xdist worker, torch (when collection imported it: the trainer-side and demo tests) computes on this
+    worker's share of the cores, not on all of them: its intra-op threads otherwise contend with the other workers for
+    the same cores, and on the tests' tiny models they cost more than they save (test_logprob_check alone: 5.6 -> 4.3
+    s of CPU with one thread on 2 cores). The processes the tests start keep their own settings."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    torch = sys.modules.get("torch")
+    if workers > 0 and torch is not None:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(scope="session")

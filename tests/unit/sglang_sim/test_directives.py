@@ -9,6 +9,7 @@ that holds it: that misreading gave no call, and a scripted agent whose tools an
 from __future__ import annotations
 
 import json
+import string
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,7 @@ from sglang_sim.generation import find_script
 from support.examples import examples
 from support.families import FAMILIES
 from support.on_first_use import OnFirstUse
+from support.tito import identifiers
 
 _TEXT = st.text(max_size=12).filter(lambda s: "[[" not in s)  # a directive only where the test puts one
 _SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
@@ -30,7 +32,8 @@ _SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
 JSON_VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(_TEXT, inner, max_size=4)), max_leaves=12)
 ARGS = st.dictionaries(_TEXT, JSON_VALUES, max_size=3)
-NAMES = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.\-]{0,15}", fullmatch=True)
+# [A-Za-z_][A-Za-z0-9_.\-]{0,15}, drawn without from_regex (4x the cost an example)
+NAMES = identifiers(string.ascii_letters + "_", string.ascii_letters + string.digits + "_.-", 15)
 SEPARATORS = st.sampled_from(["", " ", "\n", "\n\n", " , "])
 
 

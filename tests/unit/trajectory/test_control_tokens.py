@@ -4,6 +4,7 @@ the operator's `engine` mode restores the tokenizer's own behaviour."""
 
 from __future__ import annotations
 
+import functools
 import unicodedata
 from collections import Counter
 from typing import Any
@@ -31,6 +32,9 @@ def control_counts(family: ModelFamily, ids: Any) -> Counter[int]:
     return Counter(int(i) for i in ids if int(i) in added and int(i) not in markup)
 
 
+# Strategies are built once per argument (functools.cache) and drawn from by every example: a new strategy object per
+# example is validated and its properties computed again by hypothesis (json_values' recursion most of all).
+@functools.cache
 def crafted_text(family_name: str) -> st.SearchStrategy[str]:
     """Text made of control-token spellings (both families' and the markup), their fragments, private-use
     characters (the placeholder alphabet), whitespace and ordinary text, in any order."""
@@ -43,6 +47,7 @@ def crafted_text(family_name: str) -> st.SearchStrategy[str]:
     return st.lists(pieces, max_size=8).map("".join)
 
 
+@functools.cache
 def conversation(family: str, text: st.SearchStrategy[str]) -> st.SearchStrategy[list[dict[str, Any]]]:
     """user, assistant (content + a tool call whose arguments carry text), tool, user -- with crafted strings."""
     def build(sys: str, u1: str, a1: str, args: str, t1: str, u2: str) -> list[dict[str, Any]]:
@@ -143,6 +148,7 @@ def _spells_by_walk(family: ModelFamily, value: Any) -> bool:
     return any(family.control._pattern.search(s) for s in strings)
 
 
+@functools.cache
 def json_values(text: st.SearchStrategy[str]) -> st.SearchStrategy[Any]:
     """Nested request-like values whose strings (and keys) are crafted text, with the leaves JSON allows and some it
     does not carry as text (int keys, bytes, a lone surrogate)."""

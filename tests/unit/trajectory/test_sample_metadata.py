@@ -23,6 +23,11 @@ def _sample(mask: list[int], metadata: dict[str, Any]) -> Sample:
                   status="completed", metadata=metadata)
 
 
+# A completion's (length, version) pieces: one strategy object for every draw (a new one per draw is validated again).
+_PIECES = st.lists(st.tuples(st.integers(1, 3), st.none() | st.sampled_from(["default", "1", "2"])), min_size=1,
+                   max_size=2)
+
+
 @st.composite
 def merged(draw: st.DrawFn) -> tuple[Sample, list[str | None]]:
     """A merged sample as samples.py writes it: turns of (glue, completion), each completion's versions in spans
@@ -37,8 +42,7 @@ def merged(draw: st.DrawFn) -> tuple[Sample, list[str | None]]:
         mask += [0] * glue
         expected += [None] * glue
         start = len(mask)
-        pieces = draw(st.lists(st.tuples(st.integers(1, 3), st.none() | st.sampled_from(["default", "1", "2"])),
-                               min_size=1, max_size=2))
+        pieces = draw(_PIECES)
         for length, version in pieces:
             spans.append([version, len(mask), len(mask) + length])
             mask += [1] * length

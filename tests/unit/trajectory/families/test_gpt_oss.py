@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from support.examples import examples
 from support.sglang_real import import_sglang_schema
-from support.tito import _ALPHABET
+from support.tito import _ALPHABET, ARGUMENT_NAME, CALL_NAME
 from support.tito import call_item as _call
 from trajectory import LinearTrajectory, ModelFamily
 from trajectory.families.gpt_oss import CALL
@@ -259,8 +259,8 @@ _SCALAR = (st.integers(-10**9, 10**9) | st.floats(allow_nan=False, allow_infinit
            | st.text(_ALPHABET, max_size=12))
 _JSON = st.recursive(st.none() | _SCALAR, lambda inner: st.lists(inner, max_size=3)
                      | st.dictionaries(_WORD, inner, max_size=3), max_leaves=8)
-_ARGS = st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True), _JSON, max_size=4)
-_NAME = st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True)
+_ARGS = st.dictionaries(ARGUMENT_NAME, _JSON, max_size=4)
+_NAME = CALL_NAME
 
 
 def _sglang(text: str, tools: list[dict[str, Any]]) -> tuple[str | None, str, list[tuple[str, str]]]:

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from support.examples import examples
 from support.on_first_use import OnFirstUse
 from support.sglang_real import import_sglang_schema
-from support.tito import _ALPHABET
+from support.tito import _ALPHABET, ARGUMENT_NAME, CALL_NAME
 from support.tito import call_item as _call
 from trajectory import LinearTrajectory, ModelFamily
 from trajectory.families.xml_tool_calls import _json_type
@@ -127,10 +127,10 @@ _SCALAR = (st.integers(-10**9, 10**9) | st.floats(allow_nan=False, allow_infinit
            | st.text(_ALPHABET, max_size=12).filter(lambda s: s.lower() != "null"))
 _JSON = st.recursive(st.none() | _SCALAR, lambda inner: st.lists(inner, max_size=3)
                      | st.dictionaries(_WORD, inner, max_size=3), max_leaves=8)
-_ARGS = st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True),
+_ARGS = st.dictionaries(ARGUMENT_NAME,
                         _SCALAR | st.lists(_JSON, max_size=3) | st.dictionaries(_WORD, _JSON, max_size=3),
                         max_size=4)
-_CALLS = st.lists(st.tuples(st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), _ARGS), max_size=3)
+_CALLS = st.lists(st.tuples(CALL_NAME, _ARGS), max_size=3)
 
 
 def _tools_for(calls: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
