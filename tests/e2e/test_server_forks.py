@@ -23,7 +23,7 @@ from harness.launchers import start_session_server
 from rollout.client import SessionClient
 from sglang_sim.directives import reply, tool_call
 from support.examples import examples
-from support.server import RecordingProxy, chat_url, engine_info, new_session
+from support.server import RecordingProxy, chat_url, engine_info, new_session, wait_engine_sessions
 from support.stack import Stack, StackFactory
 from trajectory.sample_metadata import sample_metadata
 
@@ -310,7 +310,7 @@ def test_children_open_their_own_engine_sessions(stack: Stack) -> None:
         assert engine_info(stack.engine)["open_sessions"] == 3  # one each: a child's is its own
         for sid in (parent, *children):
             assert httpx.delete(f"{server}/sessions/{sid}", timeout=30).status_code == 204
-        assert engine_info(stack.engine)["open_sessions"] == 0
+        assert wait_engine_sessions(stack.engine, 0)["open_sessions"] == 0  # closed after the DELETEs answered
     finally:
         proc.stop()
 
