@@ -137,3 +137,13 @@ async def _end(engine_task: asyncio.Future[Any]) -> None:
         await asyncio.wait((engine_task,))
     if not engine_task.cancelled():
         engine_task.exception()  # retrieved: an error of an abandoned request is not worth a warning
+
+
+def abandon(drains: EngineDrains | None, session_id: str, rid: str, engine_task: asyncio.Future[Any],
+            lane: str | None = None) -> None:
+    """Give up on an engine request: aborted by its rid and left to end in the background (`EngineDrains.start`);
+    without drains (no lifespan state: unit use), its connection is closed, which SGLang takes as an abort."""
+    if drains is not None:
+        drains.start(session_id, rid, engine_task, lane)
+    else:
+        engine_task.cancel()

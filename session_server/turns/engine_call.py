@@ -28,6 +28,7 @@ import msgspec
 
 from session_server.engine.adapters import adapter_cache_key
 from session_server.engine.chunker import Chunker
+from session_server.engine.drains import abandon
 from session_server.engine.http11 import EngineStream
 from session_server.engine.pacing import stream_interval
 from session_server.engine.sessions import engine_session_gone
@@ -362,10 +363,7 @@ class EngineCall(Generic[R]):
     def _abandon(self, work: asyncio.Future[Any]) -> None:
         """Abort by rid and let the engine end the request in the background (engine/drains.py)."""
         self.abandoned = True
-        if self.server.drains is not None:
-            self.server.drains.start(self.claim.session.id, self.rid, work, self.claim.lane)
-        else:  # no lifespan state (unit use): at least close the connection
-            work.cancel()
+        abandon(self.server.drains, self.claim.session.id, self.rid, work, self.claim.lane)
 
     def _engine_time(self, started: float) -> None:
         seconds = time.perf_counter() - started

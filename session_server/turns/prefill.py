@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 
 from session_server.engine.adapters import AdapterRef, adapter_cache_key
+from session_server.engine.drains import abandon
 from session_server.engine.wire import GenerateRequest, encode_generate
 from session_server.errors import EngineUnavailableError
 from session_server.state import ServerState
@@ -104,11 +105,11 @@ async def prefill(server: ServerState, session_id: str, prompt_ids: np.ndarray, 
     try:
         finished, _ = await asyncio.wait((work,), timeout=config.request_timeout)
     except asyncio.CancelledError:  # the caller went away: aborted by its rid, as any engine request
-        _abandon(server, session_id, request.rid, work)
+        abandon(server.drains, session_id, request.rid, work)
         raise
     try:
         if not finished:
-            _abandon(server, session_id, request.rid, work)
+            abandon(server.drains, session_id, request.rid, work)
             raise TimeoutError(f"no answer within --request-timeout {config.request_timeout:g}s")
         reply = work.result()
     except (TimeoutError, EngineUnavailableError) as exc:
@@ -132,15 +133,6 @@ async def prefill(server: ServerState, session_id: str, prompt_ids: np.ndarray, 
         return None
     server.metrics.fork_prefills.labels("done").inc()
     return Prefilled(prompt_tokens=meta.prompt_tokens, cached_tokens=meta.cached_tokens)
-
-
-def _abandon(server: ServerState, session_id: str, rid: str, work: asyncio.Future[Any]) -> None:
-    """Abort the request by its rid and let it end in the background (engine/drains.py), as a turn's engine call
-    does; the session's next chat waits for that."""
-    if server.drains is not None:
-        server.drains.start(session_id, rid, work)
-    else:  # no lifespan state (unit use): at least close the connection, which SGLang takes as an abort
-        work.cancel()
 
 
 async def prefill_primed(server: ServerState, session_id: str, primed: PrimedPrompt, metadata: dict[str, Any],
