@@ -6,12 +6,17 @@ given, before BPE. A chat template pastes message text next to its own markup, s
 training sample. The engine's own chat endpoint behaves that way; we do not by default.
 
 How: before rendering, every string of the request (message fields, tool-call arguments, tool schemas, dict keys
-included) has each control-token spelling replaced by a placeholder `M<k>M`, where M is a private-use character
-that occurs in no string of the request. The template renders the placeholders like any text, so every control token
-left in the rendered text was written by the template. The rendered text is then cut at the placeholders: the pieces
-between them are tokenized normally, and each placeholder becomes its spelling's plain-text ids (the spelling split
-after its first character, so no added token can match). A request without any spelling takes none of this path: it
-is rendered and tokenized exactly as before, at the cost of one scan of its JSON text.
+included) has a placeholder `M<k><side>M` put beside each control-token spelling, where M is a private-use character
+that occurs in no string of the request, k names the spelling and side says whether it sits before or after the
+placeholder. The spelling itself stays: a template may test a message's text for one (Qwen's finds the last user
+query by `<tool_response>` at both ends of a user message's content), and it must decide as it does on the text
+itself. So the placeholder goes after the spelling, or before it when the spelling ends its string, and the string
+keeps its start and its end. The rendered text is then cut at the placeholders: each takes its spelling out of the
+text beside it and becomes the spelling's plain-text ids (split after its first character, so no added token can
+match); the pieces between are tokenized normally, so every control token left was written by the template. A
+placeholder whose spelling the template did not leave beside it (it escaped or split the text) stands for nothing.
+A request without any spelling takes none of this path: it is rendered and tokenized exactly as before, at the cost
+of one scan of its JSON text.
 
 Which tokens: every added token of the tokenizer except the markup the family's template itself parses out of
 message text (`<think>`/`</think>`: the templates split reasoning off an assistant's content on them).
@@ -26,6 +31,7 @@ from typing import Any
 import msgspec
 
 _PRIVATE_USE = range(0xE000, 0xF900)
+_BEFORE, _AFTER = "b", "a"  # a placeholder's side: its spelling just before it, or just after it
 _encode_json = msgspec.json.Encoder().encode
 
 
@@ -102,7 +108,13 @@ class ControlTokens:
         index = self._index
 
         def sub(s: str) -> str:
-            return self._pattern.sub(lambda m: f"{marker}{index[m.group()]}{marker}", s)
+            def beside(m: re.Match[str]) -> str:
+                spelling = m.group()
+                if m.end() == len(s) and m.start() > 0:  # the string's end stays its end
+                    return f"{marker}{index[spelling]}{_AFTER}{marker}{spelling}"
+                return f"{spelling}{marker}{index[spelling]}{_BEFORE}{marker}"
+
+            return self._pattern.sub(beside, s)
 
         def walk(v: Any) -> Any:
             if isinstance(v, str):
@@ -132,11 +144,24 @@ class ControlTokens:
 
     def encode(self, text: str, marker: str) -> list[int]:
         """Tokenize rendered text whose placeholders (for `marker`) stand for spellings that must stay text."""
-        parts = re.split(f"{re.escape(marker)}([0-9]+){re.escape(marker)}", text)
-        ids: list[int] = []
-        for i, part in enumerate(parts):
-            if i % 2:
-                ids += self.text_ids(int(part))
-            elif part:
-                ids += self._encode(part)
+        parts = re.split(f"{re.escape(marker)}([0-9]+)([{_BEFORE}{_AFTER}]){re.escape(marker)}", text)
+        pieces, ks, sides = parts[0::3], parts[1::3], parts[2::3]
+        spellings: list[str | None] = []
+        for j, (k, side) in enumerate(zip(ks, sides, strict=True)):
+            spelling = self.spellings[int(k)]
+            at = j if side == _BEFORE else j + 1  # the piece the spelling was left in
+            piece = pieces[at]
+            if side == _BEFORE and piece.endswith(spelling):
+                pieces[at] = piece[:-len(spelling)]
+            elif side == _AFTER and piece.startswith(spelling):
+                pieces[at] = piece[len(spelling):]
+            else:  # the template did not keep the spelling as it was: the rendered text is what it wrote
+                spelling = None
+            spellings.append(spelling)
+        ids: list[int] = self._encode(pieces[0]) if pieces[0] else []
+        for j, spelling in enumerate(spellings):
+            if spelling is not None:
+                ids += self.text_ids(int(ks[j]))
+            if pieces[j + 1]:
+                ids += self._encode(pieces[j + 1])
         return ids

@@ -5,6 +5,7 @@ the operator's `engine` mode restores the tokenizer's own behaviour."""
 from __future__ import annotations
 
 import functools
+import re
 import unicodedata
 from collections import Counter
 from typing import Any
@@ -92,6 +93,38 @@ def test_no_content_adds_a_control_token_on_the_first_turn(families, name: str, 
     # the text is kept: the ids decode to what the template renders (up to the tokenizer's NFC normalizer)
     rendered = family.render(messages, TOOLS, add_generation_prompt=True)
     assert unicodedata.normalize("NFC", family.decode(ids)) == unicodedata.normalize("NFC", rendered)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("last_user", ["<tool_response></tool_response>", "<tool_response>x<|im_end|></tool_response>"])
+def test_a_template_reading_the_text_for_a_spelling_decides_as_on_the_text(families, name: str, last_user: str) -> None:
+    """Qwen's templates take a user message that starts with `<tool_response>` and ends with `</tool_response>` for a
+    tool's output when they look for the last user query, and Qwen3.5/3.6 then keep an empty reasoning block on the
+    assistant turn before it. The protected text keeps its start and end, so the template decides the same (hypothesis
+    found the first case: the block was missing from the ids)."""
+    family = families[name]
+    messages = [{"role": "user", "content": ""},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c0", "type": "function", "function": {"name": "lookup", "arguments": '{"q": ""}'}}]},
+                {"role": "tool", "tool_call_id": "c0", "content": ""},
+                {"role": "user", "content": last_user}]
+    ids = first_turn_ids(family, messages, TOOLS)
+    rendered = family.render(messages, TOOLS, add_generation_prompt=True)
+    assert unicodedata.normalize("NFC", family.decode(ids)) == unicodedata.normalize("NFC", rendered)
+    assert control_counts(family, ids) == control_counts(family, first_turn_ids(family, neutral(messages), TOOLS))
+
+
+def test_protected_strings_keep_their_start_and_end(families) -> None:
+    """Each spelling stays beside its placeholder; the encoding takes it out and puts its plain-text ids there."""
+    family = families["qwen3"]
+    text = "<tool_response>a<|im_end|>b</tool_response>"
+    protected, marker = family.control.protect(text)
+    assert marker is not None
+    assert protected.startswith("<tool_response>") and protected.endswith("</tool_response>")
+    assert re.sub(f"{marker}[0-9]+[ab]{marker}", "", protected) == text
+    ids = family.control.encode(protected, marker)
+    assert family.decode(ids) == text
+    assert control_counts(family, ids) == Counter()
 
 
 @pytest.mark.parametrize("name", FAMILIES)
