@@ -146,7 +146,7 @@ class ControlTokens:
         """Tokenize rendered text whose placeholders (for `marker`) stand for spellings that must stay text."""
         parts = re.split(f"{re.escape(marker)}([0-9]+)([{_BEFORE}{_AFTER}]){re.escape(marker)}", text)
         pieces, ks, sides = parts[0::3], parts[1::3], parts[2::3]
-        spellings: list[str | None] = []
+        kept: list[bool] = []  # per placeholder: its spelling was beside it (and is taken out of the text)
         for j, (k, side) in enumerate(zip(ks, sides, strict=True)):
             spelling = self.spellings[int(k)]
             at = j if side == _BEFORE else j + 1  # the piece the spelling was left in
@@ -156,11 +156,12 @@ class ControlTokens:
             elif side == _AFTER and piece.startswith(spelling):
                 pieces[at] = piece[len(spelling):]
             else:  # the template did not keep the spelling as it was: the rendered text is what it wrote
-                spelling = None
-            spellings.append(spelling)
+                kept.append(False)
+                continue
+            kept.append(True)
         ids: list[int] = self._encode(pieces[0]) if pieces[0] else []
-        for j, spelling in enumerate(spellings):
-            if spelling is not None:
+        for j, beside in enumerate(kept):
+            if beside:
                 ids += self.text_ids(int(ks[j]))
             if pieces[j + 1]:
                 ids += self._encode(pieces[j + 1])
