@@ -160,15 +160,21 @@ def model_refusal(definition: Definition, state: bytes) -> str | None:
     return None
 
 
-def coverage_refusal(core: Any) -> str | None:
-    """tiktoken encodes only what its pattern matches: a pattern that skips a character would drop it."""
-    codes = np.arange(0x110000, dtype=np.uint32)  # every character but surrogates and "\r\n ", built in C (~20 ms)
-    codes = codes[((codes < 0xD800) | (codes >= 0xE000)) & ~np.isin(codes, [ord(c) for c in "\r\n "])]
-    every_char = codes.tobytes().decode("utf-32-le")
-    probe = f"{every_char} \r\n{every_char}\n"
-    if core.decode_bytes(core.encode(probe, _NONE)) != probe.encode():
-        return "the split pattern skips characters"
-    return None
+_COVERAGE: dict[str, str | None] = {}  # split pattern -> its coverage refusal, probed once per process
+
+
+def coverage_refusal(core: Any, pattern: str) -> str | None:
+    """tiktoken encodes only what its pattern matches: a pattern that skips a character would drop it. Once every
+    byte is a token (model_refusal), whether the probe comes back whole depends on the pattern alone, so each pattern
+    is probed once (0.1-0.7 s: two copies of every character encoded)."""
+    if pattern not in _COVERAGE:
+        codes = np.arange(0x110000, dtype=np.uint32)  # every character but surrogates and "\r\n ", in C (~20 ms)
+        codes = codes[((codes < 0xD800) | (codes >= 0xE000)) & ~np.isin(codes, [ord(c) for c in "\r\n "])]
+        every_char = codes.tobytes().decode("utf-32-le")
+        probe = f"{every_char} \r\n{every_char}\n"
+        whole = core.decode_bytes(core.encode(probe, _NONE)) == probe.encode()
+        _COVERAGE[pattern] = None if whole else "the split pattern skips characters"
+    return _COVERAGE[pattern]
 
 
 def verdict(backend: Any) -> dict[str, Any]:
@@ -202,7 +208,7 @@ def _judge(definition: Definition, vocab: Mapping[str, int], state: bytes | None
         if isinstance(recorded, dict) and recorded.get("sha256") == definition.digest(state):
             refusal = recorded.get("refusal")
         else:
-            refusal = model_refusal(definition, state) or coverage_refusal(core)
+            refusal = model_refusal(definition, state) or coverage_refusal(core, str(split_pattern(definition)))
         _remember(key, None if refusal is None else str(refusal))
     if refusal is not None:
         return None, str(refusal)

@@ -151,6 +151,9 @@ def test_a_lone_surrogate_is_left_to_the_hugging_face_encoder(families):
 # -- tokenizers that do not qualify ------------------------------------------------------------------------------
 
 
+_PATTERN = r"\p{L}+|\p{N}|\s+|[^\s\p{L}\p{N}]+"
+
+
 def _tiny(tokens: tuple[str, ...] = ("ab", "abc", "cab"), merges: list[tuple[str, str]] | None = None,
           ignore_merges: bool = True, **options: Any) -> Any:
     """A byte-level BPE `PreTrainedTokenizerFast`: the 256 bytes, then `tokens` in id order, made by `merges`
@@ -165,7 +168,7 @@ def _tiny(tokens: tuple[str, ...] = ("ab", "abc", "cab"), merges: list[tuple[str
         merges = [(t[:k], t[k:]) for t in tokens for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab]
     tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\p{L}+|\p{N}|\s+|[^\s\p{L}\p{N}]+"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(options.get("pattern", _PATTERN)), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=options.get("prefix_space", False), use_regex=False),
     ])
     if options.get("lowercase"):
@@ -191,6 +194,7 @@ def test_a_tiktoken_born_tiny_tokenizer_qualifies():
     (lambda: _tiny(lowercase=True), "normalizer"),
     (lambda: _tiny(prefix_space=True), "pre-tokenizer"),
     (lambda: _tiny(lstrip=True), "strip/word rules"),
+    (lambda: _tiny(pattern=r"\p{L}+|\s+"), "the split pattern skips characters"),  # digits, punctuation: dropped
     # ignore_merges off: BPE of "abc" stops at "ab" + "c" (no such merge), where tiktoken looks the whole piece up
     (lambda: _tiny(("ab", "bc", "abc"), [("a", "b"), ("b", "c"), ("a", "bc")], ignore_merges=False),
      "does not encode to itself"),
@@ -198,6 +202,24 @@ def test_a_tiktoken_born_tiny_tokenizer_qualifies():
 def test_tokenizers_that_are_not_the_same_function_are_refused(tokenizer, reason):
     encoder, refusal = _bind(tokenizer())
     assert encoder is None and reason in refusal
+
+
+def test_a_split_pattern_is_probed_for_coverage_once(monkeypatch):
+    """Whether the probe of every character comes back whole is the pattern's alone (every byte is a token by then):
+    a second tokenizer with the same pattern is not probed again, one with another pattern is."""
+    monkeypatch.setattr(fe, "_COVERAGE", {})
+    probes: list[int] = []
+    encode = fe.coverage_refusal
+
+    def counted(core: Any, pattern: str) -> str | None:
+        probes.append(len(fe._COVERAGE))
+        return encode(core, pattern)
+
+    monkeypatch.setattr(fe, "coverage_refusal", counted)
+    assert _bind(_tiny(("ab", "bc")))[0] is not None
+    assert _bind(_tiny(("ab", "abc", "cab")))[0] is not None
+    assert _bind(_tiny(pattern=r"\p{L}+|\s+")) == (None, "the split pattern skips characters")
+    assert probes == [0, 1, 1] and len(fe._COVERAGE) == 2
 
 
 def test_a_recorded_verdict_counts_only_for_the_definition_it_judged():
