@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from scripts.build_tokenizers import build_all
+from support.examples import examples
 from support.families import BOUND_FAMILIES, FAMILIES, SHARED_VOCABULARIES
 from support.on_first_use import OnFirstUse
 from support.server import RecordingProxy
@@ -36,7 +37,10 @@ TOKENIZER_CACHE = ROOT / ".cache" / "tokenizers"
 # Both profiles time nothing: hypothesis' per-example deadline (200 ms) and its too_slow health check (generation that
 # takes long) would fail a property on a loaded machine, not on a wrong answer (issue 30). A property that sets its own
 # suppress_health_check list names too_slow there as well.
-_TIMELESS: dict[str, Any] = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+# A property without a count of its own runs hypothesis' default (100), scaled as every other count is
+# (support/examples.py): 100 in `make test` and CI, 30 in `make test-fast`.
+_TIMELESS: dict[str, Any] = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow],
+                             "max_examples": examples(settings.default.max_examples)}
 settings.register_profile("default", **_TIMELESS)
 settings.register_profile("ci", derandomize=True, database=None, **_TIMELESS)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
