@@ -389,6 +389,7 @@ class Engine:
         prefill = self.config.prefill_latency_ms / 1000.0 * max(0, uncached) / 1000.0
         if latency == 0 and prefill == 0:
             await asyncio.sleep(0)
+        clock = asyncio.get_running_loop().time  # the clock the sleeps are timed on
         while True:
             if req.abort_message is not None:
                 return "abort"
@@ -399,9 +400,9 @@ class Engine:
                 await req.wakeup.wait()  # in_place: keep the KV, resume on continue
                 continue
             if prefill > 0:
-                started = time.perf_counter()
+                started = clock()
                 await self._sleep(req, prefill)
-                prefill = max(0.0, prefill - (time.perf_counter() - started))
+                prefill = max(0.0, prefill - (clock() - started))
                 continue
             if req.overflow_at is not None and req.generated >= req.overflow_at:
                 req.overflow = sampling_masks.overflow_abort(self.config.sampling_mask_max_tokens)
@@ -413,9 +414,9 @@ class Engine:
             chunk = max(1, math.ceil(_MIN_SLEEP_S / latency)) if latency > 0 else max(n, 1)
             step = min(chunk, end - req.generated)
             if latency > 0:
-                started = time.perf_counter()
+                started = clock()
                 await self._sleep(req, step * latency)
-                step = min(step, int((time.perf_counter() - started) / latency + 1e-9))
+                step = min(step, int((clock() - started) / latency + 1e-9))
             req.generated += step
             if step:
                 step_us = latency * 1e6

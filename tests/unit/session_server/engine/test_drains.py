@@ -5,7 +5,8 @@ call is a real asyncio task that ends when the "engine" ends the request or when
 (cancelled). What is checked: which way each answer takes (wait for the engine within the grace, or close the
 connection, or hand the abort to the background retry), that the next turn of a lane waits for that lane's latest
 drain only, and that the waits are bounded. A grace the code must not wait out is made long (60 s) against a bound
-of 10 s on the whole test step, so no verdict depends on the machine's speed.
+of 10 s on the whole test step, so no verdict depends on the machine's speed. Every party lives on the loop, which
+runs on a virtual clock (support/virtual_time.py): the backoffs and graces are waited exactly, in no real time.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from session_server.engine.client import Answer
 from session_server.engine.drains import EngineDrains
 from session_server.metrics import Metrics
+from support import virtual_time
 from support.bounded import BOUND, bounded
 
 LONG = 60.0  # a grace the code must never wait out (six times BOUND)
@@ -75,7 +77,7 @@ def test_an_acknowledged_abort_lets_the_request_end_by_itself() -> None:
         assert not call.cancelled() and call.result() == "finish_reason abort"
         assert d.pending("s1") is None and count(metrics, "engine_aborts") == 1
 
-    asyncio.run(main())
+    virtual_time.run(main())
 
 
 def test_a_request_that_outlives_the_grace_has_its_connection_closed() -> None:
@@ -86,7 +88,7 @@ def test_a_request_that_outlives_the_grace_has_its_connection_closed() -> None:
         await bounded(d.start("s1", "rid-1", call))
         assert call.cancelled()
 
-    asyncio.run(main())
+    virtual_time.run(main())
 
 
 def test_a_refused_abort_closes_the_connection_at_once() -> None:
@@ -98,7 +100,7 @@ def test_a_refused_abort_closes_the_connection_at_once() -> None:
         await bounded(d.start("s1", "rid-1", call))
         assert call.cancelled() and d.retries_pending == 0 and engine.calls == [("rid-1", "s1")]
 
-    asyncio.run(main())
+    virtual_time.run(main())
 
 
 def test_an_unanswered_abort_is_retried_in_the_background_holding_the_connection() -> None:
@@ -115,7 +117,7 @@ def test_an_unanswered_abort_is_retried_in_the_background_holding_the_connection
         assert count(metrics, "engine_abort_retries", {"outcome": "retry"}) == 2
         assert count(metrics, "engine_abort_retries", {"outcome": "aborted"}) == 1
 
-    asyncio.run(main())
+    virtual_time.run(main())
 
 
 def test_a_retry_ends_when_the_request_ends_by_itself() -> None:
@@ -130,7 +132,7 @@ def test_a_retry_ends_when_the_request_ends_by_itself() -> None:
         assert d.retries_pending == 0 and engine.calls == [("rid-1", "s1")]
         assert count(metrics, "engine_abort_retries", {"outcome": "moot"}) == 1
 
-    asyncio.run(main())
+    virtual_time.run(main())
 
 
 def test_past_the_horizon_the_connection_is_closed_unanswered() -> None:
@@ -143,7 +145,7 @@ def test_past_the_horizon_the_connection_is_closed_unanswered() -> None:
         assert call.cancelled() and len(engine.calls) == 1
         assert count(metrics, "engine_abort_retries", {"outcome": "moot"}) == 1
 
-    asyncio.run(main())
+    virtual_time.run(main())
 
 
 def test_shutdown_stops_the_retries_and_closes_their_connections() -> None:
@@ -157,7 +159,7 @@ def test_shutdown_stops_the_retries_and_closes_their_connections() -> None:
         await bounded(d.aclose())
         assert call.cancelled() and d.retries_pending == 0
 
-    asyncio.run(main())
+    virtual_time.run(main())
 
 
 def test_an_abort_that_raises_still_closes_the_connection(caplog: pytest.LogCaptureFixture) -> None:
@@ -171,7 +173,7 @@ def test_an_abort_that_raises_still_closes_the_connection(caplog: pytest.LogCapt
         await asyncio.sleep(0)  # the done-callback
         assert call.cancelled() and d.pending("s1") is None
 
-    asyncio.run(main())
+    virtual_time.run(main())
     assert any("drain failed" in r.getMessage() for r in caplog.records)
 
 
@@ -186,7 +188,7 @@ def test_a_request_that_already_ended_is_not_aborted() -> None:
         await bounded(d.start("s1", "rid-1", call))
         assert engine.calls == []
 
-    asyncio.run(main())
+    virtual_time.run(main())
 
 
 def test_the_next_turn_of_a_lane_waits_for_that_lanes_latest_drain_only() -> None:
@@ -217,7 +219,7 @@ def test_the_next_turn_of_a_lane_waits_for_that_lanes_latest_drain_only() -> Non
         await bounded(d.wait_all())
         assert d.pending("s1#2") is None
 
-    asyncio.run(main())
+    virtual_time.run(main())
 
 
 def test_wait_all_waits_for_every_drain() -> None:
@@ -230,4 +232,4 @@ def test_wait_all_waits_for_every_drain() -> None:
         assert all(t.done() for t in tasks) and all(c.cancelled() for c in calls)
         assert count(metrics, "engine_aborts") == 5
 
-    asyncio.run(main())
+    virtual_time.run(main())

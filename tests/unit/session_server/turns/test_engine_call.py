@@ -30,6 +30,7 @@ from session_server.metrics import Metrics
 from session_server.sessions.session import Claim
 from session_server.turns.engine_call import EngineCall, refused_in_stream
 from session_server.turns.turn import Turn
+from support import virtual_time
 from trajectory import LinearTrajectory, ModelFamily
 from trajectory.errors import SessionError
 
@@ -228,7 +229,8 @@ def test_a_session_lost_twice_or_without_engine_sessions_reaches_the_agent(famil
 
 def test_the_deadline_ends_both_modes_with_one_text(families: dict[str, ModelFamily]) -> None:
     """An engine that never answers: the turn ends at --request-timeout, its request abandoned, in both modes with
-    the same error (a reply twenty times longer than the deadline is not needed: this one never comes)."""
+    the same error (a reply twenty times longer than the deadline is not needed: this one never comes; the deadline
+    passes on the loop's virtual clock)."""
     family = families["qwen3"]
     errors: list[SessionError] = []
     for stream in (False, True):
@@ -239,7 +241,7 @@ def test_the_deadline_ends_both_modes_with_one_text(families: dict[str, ModelFam
             await call.reply(_never, _Listener() if stream else None)
 
         with pytest.raises(EngineTimeoutError) as timed_out:
-            asyncio.run(run())
+            virtual_time.run(run())
         assert timed_out.value.abort_reason is AbortReason.TIMEOUT  # type: ignore[attr-defined]
         assert call.abandoned
         errors.append(timed_out.value)
