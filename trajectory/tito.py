@@ -25,13 +25,21 @@ def _render_ids(family: ModelFamily, messages: Sequence[dict[str, Any]], tools: 
                 text_only: bool, render: Render) -> np.ndarray:
     """`render(messages, tools)` tokenized as int32 ids; with `text_only`, control-token spellings inside the messages
     and tools stay text (families/control.py): protected before rendering, restored as text ids after."""
-    marker = None
-    if text_only:
-        (messages, tools), marker = family.control.protect((list(messages), tools))
-    if family.vision is not None and has_images(messages):  # after protecting: the marker blocks are the template's
-        messages = spelled(messages)
-    text = render(list(messages), tools)
-    ids = family.encode(text) if marker is None else family.control.encode(text, marker)
+    def rendered(messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        if family.vision is not None and has_images(messages):  # after protecting: the marker blocks are the template's
+            messages = spelled(messages)
+        return render(list(messages), tools)
+
+    if not text_only:
+        return np.asarray(family.encode(rendered(messages, tools)), dtype=np.int32)
+    (beside, beside_tools), marker = family.control.protect((list(messages), tools))
+    if marker is None:
+        return np.asarray(family.encode(rendered(messages, tools)), dtype=np.int32)
+    ids = family.control.encode(rendered(beside, beside_tools), marker)
+    if ids is None:  # the template changed a string around a spelling: rendered again with the spellings replaced
+        (instead, instead_tools), marker = family.control.protect((list(messages), tools), beside=False)
+        ids = family.control.encode(rendered(instead, instead_tools), str(marker))
+        assert ids is not None  # a placeholder alone always stands for its spelling
     return np.asarray(ids, dtype=np.int32)
 
 

@@ -13,10 +13,14 @@ query by `<tool_response>` at both ends of a user message's content), and it mus
 itself. So the placeholder goes after the spelling, or before it when the spelling ends its string, and the string
 keeps its start and its end. The rendered text is then cut at the placeholders: each takes its spelling out of the
 text beside it and becomes the spelling's plain-text ids (split after its first character, so no added token can
-match); the pieces between are tokenized normally, so every control token left was written by the template. A
-placeholder whose spelling the template did not leave beside it (it escaped or split the text) stands for nothing.
-A request without any spelling takes none of this path: it is rendered and tokenized exactly as before, at the cost
-of one scan of its JSON text.
+match); the pieces between are tokenized normally, so every control token left was written by the template.
+Where the template did not leave a spelling beside its placeholder (it escaped, split or rewrote the text), the
+request is rendered again with each spelling replaced by its placeholder outright (`beside=False`): the template then
+decides as on text without the spelling, and the rendered text holds no spelling of the request's at all. (A template
+that escaped the placeholder itself, JSON with ensure_ascii, would leave the spelling in place unnoticed: the
+families' renderers write JSON as UTF-8, transformers' `tojson` among them, and test_control_tokens checks each
+family's ids for control tokens.) A request without any spelling takes none of this path: it is rendered and
+tokenized exactly as before, at the cost of one scan of its JSON text.
 
 Which tokens: every added token of the tokenizer except the markup the family's template itself parses out of
 message text (`<think>`/`</think>`: the templates split reasoning off an assistant's content on them).
@@ -31,7 +35,7 @@ from typing import Any
 import msgspec
 
 _PRIVATE_USE = range(0xE000, 0xF900)
-_BEFORE, _AFTER = "b", "a"  # a placeholder's side: its spelling just before it, or just after it
+_BEFORE, _AFTER, _INSTEAD = "b", "a", "r"  # a placeholder's spelling: just before it, just after it, or replaced
 _encode_json = msgspec.json.Encoder().encode
 
 
@@ -94,9 +98,9 @@ class ControlTokens:
             return False
         return self._pattern.search(text) is None
 
-    def protect(self, value: Any) -> tuple[Any, str | None]:
-        """(value with spellings replaced by placeholders, marker) -- or (value itself, None) when no string of it
-        spells a control token, the common case."""
+    def protect(self, value: Any, beside: bool = True) -> tuple[Any, str | None]:
+        """(value with a placeholder beside each spelling, marker) -- or (value itself, None) when no string of it
+        spells a control token, the common case. `beside=False`: each spelling replaced by its placeholder."""
         if self._json_clean(value):
             return value, None
         strings: list[str] = []
@@ -108,13 +112,15 @@ class ControlTokens:
         index = self._index
 
         def sub(s: str) -> str:
-            def beside(m: re.Match[str]) -> str:
+            def placed(m: re.Match[str]) -> str:
                 spelling = m.group()
+                if not beside:
+                    return f"{marker}{index[spelling]}{_INSTEAD}{marker}"
                 if m.end() == len(s) and m.start() > 0:  # the string's end stays its end
                     return f"{marker}{index[spelling]}{_AFTER}{marker}{spelling}"
                 return f"{spelling}{marker}{index[spelling]}{_BEFORE}{marker}"
 
-            return self._pattern.sub(beside, s)
+            return self._pattern.sub(placed, s)
 
         def walk(v: Any) -> Any:
             if isinstance(v, str):
@@ -142,27 +148,24 @@ class ControlTokens:
             self._text_ids[k] = ids
         return list(ids)
 
-    def encode(self, text: str, marker: str) -> list[int]:
-        """Tokenize rendered text whose placeholders (for `marker`) stand for spellings that must stay text."""
-        parts = re.split(f"{re.escape(marker)}([0-9]+)([{_BEFORE}{_AFTER}]){re.escape(marker)}", text)
+    def encode(self, text: str, marker: str) -> list[int] | None:
+        """Tokenize rendered text whose placeholders (for `marker`) stand for spellings that must stay text; None when
+        a placeholder's spelling is not beside it (the template changed the text around it)."""
+        parts = re.split(f"{re.escape(marker)}([0-9]+)([{_BEFORE}{_AFTER}{_INSTEAD}]){re.escape(marker)}", text)
         pieces, ks, sides = parts[0::3], parts[1::3], parts[2::3]
-        kept: list[bool] = []  # per placeholder: its spelling was beside it (and is taken out of the text)
         for j, (k, side) in enumerate(zip(ks, sides, strict=True)):
             spelling = self.spellings[int(k)]
-            at = j if side == _BEFORE else j + 1  # the piece the spelling was left in
-            piece = pieces[at]
-            if side == _BEFORE and piece.endswith(spelling):
-                pieces[at] = piece[:-len(spelling)]
-            elif side == _AFTER and piece.startswith(spelling):
-                pieces[at] = piece[len(spelling):]
-            else:  # the template did not keep the spelling as it was: the rendered text is what it wrote
-                kept.append(False)
-                continue
-            kept.append(True)
+            if side == _BEFORE:  # taken out of the text before the placeholder
+                if not pieces[j].endswith(spelling):
+                    return None
+                pieces[j] = pieces[j][:-len(spelling)]
+            elif side == _AFTER:  # taken out of the text after it
+                if not pieces[j + 1].startswith(spelling):
+                    return None
+                pieces[j + 1] = pieces[j + 1][len(spelling):]
         ids: list[int] = self._encode(pieces[0]) if pieces[0] else []
-        for j, beside in enumerate(kept):
-            if beside:
-                ids += self.text_ids(int(ks[j]))
+        for j, k in enumerate(ks):
+            ids += self.text_ids(int(k))
             if pieces[j + 1]:
                 ids += self._encode(pieces[j + 1])
         return ids

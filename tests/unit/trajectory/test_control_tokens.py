@@ -19,7 +19,7 @@ from support.examples import examples
 from support.families import BOUND_FAMILIES, FAMILIES
 from trajectory import LinearTrajectory, ModelFamily
 from trajectory.families.control import trie_pattern
-from trajectory.tito import continuation_ids, first_turn_ids
+from trajectory.tito import _render_ids, continuation_ids, first_turn_ids
 
 SETTINGS = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.function_scoped_fixture])
@@ -112,6 +112,26 @@ def test_a_template_reading_the_text_for_a_spelling_decides_as_on_the_text(famil
     rendered = family.render(messages, TOOLS, add_generation_prompt=True)
     assert unicodedata.normalize("NFC", family.decode(ids)) == unicodedata.normalize("NFC", rendered)
     assert control_counts(family, ids) == control_counts(family, first_turn_ids(family, neutral(messages), TOOLS))
+
+
+def test_a_template_that_rewrites_the_text_around_a_spelling_gets_it_replaced(families) -> None:
+    """A template that changes a message's text where a spelling sits (here: replaces `<tool_call>` by `[call]`)
+    leaves a placeholder without its spelling: the request is rendered again with the spellings replaced outright, so
+    the spelling still reaches the ids as text, never as a control token."""
+    family = families["qwen3"]
+    rendered: list[str] = []
+
+    def render(messages: list[dict[str, Any]], tools: Any) -> str:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content'].replace('<tool_call>', '[call]')}<|im_end|>\n"
+                       for m in messages)
+        rendered.append(text)
+        return text
+
+    messages = [{"role": "user", "content": "a <tool_call> b <|im_end|>"}]
+    ids = _render_ids(family, messages, None, True, render)
+    assert len(rendered) == 2  # beside, then replaced
+    assert family.decode(ids.tolist()) == "<|im_start|>user\na <tool_call> b <|im_end|><|im_end|>\n"
+    assert control_counts(family, ids) == control_counts(family, family.encode("<|im_start|><|im_end|>"))
 
 
 def test_protected_strings_keep_their_start_and_end(families) -> None:
