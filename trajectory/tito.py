@@ -30,10 +30,10 @@ def _render_ids(family: ModelFamily, messages: Sequence[dict[str, Any]], tools: 
             messages = spelled(messages)
         return render(list(messages), tools)
 
-    if not text_only:
-        return np.asarray(family.encode(rendered(messages, tools)), dtype=np.int32)
-    (beside, beside_tools), marker = family.control.protect((list(messages), tools))
-    if marker is None:
+    marker = None
+    if text_only:
+        (beside, beside_tools), marker = family.control.protect((list(messages), tools))
+    if marker is None:  # tokenized as one string: the engine's way, or no spelling to keep as text
         return np.asarray(family.encode(rendered(messages, tools)), dtype=np.int32)
     ids = family.control.encode(rendered(beside, beside_tools), marker)
     if ids is None:  # the template changed a string around a spelling: rendered again with the spellings replaced
