@@ -195,8 +195,10 @@ def _judge(definition: Definition, vocab: Mapping[str, int], state: bytes | None
     refusal = structure_refusal(definition)
     if refusal is not None:
         return None, refusal
+    pattern = split_pattern(definition)
+    assert pattern is not None  # structure_refusal refuses a definition without one
     try:
-        core, specials = _core(definition, vocab)
+        core, specials = _core(definition, vocab, pattern)
     except ValueError as exc:  # the pattern does not compile in tiktoken's regex engine, the vocabulary is not bytes
         return None, str(exc)
     key = _source_key(source, definition, recorded)
@@ -208,7 +210,7 @@ def _judge(definition: Definition, vocab: Mapping[str, int], state: bytes | None
         if isinstance(recorded, dict) and recorded.get("sha256") == definition.digest(state):
             refusal = recorded.get("refusal")
         else:
-            refusal = model_refusal(definition, state) or coverage_refusal(core, str(split_pattern(definition)))
+            refusal = model_refusal(definition, state) or coverage_refusal(core, pattern)
         _remember(key, None if refusal is None else str(refusal))
     if refusal is not None:
         return None, str(refusal)
@@ -320,14 +322,12 @@ def _ranks(vocab: Mapping[str, int], added: set[int]) -> dict[bytes, int]:
     return ranks
 
 
-def _core(definition: Definition, vocab: Mapping[str, int]) -> tuple[Any, dict[str, int]]:
-    """(tiktoken's BPE core for the vocabulary and split pattern, the added tokens by content). The Rust core that
-    `tiktoken.Encoding` wraps: the wrapper keeps the ranks dict alive (~18 MiB for Qwen3's 151k tokens) only to pickle
-    itself; the core holds its own copy."""
+def _core(definition: Definition, vocab: Mapping[str, int], pattern: str) -> tuple[Any, dict[str, int]]:
+    """(tiktoken's BPE core for the vocabulary and the definition's split `pattern`, the added tokens by content). The
+    Rust core that `tiktoken.Encoding` wraps: the wrapper keeps the ranks dict alive (~18 MiB for Qwen3's 151k tokens)
+    only to pickle itself; the core holds its own copy."""
     from tiktoken._tiktoken import CoreBPE  # imported only where a tokenizer may qualify
 
-    pattern = split_pattern(definition)
-    assert pattern is not None
     specials = {content: token for token, content, *_ in definition.added}
     ranks = _ranks(vocab, {*specials.values()})
     # The added tokens are split off before tiktoken sees the text (FastEncoder.encode); tiktoken is told them all the
