@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,8 +23,6 @@ from trajectory.image_grid import (
     placeholder_count,
     smart_resize,
 )
-
-TOKENIZERS = Path(__file__).resolve().parents[3] / ".cache" / "tokenizers"
 
 
 def _auto_image_processor() -> Any:
@@ -140,8 +137,8 @@ def test_refusals(hf_smart_resize: Callable[..., tuple[int, int]]) -> None:
     )
 
 
-def test_vision_tokens_are_read_from_the_qwen3_tokenizer_by_name() -> None:
-    tokenizer = Tokenizer.from_file(str(TOKENIZERS / "qwen3" / "tokenizer.json"))
+def test_vision_tokens_are_read_from_the_qwen3_tokenizer_by_name(hf_tokenizers: dict[str, Any]) -> None:
+    tokenizer: Tokenizer = hf_tokenizers["qwen3"].backend_tokenizer  # the Rust tokenizer, as the server holds it
     tokens = VisionTokens.from_tokenizer(tokenizer)
     assert tokens == image_grid.QWEN3_VISION_TOKENS == VisionTokens(151652, 151653, 151655)
     assert tokenizer.id_to_token(tokens.pad) == "<|image_pad|>"
