@@ -38,7 +38,7 @@ TOKENIZER_CACHE = ROOT / ".cache" / "tokenizers"
 # takes long) would fail a property on a loaded machine, not on a wrong answer (issue 30). A property that sets its own
 # suppress_health_check list names too_slow there as well.
 # A property without a count of its own runs hypothesis' default (100), scaled as every other count is
-# (support/examples.py): 100 in `make test` and CI, 30 in `make test-fast`.
+# (support/examples.py): 100 in `make test` and CI, 20 in `make test-fast`.
 _TIMELESS: dict[str, Any] = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow],
                              "max_examples": examples(settings.default.max_examples)}
 settings.register_profile("default", **_TIMELESS)
