@@ -38,7 +38,8 @@ def _render_ids(family: ModelFamily, messages: Sequence[dict[str, Any]], tools: 
     ids = family.control.encode(rendered(beside, beside_tools), marker)
     if ids is None:  # the template changed a string around a spelling: rendered again with the spellings replaced
         (instead, instead_tools), marker = family.control.protect((list(messages), tools), beside=False)
-        ids = family.control.encode(rendered(instead, instead_tools), str(marker))
+        assert marker is not None  # the same request, so the same spellings to replace
+        ids = family.control.encode(rendered(instead, instead_tools), marker)
         assert ids is not None  # a placeholder alone always stands for its spelling
     return np.asarray(ids, dtype=np.int32)
 
